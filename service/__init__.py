@@ -1,0 +1,1 @@
+"""DAS rollout service: gateway, Ray actors, trainer client and CLI."""

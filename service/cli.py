@@ -1,0 +1,66 @@
+"""The `das` command line. Each subcommand is a thin shell over a library function."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="DAS rollout service: distribution-aware speculative decoding for RL rollouts.",
+                  no_args_is_help=True, pretty_exceptions_show_locals=False)
+bench_app = typer.Typer(help="Benchmarks that print their figures.", no_args_is_help=True)
+history_app = typer.Typer(help="Rollout history files (JSONL, optionally gzipped).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+app.add_typer(history_app, name="history")
+
+console = Console(stderr=True)
+
+
+def _fail(message: str) -> None:
+    console.print(f"[red]error:[/red] {message}")
+    raise typer.Exit(code=2)
+
+
+@history_app.command("stats")
+def history_stats(
+    file: Annotated[Path, typer.Argument(help="History file (.jsonl or .jsonl.gz).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Counts, length quantiles per policy version, and straggler ratios."""
+    from das.drafter.records import RecordError, history_stats as compute
+
+    try:
+        stats = compute(file)
+    except (RecordError, OSError) as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(stats.to_dict(), indent=2))
+    else:
+        stats.print(Console())
+
+
+@bench_app.command("drafter")
+def bench_drafter(
+    traces: Annotated[Optional[Path], typer.Option(help="History file to replay (default: bundled fixture).")] = None,
+    max_draft: Annotated[int, typer.Option("--max-draft", min=1, max=64, help="Draft budget K per step.")] = 16,
+    arms: Annotated[str, typer.Option(help="Comma-separated arms: das, arctic-d24, arctic-d64, ngram.")] =
+        "das,arctic-d24,arctic-d64,ngram",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Replay a history file through each drafter and compare acceptance, latency and memory."""
+    from das.drafter.records import RecordError
+    from das.drafter.replay import default_trace_path, run_drafter_bench
+
+    path = traces or default_trace_path()
+    try:
+        result = run_drafter_bench(path, max_draft=max_draft, arms=[a.strip() for a in arms.split(",") if a.strip()],
+                                   progress=not as_json)
+    except (RecordError, OSError, ValueError) as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        result.print(Console())
