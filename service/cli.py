@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 app = typer.Typer(help="DAS rollout service: distribution-aware speculative decoding for RL rollouts.",
                   no_args_is_help=True, pretty_exceptions_show_locals=False)
@@ -20,7 +21,8 @@ console = Console(stderr=True)
 
 
 def _fail(message: str) -> None:
-    console.print(f"[red]error:[/red] {message}")
+    # Escaped: messages quote file contents (field names, paths) that may look like rich markup.
+    console.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code=2)
 
 

