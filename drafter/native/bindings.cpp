@@ -6,6 +6,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <nanobind/stl/pair.h>
 
 #include <cstdint>
 #include <string>
@@ -116,4 +117,20 @@ NB_MODULE(_suffix_index, m) {
         .def("memory_bytes", &SuffixIndex::memory_bytes, "Bytes held by the index.")
         .def("check_integrity", &SuffixIndex::check_integrity,
              "Empty string if all invariants hold, else the first violation (walks everything: tests only).");
+
+    m.def(
+        "speculate_best",
+        [](const std::vector<const SuffixIndex*>& indices, const std::vector<float>& weights, nb::handle context,
+           int max_tokens, float min_prob) {
+            if (max_tokens < 0) throw nb::value_error("speculate_best: max_tokens must be >= 0");
+            if (!(min_prob >= 0.0f && min_prob <= 1.0f)) throw nb::value_error("speculate_best: min_prob must be in [0, 1]");
+            for (const SuffixIndex* ix : indices) {
+                if (ix == nullptr) throw nb::type_error("speculate_best: indices must not contain None");
+            }
+            return with_tokens(context, "speculate_best", [&](const int32_t* p, size_t n) {
+                return das::speculate_best(indices, weights, p, n, max_tokens, min_prob);
+            });
+        },
+        nb::arg("indices"), nb::arg("weights"), nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0f,
+        "Draft from each index; return (position of the best weight * score, its draft), or (-1, empty draft).");
 }

@@ -450,6 +450,22 @@ int64_t SuffixIndex::memory_bytes() const {
     return total;
 }
 
+std::pair<int, Draft> speculate_best(const std::vector<const SuffixIndex*>& indices, const std::vector<float>& weights,
+                                     const int32_t* context, size_t n, int max_tokens, float min_prob) {
+    if (indices.size() != weights.size()) throw std::invalid_argument("speculate_best: one weight per index");
+    std::pair<int, Draft> best{-1, Draft{}};
+    float best_score = 0.0f;
+    for (size_t i = 0; i < indices.size(); ++i) {
+        Draft d = indices[i]->speculate(context, n, max_tokens, min_prob);
+        float score = d.score * weights[i];
+        if (!d.tokens.empty() && score > best_score) {
+            best_score = score;
+            best = {static_cast<int>(i), std::move(d)};
+        }
+    }
+    return best;
+}
+
 // ---- integrity --------------------------------------------------------------------------------------------
 
 std::string SuffixIndex::check_node(int32_t node, int depth_before) const {

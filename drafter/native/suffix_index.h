@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace das {
@@ -135,5 +136,10 @@ private:
     bool locate(const int32_t* pattern, int length, int32_t* node, int* offset) const;
     std::string check_node(int32_t node, int depth_before) const;
 };
+
+// Drafts from every index and returns the position of the one with the highest weight * score (the first on ties;
+// -1 with an empty draft when none matches). One call per decode step per request, whatever the number of sources.
+std::pair<int, Draft> speculate_best(const std::vector<const SuffixIndex*>& indices, const std::vector<float>& weights,
+                                     const int32_t* context, size_t n, int max_tokens, float min_prob);
 
 }  // namespace das

@@ -1,0 +1,302 @@
+"""Per-problem windowed rollout history and draft selection across its sources.
+
+For each problem the bank keeps:
+  * sealed segments, one suffix index per policy version, for the last `window` versions (evicted whole);
+  * one live segment for the current version: the in-flight outputs of all sibling samples, fed token by token,
+    so siblings see each other's text as it is generated (a request's own output is one of its sequences);
+  * the problem's prompt(s).
+A global index with a bounded share of recent outputs from all problems is the fallback for problems that have no
+sealed history yet. Memory is bounded by a total token budget; the oldest sealed versions go first.
+
+A proposal drafts from every source of the request's problem in one native call and keeps the draft with the
+highest weight * score, where score is the expected number of accepted tokens and sealed segments are
+down-weighted by age (`age_decay ** age`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from das.drafter._suffix_index import SuffixIndex, speculate_best
+from das.drafter.records import RolloutRecord
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Drafter settings. Token counts are in tokens, weights are multipliers on a draft's expected acceptance."""
+
+    max_depth: int = 32          # suffix index depth D: longest match + draft that can be followed
+    window: int = 4              # sealed policy versions kept per problem
+    age_decay: float = 0.8       # weight of a sealed segment `age` versions old: age_decay ** age
+    global_weight: float = 0.5   # weight of the cross-problem fallback (used only without sealed history)
+    min_prob: float = 0.1        # stop a draft when its cumulative probability falls below this
+    token_budget: int = 50_000_000   # all stored history tokens, all problems
+    global_tokens: int = 2_000_000   # share of the budget for the cross-problem fallback
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_depth": 1 <= self.max_depth <= 255,
+            "window": self.window >= 1,
+            "age_decay": 0.0 < self.age_decay <= 1.0,
+            "global_weight": 0.0 <= self.global_weight <= 1.0,
+            "min_prob": 0.0 <= self.min_prob <= 1.0,
+            "token_budget": self.token_budget >= 1,
+            "global_tokens": 0 <= self.global_tokens <= self.token_budget,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid drafter config field(s): {', '.join(bad)} ({self})")
+
+
+@dataclass
+class Segment:
+    """One suffix index and the ids of the sequences stored in it."""
+
+    index: SuffixIndex
+    seq_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def new(cls, max_depth: int) -> Segment:
+        return cls(SuffixIndex(max_depth))
+
+    def add(self, tokens: np.ndarray, sealed: bool) -> int:
+        seq = self.index.new_sequence()
+        self.index.extend(seq, tokens)
+        if sealed:
+            self.index.seal(seq)
+        self.seq_ids.append(seq)
+        return seq
+
+    def sequences(self) -> list[list[int]]:
+        return [self.index.sequence(s) for s in self.seq_ids]
+
+    @property
+    def tokens(self) -> int:
+        return self.index.num_tokens
+
+
+@dataclass
+class ProblemHistory:
+    """Everything the drafter holds for one problem id."""
+
+    problem_id: str
+    max_depth: int
+    prompts: Segment
+    sealed: dict[int, Segment] = field(default_factory=dict)  # policy version -> segment, ascending
+    live: Segment | None = None
+    live_version: int = -1
+    prompt_keys: set[bytes] = field(default_factory=set)
+
+    def add_prompt(self, prompt: np.ndarray) -> None:
+        key = prompt.tobytes()
+        if key not in self.prompt_keys:
+            self.prompt_keys.add(key)
+            self.prompts.add(prompt, sealed=True)
+
+    def tokens(self) -> int:
+        live = self.live.tokens if self.live else 0
+        return self.prompts.tokens + live + sum(s.tokens for s in self.sealed.values())
+
+    def memory_bytes(self) -> int:
+        segments = [self.prompts, *self.sealed.values(), *([self.live] if self.live else [])]
+        return sum(s.index.memory_bytes() for s in segments)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A draft for one request: token ids, cumulative acceptance probabilities, and where it came from."""
+
+    tokens: np.ndarray      # int32
+    probs: np.ndarray       # float32, probs[i] = P(tokens[:i+1] all accepted) as estimated by the source
+    source: str             # "live", "prompt", "sealed-age-<a>", "global", or "" when nothing matched
+    match_len: int
+
+
+_NO_PROPOSAL = Proposal(np.zeros(0, np.int32), np.zeros(0, np.float32), "", 0)
+
+
+@dataclass
+class _Request:
+    problem: ProblemHistory
+    live_seq: int
+
+
+class HistoryBank:
+    """All problems' drafter history on one engine. Not thread-safe: one owner thread (the engine loop)."""
+
+    def __init__(self, config: DrafterConfig | None = None) -> None:
+        self.config = config or DrafterConfig()
+        self.problems: dict[str, ProblemHistory] = {}
+        self._requests: dict[str, _Request] = {}
+        self._seal_order: deque[tuple[str, int]] = deque()  # (problem, version), oldest first
+        self._global = Segment.new(self.config.max_depth)
+        self._global_order: deque[int] = deque()
+        self._sources: dict[str, tuple[list[SuffixIndex], list[float], list[str]]] = {}
+        self.proposals_by_source: Counter[str] = Counter()
+
+    # ---- problems and requests ----
+
+    def problem(self, problem_id: str) -> ProblemHistory:
+        history = self.problems.get(problem_id)
+        if history is None:
+            history = ProblemHistory(problem_id, self.config.max_depth, Segment.new(self.config.max_depth))
+            self.problems[problem_id] = history
+        return history
+
+    def start_request(self, request_id: str, problem_id: str, prompt: np.ndarray, policy_version: int) -> None:
+        """Registers an in-flight sample; its output will feed the problem's live segment for `policy_version`."""
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already running")
+        if policy_version < 0:
+            raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+        history = self.problem(problem_id)
+        if history.live is not None and history.live_version != policy_version:
+            if policy_version < history.live_version:
+                raise ValueError(f"problem {problem_id!r}: policy version {policy_version} is older than the live "
+                                 f"version {history.live_version}")
+            self._seal_problem(history)
+        if history.live is None:
+            history.live = Segment.new(self.config.max_depth)
+            history.live_version = policy_version
+        history.add_prompt(_tokens(prompt))
+        self._requests[request_id] = _Request(history, history.live.add(np.zeros(0, np.int32), sealed=False))
+        self._sources.pop(problem_id, None)
+
+    def extend(self, request_id: str, tokens: np.ndarray) -> None:
+        """Feeds tokens just committed to a request's output into its live segment (O(max_depth) per token)."""
+        req = self._request(request_id)
+        req.problem.live.index.extend(req.live_seq, tokens if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32
+                                      else _tokens(tokens))  # type: ignore[union-attr]
+
+    def finish_request(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and req.problem.live is not None:
+            req.problem.live.index.seal(req.live_seq)
+
+    def propose(self, request_id: str, context: np.ndarray, max_tokens: int) -> Proposal:
+        """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`."""
+        req = self._request(request_id)
+        if max_tokens <= 0:
+            return _NO_PROPOSAL
+        indices, weights, names = self._source_list(req.problem)
+        pos, draft = speculate_best(indices, weights, context, max_tokens, self.config.min_prob)
+        if pos < 0:
+            return _NO_PROPOSAL
+        self.proposals_by_source[names[pos]] += 1
+        return Proposal(np.asarray(draft.tokens, np.int32), np.asarray(draft.probs, np.float32), names[pos],
+                        draft.match_len)
+
+    def _request(self, request_id: str) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        return req
+
+    def _source_list(self, history: ProblemHistory) -> tuple[list[SuffixIndex], list[float], list[str]]:
+        cached = self._sources.get(history.problem_id)
+        if cached is not None:
+            return cached
+        cfg = self.config
+        indices, weights, names = [history.prompts.index], [1.0], ["prompt"]
+        if history.live is not None:
+            indices.append(history.live.index)
+            weights.append(1.0)
+            names.append("live")
+        newest = history.live_version if history.live is not None else max(history.sealed, default=0) + 1
+        for version, segment in sorted(history.sealed.items(), reverse=True):
+            age = max(1, newest - version)
+            indices.append(segment.index)
+            weights.append(cfg.age_decay**age)
+            names.append(f"sealed-age-{age}")
+        if not history.sealed and self._global.seq_ids:
+            indices.append(self._global.index)
+            weights.append(cfg.global_weight)
+            names.append("global")
+        self._sources[history.problem_id] = (indices, weights, names)
+        return indices, weights, names
+
+    # ---- versions, import, budget ----
+
+    def seal(self, policy_version: int) -> None:
+        """Ends a policy version: every live segment of that version or older becomes a sealed segment."""
+        for history in self.problems.values():
+            if history.live is not None and history.live_version <= policy_version:
+                self._seal_problem(history)
+
+    def _seal_problem(self, history: ProblemHistory) -> None:
+        segment, version = history.live, history.live_version
+        assert segment is not None
+        for seq in segment.seq_ids:
+            if segment.index.contains(seq):
+                segment.index.seal(seq)
+        history.live, history.live_version = None, -1
+        self._requests = {k: r for k, r in self._requests.items() if r.problem is not history}
+        self.install_sealed(history, version, segment)
+
+    def install_sealed(self, history: ProblemHistory, version: int, segment: Segment) -> None:
+        """Adds a finished segment as `version` of `history`, applies the window and the token budget."""
+        if version in history.sealed:
+            raise ValueError(f"problem {history.problem_id!r}: policy version {version} is already sealed")
+        history.sealed = dict(sorted({**history.sealed, version: segment}.items()))
+        self._seal_order.append((history.problem_id, version))
+        for old in [v for v in history.sealed if v <= version - self.config.window]:
+            del history.sealed[old]
+        self._feed_global(segment)
+        self._sources.pop(history.problem_id, None)
+        self._enforce_budget()
+
+    def _feed_global(self, segment: Segment) -> None:
+        # One sample per problem-version is enough to learn shared phrasing (formats, boilerplate).
+        if self.config.global_tokens == 0 or not segment.seq_ids:
+            return
+        tokens = np.asarray(segment.index.sequence(segment.seq_ids[0]), np.int32)
+        if len(tokens):
+            self._global_order.append(self._global.add(tokens, sealed=True))
+        while self._global.tokens > self.config.global_tokens and self._global_order:
+            self._global.index.remove(self._global_order.popleft())
+        self._global.seq_ids = list(self._global_order)
+
+    def _enforce_budget(self) -> None:
+        while self.stored_tokens() > self.config.token_budget and self._seal_order:
+            problem_id, version = self._seal_order.popleft()
+            history = self.problems.get(problem_id)
+            if history is not None and history.sealed.pop(version, None) is not None:
+                self._sources.pop(problem_id, None)
+
+    def add_rollouts(self, records: Iterable[RolloutRecord]) -> int:
+        """Imports finished rollouts as sealed segments, grouped by (problem, policy version). Returns the count."""
+        groups: dict[tuple[str, int], list[RolloutRecord]] = {}
+        for rec in records:
+            groups.setdefault((rec.problem_id, rec.policy_version), []).append(rec)
+        for (problem_id, version), recs in sorted(groups.items(), key=lambda kv: kv[0][1]):
+            history = self.problem(problem_id)
+            segment = Segment.new(self.config.max_depth)
+            for rec in sorted(recs, key=lambda r: r.sample_index):
+                history.add_prompt(_tokens(rec.prompt_token_ids))
+                segment.add(_tokens(rec.output_token_ids), sealed=True)
+            self.install_sealed(history, version, segment)
+        return sum(len(v) for v in groups.values())
+
+    # ---- accounting ----
+
+    def stored_tokens(self) -> int:
+        return self._global.tokens + sum(h.tokens() for h in self.problems.values())
+
+    def memory_bytes(self) -> int:
+        return self._global.index.memory_bytes() + sum(h.memory_bytes() for h in self.problems.values())
+
+
+def _tokens(values: Iterable[int] | np.ndarray) -> np.ndarray:
+    """Token ids as a contiguous int32 array; anything outside [0, 2**31 - 1] is a ValueError, not a wrap-around."""
+    arr = np.asarray(values)
+    if arr.dtype == np.int32 and (arr.size == 0 or arr.min() >= 0):
+        return np.ascontiguousarray(arr)
+    if arr.size and (arr.dtype.kind not in "iu" or arr.ndim != 1):
+        raise ValueError(f"token ids must be a 1-D sequence of integers, got dtype {arr.dtype} shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**31 - 1):
+        raise ValueError("token id outside [0, 2147483647]")
+    return np.ascontiguousarray(arr, dtype=np.int32)

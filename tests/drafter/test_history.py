@@ -1,0 +1,126 @@
+"""Windowed per-problem history, draft selection across sources, budget, and msgpack round trips."""
+
+from __future__ import annotations
+
+import msgpack
+import numpy as np
+import pytest
+
+from das.drafter.history import DrafterConfig, HistoryBank
+from das.drafter.records import RolloutRecord
+from das.drafter.serialization import HistoryFormatError, dump_problem, load_problem
+
+PROMPT = np.array([1, 2, 3], np.int32)
+
+
+def rec(problem: str, version: int, index: int, output: list[int]) -> RolloutRecord:
+    return RolloutRecord(problem_id=problem, policy_version=version, sample_index=index,
+                         prompt_token_ids=(1, 2, 3), output_token_ids=tuple(output))
+
+
+def test_siblings_see_each_other_through_the_live_segment():
+    bank = HistoryBank(DrafterConfig(max_depth=16))
+    bank.start_request("a", "p", PROMPT, 0)
+    bank.start_request("b", "p", PROMPT, 0)
+    bank.extend("a", np.array([10, 11, 12, 13, 14, 15], np.int32))
+    prop = bank.propose("b", np.array([1, 2, 3, 10, 11], np.int32), 4)
+    assert prop.source == "live" and prop.tokens.tolist() == [12, 13, 14, 15]
+    # another problem's requests do not see it (no sealed history anywhere yet, so no global fallback either)
+    bank.start_request("c", "q", PROMPT, 0)
+    assert bank.propose("c", np.array([1, 2, 3, 10, 11], np.int32), 4).source in ("", "prompt")
+
+
+def test_sealed_versions_window_and_age_weighting():
+    bank = HistoryBank(DrafterConfig(max_depth=16, window=2, age_decay=0.5))
+    bank.add_rollouts([rec("p", 0, 0, [20, 21, 22, 23]), rec("p", 1, 0, [20, 21, 30, 31])])
+    bank.start_request("r", "p", PROMPT, 2)
+    prop = bank.propose("r", np.array([1, 2, 3, 20, 21], np.int32), 2)
+    # equal evidence in both versions: the newer one wins by its weight
+    assert prop.tokens.tolist() == [30, 31] and prop.source == "sealed-age-1"
+    bank.finish_request("r")
+    bank.seal(2)
+    bank.start_request("s", "p", PROMPT, 3)
+    assert sorted(bank.problems["p"].sealed) == [1, 2]  # version 0 left the window of 2
+
+
+def test_global_fallback_for_unseen_problems():
+    bank = HistoryBank(DrafterConfig(max_depth=16))
+    bank.add_rollouts([rec("seen", 0, 0, [40, 41, 42, 43, 44])])
+    bank.start_request("r", "unseen", PROMPT, 1)
+    prop = bank.propose("r", np.array([7, 40, 41], np.int32), 3)
+    assert prop.source == "global" and prop.tokens.tolist() == [42, 43, 44]
+
+
+def test_token_budget_evicts_oldest_versions_first():
+    cfg = DrafterConfig(max_depth=8, window=10, token_budget=60, global_tokens=0)
+    bank = HistoryBank(cfg)
+    for v in range(6):
+        bank.add_rollouts([rec("p", v, 0, list(range(100 + v, 120 + v)))])
+    assert bank.stored_tokens() <= 60
+    assert sorted(bank.problems["p"].sealed)[-1] == 5 and 0 not in bank.problems["p"].sealed
+    assert bank.memory_bytes() > 0
+
+
+def test_bad_requests_are_rejected_without_side_effects():
+    bank = HistoryBank()
+    bank.start_request("r", "p", PROMPT, 3)
+    with pytest.raises(ValueError, match="already running"):
+        bank.start_request("r", "p", PROMPT, 3)
+    with pytest.raises(ValueError, match="older than the live version"):
+        bank.start_request("x", "p", PROMPT, 2)
+    with pytest.raises(KeyError, match="unknown request"):
+        bank.propose("nope", PROMPT, 4)
+    with pytest.raises(ValueError, match="outside"):
+        bank.extend("r", np.array([1, -4], np.int64))
+    with pytest.raises(ValueError, match="outside"):
+        bank.start_request("y", "p", np.array([2**31], np.int64), 3)
+    assert bank.problems["p"].live.index.sequence(0) == []
+    with pytest.raises(ValueError, match="window"):
+        DrafterConfig(window=0)
+
+
+def test_serialization_round_trip_gives_identical_drafts():
+    src = HistoryBank(DrafterConfig(max_depth=16))
+    rng = np.random.default_rng(1)
+    outputs = [rng.integers(0, 50, size=60).tolist() for _ in range(4)]
+    src.add_rollouts([rec("p", v, i, outputs[(v + i) % 4]) for v in range(3) for i in range(3)])
+    blob = dump_problem(src.problems["p"])
+    dst = HistoryBank(DrafterConfig(max_depth=16))
+    load_problem(blob, dst)
+    assert dump_problem(dst.problems["p"]) == blob
+    for req, bank in (("a", src), ("a", dst)):
+        bank.start_request(req, "p", PROMPT, 3)
+    for out in outputs:
+        ctx = np.array([1, 2, 3, *out[:20]], np.int32)
+        a, b = src.propose("a", ctx, 8), dst.propose("a", ctx, 8)
+        assert (a.tokens.tolist(), a.source) == (b.tokens.tolist(), b.source)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.update(format="other"), "not a das-problem-history"),
+    (lambda d: d.update(version=99), "unsupported"),
+    (lambda d: d.pop("prompts"), "missing field prompts"),
+    (lambda d: d.update(max_depth=8), "max_depth"),
+    (lambda d: d.update(problem_id=""), "problem_id"),
+    (lambda d: d["sealed"][0].update(sequences=[b"\x01\x02\x03"]), "multiple of 4"),
+    (lambda d: d["sealed"][0].update(sequences=[np.array([-1], "<i4").tobytes()]), "negative"),
+    (lambda d: d["sealed"].append(dict(d["sealed"][0])), "not increasing"),
+    (lambda d: d["sealed"][0].update(policy_version=True), "must be int"),
+])
+def test_corrupt_histories_raise_and_change_nothing(mutate, message):
+    src = HistoryBank(DrafterConfig(max_depth=16))
+    src.add_rollouts([rec("p", 0, 0, [5, 6, 7, 8])])
+    doc = msgpack.unpackb(dump_problem(src.problems["p"]))
+    mutate(doc)
+    dst = HistoryBank(DrafterConfig(max_depth=16))
+    dst.add_rollouts([rec("p", 0, 0, [9, 9, 9])])
+    before = dump_problem(dst.problems["p"])
+    with pytest.raises(HistoryFormatError, match=message):
+        load_problem(msgpack.packb(doc), dst)
+    assert dump_problem(dst.problems["p"]) == before
+
+
+@pytest.mark.parametrize("blob", [b"", b"\xc1", b"garbage" * 10, msgpack.packb([1, 2]), "text"])
+def test_non_msgpack_input_is_a_clear_error(blob):
+    with pytest.raises(HistoryFormatError):
+        load_problem(blob, HistoryBank())
