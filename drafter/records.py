@@ -21,13 +21,14 @@ import uuid
 import zlib
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 MAX_TOKEN_ID = 2**31 - 1  # token ids must fit an int32 (the native index stores them so)
@@ -185,9 +186,10 @@ def read_rollouts(path: str | os.PathLike[str]) -> Iterator[RolloutRecord]:
         except ValueError as exc:  # e.g. an integer literal past Python's digit limit
             raise RecordError(f"invalid JSON: {exc}", line=lineno, path=str(path)) from None
         try:
-            yield RolloutRecord.from_dict(obj, line=lineno)
+            rec = RolloutRecord.from_dict(obj, line=lineno)
         except RecordError as exc:
             raise exc.located(path=str(path)) from None
+        yield rec
 
 
 def load_rollouts(path: str | os.PathLike[str]) -> list[RolloutRecord]:
@@ -251,6 +253,7 @@ class LengthStats:
 
     @classmethod
     def of(cls, lengths: list[int]) -> LengthStats:
+        """Summarise a non-empty list of lengths."""
         a = np.asarray(lengths, dtype=np.int64)
         p10, p50, p90, p99 = (float(q) for q in np.quantile(a, [0.1, 0.5, 0.9, 0.99]))
         hi = int(a.max())
@@ -284,8 +287,8 @@ class HistoryStats:
     output_lengths: LengthStats | None  # None for an empty file
     mean_straggler_ratio: float | None
     versions: tuple[VersionStats, ...]
-    finish_reasons: dict[str, int] = field(default_factory=dict)
-    mean_reward: float | None = None
+    finish_reasons: dict[str, int]
+    mean_reward: float | None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dict (versions as a list, in increasing version order)."""
@@ -295,7 +298,9 @@ class HistoryStats:
 
     def print(self, console: Console) -> None:
         """Render as rich tables."""
-        summary = Table(title=f"History {self.path}", show_header=False, box=box.SIMPLE_HEAD)
+        # Path and finish reasons come from outside: escaped so that rich does not read them as markup.
+        summary = Table(title="History", show_header=False, box=box.SIMPLE_HEAD)
+        summary.add_row("file", escape(self.path))
         for key in ("rollouts", "problems", "policy_versions", "prompt_tokens", "output_tokens",
                     "mean_straggler_ratio", "mean_reward"):
             summary.add_row(key.replace("_", " "), _fmt(getattr(self, key), 3))
@@ -318,7 +323,7 @@ class HistoryStats:
             reasons.add_column("reason")
             reasons.add_column("rollouts", justify="right")
             for reason, n in sorted(self.finish_reasons.items(), key=lambda kv: -kv[1]):
-                reasons.add_row(reason, str(n))
+                reasons.add_row(escape(reason), str(n))
             console.print(reasons)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -20,7 +20,7 @@ app.add_typer(history_app, name="history")
 console = Console(stderr=True)
 
 
-def _fail(message: str) -> None:
+def _fail(message: str) -> NoReturn:
     # Escaped: messages quote file contents (field names, paths) that may look like rich markup.
     console.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code=2)

@@ -6,6 +6,7 @@ import dataclasses
 import gzip
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +65,10 @@ def test_gzip_detected_by_magic_not_name(tmp_path: Path) -> None:
     assert load_rollouts(tmp_path / "plain-named.jsonl.gz") == _records()
 
 
-def test_gzip_output_is_deterministic(tmp_path: Path) -> None:
+def test_gzip_output_is_deterministic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_rollouts(tmp_path / "a.jsonl.gz", _records())
     first = (tmp_path / "a.jsonl.gz").read_bytes()
+    monkeypatch.setattr(time, "time", lambda: 2e9)  # a later clock must not change the bytes
     write_rollouts(tmp_path / "a.jsonl.gz", _records())
     assert (tmp_path / "a.jsonl.gz").read_bytes() == first
 
@@ -253,7 +255,7 @@ def test_history_stats_known_values(tmp_path: Path) -> None:
     assert d["output_lengths"]["straggler_ratio"] == 3.0 and d["rollouts"] == 15
 
 
-def test_history_stats_empty_file_and_print(tmp_path: Path) -> None:
+def test_history_stats_empty_file_and_print(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rich.console import Console
 
     (tmp_path / "e.jsonl").write_text("\n")
@@ -266,3 +268,10 @@ def test_history_stats_empty_file_and_print(tmp_path: Path) -> None:
     history_stats(tmp_path / "h.jsonl").print(console)
     text = console.export_text()
     assert "max/p50" in text and "length" in text and "3.00" in text
+
+    # Strings from the file that look like rich markup are shown as they are.
+    monkeypatch.chdir(tmp_path)  # a short relative name: not wrapped at the console width
+    write_rollouts("[red]m.jsonl", [RolloutRecord("p", 0, 0, (1,), (2,), "[/bold]x")])
+    history_stats("[red]m.jsonl").print(console)
+    text = console.export_text()
+    assert "[/bold]x" in text and "[red]m.jsonl" in text
