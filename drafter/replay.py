@@ -107,11 +107,13 @@ class DrafterBenchResult:
     def print(self, console: Console) -> None:
         table = Table(title=f"drafter replay: {self.config['traces']} (K={self.config['max_draft']}, "
                             f"versions measured {self.config['measured_versions']})")
-        cols = ["tokens_per_step", "draft_share", "mean_draft_len", "acceptance_rate", "speculate_us_p50",
-                "speculate_us_p99", "append_us_per_token", "bytes_per_token"]
-        table.add_column("arm")
+        headers = {"tokens_per_step": "tok/step", "draft_share": "drafted", "mean_draft_len": "draft len",
+                   "acceptance_rate": "accept", "speculate_us_p50": "spec p50 us", "speculate_us_p99": "spec p99 us",
+                   "append_us_per_token": "append us/tok", "bytes_per_token": "bytes/tok"}
+        cols = list(headers)
+        table.add_column("arm", no_wrap=True)
         for c in cols:
-            table.add_column(c, justify="right")
+            table.add_column(headers[c], justify="right")
         for name, s in self.arms.items():
             table.add_row(name, *[f"{getattr(s, c):.3g}" if isinstance(getattr(s, c), float) else str(getattr(s, c))
                                   for c in cols])

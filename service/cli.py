@@ -65,4 +65,4 @@ def bench_drafter(
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        result.print(Console())
+        result.print(Console(width=140))
