@@ -106,7 +106,7 @@ class ProblemHistory:
         return sum(s.index.memory_bytes() for s in segments)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Proposal:
     """A draft for one request: token ids, cumulative acceptance probabilities, and where it came from."""
 
@@ -116,7 +116,8 @@ class Proposal:
     match_len: int
 
 
-_NO_PROPOSAL = Proposal(np.zeros(0, np.int32), np.zeros(0, np.float32), "", 0)
+def _no_proposal() -> Proposal:
+    return Proposal(np.zeros(0, np.int32), np.zeros(0, np.float32), "", 0)
 
 
 @dataclass
@@ -181,14 +182,13 @@ class HistoryBank:
         """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`."""
         req = self._request(request_id)
         if max_tokens <= 0:
-            return _NO_PROPOSAL
+            return _no_proposal()
         indices, weights, names = self._source_list(req.problem)
         pos, draft = speculate_best(indices, weights, context, max_tokens, self.config.min_prob)
         if pos < 0:
-            return _NO_PROPOSAL
+            return _no_proposal()
         self.proposals_by_source[names[pos]] += 1
-        return Proposal(np.asarray(draft.tokens, np.int32), np.asarray(draft.probs, np.float32), names[pos],
-                        draft.match_len)
+        return Proposal(draft.tokens, draft.probs, names[pos], draft.match_len)
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)

@@ -8,6 +8,7 @@
 #include <nanobind/stl/vector.h>
 #include <nanobind/stl/pair.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -49,6 +50,15 @@ std::vector<int32_t> to_tokens(const nb::handle& obj, const char* what) {
     return out;
 }
 
+// A NumPy array owning a copy of v: one allocation, no per-element Python objects.
+template <typename T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> to_numpy(const std::vector<T>& v) {
+    T* data = new T[v.size()];
+    std::copy(v.begin(), v.end(), data);
+    nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<T*>(p); });
+    return nb::ndarray<nb::numpy, T, nb::ndim<1>>(data, {v.size()}, owner);
+}
+
 // Runs fn(pointer, length) on the tokens of obj without copying when obj is a contiguous int32 array.
 template <typename Fn>
 auto with_tokens(const nb::handle& obj, const char* what, Fn&& fn) {
@@ -64,8 +74,10 @@ NB_MODULE(_suffix_index, m) {
     m.doc() = "Native depth-limited suffix index for draft-token speculation.";
 
     nb::class_<Draft>(m, "Draft", "A draft continuation proposed by SuffixIndex.speculate.")
-        .def_ro("tokens", &Draft::tokens, "Draft token ids.")
-        .def_ro("probs", &Draft::probs, "probs[i]: estimated probability that tokens[:i+1] are all accepted.")
+        .def_prop_ro("tokens", [](const Draft& d) { return to_numpy(d.tokens); }, nb::rv_policy::move,
+                     "Draft token ids (int32 array).")
+        .def_prop_ro("probs", [](const Draft& d) { return to_numpy(d.probs); }, nb::rv_policy::move,
+                     "probs[i]: estimated probability that tokens[:i+1] are all accepted (float32 array).")
         .def_ro("score", &Draft::score, "Sum of probs: expected accepted tokens.")
         .def_ro("match_len", &Draft::match_len, "Length of the matched context suffix (0: no match).")
         .def("__len__", [](const Draft& d) { return d.tokens.size(); })
