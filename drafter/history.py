@@ -5,12 +5,11 @@ For each problem the bank keeps:
   * one live segment for the current version: the in-flight outputs of all sibling samples, fed token by token,
     so siblings see each other's text as it is generated (a request's own output is one of its sequences);
   * the problem's prompt(s).
-A global index with a bounded share of recent outputs from all problems is the fallback for problems that have no
-sealed history yet. Memory is bounded by a total token budget; the oldest sealed versions go first.
+A global index holds a bounded share of recent outputs of all problems (shared phrasing; the only history a new
+problem has). Memory is bounded by a total token budget; the oldest sealed versions go first.
 
-A proposal drafts from every source of the request's problem in one native call and keeps the draft with the
-highest weight * score, where score is the expected number of accepted tokens and sealed segments are
-down-weighted by age (`age_decay ** age`).
+A proposal drafts from every source of the request's problem in one native call; a SourceCalibrator, which learns
+online from the tokens that were really committed, picks the candidate expected to get the most tokens accepted.
 """
 
 from __future__ import annotations
@@ -21,19 +20,22 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from das.drafter._suffix_index import SuffixIndex, speculate_best
+from das.drafter._suffix_index import Choice, SuffixIndex
+from das.drafter.calibration import SourceCalibrator
 from das.drafter.records import RolloutRecord
 
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """Drafter settings. Token counts are in tokens, weights are multipliers on a draft's expected acceptance."""
+    """Drafter settings. Sizes and budgets are in tokens."""
 
     max_depth: int = 32          # suffix index depth D: longest match + draft that can be followed
     window: int = 4              # sealed policy versions kept per problem
-    age_decay: float = 0.8       # weight of a sealed segment `age` versions old: age_decay ** age
-    global_weight: float = 0.5   # weight of the cross-problem fallback (used only without sealed history)
-    min_prob: float = 0.1        # stop a draft when its cumulative probability falls below this
+    min_prob: float = 0.0        # stop a draft when its cumulative probability falls below this
+    match_factor: float = 0.0    # draft at most match_factor * matched-context tokens (0: no cap)
+    prior: float = 2.0           # pseudo-count added to a node's continuations: discounts thin evidence
+    calibration_pseudo_count: float = 5.0  # weight of a candidate's own score before feedback arrives
+    calibration_horizon: float = 2000.0    # observations per calibration cell before old ones fade
     token_budget: int = 50_000_000   # all stored history tokens, all problems
     global_tokens: int = 2_000_000   # share of the budget for the cross-problem fallback
 
@@ -41,9 +43,11 @@ class DrafterConfig:
         checks = {
             "max_depth": 1 <= self.max_depth <= 255,
             "window": self.window >= 1,
-            "age_decay": 0.0 < self.age_decay <= 1.0,
-            "global_weight": 0.0 <= self.global_weight <= 1.0,
             "min_prob": 0.0 <= self.min_prob <= 1.0,
+            "match_factor": 0.0 <= self.match_factor,
+            "prior": 0.0 <= self.prior,
+            "calibration_pseudo_count": self.calibration_pseudo_count > 0,
+            "calibration_horizon": self.calibration_horizon >= 1,
             "token_budget": self.token_budget >= 1,
             "global_tokens": 0 <= self.global_tokens <= self.token_budget,
         }
@@ -124,6 +128,8 @@ def _no_proposal() -> Proposal:
 class _Request:
     problem: ProblemHistory
     live_seq: int
+    # every candidate of the last proposal, scored against the tokens committed next
+    pending: Choice | None = None
 
 
 class HistoryBank:
@@ -134,9 +140,11 @@ class HistoryBank:
         self.problems: dict[str, ProblemHistory] = {}
         self._requests: dict[str, _Request] = {}
         self._seal_order: deque[tuple[str, int]] = deque()  # (problem, version), oldest first
-        self._global = Segment.new(self.config.max_depth)
-        self._global_order: deque[int] = deque()
-        self._sources: dict[str, tuple[list[SuffixIndex], list[float], list[str]]] = {}
+        self._global = Segment.new(self.config.max_depth)  # seq_ids oldest first
+        self._sources: dict[str, tuple[list[SuffixIndex], list[int]]] = {}
+        kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global"]
+        self.calibrator = SourceCalibrator(kinds, self.config.calibration_pseudo_count,
+                                           self.config.calibration_horizon)
         self.proposals_by_source: Counter[str] = Counter()
 
     # ---- problems and requests ----
@@ -168,10 +176,15 @@ class HistoryBank:
         self._sources.pop(problem_id, None)
 
     def extend(self, request_id: str, tokens: np.ndarray) -> None:
-        """Feeds tokens just committed to a request's output into its live segment (O(max_depth) per token)."""
+        """Feeds tokens just committed to a request's output into its live segment (O(max_depth) per token), and
+        scores the request's last candidates against them for the calibrator."""
         req = self._request(request_id)
-        req.problem.live.index.extend(req.live_seq, tokens if isinstance(tokens, np.ndarray) and tokens.dtype == np.int32
-                                      else _tokens(tokens))  # type: ignore[union-attr]
+        if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32):
+            tokens = _tokens(tokens)
+        if req.pending is not None:
+            self.calibrator.observe(req.pending, tokens)
+            req.pending = None
+        req.problem.live.index.extend(req.live_seq, tokens)  # type: ignore[union-attr]
 
     def finish_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -183,12 +196,16 @@ class HistoryBank:
         req = self._request(request_id)
         if max_tokens <= 0:
             return _no_proposal()
-        indices, weights, names = self._source_list(req.problem)
-        pos, draft = speculate_best(indices, weights, context, max_tokens, self.config.min_prob)
-        if pos < 0:
+        indices, kinds = self._source_list(req.problem)
+        cfg = self.config
+        req.pending = choice = self.calibrator.choose(indices, kinds, context, max_tokens, cfg.min_prob,
+                                                      cfg.match_factor, cfg.prior)
+        draft = choice.best_draft
+        if draft is None:
             return _no_proposal()
-        self.proposals_by_source[names[pos]] += 1
-        return Proposal(draft.tokens, draft.probs, names[pos], draft.match_len)
+        name = self.calibrator.kinds[kinds[choice.best]]
+        self.proposals_by_source[name] += 1
+        return Proposal(draft.tokens, draft.probs, name, draft.match_len)
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
@@ -196,28 +213,25 @@ class HistoryBank:
             raise KeyError(f"unknown request {request_id!r}")
         return req
 
-    def _source_list(self, history: ProblemHistory) -> tuple[list[SuffixIndex], list[float], list[str]]:
+    def _source_list(self, history: ProblemHistory) -> tuple[list[SuffixIndex], list[int]]:
+        """The indices a request of this problem drafts from, and their calibrator kinds (cached until it changes)."""
         cached = self._sources.get(history.problem_id)
         if cached is not None:
             return cached
-        cfg = self.config
-        indices, weights, names = [history.prompts.index], [1.0], ["prompt"]
+        kind = self.calibrator.kind_index
+        indices, kinds = [history.prompts.index], [kind("prompt")]
         if history.live is not None:
             indices.append(history.live.index)
-            weights.append(1.0)
-            names.append("live")
+            kinds.append(kind("live"))
         newest = history.live_version if history.live is not None else max(history.sealed, default=0) + 1
         for version, segment in sorted(history.sealed.items(), reverse=True):
-            age = max(1, newest - version)
             indices.append(segment.index)
-            weights.append(cfg.age_decay**age)
-            names.append(f"sealed-age-{age}")
-        if not history.sealed and self._global.seq_ids:
+            kinds.append(kind(f"sealed-age-{min(self.config.window, max(1, newest - version))}"))
+        if self._global.seq_ids:
             indices.append(self._global.index)
-            weights.append(cfg.global_weight)
-            names.append("global")
-        self._sources[history.problem_id] = (indices, weights, names)
-        return indices, weights, names
+            kinds.append(kind("global"))
+        self._sources[history.problem_id] = (indices, kinds)
+        return indices, kinds
 
     # ---- versions, import, budget ----
 
@@ -250,15 +264,19 @@ class HistoryBank:
         self._enforce_budget()
 
     def _feed_global(self, segment: Segment) -> None:
-        # One sample per problem-version is enough to learn shared phrasing (formats, boilerplate).
-        if self.config.global_tokens == 0 or not segment.seq_ids:
+        """Copies a sealed segment's outputs into the cross-problem index, oldest evicted first (FIFO by sequence).
+        Costs one more O(max_depth) insertion per token, at seal time."""
+        if self.config.global_tokens == 0:
             return
-        tokens = np.asarray(segment.index.sequence(segment.seq_ids[0]), np.int32)
-        if len(tokens):
-            self._global_order.append(self._global.add(tokens, sealed=True))
-        while self._global.tokens > self.config.global_tokens and self._global_order:
-            self._global.index.remove(self._global_order.popleft())
-        self._global.seq_ids = list(self._global_order)
+        had_sources = bool(self._global.seq_ids)
+        for seq in segment.seq_ids:
+            tokens = np.asarray(segment.index.sequence(seq), np.int32)
+            if len(tokens):
+                self._global.add(tokens, sealed=True)
+        while self._global.tokens > self.config.global_tokens and self._global.seq_ids:
+            self._global.index.remove(self._global.seq_ids.pop(0))
+        if not had_sources and self._global.seq_ids:
+            self._sources.clear()  # every problem gains the global source
 
     def _enforce_budget(self) -> None:
         while self.stored_tokens() > self.config.token_budget and self._seal_order:

@@ -5,10 +5,12 @@ it counts every substring of length <= D in a dict (O(N * D) memory).
 
 Semantics shared with the native index:
     occ(w)   = number of positions j over all stored sequences with s[j : j + |w|] == w, for 1 <= |w| <= D;
-    P(t | w) = occ(w + t) / occ(w);
-    speculate(context, K, min_prob) matches the longest suffix w of the context with |w| <= max(1, min(len, D - K))
-    and occ(w) > 0, then repeatedly appends the t maximising occ(w + t) (ties: smaller t) while |w| < D, at most K
-    tokens, and the running product of P(t | w) stays >= min_prob.
+    next(w)  = sum over t of occ(w + t) (occurrences of w that continue);
+    P(t | w) = occ(w + t) / (next(w) + prior);
+    speculate(context, K, min_prob, match_factor, prior) matches the longest suffix w of the context with
+    |w| <= max(1, min(len, D - K)) and next(w) > 0, then repeatedly appends the t maximising occ(w + t) (ties:
+    smaller t) while |w| < D, at most K tokens (at most floor(match_factor * match length) when match_factor > 0),
+    and while the running product of P(t | w) stays >= min_prob.
 """
 
 from __future__ import annotations
@@ -102,16 +104,19 @@ class ReferenceSuffixIndex:
     def num_tokens(self) -> int:
         return sum(len(s) for s in self._seqs if s is not None)
 
-    def speculate(self, context: Sequence[int], max_tokens: int, min_prob: float = 0.0) -> ReferenceDraft:
+    def speculate(self, context: Sequence[int], max_tokens: int, min_prob: float = 0.0, match_factor: float = 0.0,
+                  prior: float = 0.0) -> ReferenceDraft:
         draft = ReferenceDraft()
         context = [int(t) for t in context]
         if not context or max_tokens <= 0:
             return draft
         cap = max(1, min(len(context), self.max_depth, self.max_depth - max_tokens))
-        match = next((m for m in range(cap, 0, -1) if self._occ.get(tuple(context[-m:]), 0) > 0), 0)
+        match = next((m for m in range(cap, 0, -1) if self._next.get(tuple(context[-m:]))), 0)
         if match == 0:
             return draft
         draft.match_len = match
+        if match_factor > 0:
+            max_tokens = min(max_tokens, int(match_factor * match + 1e-4))
         w = tuple(context[-match:])
         prob = 1.0
         while len(draft.tokens) < max_tokens and len(w) < self.max_depth:
@@ -119,7 +124,7 @@ class ReferenceSuffixIndex:
             if not nxt:
                 break
             token = min(nxt, key=lambda t: (-nxt[t], t))
-            prob *= nxt[token] / self._occ[w]
+            prob *= nxt[token] / (sum(nxt.values()) + prior)
             if prob < min_prob:
                 break
             draft.tokens.append(token)

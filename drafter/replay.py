@@ -89,7 +89,7 @@ class ArmStats:
     acceptance_rate: float    # accepted draft tokens / proposed draft tokens
     speculate_us_p50: float
     speculate_us_p99: float
-    append_us_per_token: float
+    append_us_per_token: float  # extend + end-of-version work, per committed token
     bytes_per_token: float    # history memory / stored tokens, at the end of the replay
     steps: int
     tokens: int
@@ -187,7 +187,10 @@ def replay_arm(drafter: ReplayDrafter, records: Sequence[RolloutRecord], max_dra
                     else:
                         drafter.finish_request(ids[i])
                 active = still
+        t0 = time.perf_counter_ns()
         drafter.end_version(version)
+        if vi > 0:
+            append_ns += time.perf_counter_ns() - t0  # history kept at the end of a batch is insertion work too
         if on_version:
             on_version(version)
     spec = np.asarray(spec_ns, np.float64) / 1e3

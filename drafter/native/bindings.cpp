@@ -6,16 +6,18 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
-#include <nanobind/stl/pair.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "calibrator.h"
 #include "suffix_index.h"
 
 namespace nb = nanobind;
+using das::Calibrator;
+using das::Choice;
 using das::Draft;
 using das::SuffixIndex;
 
@@ -68,6 +70,14 @@ auto with_tokens(const nb::handle& obj, const char* what, Fn&& fn) {
     return fn(tokens.data(), tokens.size());
 }
 
+void check_speculate_args(const char* what, int max_tokens, float min_prob, float match_factor, float prior) {
+    auto fail = [&](const char* msg) { throw nb::value_error((std::string(what) + ": " + msg).c_str()); };
+    if (max_tokens < 0) fail("max_tokens must be >= 0");
+    if (!(min_prob >= 0.0f && min_prob <= 1.0f)) fail("min_prob must be in [0, 1]");
+    if (!(match_factor >= 0.0f && match_factor < 1e6f)) fail("match_factor must be finite and >= 0");
+    if (!(prior >= 0.0f && prior < 1e9f)) fail("prior must be finite and >= 0");
+}
+
 }  // namespace
 
 NB_MODULE(_suffix_index, m) {
@@ -105,14 +115,15 @@ NB_MODULE(_suffix_index, m) {
         .def("remove", &SuffixIndex::remove, nb::arg("seq_id"), "Remove a sequence and all its suffixes.")
         .def(
             "speculate",
-            [](const SuffixIndex& self, nb::handle context, int max_tokens, float min_prob) {
-                if (max_tokens < 0) throw nb::value_error("speculate: max_tokens must be >= 0");
-                if (!(min_prob >= 0.0f && min_prob <= 1.0f)) throw nb::value_error("speculate: min_prob must be in [0, 1]");
+            [](const SuffixIndex& self, nb::handle context, int max_tokens, float min_prob, float match_factor,
+               float prior) {
+                check_speculate_args("speculate", max_tokens, min_prob, match_factor, prior);
                 return with_tokens(context, "speculate", [&](const int32_t* p, size_t n) {
-                    return self.speculate(p, n, max_tokens, min_prob);
+                    return self.speculate(p, n, max_tokens, min_prob, match_factor, prior);
                 });
             },
-            nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0f,
+            nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0f, nb::arg("match_factor") = 0.0f,
+            nb::arg("prior") = 0.0f,
             "Draft up to max_tokens tokens continuing the context.")
         .def(
             "count",
@@ -131,18 +142,71 @@ NB_MODULE(_suffix_index, m) {
              "Empty string if all invariants hold, else the first violation (walks everything: tests only).");
 
     m.def(
-        "speculate_best",
-        [](const std::vector<const SuffixIndex*>& indices, const std::vector<float>& weights, nb::handle context,
-           int max_tokens, float min_prob) {
-            if (max_tokens < 0) throw nb::value_error("speculate_best: max_tokens must be >= 0");
-            if (!(min_prob >= 0.0f && min_prob <= 1.0f)) throw nb::value_error("speculate_best: min_prob must be in [0, 1]");
+        "speculate_all",
+        [](const std::vector<const SuffixIndex*>& indices, nb::handle context, int max_tokens, float min_prob,
+           float match_factor, float prior) {
+            check_speculate_args("speculate_all", max_tokens, min_prob, match_factor, prior);
             for (const SuffixIndex* ix : indices) {
-                if (ix == nullptr) throw nb::type_error("speculate_best: indices must not contain None");
+                if (ix == nullptr) throw nb::type_error("speculate_all: indices must not contain None");
             }
-            return with_tokens(context, "speculate_best", [&](const int32_t* p, size_t n) {
-                return das::speculate_best(indices, weights, p, n, max_tokens, min_prob);
+            return with_tokens(context, "speculate_all", [&](const int32_t* p, size_t n) {
+                return das::speculate_all(indices, p, n, max_tokens, min_prob, match_factor, prior);
             });
         },
-        nb::arg("indices"), nb::arg("weights"), nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0f,
-        "Draft from each index; return (position of the best weight * score, its draft), or (-1, empty draft).");
+        nb::arg("indices"), nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0f,
+        nb::arg("match_factor") = 0.0f, nb::arg("prior") = 0.0f,
+        "One draft per index for the same context (an empty draft where an index has no continuing match).");
+
+    nb::class_<Choice>(m, "Choice", "All sources' drafts for one step and the one the calibrator picked.")
+        .def_ro("best", &Choice::best, "Index of the chosen draft, -1 when no source had one.")
+        .def_prop_ro(
+            "best_draft",
+            [](const Choice& c) -> nb::object {
+                if (c.best < 0) return nb::none();
+                return nb::cast(c.drafts[static_cast<size_t>(c.best)], nb::rv_policy::copy);
+            },
+            "The chosen draft, or None.")
+        .def_prop_ro("drafts", [](const Choice& c) { return c.drafts; }, "Every source's draft.")
+        .def_ro("cells", &Choice::cells, "Calibration cell per draft (-1 for an empty draft).");
+
+    nb::class_<Calibrator>(m, "Calibrator",
+                           "Learns mean accepted tokens per candidate-draft cell from committed tokens and picks the "
+                           "best candidate each step. Not thread-safe; calls hold the GIL.")
+        .def(nb::init<int, double, double>(), nb::arg("num_kinds"), nb::arg("pseudo_count") = 5.0,
+             nb::arg("horizon") = 2000.0)
+        .def_prop_ro("num_kinds", &Calibrator::num_kinds)
+        .def("cell", &Calibrator::cell, nb::arg("kind"), nb::arg("match_len"), nb::arg("first_prob"), nb::arg("agree"))
+        .def("expected", &Calibrator::expected, nb::arg("cell"), nb::arg("score"))
+        .def(
+            "choose",
+            [](const Calibrator& self, const std::vector<const SuffixIndex*>& indices, const std::vector<int>& kinds,
+               nb::handle context, int max_tokens, float min_prob, float match_factor, float prior) {
+                check_speculate_args("choose", max_tokens, min_prob, match_factor, prior);
+                for (const SuffixIndex* ix : indices) {
+                    if (ix == nullptr) throw nb::type_error("choose: indices must not contain None");
+                }
+                for (int k : kinds) {
+                    if (k < 0 || k >= self.num_kinds()) throw nb::value_error("choose: kind out of range");
+                }
+                return with_tokens(context, "choose", [&](const int32_t* p, size_t n) {
+                    return self.choose(indices, kinds, p, n, max_tokens, min_prob, match_factor, prior);
+                });
+            },
+            nb::arg("indices"), nb::arg("kinds"), nb::arg("context"), nb::arg("max_tokens"),
+            nb::arg("min_prob") = 0.0f, nb::arg("match_factor") = 0.0f, nb::arg("prior") = 0.0f,
+            "Draft from every index and pick the candidate with the most expected accepted tokens.")
+        .def(
+            "observe",
+            [](Calibrator& self, const Choice& choice, nb::handle committed) {
+                for (int c : choice.cells) {
+                    if (c >= static_cast<int>(self.counts().size())) throw nb::value_error("observe: foreign choice");
+                }
+                with_tokens(committed, "observe", [&](const int32_t* p, size_t n) {
+                    self.observe_choice(choice, p, n);
+                    return 0;
+                });
+            },
+            nb::arg("choice"), nb::arg("committed"), "Score every candidate of `choice` against the committed tokens.")
+        .def_prop_ro("sums", [](const Calibrator& c) { return to_numpy(c.sums()); }, nb::rv_policy::move)
+        .def_prop_ro("counts", [](const Calibrator& c) { return to_numpy(c.counts()); }, nb::rv_policy::move);
 }

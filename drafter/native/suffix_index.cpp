@@ -164,6 +164,7 @@ void SuffixIndex::link_child(int32_t parent, int32_t child) {
     c.next_sibling = nodes_[parent].first_child;
     if (c.next_sibling != kNone) nodes_[c.next_sibling].prev_sibling = child;
     nodes_[parent].first_child = child;
+    nodes_[parent].child_sum += c.count;
     insert_edge(parent, first_token(child), child);
     offer_best(parent, child);
 }
@@ -178,6 +179,7 @@ void SuffixIndex::unlink_child(int32_t child) {
         nodes_[parent].first_child = c.next_sibling;
     }
     if (c.next_sibling != kNone) nodes_[c.next_sibling].prev_sibling = c.prev_sibling;
+    nodes_[parent].child_sum -= c.count;
     c.parent = c.prev_sibling = c.next_sibling = kNone;
     if (nodes_[parent].best_child == child) rescan_best(parent);
 }
@@ -197,6 +199,7 @@ void SuffixIndex::replace_child(int32_t old_child, int32_t new_child) {
         nodes_[parent].first_child = new_child;
     }
     if (o.next_sibling != kNone) nodes_[o.next_sibling].prev_sibling = new_child;
+    nodes_[parent].child_sum += n.count - o.count;
     o.parent = o.prev_sibling = o.next_sibling = kNone;
     if (nodes_[parent].best_child == old_child) nodes_[parent].best_child = new_child;
 }
@@ -252,7 +255,7 @@ void SuffixIndex::append_token(int32_t seq_id, int32_t token) {
     sequences_[seq_id].tokens.push_back(token);
     std::vector<int32_t>& cursors = sequences_[seq_id].cursors;
     cursors.push_back(kRoot);
-    ++nodes_[kRoot].count;
+    ++nodes_[kRoot].count;  // the new suffix; the root's child_sum follows in advance()
     // Longest suffix first, as each cursor may relabel or fuse nodes that only its own suffix ends at.
     for (int32_t& cursor : cursors) cursor = advance(seq_id, cursor, token, pos);
     if (nodes_[cursors.front()].depth >= max_depth_) cursors.erase(cursors.begin());
@@ -284,8 +287,8 @@ int32_t SuffixIndex::advance(int32_t seq_id, int32_t x, int32_t token, int32_t p
             // c is swallowed whole: c takes x's place (keeping its children) and x goes away.
             erase_slot(slot_of(x, token, c));
             nodes_[x].first_child = kNone;
-            replace_child(x, c);
             nodes_[c].count = nodes_[x].count;
+            replace_child(x, c);
             set_label(c, seq_id, pos + 1 - len, len);
             free_node(x);
             return c;
@@ -300,6 +303,7 @@ int32_t SuffixIndex::advance(int32_t seq_id, int32_t x, int32_t token, int32_t p
     }
     if (nodes_[c].len == 1) {
         ++nodes_[c].count;
+        ++nodes_[x].child_sum;
         offer_best(x, c);
         return c;
     }
@@ -335,7 +339,10 @@ void SuffixIndex::remove(int32_t seq_id) {
         }
         if (depth != target) throw std::logic_error("suffix index: a stored suffix ends inside an edge");
         --nodes_[kRoot].count;
-        for (int32_t p : path) --nodes_[p].count;
+        for (int32_t p : path) {
+            --nodes_[p].count;
+            --nodes_[nodes_[p].parent].child_sum;
+        }
         // Bottom-up, so a node is freed only after the (also emptied) children below it on this path.
         for (auto it = path.rbegin(); it != path.rend(); ++it) {
             int32_t parent = nodes_[*it].parent;
@@ -357,7 +364,8 @@ void SuffixIndex::remove(int32_t seq_id) {
 
 // ---- queries ----------------------------------------------------------------------------------------------
 
-bool SuffixIndex::locate(const int32_t* pattern, int length, int32_t* node_out, int* offset_out) const {
+bool SuffixIndex::locate(const int32_t* pattern, int length, bool continuing, int32_t* node_out,
+                         int* offset_out) const {
     int32_t node = kRoot;
     int offset = 0;
     int done = 0;
@@ -374,6 +382,7 @@ bool SuffixIndex::locate(const int32_t* pattern, int length, int32_t* node_out, 
         node = child;
         offset = take;
     }
+    if (continuing && offset == nodes_[node].len && nodes_[node].child_sum == 0) return false;
     *node_out = node;
     *offset_out = offset;
     return true;
@@ -383,17 +392,18 @@ int64_t SuffixIndex::count(const int32_t* pattern, size_t n) const {
     if (n == 0 || n > static_cast<size_t>(max_depth_)) return 0;
     int32_t node;
     int offset;
-    if (!locate(pattern, static_cast<int>(n), &node, &offset)) return 0;
+    if (!locate(pattern, static_cast<int>(n), false, &node, &offset)) return 0;
     return nodes_[node].count;
 }
 
-Draft SuffixIndex::speculate(const int32_t* context, size_t n, int max_tokens, float min_prob) const {
+Draft SuffixIndex::speculate(const int32_t* context, size_t n, int max_tokens, float min_prob, float match_factor,
+                             float prior) const {
     Draft draft;
     if (n == 0 || max_tokens <= 0) return draft;
     const int cap = std::max(1, std::min<int>(static_cast<int>(std::min<size_t>(n, max_depth_)),
                                               max_depth_ - max_tokens));
-    // Occurrence is monotone in the suffix length (a suffix of a stored substring is stored too), so the longest
-    // matching suffix is found by binary search: O(log D) walks instead of D.
+    // "Occurs and continues" is monotone in the suffix length (if w t occurs, so does w[1:] t), so the longest such
+    // suffix is found by binary search: O(log D) walks instead of the D walks of trying every length.
     int lo = 0, hi = cap;
     int32_t node = kRoot;
     int offset = 0;
@@ -401,7 +411,7 @@ Draft SuffixIndex::speculate(const int32_t* context, size_t n, int max_tokens, f
         int mid = (lo + hi + 1) / 2;
         int32_t nd;
         int off;
-        if (locate(context + n - mid, mid, &nd, &off)) {
+        if (locate(context + n - mid, mid, true, &nd, &off)) {
             lo = mid;
             node = nd;
             offset = off;
@@ -411,6 +421,10 @@ Draft SuffixIndex::speculate(const int32_t* context, size_t n, int max_tokens, f
     }
     if (lo == 0) return draft;
     draft.match_len = lo;
+    if (match_factor > 0.0f) {
+        // A short match is weak evidence, however deterministic its continuation looks.
+        max_tokens = std::min(max_tokens, static_cast<int>(match_factor * static_cast<float>(lo) + 1e-4f));
+    }
     draft.tokens.reserve(static_cast<size_t>(max_tokens));
     draft.probs.reserve(static_cast<size_t>(max_tokens));
     double prob = 1.0;
@@ -418,18 +432,22 @@ Draft SuffixIndex::speculate(const int32_t* context, size_t n, int max_tokens, f
     while (static_cast<int>(draft.tokens.size()) < max_tokens && depth < max_depth_) {
         const Node& cur = nodes_[node];
         int32_t token;
+        double hits, total;
         if (offset < cur.len) {
-            token = label(cur)[offset];  // inside an edge every path continues the same way
+            token = label(cur)[offset];  // inside an edge every occurrence continues the same way
+            hits = total = cur.count;
             ++offset;
         } else {
             int32_t child = cur.best_child;
             if (child == kNone) break;
-            prob *= static_cast<double>(nodes_[child].count) / static_cast<double>(cur.count);
-            if (prob < min_prob) break;
+            token = first_token(child);
+            hits = nodes_[child].count;
+            total = cur.child_sum;
             node = child;
             offset = 1;
-            token = first_token(child);
         }
+        prob *= hits / (total + prior);
+        if (prob < min_prob) break;
         draft.tokens.push_back(token);
         draft.probs.push_back(static_cast<float>(prob));
         draft.score += static_cast<float>(prob);
@@ -450,20 +468,14 @@ int64_t SuffixIndex::memory_bytes() const {
     return total;
 }
 
-std::pair<int, Draft> speculate_best(const std::vector<const SuffixIndex*>& indices, const std::vector<float>& weights,
-                                     const int32_t* context, size_t n, int max_tokens, float min_prob) {
-    if (indices.size() != weights.size()) throw std::invalid_argument("speculate_best: one weight per index");
-    std::pair<int, Draft> best{-1, Draft{}};
-    float best_score = 0.0f;
-    for (size_t i = 0; i < indices.size(); ++i) {
-        Draft d = indices[i]->speculate(context, n, max_tokens, min_prob);
-        float score = d.score * weights[i];
-        if (!d.tokens.empty() && score > best_score) {
-            best_score = score;
-            best = {static_cast<int>(i), std::move(d)};
-        }
+std::vector<Draft> speculate_all(const std::vector<const SuffixIndex*>& indices, const int32_t* context, size_t n,
+                                 int max_tokens, float min_prob, float match_factor, float prior) {
+    std::vector<Draft> drafts;
+    drafts.reserve(indices.size());
+    for (const SuffixIndex* index : indices) {
+        drafts.push_back(index->speculate(context, n, max_tokens, min_prob, match_factor, prior));
     }
-    return best;
+    return drafts;
 }
 
 // ---- integrity --------------------------------------------------------------------------------------------
@@ -493,6 +505,7 @@ std::string SuffixIndex::check_node(int32_t node, int depth_before) const {
         prev = c;
     }
     if (child_sum > nd.count) return where("children count more paths than the node");
+    if (child_sum != nd.child_sum) return where("child_sum is stale");
     if (node != kRoot && nd.best_child != best) return where("best child is stale");
     return "";
 }

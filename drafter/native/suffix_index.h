@@ -2,10 +2,14 @@
 //
 // Semantics (what the pure-Python reference in drafter/reference.py implements naively):
 //   occ(w)   = number of positions j over all stored sequences s with s[j : j+|w|] == w, for 1 <= |w| <= D.
-//   P(t | w) = occ(w t) / occ(w).
-//   speculate(context, K, min_prob): m = the longest suffix of the context, at most max(1, min(|context|, D - K))
-//   tokens, with occ > 0; then greedily append the token t maximising occ(w t) (ties: smaller token id) while the
-//   string stays within depth D, at most K tokens, and the cumulative probability stays >= min_prob.
+//   next(w)  = sum over tokens t of occ(w t): the occurrences of w that continue (a sequence's unfinished tail
+//              and sequence ends do not count).
+//   P(t | w) = occ(w t) / (next(w) + prior)    (prior: a pseudo-count that discounts thin evidence; 0 = empirical).
+//   speculate(context, K, min_prob, match_factor, prior): w = the longest suffix of the context, at most
+//   max(1, min(|context|, D - K)) tokens, with next(w) > 0 (monotone in |w|, so binary search finds it); then
+//   greedily append the token t maximising occ(w t) (ties: smaller token id) while |w| < D, at most
+//   K' = K (or min(K, floor(match_factor * |w|)) when match_factor > 0) tokens, and while the cumulative
+//   probability stays >= min_prob.
 //
 // Layout: a path-compressed trie. A node's edge label is a slice (seq, pos, len) of a stored sequence, so memory
 // is O(number of branch points), not O(N * D). Invariant: every suffix path ends on a node boundary, so counts are
@@ -19,7 +23,6 @@
 
 #include <cstdint>
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace das {
@@ -51,7 +54,8 @@ public:
     void remove(int32_t seq_id);
 
     // Only the last max(1, min(n, D - max_tokens)) context tokens are read.
-    Draft speculate(const int32_t* context, size_t n, int max_tokens, float min_prob) const;
+    Draft speculate(const int32_t* context, size_t n, int max_tokens, float min_prob, float match_factor = 0.0f,
+                    float prior = 0.0f) const;
 
     // occ(w) for 1 <= |w| <= D (0 otherwise). For tests and diagnostics.
     int64_t count(const int32_t* pattern, size_t n) const;
@@ -72,6 +76,7 @@ private:
 
     struct Node {
         int32_t count = 0;         // occ of this node's string
+        int32_t child_sum = 0;     // sum of the children's counts: next() of this node's string
         int32_t seq = kNone;       // label = sequences_[seq].tokens[pos : pos + len]
         int32_t pos = 0;
         int32_t parent = kNone;
@@ -133,13 +138,14 @@ private:
     Sequence& checked_sequence(int32_t seq_id, const char* what);
 
     // Walks the pattern from the root. Returns false if it does not occur; else node and tokens of its label used.
-    bool locate(const int32_t* pattern, int length, int32_t* node, int* offset) const;
+    // With `continuing`, also false when no occurrence of the pattern continues (next(pattern) == 0).
+    bool locate(const int32_t* pattern, int length, bool continuing, int32_t* node, int* offset) const;
     std::string check_node(int32_t node, int depth_before) const;
 };
 
-// Drafts from every index and returns the position of the one with the highest weight * score (the first on ties;
-// -1 with an empty draft when none matches). One call per decode step per request, whatever the number of sources.
-std::pair<int, Draft> speculate_best(const std::vector<const SuffixIndex*>& indices, const std::vector<float>& weights,
-                                     const int32_t* context, size_t n, int max_tokens, float min_prob);
+// One draft per index for the same context (empty where an index has no continuing match): one call per decode
+// step per request, whatever the number of sources.
+std::vector<Draft> speculate_all(const std::vector<const SuffixIndex*>& indices, const int32_t* context, size_t n,
+                                 int max_tokens, float min_prob, float match_factor, float prior);
 
 }  // namespace das

@@ -24,22 +24,46 @@ def test_siblings_see_each_other_through_the_live_segment():
     bank.start_request("b", "p", PROMPT, 0)
     bank.extend("a", np.array([10, 11, 12, 13, 14, 15], np.int32))
     prop = bank.propose("b", np.array([1, 2, 3, 10, 11], np.int32), 4)
-    assert prop.source == "live" and prop.tokens.tolist() == [12, 13, 14, 15]
+    assert prop.source == "live" and prop.tokens.tolist() == [12, 13, 14, 15] and prop.match_len == 2
+    capped = HistoryBank(DrafterConfig(max_depth=16, match_factor=1.0))
+    capped.start_request("a", "p", PROMPT, 0)
+    capped.start_request("b", "p", PROMPT, 0)
+    capped.extend("a", np.array([10, 11, 12, 13, 14, 15], np.int32))
+    # a 2-token match drafts at most match_factor * 2 tokens
+    assert capped.propose("b", np.array([1, 2, 3, 10, 11], np.int32), 4).tokens.tolist() == [12, 13]
     # another problem's requests do not see it (no sealed history anywhere yet, so no global fallback either)
     bank.start_request("c", "q", PROMPT, 0)
     assert bank.propose("c", np.array([1, 2, 3, 10, 11], np.int32), 4).source in ("", "prompt")
 
 
-def test_sealed_versions_window_and_age_weighting():
-    bank = HistoryBank(DrafterConfig(max_depth=16, window=2, age_decay=0.5))
+def test_calibration_learns_which_version_pays():
+    bank = HistoryBank(DrafterConfig(max_depth=16, window=2, global_tokens=0))
+    bank.add_rollouts([rec("p", 0, 0, [20, 21, 22, 23]), rec("p", 1, 0, [20, 21, 30, 31])])
+    context = np.array([1, 2, 3, 20, 21], np.int32)
+    bank.start_request("r0", "p", PROMPT, 2)
+    # no feedback yet: equal evidence, the newer version is tried first
+    assert bank.propose("r0", context, 2).source == "sealed-age-1"
+    for i in range(20):  # the policy keeps writing what version 0 wrote
+        rid = f"r{i}"
+        if i:
+            bank.start_request(rid, "p", PROMPT, 2)
+        bank.propose(rid, context, 2)
+        bank.extend(rid, np.array([22, 23], np.int32))
+        bank.finish_request(rid)
+    bank.start_request("last", "p", PROMPT, 2)
+    prop = bank.propose("last", context, 2)
+    assert prop.source == "sealed-age-2" and prop.tokens.tolist() == [22, 23]
+    table = bank.calibrator.table()
+    assert table["sealed-age-2"]["mean_accepted"] > table["sealed-age-1"]["mean_accepted"]
+
+
+def test_window_keeps_the_last_versions():
+    bank = HistoryBank(DrafterConfig(max_depth=16, window=2))
     bank.add_rollouts([rec("p", 0, 0, [20, 21, 22, 23]), rec("p", 1, 0, [20, 21, 30, 31])])
     bank.start_request("r", "p", PROMPT, 2)
-    prop = bank.propose("r", np.array([1, 2, 3, 20, 21], np.int32), 2)
-    # equal evidence in both versions: the newer one wins by its weight
-    assert prop.tokens.tolist() == [30, 31] and prop.source == "sealed-age-1"
+    bank.extend("r", np.array([40, 41], np.int32))
     bank.finish_request("r")
     bank.seal(2)
-    bank.start_request("s", "p", PROMPT, 3)
     assert sorted(bank.problems["p"].sealed) == [1, 2]  # version 0 left the window of 2
 
 
@@ -47,8 +71,8 @@ def test_global_fallback_for_unseen_problems():
     bank = HistoryBank(DrafterConfig(max_depth=16))
     bank.add_rollouts([rec("seen", 0, 0, [40, 41, 42, 43, 44])])
     bank.start_request("r", "unseen", PROMPT, 1)
-    prop = bank.propose("r", np.array([7, 40, 41], np.int32), 3)
-    assert prop.source == "global" and prop.tokens.tolist() == [42, 43, 44]
+    prop = bank.propose("r", np.array([7, 40, 41, 42], np.int32), 2)
+    assert prop.source == "global" and prop.tokens.tolist() == [43, 44]
 
 
 def test_token_budget_evicts_oldest_versions_first():

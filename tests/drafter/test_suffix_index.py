@@ -15,10 +15,10 @@ tokens = st.integers(min_value=0, max_value=5)
 sequences = st.lists(tokens, min_size=0, max_size=40)
 
 
-def assert_same_draft(native, ref, context, k, min_prob):
-    a = native.speculate(context, k, min_prob)
-    b = ref.speculate(context, k, min_prob)
-    assert (a.tokens.tolist(), a.match_len) == (b.tokens, b.match_len), (context, k, min_prob)
+def assert_same_draft(native, ref, context, k, min_prob, factor=0.0, prior=0.0):
+    a = native.speculate(context, k, min_prob, factor, prior)
+    b = ref.speculate(context, k, min_prob, factor, prior)
+    assert (a.tokens.tolist(), a.match_len) == (b.tokens, b.match_len), (context, k, min_prob, factor, prior)
     assert np.allclose(a.probs, b.probs, rtol=1e-5)
     assert a.score == pytest.approx(b.score, rel=1e-5)
 
@@ -37,8 +37,9 @@ def operations(draw):
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(depth=st.integers(1, 12), script=operations(), contexts=st.lists(sequences, min_size=1, max_size=6),
-       k=st.integers(0, 14), min_prob=st.sampled_from([0.0, 0.1, 0.5]))
-def test_native_matches_reference(depth, script, contexts, k, min_prob):
+       k=st.integers(0, 14), min_prob=st.sampled_from([0.0, 0.1, 0.5]),
+       factor=st.sampled_from([0.0, 0.5, 1.0, 2.0]), prior=st.sampled_from([0.0, 0.5, 2.0]))
+def test_native_matches_reference(depth, script, contexts, k, min_prob, factor, prior):
     native, ref = SuffixIndex(depth), ReferenceSuffixIndex(depth)
     n_seqs, ops = script
     ids = [(native.new_sequence(), ref.new_sequence()) for _ in range(n_seqs)]
@@ -62,7 +63,7 @@ def test_native_matches_reference(depth, script, contexts, k, min_prob):
     assert native.num_tokens == ref.num_tokens
     assert native.num_sequences == ref.num_sequences
     for context in contexts:
-        assert_same_draft(native, ref, context, k, min_prob)
+        assert_same_draft(native, ref, context, k, min_prob, factor, prior)
         for length in range(1, min(len(context), depth) + 1):
             assert native.count(context[-length:]) == ref.count(context[-length:])
 
@@ -145,6 +146,10 @@ def test_bad_arguments_raise_clear_errors():
         ix.speculate([1], 4, min_prob=2.0)
     with pytest.raises(ValueError, match="max_tokens"):
         ix.speculate([1], -1)
+    with pytest.raises(ValueError, match="match_factor"):
+        ix.speculate([1], 4, 0.0, float("nan"))
+    with pytest.raises(ValueError, match="prior"):
+        ix.speculate([1], 4, 0.0, 1.0, -1.0)
     with pytest.raises(TypeError):
         ix.speculate(np.zeros((2, 2), dtype=np.int32), 4)
 
