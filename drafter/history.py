@@ -14,7 +14,7 @@ online from the tokens that were really committed, picks the candidate expected 
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -145,7 +145,7 @@ class HistoryBank:
         kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global"]
         self.calibrator = SourceCalibrator(kinds, self.config.calibration_pseudo_count,
                                            self.config.calibration_horizon)
-        self.proposals_by_source: Counter[str] = Counter()
+        self.proposals_by_kind = [0] * len(kinds)  # chosen drafts per calibrator kind
 
     # ---- problems and requests ----
 
@@ -200,12 +200,11 @@ class HistoryBank:
         cfg = self.config
         req.pending = choice = self.calibrator.choose(indices, kinds, context, max_tokens, cfg.min_prob,
                                                       cfg.match_factor, cfg.prior)
-        draft = choice.best_draft
-        if draft is None:
+        if choice.best < 0:
             return _no_proposal()
-        name = self.calibrator.kinds[kinds[choice.best]]
-        self.proposals_by_source[name] += 1
-        return Proposal(draft.tokens, draft.probs, name, draft.match_len)
+        kind = kinds[choice.best]
+        self.proposals_by_kind[kind] += 1
+        return Proposal(choice.tokens, choice.probs, self.calibrator.kinds[kind], choice.match_len)
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
@@ -300,6 +299,9 @@ class HistoryBank:
         return sum(len(v) for v in groups.values())
 
     # ---- accounting ----
+
+    def proposals_by_source(self) -> dict[str, int]:
+        return {k: n for k, n in zip(self.calibrator.kinds, self.proposals_by_kind) if n}
 
     def stored_tokens(self) -> int:
         return self._global.tokens + sum(h.tokens() for h in self.problems.values())

@@ -116,7 +116,7 @@ class ReferenceSuffixIndex:
             return draft
         draft.match_len = match
         if match_factor > 0:
-            max_tokens = min(max_tokens, int(match_factor * match + 1e-4))
+            max_tokens = min(max_tokens, int(match_factor * match + 1e-9))
         w = tuple(context[-match:])
         prob = 1.0
         while len(draft.tokens) < max_tokens and len(w) < self.max_depth:

@@ -50,6 +50,7 @@ def bench_drafter(
     max_draft: Annotated[int, typer.Option("--max-draft", min=1, max=64, help="Draft budget K per step.")] = 16,
     arms: Annotated[str, typer.Option(help="Comma-separated arms: das, arctic-d24, arctic-d64, ngram.")] =
         "das,arctic-d24,arctic-d64,ngram",
+    repeats: Annotated[int, typer.Option(min=1, help="Repeat every arm; figures are medians over repeats.")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Replay a history file through each drafter and compare acceptance, latency and memory."""
@@ -59,7 +60,7 @@ def bench_drafter(
     path = traces or default_trace_path()
     try:
         result = run_drafter_bench(path, max_draft=max_draft, arms=[a.strip() for a in arms.split(",") if a.strip()],
-                                   progress=not as_json)
+                                   repeats=repeats, progress=not as_json)
     except (RecordError, OSError, ValueError) as exc:
         _fail(str(exc))
     if as_json:

@@ -70,12 +70,12 @@ auto with_tokens(const nb::handle& obj, const char* what, Fn&& fn) {
     return fn(tokens.data(), tokens.size());
 }
 
-void check_speculate_args(const char* what, int max_tokens, float min_prob, float match_factor, float prior) {
+void check_speculate_args(const char* what, int max_tokens, double min_prob, double match_factor, double prior) {
     auto fail = [&](const char* msg) { throw nb::value_error((std::string(what) + ": " + msg).c_str()); };
     if (max_tokens < 0) fail("max_tokens must be >= 0");
-    if (!(min_prob >= 0.0f && min_prob <= 1.0f)) fail("min_prob must be in [0, 1]");
-    if (!(match_factor >= 0.0f && match_factor < 1e6f)) fail("match_factor must be finite and >= 0");
-    if (!(prior >= 0.0f && prior < 1e9f)) fail("prior must be finite and >= 0");
+    if (!(min_prob >= 0.0 && min_prob <= 1.0)) fail("min_prob must be in [0, 1]");
+    if (!(match_factor >= 0.0 && match_factor < 1e6)) fail("match_factor must be finite and >= 0");
+    if (!(prior >= 0.0 && prior < 1e9)) fail("prior must be finite and >= 0");
 }
 
 }  // namespace
@@ -115,15 +115,15 @@ NB_MODULE(_suffix_index, m) {
         .def("remove", &SuffixIndex::remove, nb::arg("seq_id"), "Remove a sequence and all its suffixes.")
         .def(
             "speculate",
-            [](const SuffixIndex& self, nb::handle context, int max_tokens, float min_prob, float match_factor,
-               float prior) {
+            [](const SuffixIndex& self, nb::handle context, int max_tokens, double min_prob, double match_factor,
+               double prior) {
                 check_speculate_args("speculate", max_tokens, min_prob, match_factor, prior);
                 return with_tokens(context, "speculate", [&](const int32_t* p, size_t n) {
                     return self.speculate(p, n, max_tokens, min_prob, match_factor, prior);
                 });
             },
-            nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0f, nb::arg("match_factor") = 0.0f,
-            nb::arg("prior") = 0.0f,
+            nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0, nb::arg("match_factor") = 0.0,
+            nb::arg("prior") = 0.0,
             "Draft up to max_tokens tokens continuing the context.")
         .def(
             "count",
@@ -143,8 +143,8 @@ NB_MODULE(_suffix_index, m) {
 
     m.def(
         "speculate_all",
-        [](const std::vector<const SuffixIndex*>& indices, nb::handle context, int max_tokens, float min_prob,
-           float match_factor, float prior) {
+        [](const std::vector<const SuffixIndex*>& indices, nb::handle context, int max_tokens, double min_prob,
+           double match_factor, double prior) {
             check_speculate_args("speculate_all", max_tokens, min_prob, match_factor, prior);
             for (const SuffixIndex* ix : indices) {
                 if (ix == nullptr) throw nb::type_error("speculate_all: indices must not contain None");
@@ -153,19 +153,21 @@ NB_MODULE(_suffix_index, m) {
                 return das::speculate_all(indices, p, n, max_tokens, min_prob, match_factor, prior);
             });
         },
-        nb::arg("indices"), nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0f,
-        nb::arg("match_factor") = 0.0f, nb::arg("prior") = 0.0f,
+        nb::arg("indices"), nb::arg("context"), nb::arg("max_tokens"), nb::arg("min_prob") = 0.0,
+        nb::arg("match_factor") = 0.0, nb::arg("prior") = 0.0,
         "One draft per index for the same context (an empty draft where an index has no continuing match).");
 
     nb::class_<Choice>(m, "Choice", "All sources' drafts for one step and the one the calibrator picked.")
         .def_ro("best", &Choice::best, "Index of the chosen draft, -1 when no source had one.")
         .def_prop_ro(
-            "best_draft",
-            [](const Choice& c) -> nb::object {
-                if (c.best < 0) return nb::none();
-                return nb::cast(c.drafts[static_cast<size_t>(c.best)], nb::rv_policy::copy);
-            },
-            "The chosen draft, or None.")
+            "tokens",
+            [](const Choice& c) { return to_numpy(c.best < 0 ? std::vector<int32_t>{} : c.drafts[c.best].tokens); },
+            nb::rv_policy::move, "The chosen draft's tokens (empty int32 array when none).")
+        .def_prop_ro(
+            "probs",
+            [](const Choice& c) { return to_numpy(c.best < 0 ? std::vector<float>{} : c.drafts[c.best].probs); },
+            nb::rv_policy::move, "The chosen draft's cumulative acceptance probabilities.")
+        .def_prop_ro("match_len", [](const Choice& c) { return c.best < 0 ? 0 : c.drafts[c.best].match_len; })
         .def_prop_ro("drafts", [](const Choice& c) { return c.drafts; }, "Every source's draft.")
         .def_ro("cells", &Choice::cells, "Calibration cell per draft (-1 for an empty draft).");
 
@@ -180,7 +182,7 @@ NB_MODULE(_suffix_index, m) {
         .def(
             "choose",
             [](const Calibrator& self, const std::vector<const SuffixIndex*>& indices, const std::vector<int>& kinds,
-               nb::handle context, int max_tokens, float min_prob, float match_factor, float prior) {
+               nb::handle context, int max_tokens, double min_prob, double match_factor, double prior) {
                 check_speculate_args("choose", max_tokens, min_prob, match_factor, prior);
                 for (const SuffixIndex* ix : indices) {
                     if (ix == nullptr) throw nb::type_error("choose: indices must not contain None");
@@ -193,7 +195,7 @@ NB_MODULE(_suffix_index, m) {
                 });
             },
             nb::arg("indices"), nb::arg("kinds"), nb::arg("context"), nb::arg("max_tokens"),
-            nb::arg("min_prob") = 0.0f, nb::arg("match_factor") = 0.0f, nb::arg("prior") = 0.0f,
+            nb::arg("min_prob") = 0.0, nb::arg("match_factor") = 0.0, nb::arg("prior") = 0.0,
             "Draft from every index and pick the candidate with the most expected accepted tokens.")
         .def(
             "observe",

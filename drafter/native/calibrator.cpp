@@ -50,8 +50,8 @@ void Calibrator::observe(int cell, int accepted) {
 }
 
 Choice Calibrator::choose(const std::vector<const SuffixIndex*>& indices, const std::vector<int>& kinds,
-                          const int32_t* context, size_t n, int max_tokens, float min_prob, float match_factor,
-                          float prior) const {
+                          const int32_t* context, size_t n, int max_tokens, double min_prob, double match_factor,
+                          double prior) const {
     if (indices.size() != kinds.size()) throw std::invalid_argument("choose: one kind per index");
     Choice choice;
     choice.drafts = speculate_all(indices, context, n, max_tokens, min_prob, match_factor, prior);

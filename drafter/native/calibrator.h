@@ -34,8 +34,8 @@ public:
     void observe(int cell, int accepted);
 
     Choice choose(const std::vector<const SuffixIndex*>& indices, const std::vector<int>& kinds,
-                  const int32_t* context, size_t n, int max_tokens, float min_prob, float match_factor,
-                  float prior) const;
+                  const int32_t* context, size_t n, int max_tokens, double min_prob, double match_factor,
+                  double prior) const;
     // Scores every candidate of a choice against the tokens committed after it (censored at their length).
     void observe_choice(const Choice& choice, const int32_t* committed, size_t n);
 

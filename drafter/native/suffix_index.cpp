@@ -396,8 +396,8 @@ int64_t SuffixIndex::count(const int32_t* pattern, size_t n) const {
     return nodes_[node].count;
 }
 
-Draft SuffixIndex::speculate(const int32_t* context, size_t n, int max_tokens, float min_prob, float match_factor,
-                             float prior) const {
+Draft SuffixIndex::speculate(const int32_t* context, size_t n, int max_tokens, double min_prob, double match_factor,
+                             double prior) const {
     Draft draft;
     if (n == 0 || max_tokens <= 0) return draft;
     const int cap = std::max(1, std::min<int>(static_cast<int>(std::min<size_t>(n, max_depth_)),
@@ -421,9 +421,9 @@ Draft SuffixIndex::speculate(const int32_t* context, size_t n, int max_tokens, f
     }
     if (lo == 0) return draft;
     draft.match_len = lo;
-    if (match_factor > 0.0f) {
+    if (match_factor > 0.0) {
         // A short match is weak evidence, however deterministic its continuation looks.
-        max_tokens = std::min(max_tokens, static_cast<int>(match_factor * static_cast<float>(lo) + 1e-4f));
+        max_tokens = std::min(max_tokens, static_cast<int>(match_factor * lo + 1e-9));
     }
     draft.tokens.reserve(static_cast<size_t>(max_tokens));
     draft.probs.reserve(static_cast<size_t>(max_tokens));
@@ -469,7 +469,7 @@ int64_t SuffixIndex::memory_bytes() const {
 }
 
 std::vector<Draft> speculate_all(const std::vector<const SuffixIndex*>& indices, const int32_t* context, size_t n,
-                                 int max_tokens, float min_prob, float match_factor, float prior) {
+                                 int max_tokens, double min_prob, double match_factor, double prior) {
     std::vector<Draft> drafts;
     drafts.reserve(indices.size());
     for (const SuffixIndex* index : indices) {

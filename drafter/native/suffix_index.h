@@ -54,8 +54,8 @@ public:
     void remove(int32_t seq_id);
 
     // Only the last max(1, min(n, D - max_tokens)) context tokens are read.
-    Draft speculate(const int32_t* context, size_t n, int max_tokens, float min_prob, float match_factor = 0.0f,
-                    float prior = 0.0f) const;
+    Draft speculate(const int32_t* context, size_t n, int max_tokens, double min_prob, double match_factor = 0.0,
+                    double prior = 0.0) const;
 
     // occ(w) for 1 <= |w| <= D (0 otherwise). For tests and diagnostics.
     int64_t count(const int32_t* pattern, size_t n) const;
@@ -146,6 +146,6 @@ private:
 // One draft per index for the same context (empty where an index has no continuing match): one call per decode
 // step per request, whatever the number of sources.
 std::vector<Draft> speculate_all(const std::vector<const SuffixIndex*>& indices, const int32_t* context, size_t n,
-                                 int max_tokens, float min_prob, float match_factor, float prior);
+                                 int max_tokens, double min_prob, double match_factor, double prior);
 
 }  // namespace das

@@ -57,7 +57,7 @@ def test_bench_cli_json(tmp_path):
     path = tmp_path / "t.jsonl.gz"
     write_rollouts(path, synthetic_traces(problems=2, samples=2))
     result = CliRunner().invoke(app, ["bench", "drafter", "--traces", str(path), "--arms", "das,ngram",
-                                      "--max-draft", "4", "--json"])
+                                      "--max-draft", "4", "--repeats", "2", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert set(doc["arms"]) == {"das", "ngram"}
