@@ -158,20 +158,25 @@ class HistoryBank:
 
     def start_request(self, request_id: str, problem_id: str, prompt: np.ndarray, policy_version: int) -> None:
         """Registers an in-flight sample; its output will feed the problem's live segment for `policy_version`."""
+        # Everything is checked before anything changes.
+        prompt = _tokens(prompt)
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r} is already running")
+        if not isinstance(problem_id, str) or not problem_id:
+            raise ValueError(f"problem_id must be a non-empty string, got {problem_id!r}")
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+        known = self.problems.get(problem_id)
+        if known is not None and known.live is not None and policy_version < known.live_version:
+            raise ValueError(f"problem {problem_id!r}: policy version {policy_version} is older than the live "
+                             f"version {known.live_version}")
         history = self.problem(problem_id)
         if history.live is not None and history.live_version != policy_version:
-            if policy_version < history.live_version:
-                raise ValueError(f"problem {problem_id!r}: policy version {policy_version} is older than the live "
-                                 f"version {history.live_version}")
             self._seal_problem(history)
         if history.live is None:
             history.live = Segment.new(self.config.max_depth)
             history.live_version = policy_version
-        history.add_prompt(_tokens(prompt))
+        history.add_prompt(prompt)
         self._requests[request_id] = _Request(history, history.live.add(np.zeros(0, np.int32), sealed=False))
         self._sources.pop(problem_id, None)
 

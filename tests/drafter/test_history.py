@@ -98,6 +98,11 @@ def test_bad_requests_are_rejected_without_side_effects():
         bank.extend("r", np.array([1, -4], np.int64))
     with pytest.raises(ValueError, match="outside"):
         bank.start_request("y", "p", np.array([2**31], np.int64), 3)
+    with pytest.raises(ValueError, match="outside"):
+        bank.start_request("y", "new-problem", [1, -2], 4)
+    with pytest.raises(ValueError, match="problem_id"):
+        bank.start_request("y", "", PROMPT, 3)
+    assert set(bank.problems) == {"p"} and bank.problems["p"].live_version == 3
     assert bank.problems["p"].live.index.sequence(0) == []
     with pytest.raises(ValueError, match="window"):
         DrafterConfig(window=0)
