@@ -196,10 +196,6 @@ def _convert_gguf(stages: _Stages, out: Path, gguf_path: Path, *, dtype: str, eo
     torch_dtype = getattr(torch, dtype)
     src_dir, gguf_file = str(gguf_path.parent), gguf_path.name
     context_length = _gguf_context_length(gguf_path)
-    if not stages.console:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
     with stages.stage(f"loading tokenizer from {gguf_file}"):
         tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=gguf_file)
         if tok.eos_token != eos_token:
@@ -263,6 +259,45 @@ def _apply_umask(directory: Path) -> None:
         os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
+STALE_TEMP_SECONDS = 6 * 3600
+
+
+def _remove_stale_temp_dirs(parent: Path, name: str) -> None:
+    """Temporary directories of conversions killed long ago (a conversion takes minutes, not hours)."""
+    now = time.time()
+    for path in parent.glob(f".{name}.tmp-*"):
+        try:
+            if path.is_dir() and now - path.stat().st_mtime > STALE_TEMP_SECONDS:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
+
+
+@contextmanager
+def _hf_progress_bars(enabled: bool) -> Iterator[None]:
+    """transformers' own tqdm bars (dequantizing, writing shards) follow `progress`."""
+    if enabled:
+        yield
+        return
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    gguf_tqdm = getattr(gguf_utils, "tqdm", None)  # plain tqdm, not behind hf_logging's switch
+    if gguf_tqdm is not None:
+        gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        if gguf_tqdm is not None:
+            gguf_utils.tqdm = gguf_tqdm
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: bool = True) -> Path:
     """A ready-to-serve HF model directory for a known model name or an existing model directory.
 
@@ -285,10 +320,13 @@ def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: boo
     console = Console(stderr=True) if progress else None
     stages = _Stages(console)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp_dirs(target.parent, spec.name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=target.parent))
     try:
         start = time.perf_counter()
-        facts = spec.convert(stages, tmp)
+        hide_broken_torch_extensions()  # before anything imports transformers
+        with _hf_progress_bars(progress):
+            facts = spec.convert(stages, tmp)
         facts.update(name=spec.name, description=spec.description,
                      seconds=round(time.perf_counter() - start, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         _check_model_dir(tmp)
@@ -299,7 +337,12 @@ def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: boo
                 shutil.rmtree(tmp, ignore_errors=True)
                 return target
             shutil.rmtree(target)  # leftover without a marker (not written by this function): replace it
-        os.rename(tmp, target)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / COMPLETE_MARKER).is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # lost a race with another process: keep theirs
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
