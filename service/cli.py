@@ -67,3 +67,34 @@ def bench_drafter(
         print(json.dumps(result.to_dict(), indent=2))
     else:
         result.print(Console(width=140))
+
+
+@bench_app.command("simulate")
+def bench_simulate(
+    traces: Annotated[Optional[Path], typer.Option(help="History file to replay (default: bundled fixture).")] = None,
+    cost_model: Annotated[str, typer.Option("--cost-model", help="Named model (h100-7b) or a calibrated one.")] =
+        "h100-7b",
+    engines: Annotated[int, typer.Option(min=1, help="Engines the batch is placed on.")] = 8,
+    policy: Annotated[Optional[str], typer.Option(help="Run only this policy arm (default: all).")] = None,
+    k_max: Annotated[int, typer.Option("--k-max", min=1, max=64, help="Largest draft per request per step.")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Discrete-event replay of recorded batches under a cost model: every figure is SIMULATED."""
+    from das.drafter.records import RecordError, load_rollouts
+    from das.drafter.replay import default_trace_path
+    from das.scheduler.cost_model import load_cost_model
+    from das.scheduler.simulator import ARMS, run_simulation_bench
+
+    path = traces or default_trace_path()
+    try:
+        model = load_cost_model(cost_model)
+        records = load_rollouts(path)
+        arms = [policy] if policy else list(ARMS)
+        result = run_simulation_bench(records, str(path), model, engines, arms=arms,
+                                      placement_policy=policy or "das", k_max=k_max, progress=not as_json)
+    except (RecordError, OSError, ValueError) as exc:
+        _fail(str(exc))
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        result.print(Console(width=140))
