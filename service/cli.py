@@ -98,3 +98,40 @@ def bench_simulate(
         print(json.dumps(result.to_dict(), indent=2))
     else:
         result.print(Console(width=140))
+
+
+@app.command("calibrate")
+def calibrate_cmd(
+    model: Annotated[str, typer.Option(help="Model name (smollm2) or a model directory.")] = "smollm2",
+    name: Annotated[Optional[str], typer.Option(help="Name to store the cost model under (default: cpu-<model>).")]
+        = None,
+    batch_sizes: Annotated[str, typer.Option("--batch-sizes", help="Comma-separated batch sizes to time.")] =
+        "1,4,16,32,64,128",
+    decode_tokens: Annotated[int, typer.Option("--decode-tokens", min=2, help="Decode steps timed per point.")] = 16,
+    repeats: Annotated[int, typer.Option(min=1, help="Timings per batch size (median).")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Measure a real vLLM engine's step time across tokens per step; fit and store c_base + c_tok * n."""
+    from das.scheduler.calibrate import calibrate, vllm_step_timer
+    from das.scheduler.cost_model import save_cost_model
+    from das.service.models import prepare_model
+
+    try:
+        sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
+        model_dir = prepare_model(model, progress=not as_json)
+        label = name or f"cpu-{Path(model).name if Path(model).exists() else model}"
+        console.print(f"loading {model_dir} into vLLM ...")
+        timer = vllm_step_timer(model_dir, max(sizes), decode_tokens)
+        result = calibrate(label, timer, sizes, repeats,
+                           source=f"measured by das calibrate: vLLM {model_dir.name}, decode batches {sizes}",
+                           on_point=lambda b, t: console.print(f"  {b:4d} tokens/step: {t * 1e3:8.2f} ms"))
+        path = save_cost_model(result.model)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    m = result.model
+    if as_json:
+        print(json.dumps({"model": m.__dict__, "points": result.points, "saved": str(path)}, indent=2))
+    else:
+        Console().print(f"{m.name}: c_base = {m.c_base_s * 1e3:.2f} ms, c_tok = {m.c_tok_s * 1e3:.3f} ms/token, "
+                        f"fit error {m.fit_error:.1%} (relative RMS); crossover {m.crossover_tokens:.0f} tokens; "
+                        f"saved to {path}")
