@@ -129,7 +129,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             state = BatchState(remaining=np.maximum(forecast.p90 - pos[active], 1.0), capacity=drafter.capacity,
                                efficiency=drafter.efficiency, c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s,
                                k_max=k_max)
-            k = np.minimum(policy.draft_lengths(state).astype(np.int64), lengths[active] - pos[active])
+            k = policy.draft_lengths(state).astype(np.int64)  # the engine cannot know where a sample ends
         advanced = np.ones(len(active), dtype=np.int64)
         accepted = np.zeros(len(active), dtype=np.int64)
         for j, i in enumerate(active):
