@@ -1,0 +1,34 @@
+"""The CPU `_expand` fix, through vLLM's own rejection-sampler code path and its kernel dispatcher."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from das.drafter.vllm_cpu_fixes import expand_kernel_impl
+
+
+@pytest.mark.parametrize("dtype, values", [(torch.float32, [0.8, 0.6, 1.0]), (torch.int32, [5, 0, 7]),
+                                           (torch.int64, [5, 0, 7])])
+def test_expand_keeps_every_dtype(dtype, values):
+    out = torch.full((6,), -99, dtype=dtype)
+    expand_kernel_impl(out, torch.tensor(values, dtype=dtype), torch.tensor([2, 5, 6], dtype=torch.int32), 0, 3)
+    want = [values[0]] * 2 + [values[1]] * 3 + [values[2]]
+    want = [3 if v == 0 else v for v in want]
+    assert torch.allclose(out.double(), torch.tensor(want, dtype=torch.float64))
+
+
+def test_vllm_expand_on_cpu_uses_the_fix():
+    import vllm
+    from vllm.platforms import current_platform
+    from vllm.plugins import load_general_plugins
+    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+
+    assert vllm.__version__.startswith("0.32")
+    load_general_plugins()  # what a vLLM worker does first: our entry point must be found and registered
+    current_platform.register_triton_kernel_overrides()
+    temps = expand_batch_to_tokens(torch.tensor([0.8, 0.6, 1.0]), torch.tensor([2, 5, 6], dtype=torch.int32), 6)
+    assert torch.allclose(temps, torch.tensor([0.8, 0.8, 0.6, 0.6, 0.6, 1.0]))
+    top_k = expand_batch_to_tokens(torch.tensor([5, 0, 7], dtype=torch.int32),
+                                   torch.tensor([1, 3, 4], dtype=torch.int32), 4, replace_from=0, replace_to=9)
+    assert top_k.tolist() == [5, 9, 9, 7]
