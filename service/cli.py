@@ -14,8 +14,10 @@ app = typer.Typer(help="DAS rollout service: distribution-aware speculative deco
                   no_args_is_help=True, pretty_exceptions_show_locals=False)
 bench_app = typer.Typer(help="Benchmarks that print their figures.", no_args_is_help=True)
 history_app = typer.Typer(help="Rollout history files (JSONL, optionally gzipped).", no_args_is_help=True)
+models_app = typer.Typer(help="Models that ship inside PyPI packages.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 app.add_typer(history_app, name="history")
+app.add_typer(models_app, name="models")
 
 console = Console(stderr=True)
 
@@ -42,6 +44,29 @@ def history_stats(
         print(json.dumps(stats.to_dict(), indent=2))
     else:
         stats.print(Console())
+
+
+@models_app.command("prepare")
+def models_prepare(
+    name: Annotated[str, typer.Argument(help="A known model name (see `das models list`) or a model directory.")],
+) -> None:
+    """Build (once) a ready-to-serve model directory and print its path."""
+    from das.service.models import prepare_model
+
+    try:
+        path = prepare_model(name, progress=True)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    print(path)
+
+
+@models_app.command("list")
+def models_list() -> None:
+    """Model names `--model` accepts besides a path."""
+    from das.service.models import known_models
+
+    for name in known_models():
+        print(name)
 
 
 @bench_app.command("drafter")

@@ -21,3 +21,17 @@ def test_a_model_directory_is_used_as_is(tmp_path):
 def test_a_directory_without_config_is_rejected(tmp_path):
     with pytest.raises(FileNotFoundError, match="no config.json"):
         prepare_model(str(tmp_path), progress=False)
+
+
+def test_cli_models_list_and_prepare_errors(tmp_path):
+    from typer.testing import CliRunner
+
+    from das.service.cli import app
+
+    listed = CliRunner().invoke(app, ["models", "list"])
+    assert listed.exit_code == 0 and "smollm2" in listed.stdout.split()
+    (tmp_path / "config.json").write_text("{}")
+    ok = CliRunner().invoke(app, ["models", "prepare", str(tmp_path)])
+    assert ok.exit_code == 0 and ok.stdout.strip() == str(tmp_path)
+    bad = CliRunner().invoke(app, ["models", "prepare", "no-such-model"])
+    assert bad.exit_code == 2 and "smollm2" in bad.output
