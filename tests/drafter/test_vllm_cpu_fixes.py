@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -18,17 +22,25 @@ def test_expand_keeps_every_dtype(dtype, values):
     assert torch.allclose(out.double(), torch.tensor(want, dtype=torch.float64))
 
 
-def test_vllm_expand_on_cpu_uses_the_fix():
-    import vllm
-    from vllm.platforms import current_platform
-    from vllm.plugins import load_general_plugins
-    from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+WORKER_STARTUP = """
+import json, torch
+from vllm.platforms import current_platform
+from vllm.plugins import load_general_plugins
+from vllm.v1.sample.rejection_sampler import expand_batch_to_tokens
+load_general_plugins()  # a vLLM worker's first steps, in this order: plugins, then the platform's kernel overrides
+current_platform.register_triton_kernel_overrides()
+temps = expand_batch_to_tokens(torch.tensor([0.8, 0.6, 1.0]), torch.tensor([2, 5, 6], dtype=torch.int32), 6)
+top_k = expand_batch_to_tokens(torch.tensor([5, 0, 7], dtype=torch.int32), torch.tensor([1, 3, 4], dtype=torch.int32),
+                               4, replace_from=0, replace_to=9)
+print(json.dumps({"temps": temps.tolist(), "top_k": top_k.tolist()}))
+"""
 
-    assert vllm.__version__.startswith("0.32")
-    load_general_plugins()  # what a vLLM worker does first: our entry point must be found and registered
-    current_platform.register_triton_kernel_overrides()
-    temps = expand_batch_to_tokens(torch.tensor([0.8, 0.6, 1.0]), torch.tensor([2, 5, 6], dtype=torch.int32), 6)
-    assert torch.allclose(temps, torch.tensor([0.8, 0.8, 0.6, 0.6, 0.6, 1.0]))
-    top_k = expand_batch_to_tokens(torch.tensor([5, 0, 7], dtype=torch.int32),
-                                   torch.tensor([1, 3, 4], dtype=torch.int32), 4, replace_from=0, replace_to=9)
-    assert top_k.tolist() == [5, 9, 9, 7]
+
+def test_vllm_expand_on_cpu_uses_the_fix():
+    # A fresh process, like a vLLM worker: the kernel registration scans every loaded module, and modules other
+    # tests import (numba's llvmlite, through vLLM's ngram proposer) make that scan fail in vLLM 0.32.
+    done = subprocess.run([sys.executable, "-c", WORKER_STARTUP], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["temps"] == pytest.approx([0.8, 0.8, 0.6, 0.6, 0.6, 1.0])
+    assert out["top_k"] == [5, 9, 9, 7]
