@@ -145,7 +145,6 @@ class HistoryBank:
         kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global"]
         self.calibrator = SourceCalibrator(kinds, self.config.calibration_pseudo_count,
                                            self.config.calibration_horizon)
-        self.proposals_by_kind = [0] * len(kinds)  # chosen drafts per calibrator kind
 
     # ---- problems and requests ----
 
@@ -207,9 +206,7 @@ class HistoryBank:
                                                       cfg.match_factor, cfg.prior)
         if choice.best < 0:
             return _no_proposal()
-        kind = kinds[choice.best]
-        self.proposals_by_kind[kind] += 1
-        return Proposal(choice.tokens, choice.probs, self.calibrator.kinds[kind], choice.match_len)
+        return Proposal(choice.tokens, choice.probs, self.calibrator.kinds[kinds[choice.best]], choice.match_len)
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
@@ -304,9 +301,6 @@ class HistoryBank:
         return sum(len(v) for v in groups.values())
 
     # ---- accounting ----
-
-    def proposals_by_source(self) -> dict[str, int]:
-        return {k: n for k, n in zip(self.calibrator.kinds, self.proposals_by_kind) if n}
 
     def stored_tokens(self) -> int:
         return self._global.tokens + sum(h.tokens() for h in self.problems.values())

@@ -17,6 +17,7 @@ import msgpack
 import numpy as np
 
 from das.drafter.history import HistoryBank, ProblemHistory, Segment
+from das.drafter.msgpack_document import decode_document, require_field
 
 FORMAT = "das-problem-history"
 VERSION = 1
@@ -42,7 +43,7 @@ def dump_problem(history: ProblemHistory) -> bytes:
 def load_problem(data: bytes, bank: HistoryBank) -> ProblemHistory:
     """Validates `data` completely, then installs it in `bank` (replacing that problem's prompts and sealed
     segments; its live segment is kept). On any error nothing in the bank changes."""
-    doc = _decode(data)
+    doc = decode_document(data, FORMAT, VERSION, HistoryFormatError)
     problem_id = _field(doc, "problem_id", str)
     if not problem_id:
         raise HistoryFormatError("problem_id must be a non-empty string")
@@ -73,28 +74,8 @@ def load_problem(data: bytes, bank: HistoryBank) -> ProblemHistory:
     return history
 
 
-def _decode(data: bytes) -> dict[str, Any]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise HistoryFormatError(f"expected bytes, got {type(data).__name__}")
-    try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except (msgpack.exceptions.ExtraData, msgpack.exceptions.FormatError, msgpack.exceptions.StackError,
-            ValueError, TypeError) as exc:
-        raise HistoryFormatError(f"not a msgpack document: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise HistoryFormatError(f"not a {FORMAT} document")
-    if doc.get("version") != VERSION:
-        raise HistoryFormatError(f"unsupported {FORMAT} version {doc.get('version')!r} (this build reads {VERSION})")
-    return doc
-
-
 def _field(doc: dict[str, Any], name: str, kind: type, prefix: str = "") -> Any:
-    if name not in doc:
-        raise HistoryFormatError(f"missing field {prefix}{name}")
-    value = doc[name]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise HistoryFormatError(f"field {prefix}{name} must be {kind.__name__}, got {type(value).__name__}")
-    return value
+    return require_field(doc, name, kind, HistoryFormatError, prefix)
 
 
 def _pack(tokens: list[int]) -> bytes:

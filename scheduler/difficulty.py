@@ -23,6 +23,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
+from das.drafter.msgpack_document import decode_document, require_field
 from das.drafter.records import RolloutRecord
 
 FORMAT = "das-difficulty-history"
@@ -369,17 +370,7 @@ def load_difficulty(data: bytes) -> DifficultyHistory:
 
 
 def _decode(data: object) -> dict[str, Any]:
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise DifficultyFormatError(f"expected bytes, got {type(data).__name__}")
-    try:
-        doc = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as exc:  # noqa: BLE001 -- msgpack raises several unrelated types; all mean "not msgpack"
-        raise DifficultyFormatError(f"not a msgpack document: {type(exc).__name__}: {exc}") from exc
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        raise DifficultyFormatError(f"not a {FORMAT} document")
-    version = doc.get("version")
-    if type(version) is not int or version != VERSION:
-        raise DifficultyFormatError(f"unsupported {FORMAT} version {version!r} (this build reads {VERSION})")
+    doc = decode_document(data, FORMAT, VERSION, DifficultyFormatError)
     _exact_keys(doc, _TOP_KEYS, "document")
     return doc
 
@@ -394,10 +385,7 @@ def _exact_keys(doc: dict[Any, Any], expected: frozenset[str], where: str) -> No
 
 
 def _field(doc: dict[str, Any], name: str, kind: type, prefix: str = "") -> Any:
-    value = doc[name]  # presence is checked by _exact_keys
-    if not isinstance(value, kind) or isinstance(value, bool):
-        raise DifficultyFormatError(f"field {prefix}{name} must be {kind.__name__}, got {type(value).__name__}")
-    return value
+    return require_field(doc, name, kind, DifficultyFormatError, prefix)
 
 
 def _int_field(doc: dict[str, Any], name: str, lo: int, hi: int, prefix: str = "") -> int:

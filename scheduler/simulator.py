@@ -195,10 +195,6 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
     return result
 
 
-def result_dict(r: ArmResult) -> dict[str, object]:
-    return asdict(r)
-
-
 @dataclass
 class SimulationBench:
     """Every arm (length-aware placement) plus both placements under one policy, on the same traces."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, NoReturn, Optional
+from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
@@ -26,6 +26,14 @@ def _fail(message: str) -> NoReturn:
     # Escaped: messages quote file contents (field names, paths) that may look like rich markup.
     console.print(f"[red]error:[/red] {escape(message)}")
     raise typer.Exit(code=2)
+
+
+def _emit(result: Any, as_json: bool) -> None:
+    """A bench result as one JSON object, or as its rich tables (wide: they have many columns)."""
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        result.print(Console(width=140))
 
 
 @history_app.command("stats")
@@ -88,10 +96,7 @@ def bench_drafter(
                                    repeats=repeats, progress=not as_json)
     except (RecordError, OSError, ValueError) as exc:
         _fail(str(exc))
-    if as_json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        result.print(Console(width=140))
+    _emit(result, as_json)
 
 
 @bench_app.command("simulate")
@@ -119,10 +124,7 @@ def bench_simulate(
                                       placement_policy=policy or "das", k_max=k_max, progress=not as_json)
     except (RecordError, OSError, ValueError) as exc:
         _fail(str(exc))
-    if as_json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        result.print(Console(width=140))
+    _emit(result, as_json)
 
 
 @app.command("calibrate")
