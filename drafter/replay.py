@@ -132,7 +132,8 @@ class DrafterBenchResult:
                 for name, a in self.arms.items() if name.startswith("arctic")}
 
 
-def _accepted(draft: np.ndarray, truth: np.ndarray) -> int:
+def accepted_prefix(draft: np.ndarray, truth: np.ndarray) -> int:
+    """Tokens a verifier accepts along a recorded path: the common prefix of the draft and the truth."""
     n = min(len(draft), len(truth))
     if n == 0:
         return 0
@@ -174,7 +175,7 @@ def replay_arm(drafter: ReplayDrafter, records: Sequence[RolloutRecord], max_dra
                     t0 = time.perf_counter_ns()
                     draft = drafter.propose(ids[i], seq[:at], max_draft)
                     spec_ns.append(time.perf_counter_ns() - t0)
-                    acc = _accepted(draft, seq[at:at + len(draft)])
+                    acc = accepted_prefix(draft, seq[at:at + len(draft)])
                     adv = min(acc + 1, len(seq) - at)
                     t0 = time.perf_counter_ns()
                     drafter.extend(ids[i], seq[at:at + adv])

@@ -21,6 +21,7 @@ import numpy as np
 
 from das.drafter.history import DrafterConfig, HistoryBank
 from das.drafter.records import RolloutRecord
+from das.drafter.replay import accepted_prefix
 from das.scheduler.budget import (BatchState, BudgetPolicy, ClassPolicy, DrafterParams, OptimalPolicy, UniformPolicy,
                                   estimate_drafter_params)
 from das.scheduler.cost_model import CostModel
@@ -136,10 +137,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             at = prompt_len[i] + pos[i]
             if k[j] > 0:
                 draft = bank.propose(ids[i], full[i][:at], int(k[j])).tokens
-                truth = full[i][at:at + len(draft)]
-                n = min(len(draft), len(truth))
-                miss = np.flatnonzero(draft[:n] != truth[:n])
-                accepted[j] = miss[0] if miss.size else n
+                accepted[j] = accepted_prefix(draft, full[i][at:at + len(draft)])
                 advanced[j] = min(accepted[j] + 1, lengths[i] - pos[i])
             if policy is not None:
                 bank.extend(ids[i], full[i][at:at + advanced[j]])
