@@ -1,0 +1,89 @@
+"""Where the proposer asks how many draft tokens each running request gets this step.
+
+The policies themselves live in `das.scheduler.budget` (uniform K, the three length classes, the length-aware
+optimum); this module turns the proposer's view of its batch into their `BatchState` and back. The scheduler
+tunes a hook by its configuration (`{"policy": ..., ...}` in `additional_config["das"]["budget"]`) and informs it
+per request through `RequestTags.predicted_tokens`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from das.scheduler.budget import BatchState, BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """One running request as the budget hook sees it (tokens).
+
+    generated: output tokens so far; predicted_tokens: predicted total output length, None if unknown;
+    max_tokens: the request's output cap; room: the most draft tokens that fit before max_tokens or the context.
+    """
+
+    generated: int
+    predicted_tokens: float | None
+    max_tokens: int
+    room: int
+
+    @property
+    def remaining(self) -> float:
+        """Predicted remaining output tokens (>= 1): from the prediction when there is one, else the cap."""
+        total = self.predicted_tokens if self.predicted_tokens is not None else self.max_tokens
+        return float(max(1.0, min(total, self.max_tokens) - self.generated))
+
+
+class BudgetHook(Protocol):
+    name: str
+
+    def draft_lengths(self, batch: list[RequestView]) -> np.ndarray:
+        """int32 K_i >= 0, one per request (the proposer clips to room and K_max)."""
+        ...
+
+
+class PolicyBudget:
+    """A `scheduler.budget` policy fed from the proposer's batch.
+
+    capacity / efficiency: the drafter parameters k and a of the budget model (DESIGN.md), the same for every
+    request until the scheduler measures them per request. c_base_s / c_tok_s: the engine's step cost model.
+    Cost: one BatchState (three small numpy arrays) plus the policy, about 30-90 us for 256 requests
+    (scheduler/budget.py).
+    """
+
+    def __init__(self, policy: BudgetPolicy, k_max: int, *, c_base_s: float = 6.1e-3, c_tok_s: float = 30.7e-6,
+                 capacity: float = 0.6, efficiency: float = 1.0) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.k_max = k_max
+        self.c_base_s, self.c_tok_s = c_base_s, c_tok_s
+        self.capacity, self.efficiency = capacity, efficiency
+
+    def draft_lengths(self, batch: list[RequestView]) -> np.ndarray:
+        n = len(batch)
+        state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n),
+                           np.full(n, self.capacity), np.full(n, self.efficiency),
+                           self.c_base_s, self.c_tok_s, self.k_max)
+        return self.policy.draft_lengths(state)
+
+
+def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
+    """`{"policy": "uniform", "k": K}` (default: uniform K_max), `{"policy": "classes", "long": 16, "medium": 8,
+    "short": 4}`, or `{"policy": "das", "c_base_s": ..., "c_tok_s": ..., "capacity": ..., "efficiency": ...}`."""
+    config = dict(config)
+    name = config.pop("policy", "uniform")
+    cost = {key: float(config.pop(key)) for key in ("c_base_s", "c_tok_s", "capacity", "efficiency")
+            if key in config}
+    if name == "uniform":
+        policy: BudgetPolicy = UniformPolicy(int(config.pop("k", k_max)))
+    elif name == "classes":
+        policy = ClassPolicy(**{key: int(config.pop(key)) for key in ("long", "medium", "short") if key in config})
+    elif name == "das":
+        policy = OptimalPolicy()
+    else:
+        raise ValueError(f"unknown budget policy {name!r}; expected uniform, classes or das")
+    if config:
+        raise ValueError(f"unknown budget settings for policy {name!r}: {sorted(config)}")
+    return PolicyBudget(policy, k_max, **cost)
