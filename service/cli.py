@@ -127,6 +127,58 @@ def bench_simulate(
     _emit(result, as_json)
 
 
+def _budget_settings(spec: str) -> dict[str, Any]:
+    """`uniform`, `classes` or `das:COST_MODEL` as budget-hook settings."""
+    from das.scheduler.cost_model import load_cost_model
+
+    policy, _, cost_name = spec.partition(":")
+    if policy in ("uniform", "classes") and not cost_name:
+        return {"policy": policy}
+    if policy == "das" and cost_name:
+        cost = load_cost_model(cost_name)
+        return {"policy": "das", "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s}
+    raise ValueError(f"--budget {spec!r}: expected uniform, classes or das:COST_MODEL")
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory.")] = "smollm2",
+    prompts: Annotated[str, typer.Option(help="Prompts JSONL file, or reasoning-gym:N for N generated problems.")]
+        = "reasoning-gym:8",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem (the group size n).")] = 8,
+    epochs: Annotated[int, typer.Option(min=1, help="Times the same prompts are run.")] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Output tokens per sample, at most.")] = 256,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy (then outputs must be identical).")] = 0.0,
+    arms: Annotated[str, typer.Option(help="Comma-separated arms: none, das, ngram, suffix.")] = "none,das",
+    k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens of every arm.")] = 8,
+    dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
+    max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
+    eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
+    budget: Annotated[str, typer.Option(help="das arm's draft budget: uniform (K every step), classes, or "
+                                             "das:COST_MODEL (length-aware, e.g. das:cpu-smollm2).")] = "uniform",
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Real engines, real model: makespan, throughput and acceptance per arm and epoch (das keeps its history)."""
+    import asyncio
+
+    from das.service.bench_e2e import E2EConfig, run_e2e
+    from das.service.models import prepare_model
+    from das.service.prompt_sets import PromptSetError, load_prompt_set
+
+    try:
+        problems = load_prompt_set(prompts)
+        budget_settings = _budget_settings(budget)
+        model_dir = prepare_model(model, progress=True)
+        config = E2EConfig(model=str(model_dir), prompts=prompts, samples=samples, epochs=epochs,
+                           max_tokens=max_tokens, temperature=temperature,
+                           arms=tuple(a.strip() for a in arms.split(",") if a.strip()), num_speculative_tokens=k,
+                           dtype=dtype, max_model_len=max_model_len, enforce_eager=eager, budget=budget_settings)
+    except (PromptSetError, OSError, ValueError) as exc:
+        _fail(str(exc))
+    result = asyncio.run(run_e2e(config, problems, progress=lambda m: console.print(f"[cyan]{m}[/cyan]")))
+    _emit(result, as_json)
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     model: Annotated[str, typer.Option(help="Model name (smollm2) or a model directory.")] = "smollm2",

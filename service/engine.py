@@ -6,7 +6,7 @@ process; the proposer and its history live in that process and are reached with 
 
 Lifecycle: `await Engine.create(config)`; `generate(group)` streams each sample as it finishes; between batches
 `reload_weights(path)` loads a new checkpoint and bumps the policy version (the drafter keeps its history,
-tagged by version); `shutdown()`.
+tagged by version); `await close()`.
 
 Errors: a bad group (prompt longer than the context, token ids outside the vocabulary, n < 1, max_tokens < 1,
 unknown sampling keys) raises `EngineInputError` (a ValueError) before anything is scheduled. A failure inside
@@ -22,6 +22,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -58,6 +59,7 @@ class EngineConfig(BaseModel):
     seed: int = 0
     kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
     enable_prefix_caching: bool = True
+    enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
 
     def speculative_config(self) -> dict[str, Any] | None:
         k = self.num_speculative_tokens
@@ -70,11 +72,45 @@ class EngineConfig(BaseModel):
         return {"method": "suffix", "num_speculative_tokens": k}
 
 
+@dataclass
+class SpecDecodeTally:
+    """vLLM's own speculative-decoding counters for one engine, summed over its steps (any method, so peer arms
+    are counted the same way as ours). drafts: verification steps with a draft; the rest are tokens."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
+def _tally_logger_factory(tally: SpecDecodeTally) -> Any:
+    """A vLLM stat-logger factory that adds every step's SpecDecodingStats into `tally`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class TallyLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                tally.drafts += spec.num_drafts
+                tally.draft_tokens += spec.num_draft_tokens
+                tally.accepted_tokens += spec.num_accepted_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return TallyLogger
+
+
 class Engine:
     """One AsyncLLM with the DAS proposer. Use `await Engine.create(config)`."""
 
-    def __init__(self, config: EngineConfig, llm: Any, tokenizer: Any, vocab_size: int) -> None:
+    def __init__(self, config: EngineConfig, llm: Any, tokenizer: Any, vocab_size: int,
+                 tally: SpecDecodeTally | None = None) -> None:
         self.config = config
+        self.spec_tally = tally or SpecDecodeTally()
         self.policy_version = 0
         self._llm = llm
         self._tokenizer = tokenizer
@@ -95,11 +131,11 @@ class Engine:
         args = AsyncEngineArgs(
             model=config.model, dtype=config.dtype, max_model_len=config.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
-            logprobs_mode="processed_logprobs", speculative_config=config.speculative_config(),
+            enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs", speculative_config=config.speculative_config(),
             worker_extension_cls=WORKER_EXTENSION if das else "",
-            additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": config.budget}} if das else {},
-            disable_log_stats=True)
-        llm = AsyncLLM.from_engine_args(args)
+            additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": config.budget}} if das else {})
+        tally = SpecDecodeTally()
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
         try:
             if das:
                 await llm.collective_rpc("das_attach")
@@ -108,7 +144,7 @@ class Engine:
         except BaseException:
             llm.shutdown()
             raise
-        return cls(config, llm, tokenizer, vocab_size)
+        return cls(config, llm, tokenizer, vocab_size, tally)
 
     # ---- generation ----
 
@@ -247,8 +283,11 @@ class Engine:
         (stats,) = await self._llm.collective_rpc("das_stats")
         return dict(stats)
 
-    def shutdown(self) -> None:
+    async def close(self) -> None:
+        """Stops the engine processes; lets AsyncLLM's output task see its cancellation before returning, so the
+        event loop can be closed cleanly afterwards."""
         self._llm.shutdown()
+        await asyncio.sleep(0)
 
 
 def _describe(exc: BaseException) -> str:
