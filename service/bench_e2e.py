@@ -9,7 +9,9 @@ accepted_tokens (vLLM's own speculative-decoding counters, the same for every me
 per verification step that carried a draft: 1 + accepted / drafts), tail_share (share of the makespan after the
 median sample finished: what a long tail costs). identical_outputs: whether all arms produced token-identical
 samples in every epoch (null at temperature > 0, where they need not); divergence: per arm, the share of samples
-whose tokens differ from the first arm's (at temperature 0; bf16 batch-shape numerics make a few differ).
+whose tokens differ from the first arm's, and noise_floor: the share of the first arm's samples that differ
+between its own first two epochs (both at temperature 0: batch-shape numerics in bf16 make samples diverge even
+without speculation, so divergence is read against this floor).
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ class E2EResult:
     epochs: list[dict[str, ArmEpoch]] = field(default_factory=list)
     identical_outputs: bool | None = None
     divergence: dict[str, float] = field(default_factory=dict)
+    noise_floor: float | None = None
+    proposer: dict[str, Any] = field(default_factory=dict)  # the das arm's per-step cost and history size
     setup_s: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -83,6 +87,8 @@ class E2EResult:
                            for e, arms in enumerate(self.epochs)],
                 "identical_outputs": self.identical_outputs,
                 "divergence": self.divergence,
+                "noise_floor": self.noise_floor,
+                "proposer": self.proposer,
                 "engine_start_s": self.setup_s}
 
     def print(self, console: Any) -> None:
@@ -105,6 +111,13 @@ class E2EResult:
         if self.divergence:
             shares = ", ".join(f"{arm} {share:.1%}" for arm, share in self.divergence.items())
             console.print(f"samples that differ from {self.config.arms[0]}: {shares}")
+        if self.noise_floor is not None:
+            console.print(f"noise floor: {self.noise_floor:.1%} of {self.config.arms[0]}'s samples differ between "
+                          f"its own epochs 1 and 2 (same prompts, other batch timing)")
+        if self.proposer:
+            p = self.proposer
+            console.print(f"das proposer per decode step: p50 {p['step_us_p50']:.0f} us, p99 {p['step_us_p99']:.0f} us "
+                          f"at {p['mean_batch']:.1f} requests on average; history {p['stored_tokens']} tokens")
 
 
 async def run_e2e(config: E2EConfig, problems: list[Problem],
@@ -131,6 +144,8 @@ async def run_e2e(config: E2EConfig, problems: list[Problem],
                 row[arm] = stats
                 outputs[arm].append([s.token_ids for s in samples])
             result.epochs.append(row)
+        if "das" in engines:
+            result.proposer = await engines["das"].drafter_stats()
     finally:
         for engine in engines.values():
             await engine.close()
@@ -140,6 +155,9 @@ async def run_e2e(config: E2EConfig, problems: list[Problem],
             mine = [s for epoch in outputs[arm] for s in epoch]
             result.divergence[arm] = round(sum(a != b for a, b in zip(first, mine)) / len(first), 4)
         result.identical_outputs = not any(result.divergence.values()) if result.divergence else None
+        runs = outputs[config.arms[0]]
+        if len(runs) > 1:
+            result.noise_floor = round(sum(a != b for a, b in zip(runs[0], runs[1])) / len(runs[0]), 4)
     return result
 
 

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+# Results (tables, --json) go to stdout; vLLM logs to stdout unless told otherwise, and at INFO it logs every
+# engine start in detail. Its processes inherit the environment, so this covers the engine core too.
+os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
 app = typer.Typer(help="DAS rollout service: distribution-aware speculative decoding for RL rollouts.",
                   no_args_is_help=True, pretty_exceptions_show_locals=False)

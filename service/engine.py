@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from das.drafter.records import RecordError, RolloutRecord
 from das.drafter.vllm_proposer import CONFIG_KEY, RequestTags
 from das.service.api_types import GroupRequest, SampleResult
 
@@ -271,7 +272,13 @@ class Engine:
         return self.policy_version
 
     async def add_history(self, rollouts: list[dict[str, Any]]) -> int:
-        """Imports finished rollouts (history-format dicts) into the drafter as sealed history."""
+        """Imports finished rollouts (history-format dicts) into the drafter as sealed history. All are validated
+        here first (EngineInputError naming the rollout and field), so a bad one changes nothing."""
+        for i, rollout in enumerate(rollouts):
+            try:
+                RolloutRecord.from_dict(rollout)
+            except RecordError as exc:
+                raise EngineInputError(f"rollout {i}: {exc}") from None
         if self.config.speculation != "das":
             return 0
         (count,) = await self._llm.collective_rpc("das_add_rollouts", args=(rollouts,))

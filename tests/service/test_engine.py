@@ -170,6 +170,22 @@ def test_bad_groups_fail_before_anything_is_scheduled(loop, tiny_das, group, mes
     assert tiny_das._inflight == 0
 
 
+def test_imported_history_drafts_a_problems_first_sample(loop, tiny_das):
+    sampling = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    prompt = [9, 10, 11, 12]
+    (probe,) = run_groups(loop, tiny_das, [GroupRequest(problem_id="probe", n=1, prompt_token_ids=prompt,
+                                                        sampling=sampling)])
+    record = {"problem_id": "imported", "policy_version": 0, "sample_index": 0, "prompt_token_ids": prompt,
+              "output_token_ids": probe[0].token_ids}
+    assert loop.run_until_complete(tiny_das.add_history([record])) == 1
+    (first,) = run_groups(loop, tiny_das, [GroupRequest(problem_id="imported", n=1, prompt_token_ids=prompt,
+                                                        sampling=sampling)])
+    assert first[0].token_ids == probe[0].token_ids
+    assert first[0].accepted_tokens >= 12 and first[0].decode_steps < probe[0].decode_steps
+    with pytest.raises(EngineInputError, match="rollout 1: .*problem_id"):
+        loop.run_until_complete(tiny_das.add_history([record, {**record, "problem_id": ""}]))
+
+
 class FailingOn:
     """Stands in for AsyncLLM: fails the requests whose id ends with `suffix`, passes the rest through."""
 

@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from das.service.prompt_sets import PromptSetError, load_prompt_set
+
+
+def write(tmp_path, *lines: object):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines) + "\n")
+    return path
+
+
+def test_the_three_prompt_forms_and_blank_lines(tmp_path):
+    path = write(tmp_path, {"problem_id": "a", "prompt": "hi"}, "",
+                 {"problem_id": "b", "prompt_token_ids": [1, 2]},
+                 {"problem_id": "c", "messages": [{"role": "user", "content": "x"}]})
+    problems = load_prompt_set(str(path))
+    assert [p.problem_id for p in problems] == ["a", "b", "c"]
+    assert problems[1].prompt_token_ids == (1, 2) and problems[2].messages == ({"role": "user", "content": "x"},)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", ":1: not JSON"),
+    ([1, 2], ":1: expected a JSON object"),
+    ({"problem_id": "a"}, "exactly one"),
+    ({"problem_id": "a", "prompt": "x", "tokens": 3}, ":1: tokens"),
+])
+def test_bad_lines_name_file_and_line(tmp_path, line, message):
+    with pytest.raises(PromptSetError, match=message):
+        load_prompt_set(str(write(tmp_path, line)))
+
+
+def test_duplicate_ids_empty_files_and_bad_sources(tmp_path):
+    with pytest.raises(PromptSetError, match=":2: problem_id 'a' appears twice"):
+        load_prompt_set(str(write(tmp_path, {"problem_id": "a", "prompt": "x"}, {"problem_id": "a", "prompt": "y"})))
+    with pytest.raises(PromptSetError, match="no problems"):
+        load_prompt_set(str(write(tmp_path, "")))
+    with pytest.raises(PromptSetError, match="reasoning-gym:<count>"):
+        load_prompt_set("reasoning-gym:many")
+    with pytest.raises(PromptSetError, match="No such file"):
+        load_prompt_set(str(tmp_path / "missing.jsonl"))
+
+
+def test_reasoning_gym_problems_are_reproducible_chat_prompts():
+    a, b = load_prompt_set("reasoning-gym:4"), load_prompt_set("reasoning-gym:4")
+    assert a == b and len({p.problem_id for p in a}) == 4
+    assert all(p.messages and p.messages[-1]["role"] == "user" for p in a)
