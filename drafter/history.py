@@ -253,11 +253,18 @@ class HistoryBank:
         self.install_sealed(history, version, segment)
 
     def install_sealed(self, history: ProblemHistory, version: int, segment: Segment) -> None:
-        """Adds a finished segment as `version` of `history`, applies the window and the token budget."""
-        if version in history.sealed:
-            raise ValueError(f"problem {history.problem_id!r}: policy version {version} is already sealed")
-        history.sealed = dict(sorted({**history.sealed, version: segment}.items()))
-        self._seal_order.append((history.problem_id, version))
+        """Adds a finished segment as `version` of `history`, applies the window and the token budget. A version
+        that is already sealed (imported history, then live samples of the same version) gets the new segment's
+        sequences added to it: O(max_depth) per token."""
+        existing = history.sealed.get(version)
+        if existing is not None:
+            for seq in segment.seq_ids:
+                tokens = np.asarray(segment.index.sequence(seq), np.int32)
+                if len(tokens):
+                    existing.add(tokens, sealed=True)
+        else:
+            history.sealed = dict(sorted({**history.sealed, version: segment}.items()))
+            self._seal_order.append((history.problem_id, version))
         for old in [v for v in history.sealed if v <= version - self.config.window]:
             del history.sealed[old]
         self._feed_global(segment)

@@ -153,3 +153,17 @@ def test_corrupt_histories_raise_and_change_nothing(mutate, message):
 def test_non_msgpack_input_is_a_clear_error(blob):
     with pytest.raises(HistoryFormatError):
         load_problem(blob, HistoryBank())
+
+
+def test_live_samples_of_an_imported_version_join_it_when_sealed():
+    bank = HistoryBank()
+    bank.add_rollouts([rec("p", 0, 0, [1, 2, 3, 4])])
+    bank.start_request("r", "p", np.array([9], np.int32), policy_version=0)
+    bank.extend("r", np.array([5, 6, 7], np.int32))
+    bank.finish_request("r")
+    bank.seal(0)
+    sealed = bank.problems["p"].sealed
+    assert list(sealed) == [0]
+    assert sorted(sealed[0].sequences()) == [[1, 2, 3, 4], [5, 6, 7]]
+    bank.add_rollouts([rec("p", 0, 1, [8, 8])])  # importing into a sealed version adds to it too
+    assert len(bank.problems["p"].sealed[0].sequences()) == 3
