@@ -109,6 +109,7 @@ class DasProposer:
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         extra = (vllm_config.additional_config or {}).get(CONFIG_KEY, {})
         self.bank = HistoryBank(DrafterConfig(**extra.get("drafter", {})))
+        self._context = self.bank.config.max_depth
         self.budget: BudgetHook = budget_hook_from_config(extra.get("budget", {}), self.k_max)
         self.policy_version = 0
         self._runner: Any = None
@@ -162,7 +163,8 @@ class DasProposer:
         drafts: list[list[int]] = []
         for i, (rid, run, view) in enumerate(zip(req_ids, rows, views)):
             k = min(int(lengths[i]), view.room, self.k_max)
-            run.draft = self._draft(rid, token_ids_cpu[i, :run.fed], k)
+            # the index matches at most max_depth tokens of context: copy no more than that
+            run.draft = self._draft(rid, token_ids_cpu[i, max(0, run.fed - self._context):run.fed], k)
             drafts.append(run.draft.tolist())
         self._step_us.append((time.perf_counter() - t0) * 1e6)
         self._step_batch.append(len(req_ids))
@@ -225,8 +227,9 @@ class DasProposer:
         if k <= 0:
             return np.zeros(0, np.int32)
         tokens = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k).tokens
-        bad = np.flatnonzero(tokens >= self.vocab_size)
-        return tokens[: bad[0]] if bad.size else tokens
+        if tokens.size == 0 or tokens.max() < self.vocab_size:
+            return tokens
+        return tokens[: np.argmax(tokens >= self.vocab_size)]
 
     def _retire(self, live: set[str]) -> None:
         """Finishes requests that left the runner (finished or aborted), keeping preempted ones."""
