@@ -1,0 +1,184 @@
+"""Gateway throughput and added latency with a stub engine, over real loopback HTTP.
+
+The gateway (uvicorn, StubBackend) runs in a child process; this process is the trainer (RolloutClient, msgpack
+by default). Two measurements, each repeated and reported as the median of the repeats:
+
+- throughput: the stub emits one batch's samples as fast as it can; samples/s = samples / (first request byte
+  to last sample decoded by the client). The stub runs inside the gateway's process, so this is a lower bound
+  on the gateway alone.
+- added latency: the stub emits at a fixed rate (--rate samples/s) and logs each sample's emission time; the
+  client stamps each sample when it has decoded it. Added latency = client stamp - stub emission, per sample
+  (both time.perf_counter, which on Linux is CLOCK_MONOTONIC and shared by the two processes); p50 and p99.
+
+Goal (issue 5): >= 5,000 samples/s with msgpack and <= 5 ms p99 added per sample.
+Run: .venv/bin/python loadtests/gateway_throughput.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import socket
+import statistics
+import threading
+import time
+from multiprocessing.connection import Connection
+from typing import Any
+
+import httpx
+
+GOAL_SAMPLES_PER_S = 5000.0
+GOAL_P99_ADDED_MS = 5.0
+
+
+def _serve(sock: socket.socket, stub: dict[str, Any], conn: Connection) -> None:
+    """Child process: the gateway over a StubBackend on `sock`; answers "emissions" (returns and clears the
+    stub's emission log) and "stop" on `conn`."""
+    import uvicorn
+
+    from das.service.gateway import GatewaySettings, create_app
+    from das.service.rollout_backend import StubBackend
+
+    backend = StubBackend(log_emissions=True, **stub)
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, GatewaySettings(max_batch_samples=10**6, freeze_gc=True)),
+                                           log_level="warning", access_log=False))
+
+    def commands() -> None:
+        while True:
+            command = conn.recv()
+            if command == "emissions":
+                assert backend.emissions is not None
+                log, backend.emissions[:] = list(backend.emissions), []
+                conn.send(log)
+            elif command == "stop":
+                server.should_exit = True
+                return
+
+    threading.Thread(target=commands, daemon=True).start()
+    server.run(sockets=[sock])
+
+
+class StubServer:
+    """The gateway in a child process on a free loopback port."""
+
+    def __init__(self, **stub: Any) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._conn, child = multiprocessing.Pipe()
+        self._process = multiprocessing.get_context("spawn").Process(target=_serve,
+                                                                      args=(self._socket, stub, child))
+
+    def __enter__(self) -> StubServer:
+        self._process.start()
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline or not self._process.is_alive():
+                raise RuntimeError("the gateway process did not start")
+            time.sleep(0.1)
+
+    def emissions(self) -> dict[tuple[int, int], float]:
+        """(group, sample) -> perf_counter time the stub emitted it, since the last call."""
+        self._conn.send("emissions")
+        return {(g, s): t for g, s, t in self._conn.recv()}
+
+    def __exit__(self, *exc: object) -> None:
+        self._conn.send("stop")
+        self._process.join(timeout=10)
+        if self._process.is_alive():
+            self._process.terminate()
+            self._process.join()
+        self._socket.close()
+
+
+def _groups(samples: int, group_size: int) -> list[dict[str, Any]]:
+    count = -(-samples // group_size)
+    return [{"problem_id": f"p{i}", "prompt_token_ids": [1, 2, 3, 4], "n": min(group_size, samples - i * group_size),
+             "sampling": {"max_tokens": 4096}} for i in range(count)]
+
+
+def _run_batch(url: str, groups: list[dict[str, Any]], wire: str) -> tuple[float, dict[tuple[int, int], float]]:
+    """Seconds from the request to the last sample decoded, and each sample's decode time (perf_counter)."""
+    from das.service.client import RolloutClient
+
+    received: dict[tuple[int, int], float] = {}
+    with RolloutClient(url, wire=wire, retries=0) as client:  # type: ignore[arg-type]
+        start = time.perf_counter()
+        for record in client.generate(groups):
+            received[(record.group_index, record.sample_index)] = time.perf_counter()
+        elapsed = time.perf_counter() - start
+    return elapsed, received
+
+
+def measure(samples: int, group_size: int, tokens: int, rate: float, repeats: int, wire: str) -> dict[str, Any]:
+    groups = _groups(samples, group_size)
+    throughputs = []
+    with StubServer(output_tokens=tokens) as server:
+        _run_batch(server.url, groups[:8], wire)  # warm-up: first-request imports and connection setup
+        server.emissions()
+        for _ in range(repeats):
+            elapsed, received = _run_batch(server.url, groups, wire)
+            assert len(received) == samples and len(server.emissions()) == samples
+            throughputs.append(samples / elapsed)
+
+    paced_samples = min(samples, int(rate * 4))  # about 4 s of emission per repeat
+    paced_groups = _groups(paced_samples, group_size)
+    p50s, p99s, paced_rates = [], [], []
+    with StubServer(output_tokens=tokens, interval_s=1.0 / rate) as server:
+        _run_batch(server.url, paced_groups[:8], wire)
+        server.emissions()
+        for _ in range(repeats):
+            elapsed, received = _run_batch(server.url, paced_groups, wire)
+            emitted = server.emissions()
+            added_ms = sorted((received[k] - emitted[k]) * 1e3 for k in emitted)
+            assert len(added_ms) == paced_samples == len(received)
+            p50s.append(added_ms[len(added_ms) // 2])
+            p99s.append(added_ms[min(len(added_ms) - 1, int(0.99 * len(added_ms)))])
+            paced_rates.append(paced_samples / elapsed)
+
+    return {
+        "wire": wire, "samples": samples, "group_size": group_size, "tokens_per_sample": tokens,
+        "repeats": repeats, "samples_per_s": round(statistics.median(throughputs)),
+        "samples_per_s_runs": [round(x) for x in throughputs],
+        "paced_rate": rate, "paced_samples": paced_samples,
+        "paced_achieved_samples_per_s": round(statistics.median(paced_rates)),
+        "added_ms_p50": round(statistics.median(p50s), 3), "added_ms_p99": round(statistics.median(p99s), 3),
+        "added_ms_p99_runs": [round(x, 3) for x in p99s],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--samples", type=int, default=20000, help="samples per batch (throughput)")
+    parser.add_argument("--group-size", type=int, default=16, help="samples per group (n)")
+    parser.add_argument("--tokens", type=int, default=256, help="output tokens per sample")
+    parser.add_argument("--rate", type=float, default=5000.0, help="stub emission rate for the latency runs, "
+                                                                   "samples/s")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--wire", choices=["msgpack", "ndjson"], default="msgpack")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    result = measure(args.samples, args.group_size, args.tokens, args.rate, args.repeats, args.wire)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    ok_rate = result["samples_per_s"] >= GOAL_SAMPLES_PER_S
+    ok_p99 = result["added_ms_p99"] <= GOAL_P99_ADDED_MS
+    print(f"wire {result['wire']}, {result['tokens_per_sample']} tokens/sample, groups of {result['group_size']}, "
+          f"median of {result['repeats']} repeats")
+    print(f"throughput: {result['samples_per_s']} samples/s over {result['samples']} samples "
+          f"(runs {result['samples_per_s_runs']}; goal >= {GOAL_SAMPLES_PER_S:.0f}: {'ok' if ok_rate else 'MISSED'})")
+    print(f"added latency at {result['paced_rate']:.0f} samples/s emitted ({result['paced_samples']} samples, "
+          f"{result['paced_achieved_samples_per_s']} samples/s received): p50 {result['added_ms_p50']} ms, "
+          f"p99 {result['added_ms_p99']} ms (runs {result['added_ms_p99_runs']}; goal <= {GOAL_P99_ADDED_MS} ms: "
+          f"{'ok' if ok_p99 else 'MISSED'})")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""Trainer-side client of the gateway: `RolloutClient` (blocking) and `AsyncRolloutClient` (asyncio).
+
+`generate(groups)` returns a stream that yields each `SampleRecord` as the server finishes it; once exhausted,
+its `summary` holds the batch's `BatchSummary`. Wire format msgpack by default, NDJSON with `wire="ndjson"`.
+
+Safe retries: every batch carries a batch_id (generated when not given) that is sent on every attempt, so a
+retry after a dropped connection, a 429/502/503/504 or a stream cut short attaches to the batch the server is
+already running instead of running it again. The retry asks the server to skip the records already received,
+and records are also de-duplicated by (group_index, sample_index), so none is yielded twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any, Literal
+
+import httpx
+import msgpack
+
+from das.service.api_types import GroupRequest
+from das.service.gateway import MSGPACK, NDJSON, BatchSummary, SampleRecord
+
+Wire = Literal["msgpack", "ndjson"]
+
+_RETRY_STATUS = frozenset({429, 502, 503, 504})
+# Generation can take many minutes between samples: no read timeout by default, bounded connect and write.
+DEFAULT_TIMEOUT = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=30.0)
+
+
+class RolloutError(RuntimeError):
+    """The server refused a request (`status_code`, `detail`), or a batch ended aborted or failed
+    (`summary`)."""
+
+    def __init__(self, message: str, *, status_code: int | None = None, detail: Any = None,
+                 summary: BatchSummary | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.detail = detail
+        self.summary = summary
+
+
+class _Retryable(Exception):
+    """An attempt that may be repeated with the same batch_id; `status_code` None when the stream was cut."""
+
+    def __init__(self, message: str, status_code: int | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+
+def _may_retry(exc: Exception, idempotent: bool) -> bool:
+    """Whether a failed call may be sent again. A call that is not idempotent only when the server cannot have
+    acted on it: the connection was never made, or it answered 429/503."""
+    if idempotent:
+        return True
+    if isinstance(exc, _Retryable):
+        return exc.status_code in (429, 503)
+    return isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+
+
+def _groups_json(groups: Sequence[GroupRequest | Mapping[str, Any]]) -> list[dict[str, Any]]:
+    # Validated here, so a bad group fails before any network traffic, with pydantic's field-named error.
+    return [(g if isinstance(g, GroupRequest) else GroupRequest.model_validate(g)).model_dump(
+        mode="json", exclude_none=True) for g in groups]
+
+
+def _raise_for(response: httpx.Response, body: bytes) -> None:
+    """Nothing for a 2xx; _Retryable for a status worth retrying; RolloutError otherwise."""
+    if response.is_success:
+        return
+    try:
+        detail = json.loads(body).get("detail")
+    except (ValueError, AttributeError):
+        detail = body.decode(errors="replace")
+    if response.status_code in _RETRY_STATUS:
+        raise _Retryable(f"HTTP {response.status_code}: {detail}", response.status_code)
+    raise RolloutError(f"HTTP {response.status_code}: {detail}", status_code=response.status_code, detail=detail)
+
+
+class _BatchProgress:
+    """What one batch has received over all its attempts: decodes the wire, drops duplicates, keeps the
+    summary."""
+
+    def __init__(self, groups: list[dict[str, Any]], batch_id: str, logprobs: bool, wire: Wire) -> None:
+        self.batch_id = batch_id
+        self.wire = wire
+        self.summary: BatchSummary | None = None
+        self._groups = groups
+        self._logprobs = logprobs
+        self._seen: set[tuple[int, int]] = set()
+        self._received = 0  # records of this batch in server order: what a retry asks the server to skip
+        self._reset(0)
+
+    @property
+    def accept(self) -> str:
+        return MSGPACK if self.wire == "msgpack" else NDJSON
+
+    def body(self) -> dict[str, Any]:
+        return {"batch_id": self.batch_id, "groups": self._groups, "logprobs": self._logprobs,
+                "resume_from": self._received}
+
+    def begin(self, response: httpx.Response) -> None:
+        """A new attempt's stream starts; the server says at which of the batch's records (it starts from 0
+        when it did not know the batch, e.g. after a restart)."""
+        self._reset(int(response.headers.get("X-Stream-Offset", 0)))
+
+    def _reset(self, offset: int) -> None:
+        self._unpacker = msgpack.Unpacker(raw=False)
+        self._pending = b""  # an NDJSON line not complete yet
+        self._attempt_records = 0
+        self._attempt_offset = offset
+
+    def feed(self, chunk: bytes) -> list[SampleRecord]:
+        """New records in `chunk` (a piece of the stream, cut anywhere)."""
+        if self.wire == "msgpack":
+            self._unpacker.feed(chunk)
+            objects: Iterator[Any] = iter(self._unpacker)
+        else:
+            lines = (self._pending + chunk).split(b"\n")
+            self._pending = lines.pop()
+            objects = (json.loads(line) for line in lines if line)
+        out = []
+        for obj in objects:
+            if "summary" in obj:
+                self.summary = BatchSummary.model_validate(obj["summary"])
+                continue
+            self._attempt_records += 1
+            self._received = max(self._received, self._attempt_offset + self._attempt_records)
+            record = SampleRecord.model_validate(obj)
+            key = (record.group_index, record.sample_index)
+            if key not in self._seen:
+                self._seen.add(key)
+                out.append(record)
+        return out
+
+    def finish(self) -> None:
+        """The end of one attempt's stream: _Retryable if it ended before the summary; RolloutError if the batch
+        ended aborted or failed."""
+        if self.summary is None:
+            raise _Retryable("the stream ended before the batch summary")
+        if self.summary.status != "done":
+            raise RolloutError(f"batch {self.batch_id} {self.summary.status}"
+                               + (f": {self.summary.error}" if self.summary.error else ""), summary=self.summary)
+
+
+class _ClientBase:
+    def __init__(self, url: str, token: str | None, wire: Wire, retries: int, backoff_s: float) -> None:
+        if wire not in ("msgpack", "ndjson"):
+            raise ValueError(f"wire must be 'msgpack' or 'ndjson', got {wire!r}")
+        self.wire = wire
+        self.retries = retries
+        self.backoff_s = backoff_s
+        self._base_url = url.rstrip("/")
+        # Kept only in the header dict given to httpx; never part of a message or repr.
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+
+    def _progress(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None,
+                  logprobs: bool) -> _BatchProgress:
+        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, self.wire)
+
+    def _delay(self, attempt: int) -> float:
+        """Seconds before retry `attempt` (1-based): exponential, capped at 10 s."""
+        return min(self.backoff_s * 2 ** (attempt - 1), 10.0)
+
+
+class RolloutStream:
+    """Iterate for the batch's samples as they finish; afterwards `summary` is the batch's final summary."""
+
+    def __init__(self, client: RolloutClient, progress: _BatchProgress) -> None:
+        self._client = client
+        self._progress = progress
+        self.batch_id = progress.batch_id
+
+    @property
+    def summary(self) -> BatchSummary | None:
+        return self._progress.summary
+
+    def __iter__(self) -> Iterator[SampleRecord]:
+        client, progress = self._client, self._progress
+        for attempt in range(client.retries + 1):
+            try:
+                with client.http.stream("POST", "/v1/rollouts", json=progress.body(),
+                                        headers={"Accept": progress.accept}) as response:
+                    _raise_for(response, b"" if response.is_success else response.read())
+                    progress.begin(response)
+                    for chunk in response.iter_bytes():
+                        yield from progress.feed(chunk)
+                progress.finish()
+                return
+            except (httpx.TransportError, _Retryable) as exc:
+                if attempt == client.retries:
+                    raise RolloutError(f"batch {self.batch_id}: gave up after {attempt + 1} attempts: {exc}") \
+                        from exc
+            time.sleep(client._delay(attempt + 1))
+
+
+class RolloutClient(_ClientBase):
+    """Blocking client. `token`: the server's bearer token. `retries`: extra attempts for a batch or call that
+    failed in transit (`backoff_s` doubling). Use as a context manager or call `close()`."""
+
+    def __init__(self, url: str, token: str | None = None, *, wire: Wire = "msgpack", retries: int = 5,
+                 backoff_s: float = 0.5, timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT,
+                 transport: httpx.BaseTransport | None = None) -> None:
+        super().__init__(url, token, wire, retries, backoff_s)
+        self.http = httpx.Client(base_url=self._base_url, headers=self._headers, timeout=timeout,
+                                 transport=transport)
+
+    def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
+                 logprobs: bool = False) -> RolloutStream:
+        """The batch's samples as they finish (iterate the result). Raises RolloutError when the server refuses
+        the batch, gives up retrying, or the batch ends aborted or failed."""
+        return RolloutStream(self, self._progress(groups, batch_id, logprobs))
+
+    def _call(self, method: str, path: str, json_body: Any = None) -> Any:
+        idempotent = method in ("GET", "DELETE")
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.http.request(method, path, json=json_body)
+                _raise_for(response, response.content)
+                return response.json()
+            except (httpx.TransportError, _Retryable) as exc:
+                if attempt == self.retries or not _may_retry(exc, idempotent):
+                    raise RolloutError(f"{method} {path}: failed after {attempt + 1} attempt(s): {exc}") \
+                        from exc
+            time.sleep(self._delay(attempt + 1))
+
+    def status(self, batch_id: str) -> BatchSummary:
+        return BatchSummary.model_validate(self._call("GET", f"/v1/rollouts/{batch_id}"))
+
+    def abort(self, batch_id: str) -> BatchSummary:
+        return BatchSummary.model_validate(self._call("DELETE", f"/v1/rollouts/{batch_id}"))
+
+    def reload_weights(self, path: str, version: int) -> int:
+        """Reloads the policy (waits for running batches); returns the version now served."""
+        return int(self._call("POST", "/v1/weights", {"path": path, "version": version})["policy_version"])
+
+    def add_history(self, records: list[dict[str, Any]]) -> int:
+        return int(self._call("POST", "/v1/history", {"records": records})["added"])
+
+    def close(self) -> None:
+        self.http.close()
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncRolloutStream:
+    """`async for` the batch's samples as they finish; afterwards `summary` is the batch's final summary."""
+
+    def __init__(self, client: AsyncRolloutClient, progress: _BatchProgress) -> None:
+        self._client = client
+        self._progress = progress
+        self.batch_id = progress.batch_id
+
+    @property
+    def summary(self) -> BatchSummary | None:
+        return self._progress.summary
+
+    async def __aiter__(self) -> AsyncIterator[SampleRecord]:
+        client, progress = self._client, self._progress
+        for attempt in range(client.retries + 1):
+            try:
+                async with client.http.stream("POST", "/v1/rollouts", json=progress.body(),
+                                              headers={"Accept": progress.accept}) as response:
+                    _raise_for(response, b"" if response.is_success else await response.aread())
+                    progress.begin(response)
+                    async for chunk in response.aiter_bytes():
+                        for record in progress.feed(chunk):
+                            yield record
+                progress.finish()
+                return
+            except (httpx.TransportError, _Retryable) as exc:
+                if attempt == client.retries:
+                    raise RolloutError(f"batch {self.batch_id}: gave up after {attempt + 1} attempts: {exc}") \
+                        from exc
+            await asyncio.sleep(client._delay(attempt + 1))
+
+
+class AsyncRolloutClient(_ClientBase):
+    """The asyncio twin of `RolloutClient`. Use with `async with` or call `await aclose()`."""
+
+    def __init__(self, url: str, token: str | None = None, *, wire: Wire = "msgpack", retries: int = 5,
+                 backoff_s: float = 0.5, timeout: httpx.Timeout | float | None = DEFAULT_TIMEOUT,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        super().__init__(url, token, wire, retries, backoff_s)
+        self.http = httpx.AsyncClient(base_url=self._base_url, headers=self._headers, timeout=timeout,
+                                      transport=transport)
+
+    def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
+                 logprobs: bool = False) -> AsyncRolloutStream:
+        """The batch's samples as they finish (`async for` the result); errors as `RolloutClient.generate`."""
+        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs))
+
+    async def _call(self, method: str, path: str, json_body: Any = None) -> Any:
+        idempotent = method in ("GET", "DELETE")
+        for attempt in range(self.retries + 1):
+            try:
+                response = await self.http.request(method, path, json=json_body)
+                _raise_for(response, response.content)
+                return response.json()
+            except (httpx.TransportError, _Retryable) as exc:
+                if attempt == self.retries or not _may_retry(exc, idempotent):
+                    raise RolloutError(f"{method} {path}: failed after {attempt + 1} attempt(s): {exc}") \
+                        from exc
+            await asyncio.sleep(self._delay(attempt + 1))
+
+    async def status(self, batch_id: str) -> BatchSummary:
+        return BatchSummary.model_validate(await self._call("GET", f"/v1/rollouts/{batch_id}"))
+
+    async def abort(self, batch_id: str) -> BatchSummary:
+        return BatchSummary.model_validate(await self._call("DELETE", f"/v1/rollouts/{batch_id}"))
+
+    async def reload_weights(self, path: str, version: int) -> int:
+        """Reloads the policy (waits for running batches); returns the version now served."""
+        body = await self._call("POST", "/v1/weights", {"path": path, "version": version})
+        return int(body["policy_version"])
+
+    async def add_history(self, records: list[dict[str, Any]]) -> int:
+        return int((await self._call("POST", "/v1/history", {"records": records}))["added"])
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+
+    async def __aenter__(self) -> AsyncRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

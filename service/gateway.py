@@ -1,0 +1,575 @@
+"""The HTTP gateway: `create_app(backend, settings)` builds the FastAPI app over a `RolloutBackend`.
+
+Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.token` is set):
+
+- `POST /v1/rollouts` (`RolloutRequest`): runs a batch and streams one `SampleRecord` per sample as it finishes,
+  then one `{"summary": BatchSummary}` object, the last of the stream. Wire formats: NDJSON (one JSON object a
+  line, `application/x-ndjson`) by default; with `Accept: application/msgpack` a **msgpack stream**: the same
+  objects as msgpack maps, concatenated with no length prefix (msgpack is self-delimiting: feed the bytes to a
+  `msgpack.Unpacker`). Response headers: `X-Batch-Id` names the batch; `X-Stream-Offset` is the position of the
+  stream's first record in the batch (`resume_from` when attaching to an existing batch, else 0).
+- `GET /v1/rollouts/{id}`: a batch's `BatchSummary` (status and progress). `DELETE /v1/rollouts/{id}`: aborts it.
+- `POST /v1/weights` `{path, version}`: reloads the policy. It **waits** for the running batches to finish and
+  holds batches that arrive meanwhile until the reload is done, so no batch mixes two policy versions; the
+  response comes once the new weights serve. `path` must resolve (symlinks followed) inside
+  `settings.weights_root`, 403 otherwise; relative paths are taken from that root.
+- `POST /v1/history` `{records: [...]}`: imports finished rollouts (history-file records) for drafting.
+- `GET /metrics` (Prometheus text), `GET /healthz` (the process answers), `GET /readyz` (503 until the backend is
+  ready).
+
+Batches run as their own tasks, not tied to a connection: a client that drops its connection loses nothing, and a
+request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
+instead of running it again. Results are held msgpack-encoded (a few bytes a token); ended batches stay
+replayable within `retained_batches` / `retained_bytes`; a repeated id older than that gets 410, never a second
+run (in this process: the registry is in memory).
+
+Errors: 401 bad or missing token; 403 weights path outside the root; 404 unknown batch; 409 a batch id reused for
+a different batch, or a weights version not newer than the served one; 410 batch results no longer retained;
+413 a batch over `max_batch_samples` samples or a history import over `max_history_records`; 422 invalid input,
+naming the field (request validation, or the backend refusing a group before anything runs: `loc` names the
+group); 429 too many batches in flight; 503 backend not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import msgpack
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
+from fastapi.responses import StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+from das.service.api_types import FinishReason, GroupRequest, SampleResult
+from das.service.engine import EngineInputError
+from das.service.metrics import CONTENT_TYPE, GatewayMetrics
+from das.service.rollout_backend import GroupInputError, RolloutBackend
+
+log = logging.getLogger(__name__)
+
+MSGPACK = "application/msgpack"
+NDJSON = "application/x-ndjson"
+# Records a stream chunk carries at most: a replay of a large batch goes out in pieces, not one huge buffer.
+_CHUNK_RECORDS = 1024
+
+
+class GatewaySettings(BaseModel):
+    """Everything that configures the gateway. `token` is a SecretStr so it never shows in a repr or log."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: SecretStr | None = Field(None, description="bearer token required on every API call; None: no auth")
+    weights_root: Path | None = Field(None, description="weights paths must lie under it; None: reloads refused")
+    max_batch_samples: int = Field(65536, ge=1, description="samples (sum of n) one batch may ask for")
+    max_batches_in_flight: int = Field(64, ge=1, description="batches queued or running at once")
+    max_history_records: int = Field(1_000_000, ge=1, description="records one history import may carry")
+    retained_batches: int = Field(256, ge=0, description="ended batches whose results are kept for replay")
+    retained_bytes: int = Field(1 << 30, ge=0, description="results kept over all retained ended batches, in "
+                                                           "bytes of msgpack (about 3 a token, 12 with logprobs)")
+    freeze_gc: bool = Field(False, description="at startup, move every object alive to the garbage collector's "
+                                               "permanent generation (gc.freeze); process-wide, so for the "
+                                               "process that serves (das serve, the load test), not a library "
+                                               "user's process")
+
+
+class RolloutRequest(BaseModel):
+    """A batch of groups. `batch_id` is the idempotency key: repeat it to resume the same batch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
+    groups: list[GroupRequest] = Field(min_length=1)
+    logprobs: bool = False
+    resume_from: int = Field(0, ge=0, description="when attaching to an existing batch, skip its first records "
+                                                  "(the number the client already has)")
+
+
+class SampleRecord(BaseModel):
+    """One finished sample on the wire. `group_index`: the group's position in the request; `latency_s`: seconds
+    from the batch's start to the sample reaching the gateway; `text` None without a tokenizer; `logprobs` only
+    when the batch asked for them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_index: int
+    problem_id: str
+    sample_index: int
+    output_token_ids: list[int]
+    text: str | None
+    logprobs: list[float] | None = None
+    finish_reason: FinishReason
+    policy_version: int
+    draft_tokens: int
+    accepted_tokens: int
+    latency_s: float
+    error: str | None = None
+
+
+BatchState = Literal["queued", "running", "done", "aborted", "failed"]
+
+
+class BatchSummary(BaseModel):
+    """A batch's status and counts so far (final once `status` is done, aborted or failed). `makespan_s`: start
+    to the latest sample so far, None before the first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str
+    status: BatchState
+    groups: int
+    samples_expected: int
+    samples: int
+    tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    errors: int
+    makespan_s: float | None
+    error: str | None = None
+
+
+class WeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(min_length=1, description="checkpoint directory, inside the weights root")
+    version: int = Field(ge=0, description="policy version of these weights; must be newer than the served one")
+
+
+class WeightsResponse(BaseModel):
+    policy_version: int
+    reload_s: float = Field(description="seconds, including the wait for running batches")
+
+
+class HistoryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    records: list[dict[str, Any]] = Field(description="history-file records (problem_id, policy_version, "
+                                                      "sample_index, prompt_token_ids, output_token_ids, ...)")
+
+
+class HistoryResponse(BaseModel):
+    added: int
+
+
+class _Batch:
+    """One accepted batch. Its records are appended in finishing order, msgpack-encoded, and never change, so
+    any number of readers can follow it by position. Encoded once: a msgpack reader streams the stored bytes as
+    they are, and results held for replay cost bytes per token rather than Python objects."""
+
+    def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, fingerprint: str) -> None:
+        self.batch_id = batch_id
+        self.groups = groups
+        self.logprobs = logprobs
+        self.fingerprint = fingerprint
+        self.expected = sum(g.n for g in groups)
+        self.frames: list[bytes] = []
+        self.size = 0  # bytes in frames
+        self.status: BatchState = "queued"
+        self.error: str | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.finish_times: list[float] = []  # seconds after start, per record
+        self.lengths: list[int] = []
+        self.tokens = self.draft_tokens = self.accepted_tokens = self.errors = 0
+        self._start = 0.0
+        # Replaced on every change; readers wait on the one they saw (an Event survives a waiter's cancellation).
+        self._changed = asyncio.Event()
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ("done", "aborted", "failed")
+
+    def start(self) -> None:
+        self.status = "running"
+        self._start = time.perf_counter()
+
+    def add(self, group_index: int, sample: SampleResult, text: str | None) -> None:
+        latency = time.perf_counter() - self._start
+        record: dict[str, Any] = {
+            "group_index": group_index, "problem_id": sample.problem_id, "sample_index": sample.sample_index,
+            "output_token_ids": sample.token_ids, "text": text, "finish_reason": sample.finish_reason,
+            "policy_version": sample.policy_version, "draft_tokens": sample.draft_tokens,
+            "accepted_tokens": sample.accepted_tokens, "latency_s": latency, "error": sample.error}
+        if self.logprobs:
+            record["logprobs"] = sample.logprobs
+        frame = _pack(record)
+        self.frames.append(frame)
+        self.size += len(frame)
+        self.finish_times.append(latency)
+        self.lengths.append(len(sample.token_ids))
+        self.tokens += len(sample.token_ids)
+        self.draft_tokens += sample.draft_tokens
+        self.accepted_tokens += sample.accepted_tokens
+        self.errors += sample.finish_reason == "error"
+        self._notify()
+
+    def end(self, status: BatchState, error: str | None) -> None:
+        self.status, self.error = status, error
+        self._notify()
+
+    async def wait_beyond(self, count: int) -> None:
+        """Returns once there are more than `count` records or the batch has ended."""
+        while len(self.frames) <= count and not self.ended:
+            await self._changed.wait()
+
+    def summary(self) -> BatchSummary:
+        return BatchSummary(
+            batch_id=self.batch_id, status=self.status, groups=len(self.groups), samples_expected=self.expected,
+            samples=len(self.frames), tokens=self.tokens, draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens, errors=self.errors,
+            makespan_s=self.finish_times[-1] if self.finish_times else None, error=self.error)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+class _BatchRegistry:
+    """Live batches, plus ended ones for replay up to `retained_batches` and `retained_samples` (oldest ended
+    first out). Evicted ids are remembered (ids only, bounded) so a late retry is refused, not run again."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self._settings = settings
+        self.live: dict[str, _Batch] = {}
+        self._ended: OrderedDict[str, _Batch] = OrderedDict()
+        self._ended_bytes = 0
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._evicted_cap = 16 * max(settings.retained_batches, 64)
+
+    def get(self, batch_id: str) -> _Batch | None:
+        return self.live.get(batch_id) or self._ended.get(batch_id)
+
+    def evicted(self, batch_id: str) -> bool:
+        return batch_id in self._evicted
+
+    def add(self, batch: _Batch) -> None:
+        self.live[batch.batch_id] = batch
+
+    def ended(self, batch: _Batch) -> None:
+        del self.live[batch.batch_id]
+        self._ended[batch.batch_id] = batch
+        self._ended_bytes += batch.size
+        s = self._settings
+        while self._ended and (len(self._ended) > s.retained_batches or self._ended_bytes > s.retained_bytes):
+            old_id, old = self._ended.popitem(last=False)
+            self._ended_bytes -= old.size
+            self._evicted[old_id] = None
+            if len(self._evicted) > self._evicted_cap:
+                self._evicted.popitem(last=False)
+
+    def all_live(self) -> list[_Batch]:
+        return list(self.live.values())
+
+
+class _ReloadGate:
+    """Batches run concurrently; a weight reload runs alone. A reload first stops new batches from starting, then
+    waits for the running ones to end, so it is never starved and no batch sees two policy versions."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._running = 0
+        self._reloading = False
+
+    @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._reloading)
+            self._running += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def reload(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._reloading)
+            self._reloading = True
+            try:
+                await self._cond.wait_for(lambda: self._running == 0)
+            except BaseException:
+                self._reloading = False
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._reloading = False
+                self._cond.notify_all()
+
+
+_pack = msgpack.Packer().pack  # one per process is safe: the event loop calls it from one thread
+_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _encoder(wire: str) -> Callable[[list[bytes]], bytes]:
+    """Stored msgpack frames to the wire: as they are, or re-encoded as NDJSON lines."""
+    if wire == MSGPACK:
+        return b"".join
+    return lambda frames: "".join(_json(msgpack.unpackb(f)) + "\n" for f in frames).encode()
+
+
+def _engine_error(exc: EngineInputError, loc: list[str | int]) -> HTTPException:
+    """A backend refusal in the shape of FastAPI's own validation errors, so clients parse one format."""
+    return HTTPException(422, [{"loc": loc, "msg": str(exc), "type": "value_error"}])
+
+
+class _Gateway:
+    """The app's state and the logic behind its routes."""
+
+    def __init__(self, backend: RolloutBackend, settings: GatewaySettings) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.metrics = GatewayMetrics()
+        self.metrics.policy_version = backend.policy_version
+        self.batches = _BatchRegistry(settings)
+        self.gate = _ReloadGate()
+
+    # ---- rollouts ----
+
+    def _existing(self, body: RolloutRequest, fingerprint: str) -> _Batch | None:
+        if body.batch_id is None:
+            return None
+        if self.batches.evicted(body.batch_id):
+            raise HTTPException(410, f"batch {body.batch_id} ended and its results are no longer retained")
+        batch = self.batches.get(body.batch_id)
+        if batch is not None and batch.fingerprint != fingerprint:
+            raise HTTPException(409, f"batch_id {body.batch_id} is already used by a different batch")
+        return batch
+
+    async def admit(self, body: RolloutRequest) -> tuple[_Batch, int]:
+        """The batch this request streams (a new one, or the running/ended one with its id) and the record to
+        start from."""
+        fingerprint = hashlib.sha256(body.model_dump_json(include={"groups", "logprobs"}).encode()).hexdigest()
+        batch = self._existing(body, fingerprint)
+        if batch is not None:
+            return batch, body.resume_from
+        samples = sum(g.n for g in body.groups)
+        if samples > self.settings.max_batch_samples:
+            raise HTTPException(413, f"the batch asks for {samples} samples; the limit is "
+                                     f"{self.settings.max_batch_samples} (max_batch_samples)")
+        if not await self.backend.ready():
+            raise HTTPException(503, "the backend is not ready", headers={"Retry-After": "5"})
+        if len(self.batches.live) >= self.settings.max_batches_in_flight:
+            raise HTTPException(429, f"{len(self.batches.live)} batches in flight; the limit is "
+                                     f"{self.settings.max_batches_in_flight}", headers={"Retry-After": "1"})
+        try:
+            await self.backend.check(body.groups)
+        except GroupInputError as exc:
+            raise _engine_error(exc, ["body", "groups", exc.group_index]) from None
+        except EngineInputError as exc:
+            raise _engine_error(exc, ["body", "groups"]) from None
+        # A concurrent request with the same id may have started the batch while the checks awaited.
+        batch = self._existing(body, fingerprint)
+        if batch is not None:
+            return batch, body.resume_from
+        batch = _Batch(body.batch_id or uuid.uuid4().hex, body.groups, body.logprobs, fingerprint)
+        self.batches.add(batch)
+        self.metrics.batches_in_flight += 1
+        batch.task = asyncio.create_task(self._run(batch), name=f"batch-{batch.batch_id}")
+        return batch, 0
+
+    async def _run(self, batch: _Batch) -> None:
+        status: BatchState = "failed"
+        error: str | None = None
+        try:
+            async with self.gate.batch():
+                batch.start()
+                async with contextlib.aclosing(self.backend.generate(batch.groups)) as stream:
+                    async for group_index, sample in stream:
+                        self.metrics.observe_sample(sample)
+                        batch.add(group_index, sample, self.backend.detokenize(sample.token_ids))
+            status = "done"
+        except asyncio.CancelledError:
+            # DELETE or shutdown. Not re-raised: this task is the batch's own and ends here.
+            status = "aborted"
+        except Exception as exc:
+            log.exception("batch %s failed", batch.batch_id)
+            error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._finish(batch, status, error)
+
+    def _finish(self, batch: _Batch, status: BatchState, error: str | None) -> None:
+        """Ends the batch once (its task, or `abort` when the task was cancelled before its first step)."""
+        if batch.ended:
+            return
+        batch.end(status, error)
+        self.batches.ended(batch)
+        self.metrics.batches_in_flight -= 1
+        makespan = batch.finish_times[-1] if batch.finish_times else 0.0
+        self.metrics.observe_batch(status, makespan, batch.finish_times, batch.lengths)
+
+    @staticmethod
+    async def stream(batch: _Batch, start: int, wire: str) -> AsyncIterator[bytes]:
+        """The batch's records from position `start`, as they come, then its summary. Whatever is ready goes out
+        in one chunk: one write per burst, not per sample."""
+        encode = _encoder(wire)
+        sent = start
+        while True:
+            available = len(batch.frames)
+            if sent < available:
+                end = min(available, sent + _CHUNK_RECORDS)
+                yield encode(batch.frames[sent:end])
+                sent = end
+            elif batch.ended:
+                yield encode([_pack({"summary": batch.summary().model_dump()})])
+                return
+            else:
+                await batch.wait_beyond(sent)
+
+    async def abort(self, batch: _Batch) -> None:
+        if batch.task is not None and not batch.ended:
+            batch.task.cancel()
+            await asyncio.wait([batch.task])
+            self._finish(batch, "aborted", None)
+
+    async def shutdown(self) -> None:
+        for batch in self.batches.all_live():
+            await self.abort(batch)
+
+    # ---- weights ----
+
+    def weights_path(self, given: str) -> Path:
+        root = self.settings.weights_root
+        if root is None:
+            raise HTTPException(403, "weight reloads are disabled: no weights root is configured")
+        root = root.resolve()
+        path = Path(given)
+        path = (path if path.is_absolute() else root / path).resolve()
+        if not path.is_relative_to(root):
+            raise HTTPException(403, "path: the weights must lie under the configured weights root")
+        return path
+
+    async def reload(self, body: WeightsRequest) -> WeightsResponse:
+        path = self.weights_path(body.path)
+        start = time.perf_counter()
+        async with self.gate.reload():
+            # Checked inside the gate: a concurrent reload may have moved the version while this one waited.
+            if body.version <= self.backend.policy_version:
+                raise HTTPException(409, f"version: {body.version} is not newer than the served "
+                                         f"{self.backend.policy_version}")
+            try:
+                version = await self.backend.reload_weights(path, body.version)
+            except EngineInputError as exc:
+                raise _engine_error(exc, ["body"]) from None
+        seconds = time.perf_counter() - start
+        self.metrics.reload_duration.observe(seconds)
+        self.metrics.policy_version = version
+        return WeightsResponse(policy_version=version, reload_s=seconds)
+
+
+def _token_dependency(token: SecretStr) -> Callable[..., Any]:
+    expected = token.get_secret_value().encode()
+    bearer = HTTPBearer(auto_error=False)
+
+    async def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
+        given = credentials.credentials.encode() if credentials is not None else b""
+        if not hmac.compare_digest(given, expected):
+            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
+
+    return require_token
+
+
+def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None) -> FastAPI:
+    """The gateway over `backend`. Batches still running at shutdown are aborted."""
+    gateway = _Gateway(backend, settings or GatewaySettings())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if gateway.settings.freeze_gc:
+            # Imports and setup leave ~70k long-lived objects; a full collection scans them all (45 ms on this
+            # machine), and the first one comes during the first batches, stalling every stream. Frozen, they
+            # are never scanned again.
+            gc.collect()
+            gc.freeze()
+        yield
+        await gateway.shutdown()
+
+    app = FastAPI(title="DAS rollout service", version="1", lifespan=lifespan, description=__doc__)
+    token = gateway.settings.token
+    api = APIRouter(dependencies=[Depends(_token_dependency(token))] if token is not None else [])
+
+    def known(batch_id: str) -> _Batch:
+        batch = gateway.batches.get(batch_id)
+        if batch is None:
+            if gateway.batches.evicted(batch_id):
+                raise HTTPException(410, f"batch {batch_id} ended and its results are no longer retained")
+            raise HTTPException(404, f"batch {batch_id} is unknown")
+        return batch
+
+    @api.post("/v1/rollouts", response_class=StreamingResponse, responses={200: {
+        "model": SampleRecord,
+        "description": "a stream of SampleRecord objects, then {\"summary\": BatchSummary}: NDJSON, or a msgpack "
+                       "stream (concatenated maps, no length prefix) with Accept: application/msgpack",
+        "content": {NDJSON: {}, MSGPACK: {}}}})
+    async def post_rollouts(body: RolloutRequest, request: Request) -> StreamingResponse:
+        """Run a batch (or attach to the batch with this batch_id) and stream its samples as they finish."""
+        batch, start = await gateway.admit(body)
+        wire = MSGPACK if MSGPACK in request.headers.get("accept", "") else NDJSON
+        return StreamingResponse(gateway.stream(batch, start, wire), media_type=wire,
+                                 headers={"X-Batch-Id": batch.batch_id, "X-Stream-Offset": str(start)})
+
+    @api.get("/v1/rollouts/{batch_id}")
+    async def get_rollout(batch_id: str) -> BatchSummary:
+        """Status and progress of a batch."""
+        return known(batch_id).summary()
+
+    @api.delete("/v1/rollouts/{batch_id}")
+    async def delete_rollout(batch_id: str) -> BatchSummary:
+        """Abort a batch (its samples so far stay replayable); an ended batch is left as it is."""
+        batch = known(batch_id)
+        await gateway.abort(batch)
+        return batch.summary()
+
+    @api.post("/v1/weights", responses={403: {"description": "path outside the weights root"}})
+    async def post_weights(body: WeightsRequest) -> WeightsResponse:
+        """Reload the policy; waits for running batches, holds new ones until done."""
+        return await gateway.reload(body)
+
+    @api.post("/v1/history")
+    async def post_history(body: HistoryRequest) -> HistoryResponse:
+        """Import finished rollouts for drafting; all are validated first, so a bad one imports nothing."""
+        limit = gateway.settings.max_history_records
+        if len(body.records) > limit:
+            raise HTTPException(413, f"{len(body.records)} records; the limit is {limit} (max_history_records)")
+        try:
+            added = await backend.add_history(body.records)
+        except EngineInputError as exc:
+            raise _engine_error(exc, ["body", "records"]) from None
+        gateway.metrics.history_imported += added
+        return HistoryResponse(added=added)
+
+    @api.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text exposition."""
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(api)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        """The process answers."""
+        return {"status": "ok"}
+
+    @app.get("/readyz", responses={503: {"description": "the backend is not ready"}})
+    async def readyz(response: Response) -> dict[str, bool]:
+        """200 once the backend can run batches, 503 before."""
+        ready = await backend.ready()
+        if not ready:
+            response.status_code = 503
+        return {"ready": ready}
+
+    return app

@@ -1,0 +1,235 @@
+"""What the HTTP gateway talks to: `RolloutBackend`, with two implementations here.
+
+- `EngineBackend`: one in-process `Engine`; runs all groups of a batch at once and merges their streams in
+  finishing order.
+- `StubBackend`: precomputed samples and no model, for tests and load tests of the gateway.
+
+The Ray coordinator implements the same protocol.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncGenerator, Sequence
+from typing import Any, Protocol
+
+from das.drafter.records import RecordError, RolloutRecord
+from das.service.api_types import GroupRequest, SampleResult
+from das.service.engine import Engine, EngineInputError
+
+
+class GroupInputError(EngineInputError):
+    """A batch refused before anything ran, because of group `group_index`; the message names the field."""
+
+    def __init__(self, group_index: int, message: str) -> None:
+        super().__init__(message)
+        self.group_index = group_index
+
+
+class RolloutBackend(Protocol):
+    """Runs batches of groups. Every method may be called concurrently from one event loop."""
+
+    @property
+    def policy_version(self) -> int:
+        """The version of the weights that new samples are drawn from."""
+        ...
+
+    async def ready(self) -> bool:
+        """True once every engine has loaded and batches can run."""
+        ...
+
+    async def check(self, groups: Sequence[GroupRequest]) -> None:
+        """Raises GroupInputError for the first group the backend would refuse; schedules nothing."""
+        ...
+
+    def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+        """Every sample of every group exactly once, as (index of its group in `groups`, sample), in finishing
+        order. Closing the iterator early aborts the samples still running."""
+        ...
+
+    async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
+        """Loads the checkpoint directory `path` as policy `version` once running samples have finished; returns
+        the version now served. EngineInputError for a bad path or version."""
+        ...
+
+    async def add_history(self, records: list[dict[str, Any]]) -> int:
+        """Imports finished rollouts (history-format dicts) for drafting; returns how many were stored.
+        EngineInputError naming the record and field if any is invalid (then none is stored)."""
+        ...
+
+    def detokenize(self, token_ids: list[int]) -> str | None:
+        """The text of `token_ids`, or None when the backend has no tokenizer."""
+        ...
+
+
+class EngineBackend:
+    """One in-process `Engine`. `tokenizer` (anything with `decode(ids, skip_special_tokens=...)`) fills the
+    `text` of results; without one it is None."""
+
+    def __init__(self, engine: Engine, tokenizer: Any | None = None) -> None:
+        self.engine = engine
+        self._tokenizer = tokenizer
+
+    @property
+    def policy_version(self) -> int:
+        return self.engine.policy_version
+
+    async def ready(self) -> bool:
+        # An Engine exists only once `Engine.create` has loaded the model.
+        return True
+
+    async def check(self, groups: Sequence[GroupRequest]) -> None:
+        for i, group in enumerate(groups):
+            try:
+                self.engine.prompt_token_ids(group)
+            except EngineInputError as exc:
+                raise GroupInputError(i, str(exc)) from None
+
+    async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+        done = object()  # a group's end marker in the merged queue
+        merged: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def pump(index: int, group: GroupRequest) -> None:
+            try:
+                async for sample in self.engine.generate(group):
+                    merged.put_nowait((index, sample))
+                merged.put_nowait(done)
+            except Exception as exc:  # handed to the consumer, which owns the error
+                merged.put_nowait(exc)
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(groups)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await merged.get()
+                if item is done:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
+        # Engine numbers its versions itself (+1 a reload), so only the next number keeps the samples' versions
+        # and the drafter's history tags in agreement.
+        expected = self.engine.policy_version + 1
+        if version != expected:
+            raise EngineInputError(f"version: this engine serves version {expected - 1}; the next reload must be "
+                                   f"version {expected}, got {version}")
+        return await self.engine.reload_weights(path)
+
+    async def add_history(self, records: list[dict[str, Any]]) -> int:
+        return await self.engine.add_history(records)
+
+    def detokenize(self, token_ids: list[int]) -> str | None:
+        if self._tokenizer is None:
+            return None
+        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+class StubBackend:
+    """Precomputed samples, no model. Each group yields its n samples of `output_tokens` tokens (capped by the
+    group's max_tokens), interleaved across groups (sample 0 of every group, then sample 1, ...).
+
+    Timing: the first sample `first_delay_s` seconds after `generate` starts, then one every `interval_s` seconds
+    (emitted in bursts when the event loop's timer is coarser); with both 0 as fast as possible. When
+    `log_emissions` is set, `emissions` records (group index, sample index, time.perf_counter()) of every
+    sample at the moment it is yielded, so a load test can measure the latency added downstream.
+
+    `max_prompt_tokens` refuses longer prompts like an engine with that context (prompt_token_ids count tokens;
+    text counts whitespace-separated words). `runs` counts `generate` calls.
+    """
+
+    def __init__(self, *, output_tokens: int = 16, first_delay_s: float = 0.0, interval_s: float = 0.0,
+                 max_prompt_tokens: int | None = None, ready: bool = True, log_emissions: bool = False,
+                 vocab_size: int = 32000) -> None:
+        self.output_tokens = output_tokens
+        self.first_delay_s = first_delay_s
+        self.interval_s = interval_s
+        self.max_prompt_tokens = max_prompt_tokens
+        self.runs = 0
+        self.history_records = 0
+        self.emissions: list[tuple[int, int, float]] | None = [] if log_emissions else None
+        self._ready = ready
+        self._version = 0
+        self._tokens = [(7 * i + 3) % vocab_size for i in range(output_tokens)]
+        self._logprobs = [-0.5] * output_tokens
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def mark_ready(self) -> None:
+        self._ready = True
+
+    async def ready(self) -> bool:
+        return self._ready
+
+    async def check(self, groups: Sequence[GroupRequest]) -> None:
+        if self.max_prompt_tokens is None:
+            return
+        for i, group in enumerate(groups):
+            if group.prompt_token_ids is not None:
+                length = len(group.prompt_token_ids)
+            elif group.prompt is not None:
+                length = len(group.prompt.split())
+            else:
+                length = sum(len(m.content.split()) for m in group.messages or ())
+            if length >= self.max_prompt_tokens:
+                raise GroupInputError(i, f"prompt is {length} tokens; the context holds {self.max_prompt_tokens} "
+                                         f"and at least one output token must fit")
+
+    async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+        self.runs += 1
+        order = [(gi, j) for j in range(max((g.n for g in groups), default=0))
+                 for gi, g in enumerate(groups) if j < g.n]
+        templates = [self._template(g) for g in groups]
+        paced = self.first_delay_s > 0 or self.interval_s > 0
+        start = time.perf_counter()
+        for k, (gi, j) in enumerate(order):
+            if paced:
+                wait = start + self.first_delay_s + k * self.interval_s - time.perf_counter()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+            elif k % 64 == 63:
+                await asyncio.sleep(0)  # unpaced: still let the loop write what is ready to the sockets
+            sample = templates[gi].model_copy(update={"sample_index": j, "total_s": time.perf_counter() - start})
+            if self.emissions is not None:
+                self.emissions.append((gi, j, time.perf_counter()))
+            yield gi, sample
+
+    def _template(self, group: GroupRequest) -> SampleResult:
+        """The group's samples differ only in index and time: each is a shallow copy of this one (they share
+        its token and logprob lists), because building a pydantic model per sample would cost the load test
+        time in the gateway's process that a real engine spends elsewhere."""
+        length = min(self.output_tokens, group.sampling.max_tokens)
+        accepted = length // 4
+        return SampleResult.model_construct(
+            problem_id=group.problem_id, sample_index=0, token_ids=self._tokens[:length],
+            logprobs=self._logprobs[:length], finish_reason="length" if length < self.output_tokens else "stop",
+            policy_version=self._version, draft_tokens=length // 2, accepted_tokens=accepted,
+            decode_steps=length - accepted, first_token_s=None, total_s=0.0, error=None)
+
+    async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
+        if version <= self._version:
+            raise EngineInputError(f"version: {version} is not newer than the served {self._version}")
+        self._version = version
+        return version
+
+    async def add_history(self, records: list[dict[str, Any]]) -> int:
+        for i, record in enumerate(records):  # the engine's checks, so tests see the engine's errors
+            try:
+                RolloutRecord.from_dict(record)
+            except RecordError as exc:
+                raise EngineInputError(f"rollout {i}: {exc}") from None
+        self.history_records += len(records)
+        return len(records)
+
+    def detokenize(self, token_ids: list[int]) -> str | None:
+        return None

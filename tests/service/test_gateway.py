@@ -1,0 +1,375 @@
+"""The gateway over real HTTP on loopback (uvicorn in a background thread, a StubBackend): every sample once,
+streaming before the batch ends, both wire formats, auth, validation, idempotent batch ids, abort, weights,
+history, metrics and readiness."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgpack
+import pytest
+import uvicorn
+
+from das.service.api_types import GroupRequest, SampleResult
+from das.service.engine import EngineInputError
+from das.service.gateway import GatewaySettings, SampleRecord, create_app
+from das.service.rollout_backend import EngineBackend, StubBackend
+
+TOKEN = "s3cret-token"
+
+
+class LiveServer:
+    """uvicorn serving `app` on a free loopback port in a daemon thread; `url` once started."""
+
+    def __init__(self, app: Any) -> None:
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
+
+    def __enter__(self) -> LiveServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            assert time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._socket.close()
+
+
+def gateway_settings(**settings: Any) -> GatewaySettings:
+    # No gc.freeze in a shared pytest process: it would pin whatever other tests hold at that moment.
+    return GatewaySettings(**settings)
+
+
+def groups(count: int = 3, n: int = 4, **extra: Any) -> list[dict[str, Any]]:
+    return [{"problem_id": f"p{i}", "prompt_token_ids": [1, 2, 3], "n": n, **extra} for i in range(count)]
+
+
+def read_ndjson(response: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in response.iter_lines() if line]
+
+
+def read_msgpack(response: httpx.Response) -> list[dict[str, Any]]:
+    unpacker = msgpack.Unpacker(raw=False)
+    for chunk in response.iter_bytes():
+        unpacker.feed(chunk)
+    return list(unpacker)
+
+
+@pytest.fixture
+def serve() -> Iterator[Any]:
+    """serve(backend, **settings) -> (LiveServer, httpx.Client); all stopped at the end of the test."""
+    opened: list[Any] = []
+
+    def start(backend: StubBackend, **settings: Any) -> tuple[LiveServer, httpx.Client]:
+        server = LiveServer(create_app(backend, gateway_settings(**settings))).__enter__()
+        client = httpx.Client(base_url=server.url, timeout=10)
+        opened.append((server, client))
+        return server, client
+
+    yield start
+    for server, client in opened:
+        client.close()
+        server.__exit__()
+
+
+def test_every_sample_streams_once_as_ndjson_then_a_summary(serve):
+    _, http = serve(StubBackend(output_tokens=5))
+    response = http.post("/v1/rollouts", json={"batch_id": "b1", "groups": groups(3, 4)})
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    assert response.headers["x-batch-id"] == "b1"
+    *records, last = [json.loads(line) for line in response.text.splitlines()]
+    assert sorted((r["group_index"], r["sample_index"]) for r in records) == [(g, s) for g in range(3)
+                                                                               for s in range(4)]
+    for r in records:
+        SampleRecord.model_validate(r)
+        assert "logprobs" not in r and r["text"] is None and len(r["output_token_ids"]) == 5
+        assert r["problem_id"] == f"p{r['group_index']}"
+    summary = last["summary"]
+    assert summary["status"] == "done" and summary["samples"] == summary["samples_expected"] == 12
+    assert summary["tokens"] == 60 and summary["makespan_s"] >= 0
+
+
+def test_msgpack_stream_carries_logprobs_when_asked(serve):
+    _, http = serve(StubBackend(output_tokens=3))
+    with http.stream("POST", "/v1/rollouts", json={"groups": groups(2, 2), "logprobs": True},
+                     headers={"Accept": "application/msgpack"}) as response:
+        assert response.headers["content-type"] == "application/msgpack"
+        *records, last = read_msgpack(response)
+    assert len(records) == 4 and all(r["logprobs"] == [-0.5] * 3 for r in records)
+    assert last["summary"]["status"] == "done"
+
+
+def test_samples_stream_before_the_batch_ends(serve):
+    _, http = serve(StubBackend(first_delay_s=0.05, interval_s=0.15))
+    with http.stream("POST", "/v1/rollouts", json={"batch_id": "slow", "groups": groups(2, 3)}) as response:
+        lines = response.iter_lines()
+        first = json.loads(next(lines))
+        status = http.get("/v1/rollouts/slow").json()  # asked while the stream is still open
+        rest = [json.loads(line) for line in lines if line]
+    assert first["sample_index"] == 0
+    assert status["status"] == "running" and status["samples"] < status["samples_expected"] == 6
+    assert len(rest) == 6 and rest[-1]["summary"]["status"] == "done"
+
+
+def test_auth_and_weights_root(serve, tmp_path):
+    root = tmp_path / "weights"
+    (root / "step1").mkdir(parents=True)
+    (tmp_path / "outside").mkdir()
+    (root / "escape").symlink_to(tmp_path / "outside")
+    _, http = serve(StubBackend(), token=TOKEN, weights_root=root)
+    body = {"groups": groups(1, 1)}
+    assert http.post("/v1/rollouts", json=body).status_code == 401
+    wrong = http.post("/v1/rollouts", json=body, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.headers["www-authenticate"] == "Bearer"
+    assert http.get("/metrics").status_code == 401
+    assert http.get("/healthz").status_code == 200 and http.get("/readyz").status_code == 200
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    assert http.post("/v1/rollouts", json=body, headers=auth).status_code == 200
+    for path in (str(tmp_path / "outside"), "../outside", "escape"):
+        response = http.post("/v1/weights", json={"path": path, "version": 1}, headers=auth)
+        assert response.status_code == 403, path
+    assert http.post("/v1/weights", json={"path": "step1", "version": 1}).status_code == 401
+    ok = http.post("/v1/weights", json={"path": str(root / "step1"), "version": 1}, headers=auth)
+    assert ok.status_code == 200 and ok.json()["policy_version"] == 1
+    stale = http.post("/v1/weights", json={"path": "step1", "version": 1}, headers=auth)
+    assert stale.status_code == 409
+
+
+@pytest.mark.parametrize("group, loc", [
+    ({"problem_id": "p", "prompt": "x", "n": 0}, ["body", "groups", 0, "n"]),
+    ({"problem_id": "p", "prompt": "x", "sampling": {"max_tokens": 0}}, ["body", "groups", 0, "sampling",
+                                                                        "max_tokens"]),
+    ({"problem_id": "p", "prompt": "x", "sampling": {"temprature": 0.5}}, ["body", "groups", 0, "sampling",
+                                                                          "temprature"]),
+    ({"problem_id": "p", "prompt_token_ids": list(range(40))}, ["body", "groups", 0]),
+])
+def test_bad_input_is_422_naming_the_field(serve, group, loc):
+    backend = StubBackend(max_prompt_tokens=32)
+    _, http = serve(backend)
+    response = http.post("/v1/rollouts", json={"groups": [group]})
+    assert response.status_code == 422
+    (error,) = response.json()["detail"]
+    assert error["loc"] == loc
+    assert backend.runs == 0
+
+
+def test_engine_refusal_names_the_group_and_says_why(serve):
+    _, http = serve(StubBackend(max_prompt_tokens=32))
+    bad = [{"problem_id": "ok", "prompt": "short"}, {"problem_id": "long", "prompt_token_ids": list(range(40))}]
+    (error,) = http.post("/v1/rollouts", json={"groups": bad}).json()["detail"]
+    assert error["loc"] == ["body", "groups", 1] and "prompt is 40 tokens" in error["msg"]
+
+
+def test_oversize_batch_is_413(serve):
+    backend = StubBackend()
+    _, http = serve(backend, max_batch_samples=10)
+    response = http.post("/v1/rollouts", json={"groups": groups(3, 4)})
+    assert response.status_code == 413 and "max_batch_samples" in response.json()["detail"]
+    assert backend.runs == 0
+
+
+def test_a_repeated_batch_id_replays_and_never_runs_twice(serve):
+    backend = StubBackend(output_tokens=4)
+    _, http = serve(backend)
+    body = {"batch_id": "again", "groups": groups(2, 3)}
+    first = http.post("/v1/rollouts", json=body)
+    second = http.post("/v1/rollouts", json=body)
+    assert backend.runs == 1
+    assert second.text == first.text
+    skipped = http.post("/v1/rollouts", json={**body, "resume_from": 4})
+    assert skipped.headers["x-stream-offset"] == "4"
+    assert skipped.text.splitlines() == first.text.splitlines()[4:]
+    other = http.post("/v1/rollouts", json={**body, "groups": groups(1, 1)})
+    assert other.status_code == 409 and backend.runs == 1
+
+
+def test_a_repeated_batch_id_attaches_to_the_running_batch(serve):
+    backend = StubBackend(interval_s=0.05)
+    server, _ = serve(backend)
+    body = {"batch_id": "live", "groups": groups(2, 3)}
+
+    async def both() -> list[list[dict[str, Any]]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            async def one(delay: float) -> list[dict[str, Any]]:
+                await asyncio.sleep(delay)
+                response = await http.post("/v1/rollouts", json=body)
+                return [json.loads(line) for line in response.text.splitlines()]
+            return list(await asyncio.gather(one(0), one(0.12)))
+
+    first, second = asyncio.run(both())
+    assert backend.runs == 1
+    assert first == second and len(first) == 7
+
+
+def test_delete_aborts_a_running_batch(serve):
+    _, http = serve(StubBackend(interval_s=0.2))
+    with http.stream("POST", "/v1/rollouts", json={"batch_id": "stop", "groups": groups(2, 5)}) as response:
+        lines = response.iter_lines()
+        next(lines)
+        aborted = http.delete("/v1/rollouts/stop").json()
+        rest = [json.loads(line) for line in lines if line]
+    assert aborted["status"] == "aborted" and aborted["samples"] < 10
+    assert rest[-1]["summary"]["status"] == "aborted"
+    assert http.get("/v1/rollouts/stop").json()["status"] == "aborted"
+    assert http.get("/v1/rollouts/nope").status_code == 404
+
+
+def test_ended_batches_beyond_retention_are_refused_not_rerun(serve):
+    backend = StubBackend()
+    _, http = serve(backend, retained_batches=1)
+    for batch_id in ("old", "new"):
+        assert http.post("/v1/rollouts", json={"batch_id": batch_id, "groups": groups(1, 1)}).status_code == 200
+    assert http.post("/v1/rollouts", json={"batch_id": "old", "groups": groups(1, 1)}).status_code == 410
+    assert http.get("/v1/rollouts/old").status_code == 410
+    assert backend.runs == 2
+
+
+def test_a_reload_waits_for_the_running_batch(serve, tmp_path):
+    server, _ = serve(StubBackend(interval_s=0.05), weights_root=tmp_path)
+
+    async def scenario() -> tuple[list[dict[str, Any]], float, float, int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
+            async def batch() -> tuple[list[dict[str, Any]], float]:
+                response = await http.post("/v1/rollouts", json={"groups": groups(2, 3)})
+                return [json.loads(line) for line in response.text.splitlines()], time.monotonic()
+
+            async def reload() -> tuple[float, int]:
+                await asyncio.sleep(0.05)
+                response = await http.post("/v1/weights", json={"path": str(tmp_path), "version": 1})
+                return time.monotonic(), response.json()["policy_version"]
+
+            (records, batch_end), (reload_end, version) = await asyncio.gather(batch(), reload())
+            return records, batch_end, reload_end, version
+
+    records, batch_end, reload_end, version = asyncio.run(scenario())
+    assert version == 1 and reload_end >= batch_end - 0.05
+    assert {r["policy_version"] for r in records[:-1]} == {0}
+
+
+def test_history_import_validates_every_record(serve):
+    backend = StubBackend()
+    _, http = serve(backend)
+    good = {"problem_id": "p", "policy_version": 0, "sample_index": 0, "prompt_token_ids": [1],
+            "output_token_ids": [2, 3]}
+    assert http.post("/v1/history", json={"records": [good, good]}).json() == {"added": 2}
+    bad = http.post("/v1/history", json={"records": [good, {**good, "sample_index": -1}]})
+    assert bad.status_code == 422 and "sample_index" in bad.json()["detail"][0]["msg"]
+    assert backend.history_records == 2
+
+
+def test_metrics_report_what_was_served(serve):
+    _, http = serve(StubBackend(output_tokens=8))
+    http.post("/v1/rollouts", json={"groups": groups(3, 4)})
+    text = http.get("/metrics").text
+    assert 'das_samples_served_total{finish_reason="stop"} 12.0' in text
+    assert "das_output_tokens_total 96.0" in text
+    assert "das_draft_tokens_proposed_total 48.0" in text and "das_draft_tokens_accepted_total 24.0" in text
+    assert 'das_batches_total{status="done"} 1.0' in text and "das_batches_in_flight 0.0" in text
+    assert "das_batch_makespan_seconds_count 1.0" in text
+
+
+def test_two_apps_in_one_process_keep_separate_metrics(serve):
+    _, first = serve(StubBackend())
+    _, second = serve(StubBackend())
+    first.post("/v1/rollouts", json={"groups": groups(1, 2)})
+    assert 'das_samples_served_total{finish_reason="stop"} 2.0' in first.get("/metrics").text
+    assert "das_samples_served_total{" not in second.get("/metrics").text
+
+
+def test_readyz_is_503_until_the_backend_is_ready(serve):
+    backend = StubBackend(ready=False)
+    _, http = serve(backend)
+    assert http.get("/readyz").status_code == 503
+    assert http.post("/v1/rollouts", json={"groups": groups(1, 1)}).status_code == 503
+    backend.mark_ready()
+    assert http.get("/readyz").status_code == 200
+    assert http.post("/v1/rollouts", json={"groups": groups(1, 1)}).status_code == 200
+
+
+def test_openapi_schema_lists_the_api(serve):
+    _, http = serve(StubBackend())
+    paths = http.get("/openapi.json").json()["paths"]
+    assert {"/v1/rollouts", "/v1/rollouts/{batch_id}", "/v1/weights", "/v1/history", "/metrics", "/healthz",
+            "/readyz"} <= set(paths)
+
+
+def test_weights_are_refused_without_a_root(serve, tmp_path: Path):
+    _, http = serve(StubBackend())
+    assert http.post("/v1/weights", json={"path": str(tmp_path), "version": 1}).status_code == 403
+
+
+class FakeEngine:
+    """Stands in for `Engine` (same methods the adapter uses): sample i of a group finishes after
+    `delay_s[problem_id] * (i + 1)` seconds; prompts of more than 8 token ids are refused."""
+
+    def __init__(self, delay_s: dict[str, float]) -> None:
+        self.delay_s = delay_s
+        self.policy_version = 0
+        self.cancelled = 0
+
+    def prompt_token_ids(self, group: GroupRequest) -> list[int]:
+        if len(group.prompt_token_ids or ()) > 8:
+            raise EngineInputError("prompt is too long")
+        return list(group.prompt_token_ids or ())
+
+    async def generate(self, group: GroupRequest) -> AsyncIterator[SampleResult]:
+        self.prompt_token_ids(group)
+        try:
+            for i in range(group.n):
+                await asyncio.sleep(self.delay_s[group.problem_id])
+                yield SampleResult(problem_id=group.problem_id, sample_index=i, token_ids=[i], logprobs=[0.0],
+                                   finish_reason="stop", policy_version=self.policy_version)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def reload_weights(self, path: Any) -> int:
+        self.policy_version += 1
+        return self.policy_version
+
+
+def test_engine_backend_merges_groups_in_finishing_order_and_cancels_on_close():
+    engine = FakeEngine({"slow": 0.12, "fast": 0.02})
+    backend = EngineBackend(engine)  # type: ignore[arg-type]
+    batch = [GroupRequest(problem_id="slow", prompt_token_ids=[1], n=2),
+             GroupRequest(problem_id="fast", prompt_token_ids=[1], n=3)]
+
+    async def run() -> tuple[list[tuple[int, int]], int]:
+        order = [(g, s.sample_index) async for g, s in backend.generate(batch)]
+        stream = backend.generate(batch)
+        await anext(stream)
+        await stream.aclose()  # both groups are still running: both must be cancelled
+        return order, engine.cancelled
+
+    order, cancelled = asyncio.run(run())
+    assert order == [(1, 0), (1, 1), (1, 2), (0, 0), (0, 1)]
+    assert cancelled == 2
+
+
+def test_engine_backend_through_the_gateway(serve, tmp_path):
+    engine = FakeEngine({"a": 0.01, "b": 0.01})
+    _, http = serve(EngineBackend(engine), weights_root=tmp_path)  # type: ignore[arg-type]
+    bad = [{"problem_id": "a", "prompt_token_ids": [1]}, {"problem_id": "b", "prompt_token_ids": list(range(9))}]
+    (error,) = http.post("/v1/rollouts", json={"groups": bad}).json()["detail"]
+    assert error["loc"] == ["body", "groups", 1] and error["msg"] == "prompt is too long"
+    ok = [{"problem_id": "a", "prompt_token_ids": [1], "n": 2}, {"problem_id": "b", "prompt_token_ids": [2]}]
+    assert len(http.post("/v1/rollouts", json={"groups": ok}).text.splitlines()) == 4
+    skip = http.post("/v1/weights", json={"path": str(tmp_path), "version": 2})
+    assert skip.status_code == 422 and "must be version 1" in skip.json()["detail"][0]["msg"]
+    assert http.post("/v1/weights", json={"path": str(tmp_path), "version": 1}).json()["policy_version"] == 1
