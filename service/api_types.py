@@ -17,6 +17,7 @@ class SamplingSpec(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0: no top-k cut")
+    stop: tuple[str, ...] = Field((), description="stop strings (not included in the output)")
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
 

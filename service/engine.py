@@ -147,6 +147,11 @@ class Engine:
             raise
         return cls(config, llm, tokenizer, vocab_size, tally)
 
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (Hugging Face): encode, decode, apply_chat_template."""
+        return self._tokenizer
+
     # ---- generation ----
 
     def prompt_token_ids(self, group: GroupRequest) -> list[int]:
@@ -213,7 +218,7 @@ class Engine:
         tags = RequestTags(group.problem_id, key, index, group.predicted_tokens)
         params = SamplingParams(
             n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=0,
+            stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=0,
             output_kind=RequestOutputKind.DELTA, extra_args=tags.to_extra_args())
         version = self.policy_version
         start = time.perf_counter()
@@ -256,19 +261,24 @@ class Engine:
 
     # ---- weights, history, stats ----
 
-    async def reload_weights(self, checkpoint: str | os.PathLike[str]) -> int:
+    async def reload_weights(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int:
         """Loads safetensors weights from `checkpoint` (a directory) once the running samples have finished, and
-        returns the new policy version. New groups wait while it runs."""
+        serves them as policy `version` (default: the current one + 1; it must be newer). New groups wait while
+        it runs. Returns the version now served."""
         path = Path(checkpoint)
         if not path.is_dir() or not any(path.glob("*.safetensors")):
             raise EngineInputError(f"{path}: not a directory with *.safetensors weights")
+        new = self.policy_version + 1 if version is None else version
+        if new <= self.policy_version:
+            raise EngineInputError(f"version: must be newer than the served version {self.policy_version}, "
+                                   f"got {new}")
         async with self._reloading:
             await self._drained.wait()
             await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
             await self._llm.reset_prefix_cache()
-            self.policy_version += 1
+            self.policy_version = new
             if self.config.speculation == "das":
-                await self._llm.collective_rpc("das_set_policy_version", args=(self.policy_version,))
+                await self._llm.collective_rpc("das_set_policy_version", args=(new,))
         return self.policy_version
 
     async def add_history(self, rollouts: list[dict[str, Any]]) -> int:

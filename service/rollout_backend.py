@@ -65,12 +65,12 @@ class RolloutBackend(Protocol):
 
 
 class EngineBackend:
-    """One in-process `Engine`. `tokenizer` (anything with `decode(ids, skip_special_tokens=...)`) fills the
-    `text` of results; without one it is None."""
+    """One in-process `Engine`. Its tokenizer (anything with `decode(ids, skip_special_tokens=...)`; `tokenizer`
+    overrides it) fills the `text` of results; without one it is None."""
 
     def __init__(self, engine: Engine, tokenizer: Any | None = None) -> None:
         self.engine = engine
-        self._tokenizer = tokenizer
+        self._tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
 
     @property
     def policy_version(self) -> int:
@@ -116,13 +116,7 @@ class EngineBackend:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
-        # Engine numbers its versions itself (+1 a reload), so only the next number keeps the samples' versions
-        # and the drafter's history tags in agreement.
-        expected = self.engine.policy_version + 1
-        if version != expected:
-            raise EngineInputError(f"version: this engine serves version {expected - 1}; the next reload must be "
-                                   f"version {expected}, got {version}")
-        return await self.engine.reload_weights(path)
+        return await self.engine.reload_weights(path, version)
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
         return await self.engine.add_history(records)

@@ -33,4 +33,5 @@ def test_bad_groups_are_rejected_with_the_field_named(group):
 
 def test_sampling_defaults():
     s = SamplingSpec()
-    assert (s.max_tokens, s.temperature, s.top_p, s.top_k) == (256, 1.0, 1.0, 0)
+    assert (s.max_tokens, s.temperature, s.top_p, s.top_k, s.stop) == (256, 1.0, 1.0, 0, ())
+    assert SamplingSpec(stop=["\n\n"]).stop == ("\n\n",)

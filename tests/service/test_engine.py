@@ -203,7 +203,8 @@ class FailingOn:
 
 def test_an_engine_side_failure_fails_that_sample_only(loop, tiny_das, monkeypatch):
     monkeypatch.setattr(tiny_das, "_llm", FailingOn(tiny_das._llm, "-1"))
-    group = GroupRequest(problem_id="f", n=3, prompt_token_ids=[5, 6], sampling={"max_tokens": 4})
+    group = GroupRequest(problem_id="f", n=3, prompt_token_ids=[5, 6],
+                         sampling={"max_tokens": 4, "ignore_eos": True})  # so no sample may stop early
     (results,) = run_groups(loop, tiny_das, [group])
     assert [r.finish_reason for r in results] == ["length", "error", "length"]
     assert "worker lost the request" in results[1].error and results[1].token_ids == []
@@ -224,6 +225,8 @@ def test_weight_reload_changes_outputs_bumps_the_version_and_keeps_history(loop,
     assert loop.run_until_complete(tiny_das.drafter_stats())["stored_tokens"] >= stored
     with pytest.raises(EngineInputError, match="safetensors"):
         loop.run_until_complete(tiny_das.reload_weights(tiny_models[1] / "missing"))
-    assert loop.run_until_complete(tiny_das.reload_weights(tiny_models[0])) == 2
+    with pytest.raises(EngineInputError, match="newer"):
+        loop.run_until_complete(tiny_das.reload_weights(tiny_models[0], version=1))
+    assert loop.run_until_complete(tiny_das.reload_weights(tiny_models[0], version=5)) == 5
     (back,) = run_groups(loop, tiny_das, [group])
-    assert back[0].token_ids == before[0].token_ids
+    assert back[0].token_ids == before[0].token_ids and back[0].policy_version == 5

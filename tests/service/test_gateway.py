@@ -339,8 +339,10 @@ class FakeEngine:
             self.cancelled += 1
             raise
 
-    async def reload_weights(self, path: Any) -> int:
-        self.policy_version += 1
+    async def reload_weights(self, path: Any, version: int) -> int:
+        if version <= self.policy_version:
+            raise EngineInputError(f"version: must be newer than the served version {self.policy_version}")
+        self.policy_version = version
         return self.policy_version
 
 
@@ -370,6 +372,6 @@ def test_engine_backend_through_the_gateway(serve, tmp_path):
     assert error["loc"] == ["body", "groups", 1] and error["msg"] == "prompt is too long"
     ok = [{"problem_id": "a", "prompt_token_ids": [1], "n": 2}, {"problem_id": "b", "prompt_token_ids": [2]}]
     assert len(http.post("/v1/rollouts", json={"groups": ok}).text.splitlines()) == 4
-    skip = http.post("/v1/weights", json={"path": str(tmp_path), "version": 2})
-    assert skip.status_code == 422 and "must be version 1" in skip.json()["detail"][0]["msg"]
-    assert http.post("/v1/weights", json={"path": str(tmp_path), "version": 1}).json()["policy_version"] == 1
+    assert http.post("/v1/weights", json={"path": str(tmp_path), "version": 3}).json()["policy_version"] == 3
+    stale = http.post("/v1/weights", json={"path": str(tmp_path), "version": 2})
+    assert stale.status_code in (409, 422)
