@@ -185,6 +185,57 @@ def bench_e2e(
     _emit(result, as_json)
 
 
+@app.command("serve")
+def serve(
+    model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory.")] = "smollm2",
+    host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
+    token: Annotated[Optional[str], typer.Option(envvar="DAS_TOKEN", show_default=False,
+                                                 help="Bearer token every API call must carry (or $DAS_TOKEN).")]
+        = None,
+    weights_root: Annotated[Optional[Path], typer.Option("--weights-root",
+                                                         help="POST /v1/weights paths must lie under it.")] = None,
+    speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
+    k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
+    dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
+    max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
+    eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
+) -> None:
+    """Serve the rollout API over one local vLLM engine (the Ray-distributed service is still to come).
+
+    The engine is loaded before the port opens, so /readyz answers 200 from the first request it sees.
+    """
+    import asyncio
+
+    import uvicorn
+    from pydantic import ValidationError
+
+    from das.service.engine import Engine, EngineConfig
+    from das.service.gateway import GatewaySettings, create_app
+    from das.service.models import prepare_model
+    from das.service.rollout_backend import EngineBackend
+
+    try:
+        settings = GatewaySettings(token=token, weights_root=weights_root, freeze_gc=True)
+        config = EngineConfig.model_validate({
+            "model": str(prepare_model(model, progress=True)), "speculation": speculation,
+            "num_speculative_tokens": k, "dtype": dtype, "max_model_len": max_model_len, "enforce_eager": eager})
+    except (ValidationError, OSError, ValueError) as exc:
+        _fail(str(exc))
+
+    async def run() -> None:
+        console.print(f"[cyan]starting the {speculation} engine on {config.model}[/cyan]")
+        engine = await Engine.create(config)
+        try:
+            app = create_app(EngineBackend(engine), settings)
+            console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if token else 'off'})")
+            await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
+        finally:
+            await engine.close()
+
+    asyncio.run(run())
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     model: Annotated[str, typer.Option(help="Model name (smollm2) or a model directory.")] = "smollm2",
