@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ EXTRA_ARGS_KEY = "das"
 """`SamplingParams.extra_args[EXTRA_ARGS_KEY]` carries a request's `RequestTags` as a dict."""
 
 _MAX_UNCLAIMED = 65536
+_STATS_WINDOW = 10000  # decode steps the cost figures of stats() cover
 
 CONFIG_KEY = "das"
 """`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterConfig}, "budget": {...}}`."""
@@ -115,8 +117,9 @@ class DasProposer:
         self._runner: Any = None
         self._running: dict[str, _Running] = {}
         self._finished: dict[str, DraftCounts] = {}
-        self._step_us: list[float] = []
-        self._step_batch: list[int] = []
+        # the last _STATS_WINDOW steps only: a server runs for millions of steps
+        self._step_us: deque[float] = deque(maxlen=_STATS_WINDOW)
+        self._step_batch: deque[int] = deque(maxlen=_STATS_WINDOW)
         self.failures = 0
 
     def attach(self, runner: Any) -> None:
@@ -189,7 +192,8 @@ class DasProposer:
         return {key: self._finished.pop(key) for key in keys if key in self._finished}
 
     def stats(self) -> dict[str, Any]:
-        """Per-step proposer cost (microseconds, wall) with the batch sizes, and history size."""
+        """Per-step proposer cost (microseconds, wall) and mean batch over the last _STATS_WINDOW steps, and the
+        history size."""
         us = np.asarray(self._step_us, np.float64)
         return {
             "steps": int(us.size),

@@ -132,7 +132,8 @@ class Engine:
         args = AsyncEngineArgs(
             model=config.model, dtype=config.dtype, max_model_len=config.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
-            enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs", speculative_config=config.speculative_config(),
+            enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
+            speculative_config=config.speculative_config(),
             worker_extension_cls=WORKER_EXTENSION if das else "",
             additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": config.budget}} if das else {})
         tally = SpecDecodeTally()
@@ -236,9 +237,7 @@ class Engine:
                     logprobs.append(float(lp[tok].logprob))
                 tokens.extend(completion.token_ids)
                 finish = completion.finish_reason
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # one sample's failure must not take the group's other samples down
+        except Exception as exc:  # one sample's failure must not take its siblings down (cancellation passes)
             log.warning("sample %s of problem %s failed", key, group.problem_id, exc_info=True)
             error, finish = _describe(exc), "error"
         counts = await self._draft_counts(key)
@@ -284,11 +283,7 @@ class Engine:
     async def add_history(self, rollouts: list[dict[str, Any]]) -> int:
         """Imports finished rollouts (history-format dicts) into the drafter as sealed history. All are validated
         here first (EngineInputError naming the rollout and field), so a bad one changes nothing."""
-        for i, rollout in enumerate(rollouts):
-            try:
-                RolloutRecord.from_dict(rollout)
-            except RecordError as exc:
-                raise EngineInputError(f"rollout {i}: {exc}") from None
+        validate_rollouts(rollouts)
         if self.config.speculation != "das":
             return 0
         (count,) = await self._llm.collective_rpc("das_add_rollouts", args=(rollouts,))
@@ -305,6 +300,15 @@ class Engine:
         event loop can be closed cleanly afterwards."""
         self._llm.shutdown()
         await asyncio.sleep(0)
+
+
+def validate_rollouts(rollouts: list[dict[str, Any]]) -> None:
+    """Checks history-format dicts; EngineInputError names the first bad one by index and field."""
+    for i, rollout in enumerate(rollouts):
+        try:
+            RolloutRecord.from_dict(rollout)
+        except RecordError as exc:
+            raise EngineInputError(f"rollout {i}: {exc}") from None
 
 
 def _describe(exc: BaseException) -> str:

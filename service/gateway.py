@@ -235,7 +235,7 @@ class _Batch:
 
 
 class _BatchRegistry:
-    """Live batches, plus ended ones for replay up to `retained_batches` and `retained_samples` (oldest ended
+    """Live batches, plus ended ones for replay up to `retained_batches` and `retained_bytes` (oldest ended
     first out). Evicted ids are remembered (ids only, bounded) so a late retry is refused, not run again."""
 
     def __init__(self, settings: GatewaySettings) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import Counter as Tally
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -106,22 +106,15 @@ class GatewayMetrics:
 
     def collect(self) -> Iterator[Metric]:
         """prometheus-client's collector hook: the current values as metric families."""
-        samples = CounterMetricFamily("das_samples_served", "Samples finished and streamed, by finish reason.",
-                                      labels=["finish_reason"])
-        for reason, count in sorted(self.samples.items()):
-            samples.add_metric([reason], count)
-        yield samples
+        yield _labelled("das_samples_served", "Samples finished and streamed, by finish reason.", "finish_reason",
+                        self.samples)
         yield CounterMetricFamily("das_output_tokens", "Output tokens of served samples.",
                                   value=self.output_tokens)
         yield CounterMetricFamily("das_draft_tokens_proposed", "Draft tokens proposed and verified.",
                                   value=self.draft_proposed)
         yield CounterMetricFamily("das_draft_tokens_accepted", "Draft tokens accepted by verification.",
                                   value=self.draft_accepted)
-        batches = CounterMetricFamily("das_batches", "Batches ended, by status (done, aborted, failed).",
-                                      labels=["status"])
-        for status, count in sorted(self.batches.items()):
-            batches.add_metric([status], count)
-        yield batches
+        yield _labelled("das_batches", "Batches ended, by status (done, aborted, failed).", "status", self.batches)
         yield GaugeMetricFamily("das_batches_in_flight", "Batches accepted and not yet ended.",
                                 value=self.batches_in_flight)
         yield GaugeMetricFamily("das_policy_version", "Policy version being served.", value=self.policy_version)
@@ -134,3 +127,11 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def _labelled(name: str, documentation: str, label: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    """A counter family with one sample per label value, in label order."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value, count in sorted(counts.items()):
+        family.add_metric([value], count)
+    return family

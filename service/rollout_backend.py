@@ -15,9 +15,8 @@ import time
 from collections.abc import AsyncGenerator, Sequence
 from typing import Any, Protocol
 
-from das.drafter.records import RecordError, RolloutRecord
 from das.service.api_types import GroupRequest, SampleResult
-from das.service.engine import Engine, EngineInputError
+from das.service.engine import Engine, EngineInputError, validate_rollouts
 
 
 class GroupInputError(EngineInputError):
@@ -217,11 +216,7 @@ class StubBackend:
         return version
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
-        for i, record in enumerate(records):  # the engine's checks, so tests see the engine's errors
-            try:
-                RolloutRecord.from_dict(record)
-            except RecordError as exc:
-                raise EngineInputError(f"rollout {i}: {exc}") from None
+        validate_rollouts(records)  # the engine's checks, so tests see the engine's errors
         self.history_records += len(records)
         return len(records)
 
