@@ -183,8 +183,10 @@ def test_refusals_raise_at_once_with_the_server_detail(live):
         assert err.value.status_code == 422 and err.value.detail[0]["loc"] == ["body", "groups", 0]
         with pytest.raises(ValidationError, match="max_tokens"):  # checked locally, before any request
             client.generate([{"problem_id": "p", "prompt": "x", "sampling": {"max_tokens": 0}}])
-    with RolloutClient(server.url, token="wrong") as client, pytest.raises(RolloutError):
+    guarded = live(StubBackend(), token="right")
+    with RolloutClient(guarded.url, token="wrong") as client, pytest.raises(RolloutError) as err:
         client.status("any")
+    assert err.value.status_code == 401
 
 
 def test_an_aborted_batch_raises_after_its_samples(live):
