@@ -60,7 +60,8 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 class SampleResult(BaseModel):
     """One finished sample. logprobs[i] is the log-probability of token_ids[i] under the distribution it was
-    sampled from (vLLM's processed logprobs: after temperature, top-p and top-k). Times in seconds."""
+    sampled from (vLLM's processed logprobs: after temperature, top-p and top-k). `text`: the detokenized output
+    (special tokens skipped), None where no tokenizer ran. `engine`: which engine produced it. Times in seconds."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -76,3 +77,5 @@ class SampleResult(BaseModel):
     first_token_s: float | None = None
     total_s: float = 0.0
     error: str | None = None
+    text: str | None = None
+    engine: str | None = None

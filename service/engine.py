@@ -76,11 +76,14 @@ class EngineConfig(BaseModel):
 @dataclass
 class SpecDecodeTally:
     """vLLM's own speculative-decoding counters for one engine, summed over its steps (any method, so peer arms
-    are counted the same way as ours). drafts: verification steps with a draft; the rest are tokens."""
+    are counted the same way as ours). drafts: verification steps with a draft; the rest are tokens. `running` and
+    `waiting`: the scheduler's request queues at its latest step (gauges, not sums)."""
 
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
 
 
 def _tally_logger_factory(tally: SpecDecodeTally) -> Any:
@@ -93,6 +96,10 @@ def _tally_logger_factory(tally: SpecDecodeTally) -> Any:
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
+            tally.running = scheduler_stats.num_running_reqs
+            tally.waiting = scheduler_stats.num_waiting_reqs
             spec = getattr(scheduler_stats, "spec_decoding_stats", None)
             if spec is not None:
                 tally.drafts += spec.num_drafts
@@ -226,6 +233,7 @@ class Engine:
         first: float | None = None
         tokens: list[int] = []
         logprobs: list[float] = []
+        text: list[str] = []
         finish: str | None = None
         error: str | None = None
         try:
@@ -236,6 +244,7 @@ class Engine:
                 for tok, lp in zip(completion.token_ids, completion.logprobs or ()):
                     logprobs.append(float(lp[tok].logprob))
                 tokens.extend(completion.token_ids)
+                text.append(completion.text)
                 finish = completion.finish_reason
         except Exception as exc:  # one sample's failure must not take its siblings down (cancellation passes)
             log.warning("sample %s of problem %s failed", key, group.problem_id, exc_info=True)
@@ -246,7 +255,7 @@ class Engine:
             finish_reason=finish if finish in ("stop", "length", "abort", "error") else "stop",
             policy_version=version, draft_tokens=counts.get("proposed", 0),
             accepted_tokens=counts.get("accepted", 0), decode_steps=counts.get("steps", 0),
-            first_token_s=first, total_s=time.perf_counter() - start, error=error))
+            first_token_s=first, total_s=time.perf_counter() - start, error=error, text="".join(text)))
 
     async def _draft_counts(self, key: str) -> dict[str, int]:
         if self.config.speculation != "das":

@@ -14,6 +14,7 @@ Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.toke
   response comes once the new weights serve. `path` must resolve (symlinks followed) inside
   `settings.weights_root`, 403 otherwise; relative paths are taken from that root.
 - `POST /v1/history` `{records: [...]}`: imports finished rollouts (history-file records) for drafting.
+- `GET /v1/history/{problem_id}`: what the history store holds for a problem (404 none, 501 no store).
 - `GET /metrics` (Prometheus text), `GET /healthz` (the process answers), `GET /readyz` (503 until the backend is
   ready).
 
@@ -55,7 +56,8 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from das.service.api_types import FinishReason, GroupRequest, SampleResult
 from das.service.engine import EngineInputError
 from das.service.metrics import CONTENT_TYPE, GatewayMetrics
-from das.service.rollout_backend import GroupInputError, RolloutBackend
+from das.service.history_store import ProblemSummary
+from das.service.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +117,7 @@ class SampleRecord(BaseModel):
     accepted_tokens: int
     latency_s: float
     error: str | None = None
+    engine: str | None = Field(None, description="the engine that produced the sample")
 
 
 BatchState = Literal["queued", "running", "done", "aborted", "failed"]
@@ -193,13 +196,14 @@ class _Batch:
         self.status = "running"
         self._start = time.perf_counter()
 
-    def add(self, group_index: int, sample: SampleResult, text: str | None) -> None:
+    def add(self, group_index: int, sample: SampleResult) -> None:
         latency = time.perf_counter() - self._start
         record: dict[str, Any] = {
             "group_index": group_index, "problem_id": sample.problem_id, "sample_index": sample.sample_index,
-            "output_token_ids": sample.token_ids, "text": text, "finish_reason": sample.finish_reason,
+            "output_token_ids": sample.token_ids, "text": sample.text, "finish_reason": sample.finish_reason,
             "policy_version": sample.policy_version, "draft_tokens": sample.draft_tokens,
-            "accepted_tokens": sample.accepted_tokens, "latency_s": latency, "error": sample.error}
+            "accepted_tokens": sample.accepted_tokens, "latency_s": latency, "error": sample.error,
+            "engine": sample.engine}
         if self.logprobs:
             record["logprobs"] = sample.logprobs
         frame = _pack(record)
@@ -333,10 +337,11 @@ class _Gateway:
     def __init__(self, backend: RolloutBackend, settings: GatewaySettings) -> None:
         self.backend = backend
         self.settings = settings
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(backend.stats)
         self.metrics.policy_version = backend.policy_version
         self.batches = _BatchRegistry(settings)
         self.gate = _ReloadGate()
+        self._current: _Batch | None = None  # the most recently started batch
 
     # ---- rollouts ----
 
@@ -388,10 +393,15 @@ class _Gateway:
         try:
             async with self.gate.batch():
                 batch.start()
+                self._current = batch
+                self.metrics.current_batch_longest = 0
                 async with contextlib.aclosing(self.backend.generate(batch.groups)) as stream:
                     async for group_index, sample in stream:
-                        self.metrics.observe_sample(sample)
-                        batch.add(group_index, sample, self.backend.detokenize(sample.token_ids))
+                        self.metrics.observe_sample(sample, batch.groups[group_index].sampling.max_tokens)
+                        if batch is self._current:
+                            self.metrics.current_batch_longest = max(self.metrics.current_batch_longest,
+                                                                     len(sample.token_ids))
+                        batch.add(group_index, sample)
             status = "done"
         except asyncio.CancelledError:
             # DELETE or shutdown. Not re-raised: this task is the batch's own and ends here.
@@ -551,6 +561,18 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
             raise _engine_error(exc, ["body", "records"]) from None
         gateway.metrics.history_imported += added
         return HistoryResponse(added=added)
+
+    @api.get("/v1/history/{problem_id}", responses={404: {"description": "no rollouts of this problem are held"},
+                                                     501: {"description": "the backend keeps no history store"}})
+    async def get_history(problem_id: str) -> ProblemSummary:
+        """What the history store holds for a problem: rollouts, tokens, policy versions, lengths."""
+        try:
+            summary = await backend.history(problem_id)
+        except HistoryUnavailable as exc:
+            raise HTTPException(501, str(exc)) from None
+        if summary is None:
+            raise HTTPException(404, f"no rollouts of problem {problem_id!r} are held")
+        return summary
 
     @api.get("/metrics", response_class=Response)
     async def metrics() -> Response:

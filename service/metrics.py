@@ -12,13 +12,15 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import Counter as Tally
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
 from das.service.api_types import SampleResult
+from das.service.history_store import resident_bytes
+from das.service.rollout_backend import BackendStats
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # what `render()` produces
 
@@ -27,6 +29,15 @@ _SECONDS_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 _SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _RATIO_BUCKETS = (1.0, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
 _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8, 12, 16)
+LENGTH_CLASSES = ("short", "medium", "long")
+
+
+def length_class(length: int, max_tokens: int) -> str:
+    """A sample's length class by its output length as a share of its max_tokens: short < 1/4 <= medium < 3/4 <=
+    long. By the final length, so the dashboard shows where the drafts went: the length-aware budget should give
+    the long class most of them."""
+    share = length / max_tokens if max_tokens > 0 else 1.0
+    return "short" if share < 0.25 else "medium" if share < 0.75 else "long"
 
 
 class _Histogram:
@@ -42,29 +53,56 @@ class _Histogram:
         self._counts[bisect.bisect_left(self._bounds, value)] += 1
         self._sum += value
 
-    def family(self) -> HistogramMetricFamily:
+    def buckets(self) -> list[tuple[str, float]]:
         cumulative, buckets = 0, []
         for bound, count in zip((*self._bounds, float("inf")), self._counts):
             cumulative += count
             buckets.append((floatToGoString(bound), cumulative))
-        return HistogramMetricFamily(self.name, self.doc, buckets=buckets, sum_value=self._sum)
+        return buckets
+
+    def family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.doc, buckets=self.buckets(), sum_value=self._sum)
+
+
+class _LabelledHistogram:
+    """One `_Histogram` per value of one label, created on first use."""
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float], label: str) -> None:
+        self.name, self.doc, self.label = name, doc, label
+        self._bounds = bounds
+        self._by_value: dict[str, _Histogram] = {}
+
+    def observe(self, value: str, x: float) -> None:
+        histogram = self._by_value.get(value)
+        if histogram is None:
+            histogram = self._by_value[value] = _Histogram(self.name, self.doc, self._bounds)
+        histogram.observe(x)
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.doc, labels=[self.label])
+        for value, histogram in sorted(self._by_value.items()):
+            family.add_metric([value], histogram.buckets(), histogram._sum)  # noqa: SLF001 -- same module
+        return family
 
 
 class GatewayMetrics:
-    """The gateway's metrics; `render()` is the /metrics body. Call from the event loop thread only."""
+    """The gateway's metrics; `render()` is the /metrics body. Call from the event loop thread only.
+    `backend_stats` gives the engine and history figures at scrape time (it must not block)."""
 
-    def __init__(self) -> None:
+    def __init__(self, backend_stats: Callable[[], BackendStats] = BackendStats) -> None:
+        self.backend_stats = backend_stats
         self.samples: Tally[str] = Tally()  # by finish reason
         self.output_tokens = 0
-        self.draft_proposed = 0
-        self.draft_accepted = 0
+        self.draft_proposed: Tally[str] = Tally()  # by length class
+        self.draft_accepted: Tally[str] = Tally()
+        self.current_batch_longest = 0  # tokens, the most recently started batch
         self.batches: Tally[str] = Tally()  # ended, by status
         self.batches_in_flight = 0
         self.policy_version = 0
         self.history_imported = 0
-        self.acceptance_length = _Histogram(
-            "das_acceptance_length_tokens", "Output tokens per decode step of a sample (1 = no draft accepted).",
-            _ACCEPT_BUCKETS)
+        self.acceptance_length = _LabelledHistogram(
+            "das_acceptance_length_tokens", "Output tokens per decode step of a sample (1 = no draft accepted), "
+            "by length class.", _ACCEPT_BUCKETS, "length_class")
         self.generated_length = _Histogram("das_generated_length_tokens", "Output length of a sample.",
                                            _LENGTH_BUCKETS)
         self.makespan = _Histogram("das_batch_makespan_seconds", "Start of a batch to its last sample.",
@@ -79,16 +117,17 @@ class GatewayMetrics:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
-    def observe_sample(self, sample: SampleResult) -> None:
-        """One finished sample, as soon as the backend hands it over."""
+    def observe_sample(self, sample: SampleResult, max_tokens: int) -> None:
+        """One finished sample, as soon as the backend hands it over; `max_tokens` is its group's limit."""
         length = len(sample.token_ids)
+        cls = length_class(length, max_tokens)
         self.samples[sample.finish_reason] += 1
         self.output_tokens += length
         self.generated_length.observe(length)
-        self.draft_proposed += sample.draft_tokens
-        self.draft_accepted += sample.accepted_tokens
+        self.draft_proposed[cls] += sample.draft_tokens
+        self.draft_accepted[cls] += sample.accepted_tokens
         if sample.decode_steps:
-            self.acceptance_length.observe(length / sample.decode_steps)
+            self.acceptance_length.observe(cls, length / sample.decode_steps)
 
     def observe_batch(self, status: str, makespan_s: float, finish_times_s: Sequence[float],
                       lengths: Sequence[int]) -> None:
@@ -110,19 +149,48 @@ class GatewayMetrics:
                         self.samples)
         yield CounterMetricFamily("das_output_tokens", "Output tokens of served samples.",
                                   value=self.output_tokens)
-        yield CounterMetricFamily("das_draft_tokens_proposed", "Draft tokens proposed and verified.",
-                                  value=self.draft_proposed)
-        yield CounterMetricFamily("das_draft_tokens_accepted", "Draft tokens accepted by verification.",
-                                  value=self.draft_accepted)
+        yield _labelled("das_draft_tokens_proposed", "Draft tokens proposed and verified, by the sample's length "
+                        "class.", "length_class", self.draft_proposed)
+        yield _labelled("das_draft_tokens_accepted", "Draft tokens accepted by verification, by the sample's length "
+                        "class.", "length_class", self.draft_accepted)
         yield _labelled("das_batches", "Batches ended, by status (done, aborted, failed).", "status", self.batches)
         yield GaugeMetricFamily("das_batches_in_flight", "Batches accepted and not yet ended.",
                                 value=self.batches_in_flight)
         yield GaugeMetricFamily("das_policy_version", "Policy version being served.", value=self.policy_version)
         yield CounterMetricFamily("das_history_records_imported", "Rollout records imported for drafting.",
                                   value=self.history_imported)
+        yield GaugeMetricFamily("das_current_batch_longest_tokens", "Longest output among the samples finished "
+                                "so far in the most recently started batch.", value=self.current_batch_longest)
+        yield from self._backend_families()
         for histogram in (self.acceptance_length, self.generated_length, self.makespan, self.tail_share,
                           self.straggler, self.reload_duration):
             yield histogram.family()
+
+    def _backend_families(self) -> Iterator[Metric]:
+        stats = self.backend_stats()
+        running = GaugeMetricFamily("das_engine_requests_running", "Requests in the engine's running batch.",
+                                    labels=["engine"])
+        waiting = GaugeMetricFamily("das_engine_requests_waiting", "Requests queued in the engine.",
+                                    labels=["engine"])
+        speculate = GaugeMetricFamily("das_speculate_latency_seconds", "Proposer time per decode step (whole "
+                                      "batch), over the engine's recent steps.", labels=["engine", "quantile"])
+        for load in stats.engines:
+            running.add_metric([load.engine], load.running)
+            waiting.add_metric([load.engine], load.waiting)
+            for q, value in (("0.5", load.speculate_p50_s), ("0.99", load.speculate_p99_s)):
+                if value is not None:
+                    speculate.add_metric([load.engine, q], value)
+        yield from (running, waiting, speculate)
+        yield GaugeMetricFamily("das_engines_ready", "Engines loaded and serving.", value=stats.engines_ready)
+        yield GaugeMetricFamily("das_history_problems_stored", "Problems with rollouts in the history store.",
+                                value=stats.history_problems)
+        yield GaugeMetricFamily("das_history_tokens_stored", "Output tokens of the rollouts in the history store.",
+                                value=stats.history_tokens)
+        memory = GaugeMetricFamily("das_memory_resident_bytes", "Resident memory by component (summed over its "
+                                   "processes).", labels=["component"])
+        for component, value in sorted({**stats.resident_bytes, "gateway": resident_bytes()}.items()):
+            memory.add_metric([component], value)
+        yield memory
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

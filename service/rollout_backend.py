@@ -1,22 +1,24 @@
 """What the HTTP gateway talks to: `RolloutBackend`, with two implementations here.
 
-- `EngineBackend`: one in-process `Engine`; runs all groups of a batch at once and merges their streams in
-  finishing order.
+- `EngineBackend`: one in-process `Engine`, no Ray and no history store (embedding in a single process).
 - `StubBackend`: precomputed samples and no model, for tests and load tests of the gateway.
 
-The Ray coordinator implements the same protocol.
+The Ray service (service/coordinator.py `RayBackend`) implements the same protocol.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from das.service.api_types import GroupRequest, SampleResult
 from das.service.engine import Engine, EngineInputError, validate_rollouts
+from das.service.history_store import ProblemSummary
 
 
 class GroupInputError(EngineInputError):
@@ -25,6 +27,34 @@ class GroupInputError(EngineInputError):
     def __init__(self, group_index: int, message: str) -> None:
         super().__init__(message)
         self.group_index = group_index
+
+
+class HistoryUnavailable(Exception):
+    """The backend keeps no history store (GET /v1/history answers 501)."""
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """One engine's queues and proposer cost at its latest report. Speculate times in seconds (None: the engine
+    does not run our proposer)."""
+
+    engine: str
+    running: int
+    waiting: int
+    speculate_p50_s: float | None = None
+    speculate_p99_s: float | None = None
+
+
+@dataclass(frozen=True)
+class BackendStats:
+    """What /metrics shows of the backend, as of its latest refresh (a few seconds old at most).
+    `resident_bytes`: memory by component (history_store, node_engine), summed over that component's processes."""
+
+    engines: tuple[EngineLoad, ...] = ()
+    engines_ready: int = 0
+    history_problems: int = 0
+    history_tokens: int = 0
+    resident_bytes: dict[str, int] = field(default_factory=dict)
 
 
 class RolloutBackend(Protocol):
@@ -58,18 +88,51 @@ class RolloutBackend(Protocol):
         EngineInputError naming the record and field if any is invalid (then none is stored)."""
         ...
 
-    def detokenize(self, token_ids: list[int]) -> str | None:
-        """The text of `token_ids`, or None when the backend has no tokenizer."""
+    async def history(self, problem_id: str) -> ProblemSummary | None:
+        """What the history store holds for a problem (None: nothing). HistoryUnavailable without a store."""
+        ...
+
+    def stats(self) -> BackendStats:
+        """The latest engine and history figures; cheap (no I/O), called at every scrape."""
         ...
 
 
-class EngineBackend:
-    """One in-process `Engine`. Its tokenizer (anything with `decode(ids, skip_special_tokens=...)`; `tokenizer`
-    overrides it) fills the `text` of results; without one it is None."""
+async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator[Any, None]:
+    """The items of all `streams` in the order they arrive. The first stream to raise ends the merge with its
+    exception; closing the merge (or an error) cancels every stream still running and waits for them."""
+    done = object()  # a stream's end marker in the merged queue
+    merged: asyncio.Queue[Any] = asyncio.Queue()
 
-    def __init__(self, engine: Engine, tokenizer: Any | None = None) -> None:
+    async def pump(stream: AsyncIterator[Any]) -> None:
+        try:
+            async for item in stream:
+                merged.put_nowait(item)
+            merged.put_nowait(done)
+        except Exception as exc:  # handed to the consumer, which owns the error
+            merged.put_nowait(exc)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            item = await merged.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class EngineBackend:
+    """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order."""
+
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self._tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
 
     @property
     def policy_version(self) -> int:
@@ -87,32 +150,13 @@ class EngineBackend:
                 raise GroupInputError(i, str(exc)) from None
 
     async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
-        done = object()  # a group's end marker in the merged queue
-        merged: asyncio.Queue[Any] = asyncio.Queue()
+        async def indexed(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
+            async for sample in self.engine.generate(group):
+                yield index, sample
 
-        async def pump(index: int, group: GroupRequest) -> None:
-            try:
-                async for sample in self.engine.generate(group):
-                    merged.put_nowait((index, sample))
-                merged.put_nowait(done)
-            except Exception as exc:  # handed to the consumer, which owns the error
-                merged.put_nowait(exc)
-
-        tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(groups)]
-        try:
-            running = len(tasks)
-            while running:
-                item = await merged.get()
-                if item is done:
-                    running -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        async with contextlib.aclosing(merge_streams([indexed(i, g) for i, g in enumerate(groups)])) as merged:
+            async for item in merged:
+                yield item
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
         return await self.engine.reload_weights(path, version)
@@ -120,10 +164,13 @@ class EngineBackend:
     async def add_history(self, records: list[dict[str, Any]]) -> int:
         return await self.engine.add_history(records)
 
-    def detokenize(self, token_ids: list[int]) -> str | None:
-        if self._tokenizer is None:
-            return None
-        return str(self._tokenizer.decode(token_ids, skip_special_tokens=True))
+    async def history(self, problem_id: str) -> ProblemSummary | None:
+        raise HistoryUnavailable("one in-process engine keeps its history inside its drafter only")
+
+    def stats(self) -> BackendStats:
+        tally = getattr(self.engine, "spec_tally", None)
+        load = EngineLoad("local", tally.running, tally.waiting) if tally is not None else EngineLoad("local", 0, 0)
+        return BackendStats(engines=(load,), engines_ready=1)
 
 
 class StubBackend:
@@ -220,5 +267,11 @@ class StubBackend:
         self.history_records += len(records)
         return len(records)
 
-    def detokenize(self, token_ids: list[int]) -> str | None:
-        return None
+    async def history(self, problem_id: str) -> ProblemSummary | None:
+        raise HistoryUnavailable("the stub backend keeps no history")
+
+    def stats(self) -> BackendStats:
+        """One synthetic engine, so every engine series of /metrics exists with the stub too."""
+        return BackendStats(engines=(EngineLoad("stub-0", running=0, waiting=0, speculate_p50_s=0.0,
+                                                speculate_p99_s=0.0),),
+                            engines_ready=1 if self._ready else 0, resident_bytes={"node_engine": 0})

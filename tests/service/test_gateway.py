@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -279,9 +280,33 @@ def test_metrics_report_what_was_served(serve):
     text = http.get("/metrics").text
     assert 'das_samples_served_total{finish_reason="stop"} 12.0' in text
     assert "das_output_tokens_total 96.0" in text
-    assert "das_draft_tokens_proposed_total 48.0" in text and "das_draft_tokens_accepted_total 24.0" in text
+    # 8 of max_tokens 256: the short class
+    assert 'das_draft_tokens_proposed_total{length_class="short"} 48.0' in text
+    assert 'das_draft_tokens_accepted_total{length_class="short"} 24.0' in text
+    assert 'das_acceptance_length_tokens_count{length_class="short"} 12.0' in text
     assert 'das_batches_total{status="done"} 1.0' in text and "das_batches_in_flight 0.0" in text
     assert "das_batch_makespan_seconds_count 1.0" in text
+    assert "das_current_batch_longest_tokens 8.0" in text
+    # the backend's figures: the stub's one engine, and the gateway's own memory
+    assert 'das_engine_requests_running{engine="stub-0"} 0.0' in text and "das_engines_ready 1.0" in text
+    gateway_rss = re.search(r'das_memory_resident_bytes\{component="gateway"\} (\S+)', text)
+    assert gateway_rss is not None and float(gateway_rss.group(1)) > 10e6
+
+
+def test_length_classes_follow_the_share_of_max_tokens(serve):
+    _, http = serve(StubBackend(output_tokens=8))
+    http.post("/v1/rollouts", json={"groups": [*groups(1, 2, sampling={"max_tokens": 10}),
+                                               {**groups(1, 1)[0], "problem_id": "q", "sampling": {"max_tokens": 16}}]})
+    text = http.get("/metrics").text
+    assert 'das_draft_tokens_proposed_total{length_class="long"} 8.0' in text  # 8 of 10 tokens, 2 samples
+    assert 'das_draft_tokens_proposed_total{length_class="medium"} 4.0' in text  # 8 of 16
+    assert 'length_class="short"' not in text
+
+
+def test_history_endpoint_without_a_store_is_501(serve):
+    _, http = serve(StubBackend())
+    response = http.get("/v1/history/p0")
+    assert response.status_code == 501 and "no history" in response.json()["detail"]
 
 
 def test_two_apps_in_one_process_keep_separate_metrics(serve):
