@@ -5,6 +5,7 @@ the ServiceMonitor scrapes it with the token, the dashboard ConfigMap carries de
 
 from __future__ import annotations
 
+import base64
 import re
 import shlex
 from pathlib import Path
@@ -151,8 +152,6 @@ def test_token_reaches_the_gateway_from_a_secret(case: str) -> None:
 
 
 def test_given_token_is_stored_and_a_generated_one_is_long() -> None:
-    import base64
-
     (given,) = by_kind(objects(render({"auth": {"token": "s3cret"}})), "Secret")
     assert base64.b64decode(given["data"]["token"]) == b"s3cret"
     (generated,) = by_kind(objects(render()), "Secret")
