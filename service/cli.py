@@ -187,7 +187,10 @@ def bench_e2e(
 
 @app.command("serve")
 def serve(
-    model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory.")] = "smollm2",
+    model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory on every "
+                                            "node.")] = "smollm2",
+    address: Annotated[Optional[str], typer.Option(help="Ray cluster to join ('auto' or HOST:PORT); default: an "
+                                                        "embedded single-node cluster.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
     token: Annotated[Optional[str], typer.Option(envvar="DAS_TOKEN", show_default=False,
@@ -195,43 +198,68 @@ def serve(
         = None,
     weights_root: Annotated[Optional[Path], typer.Option("--weights-root",
                                                          help="POST /v1/weights paths must lie under it.")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="History snapshots: restored at start, "
+                                                      "written on a timer and at shutdown.")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
     dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
+    history_shards: Annotated[int, typer.Option("--history-shards", min=1, help="HistoryStore actors.")] = 2,
+    stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
+                                                                    "samples (load tests of the service).")]
+        = False,
 ) -> None:
-    """Serve the rollout API over one local vLLM engine (the Ray-distributed service is still to come).
+    """Serve the rollout API: the gateway, the history store and one engine actor per node, over Ray.
 
-    The engine is loaded before the port opens, so /readyz answers 200 from the first request it sees.
+    The port opens at once; /readyz answers 503 until every engine has loaded (about 3 minutes with
+    torch.compile on the CPU, seconds with --eager). Ctrl-C (or SIGTERM) stops it and snapshots the history.
     """
     import asyncio
+    import signal
 
     import uvicorn
     from pydantic import ValidationError
 
-    from das.service.engine import Engine, EngineConfig
+    from das.service.coordinator import RayBackend, ServiceConfig
     from das.service.gateway import GatewaySettings, create_app
-    from das.service.models import prepare_model
-    from das.service.rollout_backend import EngineBackend
 
     try:
         settings = GatewaySettings(token=token, weights_root=weights_root, freeze_gc=True)
-        config = EngineConfig.model_validate({
-            "model": str(prepare_model(model, progress=True)), "speculation": speculation,
-            "num_speculative_tokens": k, "dtype": dtype, "max_model_len": max_model_len, "enforce_eager": eager})
+        engine = ({"stub_engine": {}} if stub_engine else {"engine": {
+            "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
+            "max_model_len": max_model_len, "enforce_eager": eager}})
+        config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
+                                               "history": {"shards": history_shards}})
+        if not stub_engine:
+            from das.service.models import prepare_model
+
+            prepare_model(model, progress=True)  # here first: the engines reuse it, and a bad name fails now
     except (ValidationError, OSError, ValueError) as exc:
         _fail(str(exc))
 
+    signals: list[int] = []
+
+    def while_stopping(sig: int, frame: object) -> None:
+        # uvicorn re-raises the signal that stopped it once it is done; the history snapshot must still run.
+        # A second signal from the user forces the exit.
+        signals.append(sig)
+        if len(signals) > 1:
+            console.print("[red]forced exit: the history was not snapshotted[/red]")
+            os._exit(128 + sig)
+
     async def run() -> None:
-        console.print(f"[cyan]starting the {speculation} engine on {config.model}[/cyan]")
-        engine = await Engine.create(config)
+        backend = await RayBackend.start(config, progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, while_stopping)  # uvicorn puts these back when it stops
         try:
-            app = create_app(EngineBackend(engine), settings)
-            console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if token else 'off'})")
+            app = create_app(backend, settings)
+            console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if token else 'off'}; "
+                          f"/readyz turns 200 once the engines have loaded)")
             await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
         finally:
-            await engine.close()
+            console.print("[cyan]stopping: snapshotting the history, stopping the engines[/cyan]")
+            await backend.close()
 
     asyncio.run(run())
 

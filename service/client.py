@@ -17,12 +17,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 import msgpack
 
 from das.service.api_types import GroupRequest
 from das.service.gateway import MSGPACK, NDJSON, BatchSummary, SampleRecord
+from das.service.history_store import ProblemSummary
 
 Wire = Literal["msgpack", "ndjson"]
 
@@ -240,6 +242,10 @@ class RolloutClient(_ClientBase):
     def add_history(self, records: list[dict[str, Any]]) -> int:
         return int(self._call("POST", "/v1/history", {"records": records})["added"])
 
+    def history(self, problem_id: str) -> ProblemSummary:
+        """What the server's history store holds for a problem; RolloutError (404) when nothing."""
+        return ProblemSummary.model_validate(self._call("GET", f"/v1/history/{quote(problem_id, safe='')}"))
+
     def close(self) -> None:
         self.http.close()
 
@@ -323,6 +329,10 @@ class AsyncRolloutClient(_ClientBase):
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
         return int((await self._call("POST", "/v1/history", {"records": records}))["added"])
+
+    async def history(self, problem_id: str) -> ProblemSummary:
+        """What the server's history store holds for a problem; RolloutError (404) when nothing."""
+        return ProblemSummary.model_validate(await self._call("GET", f"/v1/history/{quote(problem_id, safe='')}"))
 
     async def aclose(self) -> None:
         await self.http.aclose()

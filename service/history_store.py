@@ -13,9 +13,9 @@ An engine pulls "problem p after sequence c, not pushed by me": it gets what oth
 since its last pull, never its own rollouts back (its drafter saw those tokens as they were generated).
 
 Snapshots: `snapshot()` writes the shard to `<state_dir>/history-shard-<i>.msgpack` (a temporary file, fsync,
-then rename, so a crash leaves the old snapshot or the new one, never half of one). A new shard reads every
-`history-shard-*.msgpack` in the directory and keeps the problems that hash to it, so a restart with another
-shard count loses nothing; a rollout seen twice (same problem, version, sample index, tokens) is kept once.
+then rename, so a crash leaves the old snapshot or the new one, never half of one); a new shard restores its own
+file. The shard count is fixed for a state directory (a file records it): starting with another count is refused
+with a clear error rather than guessed at. A file that does not parse is renamed `.corrupt` and skipped.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import msgpack
 from pydantic import BaseModel, ConfigDict, Field
 
 from das.drafter.records import RolloutRecord
-from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, dump_difficulty, load_difficulty
+from das.scheduler.difficulty import DifficultyBook, dump_difficulty, load_difficulty
 
 log = logging.getLogger(__name__)
 
@@ -220,8 +220,9 @@ class HistoryShard:
         returns the file written, or None."""
         if self.state_dir is None or not (self._dirty or force):
             return None
-        path = self.state_dir / f"history-shard-{self.index}.msgpack"
-        doc = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "seq": self._seq, "problems": [
+        path = self._path()
+        doc = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "shards": self.config.shards,
+               "seq": self._seq, "problems": [
             {"problem_id": pid, "prompt": array.array("i", p.prompt).tobytes(),
              "rollouts": [[r.seq, r.origin, r.policy_version, r.sample_index, r.output.tobytes(), r.finish_reason,
                            r.reward] for r in p.rollouts],
@@ -238,35 +239,46 @@ class HistoryShard:
 
     def _restore(self) -> None:
         assert self.state_dir is not None
-        seen: set[tuple[str, tuple[int, int, bytes]]] = set()
-        for path in sorted(self.state_dir.glob(_SNAPSHOT_GLOB)):
-            try:
-                doc = msgpack.unpackb(path.read_bytes(), raw=False)
-                if doc.get("format") != SNAPSHOT_FORMAT or doc.get("version") != SNAPSHOT_VERSION:
-                    raise ValueError(f"not a {SNAPSHOT_FORMAT} v{SNAPSHOT_VERSION} file")
-                self._restore_doc(doc, seen)
-            except (ValueError, TypeError, KeyError, msgpack.UnpackException, DifficultyFormatError) as exc:
-                # A damaged snapshot must not stop the service; it is kept for inspection, not overwritten.
-                log.error("history snapshot %s skipped: %s", path, exc)
-                path.rename(path.with_suffix(".corrupt"))
+        for path in self.state_dir.glob(_SNAPSHOT_GLOB):
+            index = path.stem.rsplit("-", 1)[-1]
+            if not index.isdigit() or int(index) >= self.config.shards:
+                raise ValueError(f"{path}: written by a store with more shards than {self.config.shards}; start "
+                                 f"with the shard count the state directory was written with")
+        path = self._path()
+        if not path.exists():
+            return
+        try:
+            doc = msgpack.unpackb(path.read_bytes(), raw=False)
+            if doc.get("format") != SNAPSHOT_FORMAT or doc.get("version") != SNAPSHOT_VERSION:
+                raise ValueError(f"not a {SNAPSHOT_FORMAT} v{SNAPSHOT_VERSION} file")
+            shards = doc["shards"]
+            rollouts, difficulties = [], []
+            for entry in doc["problems"]:
+                pid = entry["problem_id"]
+                prompt = array.array("i", entry["prompt"]).tolist()
+                for seq, origin, version, index, output, reason, reward in entry["rollouts"]:
+                    rollouts.append((seq, origin, RolloutRecord(pid, version, index, prompt,
+                                                                array.array("i", output).tolist(), reason, reward)))
+                if entry["difficulty"] is not None:
+                    difficulties.append(load_difficulty(entry["difficulty"]))
+        except (ValueError, TypeError, KeyError, msgpack.UnpackException) as exc:  # RecordError is a ValueError
+            # A damaged snapshot must not stop the service; it is kept for inspection, not overwritten.
+            log.error("history snapshot %s skipped and renamed to .corrupt: %s", path, exc)
+            path.rename(path.with_suffix(".corrupt"))
+            return
+        if shards != self.config.shards:
+            raise ValueError(f"{path}: written by a store of {shards} shards, this one has {self.config.shards}; "
+                             f"start with the shard count the state directory was written with")
+        for seq, origin, record in rollouts:
+            self._add(origin, record, seq=seq)
+        for history in difficulties:
+            # The snapshot's record also holds the lengths and acceptance of rollouts trimmed from the window.
+            self.difficulty.put(history)
         self._dirty = False
 
-    def _restore_doc(self, doc: dict[str, Any], seen: set[tuple[str, tuple[int, int, bytes]]]) -> None:
-        for entry in doc["problems"]:
-            pid = entry["problem_id"]
-            if shard_of(pid, self.config.shards) != self.index:
-                continue
-            prompt = array.array("i", entry["prompt"]).tolist()
-            for seq, origin, version, index, output, reason, reward in entry["rollouts"]:
-                tokens = array.array("i", output)
-                if (pid, (version, index, tokens.tobytes())) in seen:
-                    continue
-                seen.add((pid, (version, index, tokens.tobytes())))
-                rec = RolloutRecord(pid, version, index, prompt, tokens.tolist(), reason, reward)
-                self._add(origin, rec, seq=seq)
-            if entry["difficulty"] is not None:
-                # The snapshot's record also holds acceptance and lengths of rollouts trimmed from the window.
-                self.difficulty.put(load_difficulty(entry["difficulty"]))
+    def _path(self) -> Path:
+        assert self.state_dir is not None
+        return self.state_dir / f"history-shard-{self.index}.msgpack"
 
 
 def _record(problem_id: str, prompt: list[int], r: StoredRollout) -> dict[str, Any]:

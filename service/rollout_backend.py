@@ -97,9 +97,10 @@ class RolloutBackend(Protocol):
         ...
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator[Any, None]:
-    """The items of all `streams` in the order they arrive. The first stream to raise ends the merge with its
-    exception; closing the merge (or an error) cancels every stream still running and waits for them."""
+async def merge_batches(streams: Sequence[AsyncIterator[Any]], max_items: int) -> AsyncGenerator[list[Any], None]:
+    """The items of all `streams` in the order they arrive, in lists of what is ready at once (1 to `max_items`
+    items). The first stream to raise ends the merge with its exception; closing the merge (or an error) cancels
+    every stream still running and waits for them."""
     done = object()  # a stream's end marker in the merged queue
     merged: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -115,17 +116,30 @@ async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator
     try:
         running = len(tasks)
         while running:
-            item = await merged.get()
-            if item is done:
-                running -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
+            ready = [await merged.get()]
+            while len(ready) < max_items and not merged.empty():
+                ready.append(merged.get_nowait())
+            items = []
+            for item in ready:
+                if item is done:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    items.append(item)
+            if items:
+                yield items
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator[Any, None]:
+    """`merge_batches` one item at a time."""
+    async with contextlib.aclosing(merge_batches(streams, 1)) as batches:
+        async for (item,) in batches:
+            yield item
 
 
 class EngineBackend:

@@ -1,0 +1,176 @@
+"""`NodeEngine`: the Ray actor that owns one node's engines (one per GPU or tensor-parallel group; one on a CPU
+machine).
+
+For the groups the coordinator gives it, it pulls from the history store what other engines and imports added for
+those problems since its last pull (the rollouts it made itself are already in its drafter) and installs them in
+the engine's drafter; then it runs the groups, streams the samples back as they finish, and pushes each finished
+rollout to the store (batched per group, awaited before its stream ends, so nothing accepted is dropped).
+
+Run by Ray as an async actor: every method runs on the actor's event loop, so concurrent batches share the
+engines the same way concurrent groups do in one `Engine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from das.service.api_types import GroupRequest, SampleResult
+from das.service.engine import Engine, EngineConfig, EngineInputError
+from das.service.history_store import resident_bytes, shard_of
+from das.service.rollout_backend import EngineLoad, merge_batches
+from das.service.stub_engine import StubEngine, StubEngineConfig
+
+log = logging.getLogger(__name__)
+
+# Samples a stream item carries at most: samples that finish together travel in one Ray object.
+_MAX_SAMPLES_PER_ITEM = 64
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    engines: tuple[EngineLoad, ...]
+    resident_bytes: int  # this actor's process; the engine core processes are children and not counted
+
+
+class NodeEngine:
+    """The `engines` engines of one node. `shards`: the HistoryStore actor handles, in shard order. With several
+    engines, the GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES) are dealt out evenly, one slice per engine.
+    A vLLM `config.model` may be a known model name: each node prepares its own copy (service/models.py)."""
+
+    def __init__(self, node: str, config: EngineConfig | StubEngineConfig, shards: Sequence[Any],
+                 engines: int = 1) -> None:
+        if engines < 1:
+            raise ValueError(f"engines must be >= 1, got {engines}")
+        self.node = node
+        self.config = config
+        self.shards = list(shards)
+        self.engines: list[Engine | StubEngine] = []
+        self.names = [f"{node}/{i}" for i in range(engines)]
+        # What this actor pushes is tagged with a name of this incarnation: after a restart the same engine name
+        # must still pull the rollouts its predecessor pushed (its fresh drafter never saw them).
+        self._origins = [f"{name}#{uuid.uuid4().hex[:8]}" for name in self.names]
+        # Per engine: problem id -> the store sequence number its drafter has seen up to.
+        self._cursors: list[dict[str, int]] = [{} for _ in range(engines)]
+
+    def _engine_envs(self) -> list[dict[str, str]]:
+        count = len(self.names)
+        gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        if count == 1 or not gpus:
+            return [{} for _ in range(count)]
+        per = max(len(gpus) // count, 1)
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])} for i in range(count)]
+
+    async def start(self) -> list[str]:
+        """Loads every engine (minutes with torch.compile); returns the engine names."""
+        config = self.config
+        if isinstance(config, EngineConfig):
+            from das.service.models import prepare_model
+
+            config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
+        for env in self._engine_envs():
+            saved = {k: os.environ.get(k) for k in env}
+            os.environ.update(env)  # the engine core process is spawned now and inherits it
+            try:
+                if isinstance(config, StubEngineConfig):
+                    engine: Engine | StubEngine = await StubEngine.create(config)
+                else:
+                    engine = await Engine.create(config)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            self.engines.append(engine)
+        return self.names
+
+    async def check(self, groups: Sequence[GroupRequest]) -> tuple[int, str] | None:
+        """The first group an engine would refuse, as (index, message), or None."""
+        for i, group in enumerate(groups):
+            try:
+                self.engines[0].prompt_token_ids(group)
+            except EngineInputError as exc:
+                return i, str(exc)
+        return None
+
+    async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]]
+                  ) -> AsyncGenerator[list[tuple[int, SampleResult]], None]:
+        """Runs (batch index, group) pairs on engine `engine`, starting them in the given order; yields lists of
+        (batch index, sample) as samples finish. Cancelling the Ray task aborts the samples still running."""
+        target = self.engines[engine]
+        name, origin = self.names[engine], self._origins[engine]
+        await self._pull(engine, [g.problem_id for _, g in groups])
+
+        async def one(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
+            prompt = target.prompt_token_ids(group)
+            records: list[dict[str, Any]] = []
+            async for sample in target.generate(group):
+                sample.engine = name
+                if sample.finish_reason in ("stop", "length"):
+                    records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
+                                    "sample_index": sample.sample_index, "prompt_token_ids": prompt,
+                                    "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason})
+                yield index, sample
+            await self._push(origin, records)
+
+        async with contextlib.aclosing(merge_batches([one(i, g) for i, g in groups],
+                                                     _MAX_SAMPLES_PER_ITEM)) as merged:
+            async for items in merged:
+                yield items
+
+    async def reload_weights(self, path: str, version: int) -> int:
+        """Reloads every engine of the node (they drain their running samples first)."""
+        versions = await asyncio.gather(*(e.reload_weights(path, version) for e in self.engines))
+        return int(versions[0])
+
+    async def stats(self) -> NodeStats:
+        loads = []
+        for name, engine in zip(self.names, self.engines):
+            drafter = await engine.drafter_stats() if getattr(engine.config, "speculation", None) == "das" else {}
+            p50, p99 = drafter.get("step_us_p50"), drafter.get("step_us_p99")
+            loads.append(EngineLoad(name, engine.spec_tally.running, engine.spec_tally.waiting,
+                                    p50 / 1e6 if p50 is not None else None, p99 / 1e6 if p99 is not None else None))
+        return NodeStats(tuple(loads), resident_bytes())
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            await engine.close()
+        self.engines.clear()
+
+    # ---- history ----
+
+    async def _pull(self, engine: int, problem_ids: Sequence[str]) -> None:
+        """Installs in `engine`'s drafter what the store got for these problems since its last pull."""
+        cursors = self._cursors[engine]
+        by_shard: dict[int, dict[str, int]] = defaultdict(dict)
+        for pid in set(problem_ids):
+            by_shard[shard_of(pid, len(self.shards))][pid] = cursors.get(pid, 0)
+        if not by_shard:
+            return
+        replies = await asyncio.gather(*(self.shards[s].pull.remote(c, self._origins[engine])
+                                         for s, c in by_shard.items()))
+        records = []
+        for reply in replies:
+            for pid, (new, cursor) in reply.items():
+                records.extend(new)
+                cursors[pid] = cursor
+        if records:
+            added = await self.engines[engine].add_history(records)
+            log.info("%s: installed %d of %d pulled rollouts", self.names[engine], added, len(records))
+
+    async def _push(self, origin: str, records: list[dict[str, Any]]) -> None:
+        by_shard: dict[int, list[dict[str, Any]]] = defaultdict(list)
+        for record in records:
+            by_shard[shard_of(record["problem_id"], len(self.shards))].append(record)
+        try:
+            await asyncio.gather(*(self.shards[s].put.remote(origin, rs) for s, rs in by_shard.items()))
+        except Exception:  # the samples are delivered; only future drafting loses them, so say so and go on
+            log.exception("%s: pushing %d rollouts to the history store failed", origin, len(records))
