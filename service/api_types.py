@@ -61,7 +61,8 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 class SampleResult(BaseModel):
     """One finished sample. logprobs[i] is the log-probability of token_ids[i] under the distribution it was
     sampled from (vLLM's processed logprobs: after temperature, top-p and top-k). `text`: the detokenized output
-    (special tokens skipped), None where no tokenizer ran. `engine`: which engine produced it. Times in seconds."""
+    (special tokens skipped), None where no tokenizer ran. `engine`: which engine produced it; `prompt_token_ids`:
+    the prompt it continued, where the engine reports it. Times in seconds."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -79,3 +80,4 @@ class SampleResult(BaseModel):
     error: str | None = None
     text: str | None = None
     engine: str | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="the prompt as the engine tokenized it")

@@ -264,6 +264,36 @@ def serve(
     asyncio.run(run())
 
 
+@app.command("rollout")
+def rollout_cmd(
+    server: Annotated[str, typer.Option(help="The rollout server's URL.")] = "http://127.0.0.1:8000",
+    problems: Annotated[str, typer.Option(help="JSONL prompt file (problem_id + messages | prompt | "
+                                               "prompt_token_ids) or reasoning-gym:N.")] = "reasoning-gym:8",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 8,
+    epochs: Annotated[int, typer.Option(min=1, help="Batches of all problems, one after the other.")] = 3,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
+    token: Annotated[Optional[str], typer.Option(envvar="DAS_TOKEN", show_default=False,
+                                                 help="The server's bearer token (or $DAS_TOKEN).")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="History file to write (.jsonl or .jsonl.gz).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Multi-epoch rollouts against a server, like a trainer: makespan per epoch, results as a history file."""
+    from das.service.api_types import SamplingSpec
+    from das.service.client import RolloutClient, RolloutError
+    from das.service.prompt_sets import PromptSetError, load_prompt_set
+    from das.service.rollout_run import run_rollouts
+
+    try:
+        problem_set = load_prompt_set(problems)
+        sampling = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
+        with RolloutClient(server, token) as client:
+            result = run_rollouts(client, problem_set, samples, epochs, sampling, out, console)
+    except (PromptSetError, RolloutError, OSError, ValueError) as exc:
+        _fail(str(exc))
+    _emit(result, as_json)
+
+
 @app.command("calibrate")
 def calibrate_cmd(
     model: Annotated[str, typer.Option(help="Model name (smollm2) or a model directory.")] = "smollm2",

@@ -86,12 +86,14 @@ class _BatchProgress:
     """What one batch has received over all its attempts: decodes the wire, drops duplicates, keeps the
     summary."""
 
-    def __init__(self, groups: list[dict[str, Any]], batch_id: str, logprobs: bool, wire: Wire) -> None:
+    def __init__(self, groups: list[dict[str, Any]], batch_id: str, logprobs: bool, prompts: bool,
+                 wire: Wire) -> None:
         self.batch_id = batch_id
         self.wire = wire
         self.summary: BatchSummary | None = None
         self._groups = groups
         self._logprobs = logprobs
+        self._prompts = prompts
         self._seen: set[tuple[int, int]] = set()
         self._received = 0  # records of this batch in server order: what a retry asks the server to skip
         self._reset(0)
@@ -102,7 +104,7 @@ class _BatchProgress:
 
     def body(self) -> dict[str, Any]:
         return {"batch_id": self.batch_id, "groups": self._groups, "logprobs": self._logprobs,
-                "resume_from": self._received}
+                "return_prompt_token_ids": self._prompts, "resume_from": self._received}
 
     def begin(self, response: httpx.Response) -> None:
         """A new attempt's stream starts; the server says at which of the batch's records (it starts from 0
@@ -160,8 +162,8 @@ class _ClientBase:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _progress(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None,
-                  logprobs: bool) -> _BatchProgress:
-        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, self.wire)
+                  logprobs: bool, prompts: bool) -> _BatchProgress:
+        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, prompts, self.wire)
 
     def _delay(self, attempt: int) -> float:
         """Seconds before retry `attempt` (1-based): exponential, capped at 10 s."""
@@ -211,10 +213,10 @@ class RolloutClient(_ClientBase):
                                  transport=transport)
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
-                 logprobs: bool = False) -> RolloutStream:
+                 logprobs: bool = False, return_prompt_token_ids: bool = False) -> RolloutStream:
         """The batch's samples as they finish (iterate the result). Raises RolloutError when the server refuses
         the batch, gives up retrying, or the batch ends aborted or failed."""
-        return RolloutStream(self, self._progress(groups, batch_id, logprobs))
+        return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids))
 
     def _call(self, method: str, path: str, json_body: Any = None) -> Any:
         idempotent = method in ("GET", "DELETE")
@@ -299,9 +301,9 @@ class AsyncRolloutClient(_ClientBase):
                                       transport=transport)
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
-                 logprobs: bool = False) -> AsyncRolloutStream:
+                 logprobs: bool = False, return_prompt_token_ids: bool = False) -> AsyncRolloutStream:
         """The batch's samples as they finish (`async for` the result); errors as `RolloutClient.generate`."""
-        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs))
+        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids))
 
     async def _call(self, method: str, path: str, json_body: Any = None) -> Any:
         idempotent = method in ("GET", "DELETE")

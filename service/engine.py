@@ -255,7 +255,8 @@ class Engine:
             finish_reason=finish if finish in ("stop", "length", "abort", "error") else "stop",
             policy_version=version, draft_tokens=counts.get("proposed", 0),
             accepted_tokens=counts.get("accepted", 0), decode_steps=counts.get("steps", 0),
-            first_token_s=first, total_s=time.perf_counter() - start, error=error, text="".join(text)))
+            first_token_s=first, total_s=time.perf_counter() - start, error=error, text="".join(text),
+            prompt_token_ids=prompt))
 
     async def _draft_counts(self, key: str) -> dict[str, int]:
         if self.config.speculation != "das":

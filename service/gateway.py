@@ -94,14 +94,16 @@ class RolloutRequest(BaseModel):
     batch_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
     groups: list[GroupRequest] = Field(min_length=1)
     logprobs: bool = False
+    return_prompt_token_ids: bool = Field(False, description="each sample carries its prompt's token ids (what "
+                                                             "a history file needs)")
     resume_from: int = Field(0, ge=0, description="when attaching to an existing batch, skip its first records "
                                                   "(the number the client already has)")
 
 
 class SampleRecord(BaseModel):
     """One finished sample on the wire. `group_index`: the group's position in the request; `latency_s`: seconds
-    from the batch's start to the sample reaching the gateway; `text` None without a tokenizer; `logprobs` only
-    when the batch asked for them."""
+    from the batch's start to the sample reaching the gateway; `text` None without a tokenizer; `logprobs` and
+    `prompt_token_ids` only when the batch asked for them."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -111,6 +113,7 @@ class SampleRecord(BaseModel):
     output_token_ids: list[int]
     text: str | None
     logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None
     finish_reason: FinishReason
     policy_version: int
     draft_tokens: int
@@ -170,10 +173,12 @@ class _Batch:
     any number of readers can follow it by position. Encoded once: a msgpack reader streams the stored bytes as
     they are, and results held for replay cost bytes per token rather than Python objects."""
 
-    def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, fingerprint: str) -> None:
+    def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, prompts: bool,
+                 fingerprint: str) -> None:
         self.batch_id = batch_id
         self.groups = groups
         self.logprobs = logprobs
+        self.prompts = prompts
         self.fingerprint = fingerprint
         self.expected = sum(g.n for g in groups)
         self.frames: list[bytes] = []
@@ -206,6 +211,8 @@ class _Batch:
             "engine": sample.engine}
         if self.logprobs:
             record["logprobs"] = sample.logprobs
+        if self.prompts:
+            record["prompt_token_ids"] = sample.prompt_token_ids
         frame = _pack(record)
         self.frames.append(frame)
         self.size += len(frame)
@@ -358,7 +365,7 @@ class _Gateway:
     async def admit(self, body: RolloutRequest) -> tuple[_Batch, int]:
         """The batch this request streams (a new one, or the running/ended one with its id) and the record to
         start from."""
-        fingerprint = hashlib.sha256(body.model_dump_json(include={"groups", "logprobs"}).encode()).hexdigest()
+        fingerprint = hashlib.sha256(body.model_dump_json(include={"groups", "logprobs", "return_prompt_token_ids"}).encode()).hexdigest()
         batch = self._existing(body, fingerprint)
         if batch is not None:
             return batch, body.resume_from
@@ -381,7 +388,8 @@ class _Gateway:
         batch = self._existing(body, fingerprint)
         if batch is not None:
             return batch, body.resume_from
-        batch = _Batch(body.batch_id or uuid.uuid4().hex, body.groups, body.logprobs, fingerprint)
+        batch = _Batch(body.batch_id or uuid.uuid4().hex, body.groups, body.logprobs, body.return_prompt_token_ids,
+                       fingerprint)
         self.batches.add(batch)
         self.metrics.batches_in_flight += 1
         batch.task = asyncio.create_task(self._run(batch), name=f"batch-{batch.batch_id}")

@@ -110,13 +110,12 @@ class NodeEngine:
         await self._pull(engine, [g.problem_id for _, g in groups])
 
         async def one(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
-            prompt = target.prompt_token_ids(group)
             records: list[dict[str, Any]] = []
             async for sample in target.generate(group):
                 sample.engine = name
-                if sample.finish_reason in ("stop", "length"):
+                if sample.finish_reason in ("stop", "length") and sample.prompt_token_ids:
                     records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
-                                    "sample_index": sample.sample_index, "prompt_token_ids": prompt,
+                                    "sample_index": sample.sample_index, "prompt_token_ids": sample.prompt_token_ids,
                                     "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason})
                 yield index, sample
             await self._push(origin, records)

@@ -57,7 +57,7 @@ class StubEngine:
         return ids
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[SampleResult]:
-        self.prompt_token_ids(group)
+        prompt = self.prompt_token_ids(group)
         length = min(self.config.tokens, group.sampling.max_tokens)
         start = time.perf_counter()
         self.spec_tally.running += group.n  # the group's samples, until the group ends
@@ -70,7 +70,7 @@ class StubEngine:
                     token_ids=[(7 * i + index) % self.config.vocab_size for i in range(length)],
                     logprobs=[-1.0] * length, finish_reason="length" if length == group.sampling.max_tokens else
                     "stop", policy_version=self.policy_version, decode_steps=length,
-                    total_s=time.perf_counter() - start)
+                    total_s=time.perf_counter() - start, prompt_token_ids=prompt)
         finally:
             self.spec_tally.running -= group.n
 

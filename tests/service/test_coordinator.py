@@ -1,0 +1,131 @@
+"""The Ray service on a two-node Ray cluster on this machine (`ray.cluster_utils.Cluster`): one NodeEngine per
+node. Stub engines for the coordinator's own logic (fast), then the tiny real model on both nodes."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from das.service.api_types import GroupRequest
+from das.service.coordinator import RayBackend, ServiceConfig
+from das.service.engine import EngineInputError
+from das.service.models import prepare_model
+from das.service.rollout_backend import GroupInputError
+from tests.tiny_models import build_tiny_model
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    nodes = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "object_store_memory": 100 << 20,
+                                                          "include_dashboard": False})
+    nodes.add_node(num_cpus=1, object_store_memory=100 << 20)
+    nodes.wait_for_nodes()
+    ray.init(address=nodes.address)
+    yield nodes
+    ray.shutdown()
+    nodes.shutdown()
+
+
+@pytest.fixture
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    event_loop = asyncio.new_event_loop()
+    yield event_loop
+    event_loop.close()
+
+
+def groups(count: int, n: int, max_tokens: int = 8, **sampling: object) -> list[GroupRequest]:
+    return [GroupRequest(problem_id=f"p{i}", prompt_token_ids=[5, 6, 7 + i], n=n,
+                         sampling={"max_tokens": max_tokens, **sampling}) for i in range(count)]
+
+
+def run_batch(loop: asyncio.AbstractEventLoop, backend: RayBackend, batch: list[GroupRequest]) -> list:
+    async def collect() -> list:
+        return [item async for item in backend.generate(batch)]
+    return loop.run_until_complete(collect())
+
+
+def start(loop: asyncio.AbstractEventLoop, config: ServiceConfig) -> RayBackend:
+    backend = loop.run_until_complete(RayBackend.start(config))
+    loop.run_until_complete(backend.wait_ready())
+    return backend
+
+
+def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEventLoop, tmp_path: Path) -> None:
+    backend = start(loop, ServiceConfig(stub_engine={"tokens": 6, "token_s": 0.005}, state_dir=tmp_path,
+                                        stats_interval_s=0.2))
+    try:
+        assert len(backend.engine_names) == 2 and loop.run_until_complete(backend.ready())
+        batch = groups(6, 3)
+        results = run_batch(loop, backend, batch)
+        assert Counter((i, s.sample_index) for i, s in results) == Counter((i, j) for i in range(6) for j in range(3))
+        engines_by_group = {i: {s.engine for j, s in results if j == i} for i in range(6)}
+        assert all(len(e) == 1 for e in engines_by_group.values())  # siblings stay on one engine
+        assert {e for (e,) in engines_by_group.values()} == set(backend.engine_names)  # both nodes worked
+
+        # every finished rollout reached the store, and length prediction learned the problem's length
+        summary = loop.run_until_complete(backend.history("p0"))
+        assert summary is not None and summary.rollouts == 3 and summary.length_p50 == 6
+        assert float(backend._predictor.predict(["p0"], [0]).p50[0]) == 6  # noqa: SLF001 -- the book it reads
+
+        # a group the engines refuse: named by index, nothing ran
+        bad = [*groups(1, 1), GroupRequest(problem_id="x", prompt_token_ids=[40000], n=1)]
+        with pytest.raises(GroupInputError, match="outside the vocabulary") as refused:
+            loop.run_until_complete(backend.check(bad))
+        assert refused.value.group_index == 1
+
+        # reload reaches every node; an older version is refused by the engines
+        assert loop.run_until_complete(backend.reload_weights(str(tmp_path), 3)) == 3
+        with pytest.raises(EngineInputError):
+            loop.run_until_complete(backend.reload_weights(str(tmp_path), 2))
+        assert {s.policy_version for _, s in run_batch(loop, backend, groups(2, 1))} == {3}
+
+        # imported history goes to the store
+        record = {"problem_id": "imported", "policy_version": 0, "sample_index": 0, "prompt_token_ids": [1],
+                  "output_token_ids": [2, 3]}
+        assert loop.run_until_complete(backend.add_history([record, record])) == 2
+        assert loop.run_until_complete(backend.history("imported")).rollouts == 2
+
+        # closing the stream early cancels what still runs; the service goes on
+        async def first_then_close() -> int:
+            stream = backend.generate(groups(2, 4, max_tokens=6))
+            await anext(stream)
+            await stream.aclose()
+            return len([x async for x in backend.generate(groups(1, 2))])
+        assert loop.run_until_complete(first_then_close()) == 2
+
+        loop.run_until_complete(asyncio.sleep(0.5))
+        stats = backend.stats()
+        assert stats.engines_ready == 2 and {e.engine for e in stats.engines} == set(backend.engine_names)
+        assert stats.history_problems >= 7 and stats.resident_bytes["history_store"] > 0
+    finally:
+        loop.run_until_complete(backend.close())
+    assert sorted(p.name for p in tmp_path.glob("history-shard-*")) == ["history-shard-0.msgpack",
+                                                                         "history-shard-1.msgpack"]
+
+
+def test_tiny_model_on_two_nodes_splits_one_batch(cluster: Cluster, loop: asyncio.AbstractEventLoop,
+                                                  tmp_path: Path) -> None:
+    model = build_tiny_model(tmp_path / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
+                             sharpness=12.0)
+    backend = start(loop, ServiceConfig(engine={"model": str(model), "dtype": "float32", "max_model_len": 128,
+                                                "enforce_eager": True, "kv_cache_gib": 1}))
+    try:
+        batch = groups(4, 3, max_tokens=16, temperature=0.0, ignore_eos=True)
+        placed = backend.place(batch)
+        expected_engine = {i: backend.engine_names[e] for e, items in enumerate(placed) for i, _ in items}
+        assert set(expected_engine.values()) == set(backend.engine_names)  # the policy split the batch
+        results = run_batch(loop, backend, batch)
+        assert Counter((i, s.sample_index) for i, s in results) == Counter((i, j) for i in range(4) for j in range(3))
+        assert all(s.engine == expected_engine[i] for i, s in results)
+        assert all(len(s.token_ids) == 16 and s.finish_reason == "length" for _, s in results)
+        # greedy: siblings agree, whichever node ran them
+        for i in range(4):
+            assert len({tuple(s.token_ids) for j, s in results if j == i}) == 1
+    finally:
+        loop.run_until_complete(backend.close())
