@@ -268,7 +268,8 @@ class StubBackend:
             problem_id=group.problem_id, sample_index=0, token_ids=self._tokens[:length],
             logprobs=self._logprobs[:length], finish_reason="length" if length < self.output_tokens else "stop",
             policy_version=self._version, draft_tokens=length // 2, accepted_tokens=accepted,
-            decode_steps=length - accepted, first_token_s=None, total_s=0.0, error=None)
+            decode_steps=length - accepted, first_token_s=None, total_s=0.0, error=None, text=None, engine="stub-0",
+            prompt_token_ids=list(group.prompt_token_ids) if group.prompt_token_ids is not None else None)
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
         if version <= self._version:

@@ -1,0 +1,37 @@
+"""`das rollout` against a live gateway (stub backend): epochs, figures, and the history file it writes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from das.drafter.records import load_rollouts
+from das.service.cli import app
+from das.service.gateway import create_app
+from das.service.rollout_backend import StubBackend
+from tests.service.test_gateway import TOKEN, LiveServer, gateway_settings
+
+
+def test_das_rollout_runs_epochs_and_writes_a_history_file(tmp_path: Path) -> None:
+    problems = tmp_path / "problems.jsonl"
+    problems.write_text("".join(json.dumps({"problem_id": f"q{i}", "prompt_token_ids": [3, 4, i]}) + "\n"
+                                for i in range(3)))
+    out = tmp_path / "history.jsonl.gz"
+    backend = StubBackend(output_tokens=12)
+    with LiveServer(create_app(backend, gateway_settings(token=TOKEN))) as server:
+        result = CliRunner().invoke(app, ["rollout", "--server", server.url, "--problems", str(problems),
+                                          "--samples", "4", "--epochs", "2", "--max-tokens", "10", "--out", str(out),
+                                          "--json"], env={"DAS_TOKEN": TOKEN})
+        refused = CliRunner().invoke(app, ["rollout", "--server", server.url, "--problems", str(problems),
+                                           "--token", "wrong"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert [e["epoch"] for e in report["epochs"]] == [1, 2] and backend.runs == 2
+    assert all(e["samples"] == 12 and e["output_tokens"] == 120 and e["makespan_s"] > 0 for e in report["epochs"])
+    records = load_rollouts(out)
+    assert report["records"] == len(records) == 24
+    assert {(r.problem_id, r.prompt_token_ids) for r in records} == {(f"q{i}", (3, 4, i)) for i in range(3)}
+    assert all(len(r.output_token_ids) == 10 and r.finish_reason == "length" for r in records)
+    assert refused.exit_code == 2 and "401" in refused.output
