@@ -97,7 +97,13 @@ class _Running:
     max_tokens: int
     fed: int                                   # tokens of prompt + output already fed to the bank
     draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    draft_source: str = ""                     # source kind of `draft` (see `source_kind`)
     counts: DraftCounts = field(default_factory=DraftCounts)
+
+
+def source_kind(source: str) -> str:
+    """The metric label of a draft's source: live, prompt, sealed (any age) or global."""
+    return "sealed" if source.startswith("sealed") else source
 
 
 class DasProposer:
@@ -120,6 +126,7 @@ class DasProposer:
         # the last _STATS_WINDOW steps only: a server runs for millions of steps
         self._step_us: deque[float] = deque(maxlen=_STATS_WINDOW)
         self._step_batch: deque[int] = deque(maxlen=_STATS_WINDOW)
+        self.by_source: dict[str, DraftCounts] = {}  # since start, by source kind (steps unused)
         self.failures = 0
 
     def attach(self, runner: Any) -> None:
@@ -167,7 +174,8 @@ class DasProposer:
         for i, (rid, run, view) in enumerate(zip(req_ids, rows, views)):
             k = min(int(lengths[i]), view.room, self.k_max)
             # the index matches at most max_depth tokens of context: copy no more than that
-            run.draft = self._draft(rid, token_ids_cpu[i, max(0, run.fed - self._context):run.fed], k)
+            run.draft, run.draft_source = self._draft(rid, token_ids_cpu[i, max(0, run.fed - self._context):run.fed],
+                                                      k)
             drafts.append(run.draft.tolist())
         self._step_us.append((time.perf_counter() - t0) * 1e6)
         self._step_batch.append(len(req_ids))
@@ -203,6 +211,8 @@ class DasProposer:
             "failures": self.failures,
             "stored_tokens": self.bank.stored_tokens(),
             "memory_bytes": self.bank.memory_bytes(),
+            "by_source": {kind: {"proposed": c.proposed, "accepted": c.accepted}
+                          for kind, c in sorted(self.by_source.items())},
         }
 
     # ---- internals ----
@@ -222,18 +232,24 @@ class DasProposer:
         if run.draft.size:
             m = min(run.draft.size, tokens.size - 1)
             same = run.draft[:m] == tokens[:m]
-            run.counts.accepted += int(m if same.all() else np.argmin(same))
+            accepted = int(m if same.all() else np.argmin(same))
+            run.counts.accepted += accepted
             run.counts.proposed += int(run.draft.size)
+            source = self.by_source.setdefault(run.draft_source, DraftCounts())
+            source.accepted += accepted
+            source.proposed += int(run.draft.size)
         run.counts.steps += 1
         self.bank.extend(rid, tokens)
 
-    def _draft(self, rid: str, context: np.ndarray, k: int) -> np.ndarray:
+    def _draft(self, rid: str, context: np.ndarray, k: int) -> tuple[np.ndarray, str]:
+        """Up to k draft tokens and their source kind."""
         if k <= 0:
-            return np.zeros(0, np.int32)
-        tokens = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k).tokens
-        if tokens.size == 0 or tokens.max() < self.vocab_size:
-            return tokens
-        return tokens[: np.argmax(tokens >= self.vocab_size)]
+            return np.zeros(0, np.int32), ""
+        proposal = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k)
+        tokens = proposal.tokens
+        if tokens.size and tokens.max() >= self.vocab_size:
+            tokens = tokens[: np.argmax(tokens >= self.vocab_size)]
+        return tokens, source_kind(proposal.source)
 
     def _retire(self, live: set[str]) -> None:
         """Finishes requests that left the runner (finished or aborted), keeping preempted ones."""

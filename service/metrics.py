@@ -174,13 +174,21 @@ class GatewayMetrics:
                                     labels=["engine"])
         speculate = GaugeMetricFamily("das_speculate_latency_seconds", "Proposer time per decode step (whole "
                                       "batch), over the engine's recent steps.", labels=["engine", "quantile"])
+        proposed = CounterMetricFamily("das_source_draft_tokens_proposed", "Draft tokens proposed by our drafter "
+                                       "since the engine started, by the source they came from (live, prompt, "
+                                       "sealed, global).", labels=["engine", "source"])
+        accepted = CounterMetricFamily("das_source_draft_tokens_accepted", "Draft tokens accepted, by source.",
+                                       labels=["engine", "source"])
         for load in stats.engines:
+            for source, (p, a) in sorted(load.drafts_by_source.items()):
+                proposed.add_metric([load.engine, source], p)
+                accepted.add_metric([load.engine, source], a)
             running.add_metric([load.engine], load.running)
             waiting.add_metric([load.engine], load.waiting)
             for q, value in (("0.5", load.speculate_p50_s), ("0.99", load.speculate_p99_s)):
                 if value is not None:
                     speculate.add_metric([load.engine, q], value)
-        yield from (running, waiting, speculate)
+        yield from (running, waiting, speculate, proposed, accepted)
         yield GaugeMetricFamily("das_engines_ready", "Engines loaded and serving.", value=stats.engines_ready)
         yield GaugeMetricFamily("das_history_problems_stored", "Problems with rollouts in the history store.",
                                 value=stats.history_problems)

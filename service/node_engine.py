@@ -135,8 +135,10 @@ class NodeEngine:
         for name, engine in zip(self.names, self.engines):
             drafter = await engine.drafter_stats() if getattr(engine.config, "speculation", None) == "das" else {}
             p50, p99 = drafter.get("step_us_p50"), drafter.get("step_us_p99")
+            by_source = {kind: (c["proposed"], c["accepted"]) for kind, c in drafter.get("by_source", {}).items()}
             loads.append(EngineLoad(name, engine.spec_tally.running, engine.spec_tally.waiting,
-                                    p50 / 1e6 if p50 is not None else None, p99 / 1e6 if p99 is not None else None))
+                                    p50 / 1e6 if p50 is not None else None, p99 / 1e6 if p99 is not None else None,
+                                    by_source))
         return NodeStats(tuple(loads), resident_bytes())
 
     async def close(self) -> None:

@@ -36,13 +36,15 @@ class HistoryUnavailable(Exception):
 @dataclass(frozen=True)
 class EngineLoad:
     """One engine's queues and proposer cost at its latest report. Speculate times in seconds (None: the engine
-    does not run our proposer)."""
+    does not run our proposer). `drafts_by_source`: source kind -> (draft tokens proposed, accepted) since the
+    engine started."""
 
     engine: str
     running: int
     waiting: int
     speculate_p50_s: float | None = None
     speculate_p99_s: float | None = None
+    drafts_by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -288,5 +290,5 @@ class StubBackend:
     def stats(self) -> BackendStats:
         """One synthetic engine, so every engine series of /metrics exists with the stub too."""
         return BackendStats(engines=(EngineLoad("stub-0", running=0, waiting=0, speculate_p50_s=0.0,
-                                                speculate_p99_s=0.0),),
+                                                speculate_p99_s=0.0, drafts_by_source={"live": (0, 0)}),),
                             engines_ready=1 if self._ready else 0, resident_bytes={"node_engine": 0})

@@ -182,3 +182,14 @@ def test_stats_report_the_per_step_cost():
     stats = proposer.stats()
     assert stats["steps"] > 5 and 0 < stats["step_us_p50"] <= stats["step_us_p99"]
     assert stats["stored_tokens"] > 0
+
+
+def test_drafts_are_counted_by_source_kind():
+    proposer, runner = attached()
+    for key in ("a", "b"):  # the second sample of the problem drafts from the first
+        run_sample(proposer, runner, key, RequestTags("p", key=key), RESPONSE)
+    per_request = proposer.pop_counts(["a", "b"])
+    by_source = proposer.stats()["by_source"]
+    assert set(by_source) <= {"live", "prompt", "sealed", "global"} and by_source
+    assert sum(c["proposed"] for c in by_source.values()) == sum(c.proposed for c in per_request.values()) > 0
+    assert sum(c["accepted"] for c in by_source.values()) == sum(c.accepted for c in per_request.values()) > 0

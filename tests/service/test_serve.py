@@ -114,6 +114,8 @@ def test_das_serve_two_epochs_then_a_restart_drafts_from_the_saved_history(tmp_p
             time.sleep(0.5)
             text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
         assert metric(text, "das_history_tokens_stored") == 872 == 3 * 8 * 24 + 4 * 24 + 200
+        # the engine's own tally by draft source, from the same refresh: every accepted draft token counted once
+        assert metric(text, "das_source_draft_tokens_accepted") == metric(text, "das_draft_tokens_accepted")
     finally:
         out = server.stop()
     assert sorted(p.name for p in state.iterdir()) == ["history-shard-0.msgpack", "history-shard-1.msgpack"], out
