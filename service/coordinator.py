@@ -88,7 +88,7 @@ class RayBackend:
         self._stats = BackendStats()
         self._loading: asyncio.Task[None] | None = None
         self._background: list[asyncio.Task[None]] = []
-        self.load_error: str | None = None
+        self.load_error: str | None = None  # why the service is not ready: an engine failed to load or died
 
     # ---- lifecycle ----
 
@@ -192,7 +192,8 @@ class RayBackend:
         return [name for _, _, name in self._engines]
 
     async def ready(self) -> bool:
-        return bool(self._engines) and self._loading is not None and self._loading.done()
+        return bool(self._engines) and self._loading is not None and self._loading.done() \
+            and self.load_error is None
 
     async def check(self, groups: Sequence[GroupRequest]) -> None:
         node = self._engines[0][0]
@@ -223,6 +224,8 @@ class RayBackend:
                     for item in await ref:
                         yield item
             except ray.exceptions.RayActorError as exc:
+                self.load_error = f"engine {engine} died"
+                log.error("engine %s died; the service is no longer ready: %s", engine, exc)
                 raise RuntimeError(f"engine {engine} died: {exc}") from None
 
         try:

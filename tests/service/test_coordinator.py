@@ -103,6 +103,12 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
         stats = backend.stats()
         assert stats.engines_ready == 2 and {e.engine for e in stats.engines} == set(backend.engine_names)
         assert stats.history_problems >= 7 and stats.resident_bytes["history_store"] > 0
+
+        # an engine actor that dies fails the batch given to it, loudly, and the service is no longer ready
+        ray.kill(backend._engines[0][0])  # noqa: SLF001 -- the first engine's node actor
+        with pytest.raises(RuntimeError, match=f"engine {backend.engine_names[0]} died"):
+            run_batch(loop, backend, groups(4, 2))
+        assert not loop.run_until_complete(backend.ready())
     finally:
         loop.run_until_complete(backend.close())
     assert sorted(p.name for p in tmp_path.glob("history-shard-*")) == ["history-shard-0.msgpack",
