@@ -5,11 +5,14 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
+
+if TYPE_CHECKING:
+    from das.scheduler.cost_model import CostModel
 
 # Results (tables, --json) go to stdout; vLLM logs to stdout unless told otherwise, and at INFO it logs every
 # engine start in detail. Its processes inherit the environment, so this covers the engine core too.
@@ -133,55 +136,147 @@ def bench_simulate(
     _emit(result, as_json)
 
 
-def _budget_settings(spec: str) -> dict[str, Any]:
-    """`uniform`, `classes` or `das:COST_MODEL` as budget-hook settings."""
+def _budget_settings(spec: str) -> tuple[dict[str, Any], CostModel | None]:
+    """`uniform`, `classes` or `das:COST_MODEL` as budget-hook settings, with the cost model (None for the first
+    two)."""
     from das.scheduler.cost_model import load_cost_model
 
     policy, _, cost_name = spec.partition(":")
     if policy in ("uniform", "classes") and not cost_name:
-        return {"policy": policy}
+        return {"policy": policy}, None
     if policy == "das" and cost_name:
         cost = load_cost_model(cost_name)
-        return {"policy": "das", "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s}
+        return {"policy": "das", "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s}, cost
     raise ValueError(f"--budget {spec!r}: expected uniform, classes or das:COST_MODEL")
+
+
+def _default_budget(model: str) -> str | None:
+    """das:cpu-<model> if that cost model was calibrated here, else das:cpu-smollm2 if that was, else None."""
+    from das.scheduler.cost_model import cost_model_dir
+
+    for name in (f"cpu-{Path(model).name}", "cpu-smollm2"):
+        if (cost_model_dir() / f"{name}.json").exists():
+            return f"das:{name}"
+    return None
+
+
+def _command_line(ctx: typer.Context) -> str:
+    """The running command as a shell line: its path and every option that differs from its default (so a report
+    says how to rerun it, whether it came from a shell or from a test runner)."""
+    import shlex
+
+    from typer.core import TyperOption
+
+    words = ["das", *ctx.command_path.split()[1:]]  # the program name is the test runner's under CliRunner
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        if not isinstance(param, TyperOption) or value == param.default or value is None:
+            continue
+        flag = max(param.opts, key=len)
+        if param.is_flag:
+            words.append(flag if value else (param.secondary_opts or [flag])[0])
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+@models_app.command("perturb")
+def models_perturb(
+    src: Annotated[str, typer.Argument(help="A known model name or a model directory.")],
+    dst: Annotated[Path, typer.Argument(help="Directory to write (must not exist, or be empty).")],
+    scale: Annotated[float, typer.Option(min=0.0, help="Noise per tensor, relative to its RMS.")] = 0.01,
+    seed: Annotated[int, typer.Option(help="Seed of the noise (same seed, same checkpoint).")] = 0,
+) -> None:
+    """Write a drifted checkpoint: every weight tensor plus Gaussian noise of `scale` x its RMS (for --drift)."""
+    from das.service.checkpoints import perturb_checkpoint
+    from das.service.models import prepare_model
+
+    try:
+        report = perturb_checkpoint(prepare_model(src, progress=True), dst, scale, seed)
+    except (ValueError, OSError) as exc:
+        _fail(str(exc))
+    console.print(f"{report.tensors} tensors, {report.parameters:,} parameters, relative change "
+                  f"{report.relative_change:.4f}")
+    print(report.path)
 
 
 @bench_app.command("e2e")
 def bench_e2e(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory.")] = "smollm2",
     prompts: Annotated[str, typer.Option(help="Prompts JSONL file, or reasoning-gym:N for N generated problems.")]
         = "reasoning-gym:8",
     samples: Annotated[int, typer.Option(min=1, help="Samples per problem (the group size n).")] = 8,
-    epochs: Annotated[int, typer.Option(min=1, help="Times the same prompts are run.")] = 2,
-    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Output tokens per sample, at most.")] = 256,
-    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy (then outputs must be identical).")] = 0.0,
-    arms: Annotated[str, typer.Option(help="Comma-separated arms: none, das, ngram, suffix.")] = "none,das",
+    epochs: Annotated[int, typer.Option(min=1, help="Times the same prompts are run.")] = 3,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Output tokens per sample, at most.")] =
+        1024,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature (0: greedy, then outputs are "
+                                                             "compared token by token).")] = 0.8,
+    arms: Annotated[str, typer.Option(help="Comma-separated arms: none, ngram, suffix, suffix-t, das-uniform, das, "
+                                           "das-service.")] = "none,ngram,suffix,suffix-t,das-uniform,das,das-service",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens of every arm.")] = 8,
     dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
-    budget: Annotated[str, typer.Option(help="das arm's draft budget: uniform (K every step), classes, or "
-                                             "das:COST_MODEL (length-aware, e.g. das:cpu-smollm2).")] = "uniform",
+    budget: Annotated[Optional[str], typer.Option(
+        help="das and das-service's draft budget: uniform, classes, or das:COST_MODEL (length-aware); default "
+             "das:cpu-<model> or das:cpu-smollm2, whichever was calibrated here.")] = None,
+    drift: Annotated[Optional[str], typer.Option(
+        help="Comma-separated checkpoint directories, one loaded before each epoch after the first, in every arm "
+             "(make them with `das models perturb`).")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Independent runs (fresh engines each); tables show medians.")]
+        = 1,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Every sample runs to --max-tokens (the "
+                                                                  "compute-bound check).")] = False,
+    seed: Annotated[int, typer.Option(help="Engine seed (repeat r uses seed + r).")] = 0,
+    kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", min=1, help="CPU KV cache of each engine.")] = 2,
+    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG: makespan per epoch, length distributions.")]
+        = None,
+    markdown: Annotated[Optional[Path], typer.Option(help="Write the tables as markdown.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Real engines, real model: makespan, throughput and acceptance per arm and epoch (das keeps its history)."""
+    """Real engines, real model, several epochs: makespan, throughput, acceptance, rewards and output tests per
+    arm and epoch (drafters keep their history)."""
     import asyncio
 
-    from das.service.bench_e2e import E2EConfig, run_e2e
+    from das.service.bench_e2e import E2EConfig, run_e2e, suffix_tuned_options
+    from das.service.bench_report import markdown as render_markdown, plot as render_plot
     from das.service.models import prepare_model
     from das.service.prompt_sets import PromptSetError, load_prompt_set
 
+    arm_names = tuple(a.strip() for a in arms.split(",") if a.strip())
     try:
         problems = load_prompt_set(prompts)
-        budget_settings = _budget_settings(budget)
+        spec = budget or _default_budget(model)
+        if spec is None:
+            if {"das", "das-service", "suffix-t"} & set(arm_names):
+                raise ValueError("no cost model calibrated here for the das budget and suffix-t: run `das calibrate` "
+                                 "or pass --budget")
+            spec = "uniform"
+        budget_settings, cost = _budget_settings(spec)
+        if cost is None and "suffix-t" in arm_names:
+            fallback = _default_budget(model)
+            if fallback is None:
+                raise ValueError("suffix-t is tuned from a cost model: run `das calibrate` or pass --budget das:NAME")
+            cost = _budget_settings(fallback)[1]
+        suffix_tuned = suffix_tuned_options(cost, len(problems) * samples) if cost is not None else {}
         model_dir = prepare_model(model, progress=True)
         config = E2EConfig(model=str(model_dir), prompts=prompts, samples=samples, epochs=epochs,
-                           max_tokens=max_tokens, temperature=temperature,
-                           arms=tuple(a.strip() for a in arms.split(",") if a.strip()), num_speculative_tokens=k,
-                           dtype=dtype, max_model_len=max_model_len, enforce_eager=eager, budget=budget_settings)
+                           max_tokens=max_tokens, temperature=temperature, arms=arm_names, num_speculative_tokens=k,
+                           dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=eager,
+                           ignore_eos=ignore_eos, repeats=repeats,
+                           drift=tuple(d.strip() for d in drift.split(",") if d.strip()) if drift else (),
+                           budget=budget_settings, suffix_tuned=suffix_tuned if "suffix-t" in arm_names else {},
+                           kv_cache_gib=kv_cache_gib)
     except (PromptSetError, OSError, ValueError) as exc:
         _fail(str(exc))
-    result = asyncio.run(run_e2e(config, problems, progress=lambda m: console.print(f"[cyan]{m}[/cyan]")))
+    console.print(f"[cyan]das budget {escape(spec)}; suffix-t {suffix_tuned or '-'}[/cyan]")
+    result = asyncio.run(run_e2e(config, problems, progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]")))
+    if plot is not None:
+        render_plot(result, plot)
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(render_markdown(result, _command_line(ctx)) + "\n")
     _emit(result, as_json)
 
 

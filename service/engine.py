@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from das.drafter.records import RecordError, RolloutRecord
 from das.drafter.vllm_proposer import CONFIG_KEY, RequestTags
@@ -61,6 +61,18 @@ class EngineConfig(BaseModel):
     kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
     enable_prefix_caching: bool = True
     enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
+    suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
+                                           "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
+                                           "empty)")
+
+    @field_validator("suffix_options")
+    @classmethod
+    def _suffix_keys(cls, options: dict[str, Any]) -> dict[str, Any]:
+        # Only suffix settings: anything else would silently change what the method is compared on.
+        bad = sorted(k for k in options if not k.startswith("suffix_decoding_"))
+        if bad:
+            raise ValueError(f"suffix_options takes suffix_decoding_* settings only, got {bad}")
+        return options
 
     def speculative_config(self) -> dict[str, Any] | None:
         k = self.num_speculative_tokens
@@ -70,7 +82,7 @@ class EngineConfig(BaseModel):
             return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
         if self.speculation == "ngram":
             return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
-        return {"method": "suffix", "num_speculative_tokens": k}
+        return {"method": "suffix", "num_speculative_tokens": k, **self.suffix_options}
 
 
 @dataclass

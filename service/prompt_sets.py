@@ -2,12 +2,18 @@
 
 File format: one JSON object per line, `problem_id` plus exactly one of `messages` (chat; the model's template is
 applied), `prompt` (text) or `prompt_token_ids`. Blank lines are skipped; an error names the file and line.
+
+reasoning-gym problems keep their dataset entry, so `Problem.score(text)` rates a model's answer with the
+dataset's own checker (`score_answer`). The answer is taken from the text as the number after the last "Final
+answer" (what SYSTEM_PROMPT asks for) or in the last `\\boxed{}`, else the last number in the text: a lenient
+extraction, the same for every arm of a benchmark.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +33,47 @@ class PromptSetError(ValueError):
 
 @dataclass(frozen=True)
 class Problem:
-    """One problem of a prompt set: its id and one prompt form (exactly one of the three is set)."""
+    """One problem of a prompt set: its id and one prompt form (exactly one of the three is set). `entry`: the
+    reasoning-gym dataset entry (question, answer, metadata naming its source dataset), None for file prompts."""
 
     problem_id: str
     messages: tuple[dict[str, str], ...] | None = None
     prompt: str | None = None
     prompt_token_ids: tuple[int, ...] | None = None
+    entry: dict[str, Any] | None = field(default=None, hash=False)
 
     def group(self, n: int, sampling: SamplingSpec) -> GroupRequest:
         return GroupRequest(problem_id=self.problem_id, n=n, sampling=sampling, messages=self.messages,
                             prompt=self.prompt, prompt_token_ids=self.prompt_token_ids)
+
+    @property
+    def scorable(self) -> bool:
+        return self.entry is not None
+
+    def score(self, text: str | None) -> float:
+        """The reward of an answer text in [0, 1] by the source dataset's checker (0 when no answer is found).
+        ValueError for a problem without an entry."""
+        if self.entry is None:
+            raise ValueError(f"problem {self.problem_id!r} has no checker (not a reasoning-gym problem)")
+        import reasoning_gym
+
+        check = reasoning_gym.get_score_answer_fn(self.entry["metadata"]["source_dataset"])
+        return float(check(extract_answer(text or ""), self.entry))
+
+
+_FINAL_ANSWER = re.compile(r"final\s+answer\b[^\n\d]*?(-?\d[\d,]*(?:\.\d+)?)", re.IGNORECASE)
+_BOXED = re.compile(r"\\boxed\{\s*(-?\d[\d,]*(?:\.\d+)?)")
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def extract_answer(text: str) -> str | None:
+    """The number a model's text gives as its answer (commas dropped), or None: after the last "Final answer",
+    else in the last \\boxed{}, else the last number in the text."""
+    for pattern in (_FINAL_ANSWER, _BOXED, _NUMBER):
+        found = pattern.findall(text)
+        if found:
+            return found[-1].replace(",", "")
+    return None
 
 
 def load_prompt_set(source: str) -> list[Problem]:
@@ -98,5 +135,5 @@ def reasoning_gym_problems(count: int, seed: int = 42) -> list[Problem]:
         entry = datasets[name][i // len(REASONING_GYM_DATASETS)]
         problems.append(Problem(f"{name}/{i // len(REASONING_GYM_DATASETS)}",
                                 messages=({"role": "system", "content": SYSTEM_PROMPT},
-                                          {"role": "user", "content": entry["question"]})))
+                                          {"role": "user", "content": entry["question"]}), entry=dict(entry)))
     return problems

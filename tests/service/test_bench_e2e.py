@@ -1,49 +1,239 @@
-"""`das bench e2e` through the CLI on a tiny model: the JSON the issue specifies, with real engines."""
+"""`das bench e2e`: the run's bookkeeping with scripted arms (repeats, drift, medians, output tests, goals, the
+markdown and the plot), then the CLI with real engines on a tiny model (an in-process engine and the HTTP
+service, drift between epochs)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import statistics
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from das.service.bench_e2e import E2EConfig
+from das.service.api_types import GroupRequest
+from das.scheduler.cost_model import CostModel
+from das.scheduler.difficulty import DifficultyBook
+from das.scheduler.length import LengthPredictor
+from das.service.bench_e2e import ARMS, E2EConfig, EngineArm, EpochOutput, Outcome, run_e2e, suffix_tuned_options
+from das.service.bench_report import markdown, plot
+from das.service.checkpoints import perturb_checkpoint
 from das.service.cli import app
+from das.service.engine import EngineConfig
 from das.service.models import prepare_model
+from das.service.prompt_sets import reasoning_gym_problems
+from das.service.stub_engine import StubEngine, StubEngineConfig
 from tests.tiny_models import build_tiny_model
 
+# Scripted makespans per arm (seconds); repeat r multiplies them by REPEAT_SCALE[r], so the median is the script.
+MAKESPAN = {"none": 10.0, "ngram": 3.0, "suffix": 5.0, "suffix-t": 6.0, "das-uniform": 8.0, "das": 4.0,
+            "das-service": 4.4}
+REPEAT_SCALE = (1.0, 1.3, 0.8)
 
-def test_config_errors_are_clear():
+
+class ScriptedArm:
+    """Every sample's length depends on its problem and index only, except `ngram` (300 tokens longer); half the
+    samples answer right, except `suffix` (always wrong)."""
+
+    def __init__(self, name: str, repeat: int, problems: list, log: list) -> None:
+        self.name, self.repeat, self.problems, self.log = name, repeat, problems, log
+
+    async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
+        self.log.append((self.repeat, self.name, "run"))
+        outcomes = []
+        for g, group in enumerate(groups):
+            for j in range(group.n):
+                length = 20 + 9 * g + 4 * j + (300 if self.name == "ngram" else 0)
+                right = j % 2 == 0 and self.name != "suffix"
+                answer = self.problems[g].entry["answer"] if right else "none"  # no number: reward 0
+                outcomes.append(Outcome(g, j, [1] * length, f"so. Final answer: {answer}", "stop", 0.01 * length))
+        makespan = MAKESPAN[self.name] * REPEAT_SCALE[self.repeat]
+        return EpochOutput(outcomes, makespan, draft_tokens=40, accepted_tokens=10, drafts=20)
+
+    async def reload(self, checkpoint: str, version: int) -> None:
+        self.log.append((self.repeat, self.name, "reload", checkpoint, version))
+
+    async def proposer_stats(self) -> dict:
+        return {}
+
+    async def close(self) -> None:
+        self.log.append((self.repeat, self.name, "close"))
+
+
+def test_config_errors_are_clear(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="arms must be distinct"):
         E2EConfig(model="m", prompts="p", arms=("none", "eagle"))
     with pytest.raises(ValueError, match="samples must be >= 1"):
         E2EConfig(model="m", prompts="p", samples=0)
+    with pytest.raises(ValueError, match="suffix-t arm needs"):
+        E2EConfig(model="m", prompts="p", arms=("none", "suffix-t"))
+    (tmp_path / "v1").mkdir()
+    with pytest.raises(ValueError, match="one checkpoint per epoch after the first"):
+        E2EConfig(model="m", prompts="p", arms=("none",), epochs=3, drift=(str(tmp_path / "v1"),))
+    with pytest.raises(ValueError, match="v1 is not a directory with"):
+        E2EConfig(model="m", prompts="p", arms=("none",), epochs=2, drift=(str(tmp_path / "v1"),))
     bad = CliRunner().invoke(app, ["bench", "e2e", "--prompts", "reasoning-gym:x"])
     assert bad.exit_code == 2 and "reasoning-gym:<count>" in bad.output
     bad = CliRunner().invoke(app, ["bench", "e2e", "--prompts", "reasoning-gym:2", "--budget", "fast"])
     assert bad.exit_code == 2 and "--budget" in bad.output
 
 
-def test_two_arms_two_epochs_json(tmp_path):
+def test_arms_differ_only_in_speculation() -> None:
+    from vllm.config.speculative import SpeculativeConfig
+
+    cost = CostModel("c", c_base_s=0.044, c_tok_s=0.00049, source="test")
+    tuned = suffix_tuned_options(cost, 48)
+    assert tuned == {"suffix_decoding_min_token_prob": round(0.00049 / (0.00049 + 0.044 / 48), 3)}
+    assert set(tuned) <= set(SpeculativeConfig.__dataclass_fields__)  # a setting vLLM knows
+    budget = {"policy": "das", "c_base_s": 0.044, "c_tok_s": 0.00049}
+    config = E2EConfig(model="m", prompts="p", budget=budget, suffix_tuned=tuned, seed=5)
+    engines = {arm: config.engine_config(arm, repeat=2) for arm in ARMS}
+    assert {e.seed for e in engines.values()} == {7}  # seed + repeat
+    assert {(e.num_speculative_tokens, e.dtype, e.max_model_len) for e in engines.values()} == {(8, "bfloat16", 2048)}
+    assert engines["none"].speculative_config() is None
+    assert engines["suffix"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8}
+    assert engines["suffix-t"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8, **tuned}
+    assert engines["das-uniform"].budget == {"policy": "uniform"}
+    assert engines["das"].budget == engines["das-service"].budget == budget
+    assert engines["ngram"].budget == {} and engines["ngram"].speculative_config()["method"] == "ngram"
+    with pytest.raises(ValueError, match="suffix_decoding_"):
+        EngineConfig(model="m", suffix_options={"num_speculative_tokens": 3})
+
+
+class RecordingStub(StubEngine):
+    """The stub engine, remembering the predicted length each group came with."""
+
+    def __init__(self) -> None:
+        super().__init__(StubEngineConfig(tokens=16))
+        self.predicted: list[float | None] = []
+
+    async def generate(self, group: GroupRequest):  # type: ignore[override]
+        self.predicted.append(group.predicted_tokens)
+        async for sample in super().generate(group):
+            yield sample
+
+
+def test_das_arms_get_the_coordinators_length_predictions() -> None:
+    groups = [GroupRequest(problem_id=f"p{i}", n=2, prompt_token_ids=[1, 2], sampling={"max_tokens": 64})
+              for i in range(3)]
+
+    async def two_epochs(predict: bool) -> tuple[RecordingStub, list[EpochOutput]]:
+        stub = RecordingStub()
+        arm = EngineArm(stub, predict)  # type: ignore[arg-type]
+        return stub, [await arm.run_epoch(groups), await arm.run_epoch(groups)]
+
+    stub, (first, second) = asyncio.run(two_epochs(predict=True))
+    # the coordinator's call (RayBackend.place): first from an empty book, then the problem's mean length (16)
+    cold = float(LengthPredictor(DifficultyBook()).predict(["p0"], [0]).mean[0])
+    assert stub.predicted == [cold] * 3 + [16.0] * 3
+    assert [(o.group, o.sample_index) for o in second.outcomes] == [(g, j) for g in range(3) for j in range(2)]
+    assert first.drafts == 0 and len(first.outcomes[0].token_ids) == 16
+    stub, _ = asyncio.run(two_epochs(predict=False))
+    assert stub.predicted == [None] * 6
+
+
+def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) -> None:
+    problems = reasoning_gym_problems(6)
+    drift = []
+    for v in (1, 2):
+        (tmp_path / f"v{v}").mkdir()
+        (tmp_path / f"v{v}" / "model.safetensors").write_bytes(b"")
+        drift.append(str(tmp_path / f"v{v}"))
+    config = E2EConfig(model="m", prompts="reasoning-gym:6", samples=8, epochs=3, repeats=3, arms=ARMS,
+                       drift=tuple(drift), ignore_eos=True, suffix_tuned={"suffix_decoding_min_token_prob": 0.3})
+    log: list = []
+
+    async def factory(name: str, cfg: E2EConfig, repeat: int) -> ScriptedArm:
+        assert cfg is config
+        return ScriptedArm(name, repeat, problems, log)
+
+    result = asyncio.run(run_e2e(config, problems, arm_factory=factory))
+
+    # each repeat: every arm's epochs in turn, every arm reloading drift[e-2] as version e-1 before epoch e >= 2
+    for r in range(3):
+        mine = [entry[1:] for entry in log if entry[0] == r]
+        expected = ([(a, "run") for a in ARMS] + [(a, "reload", drift[0], 1) for a in ARMS] + [(a, "run") for a in ARMS]
+                    + [(a, "reload", drift[1], 2) for a in ARMS] + [(a, "run") for a in ARMS] + [(a, "close") for a in ARMS])
+        assert mine == expected
+    assert len(result.runs) == 3 and all(len(run) == 3 for run in result.runs)
+
+    medians = result.medians()
+    for e in range(3):
+        for arm in ARMS:
+            assert medians[e][arm]["makespan_s"] == pytest.approx(MAKESPAN[arm])
+            assert medians[e][arm]["tokens_per_s"] == pytest.approx(statistics.median(
+                run[e][arm].tokens / run[e][arm].makespan_s for run in result.runs), rel=1e-3)
+            assert medians[e][arm]["acceptance_length"] == 1.5  # 1 + 10 accepted / 20 drafts
+    none = result.runs[0][0]["none"]
+    assert none.reward_mean == 0.5 and result.runs[0][0]["suffix"].reward_mean == 0  # half right; none right
+
+    tests = result.tests
+    assert set(tests) == set(ARMS) - {"none"}
+    assert tests["ngram"].changes_lengths and tests["ngram"].length.ks_distance == 1.0
+    assert not tests["ngram"].changes_rewards
+    assert tests["suffix"].changes_rewards and tests["suffix"].reward.ci_high < 0 and not tests["suffix"].changes_lengths
+    for arm in ("suffix-t", "das-uniform", "das", "das-service"):  # the same outputs: nothing to see
+        assert not tests[arm].flagged and tests[arm].length.p_value == 1.0 and tests[arm].reward.difference == 0
+
+    goals = {g.name.split(" makespan")[0]: g for g in result.goals() if "makespan" in g.name}
+    assert goals["das / none"].ratio == pytest.approx(0.4) and goals["das / none"].counted
+    best = goals["das / best suffix (suffix)"]  # the faster suffix arm; it changed the rewards, so no win
+    assert best.ratio == pytest.approx(0.8) and not best.counted and "suffix" in best.note
+    assert goals["das / das-uniform"].ratio == pytest.approx(0.5)
+    assert goals["das-service / das"].ratio == pytest.approx(1.1)
+    never = [g for g in result.goals() if "never a loss" in g.name]
+    assert len(never) == 1 and never[0].ratio == pytest.approx(2.5) and never[0].passed is True
+
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert doc["tests"]["arms"]["ngram"]["changes_lengths"] is True
+    assert len(doc["runs"][2]["epochs"][1]["arms"]["das"]["lengths"]) == 48
+    text = markdown(result, "das bench e2e --fake")
+    assert "| 2 | das | 4.0 (4.0, 5.2, 3.2) | x0.40 |" in text
+    assert "| ngram |" in text and "lengths differ" in text and "rewards differ" in text
+    assert "das / best suffix (suffix) makespan, epochs 2-3: 0.800 (not counted: output changed: suffix)" in text
+    plot(result, tmp_path / "e2e.png")
+    png = (tmp_path / "e2e.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
+
+
+def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:
+    """none, das (length-aware budget) and das-service on a tiny model, greedy in float32 (so every arm must give
+    the same tokens), with a perturbed checkpoint loaded before epoch 2 in every arm."""
     model = build_tiny_model(tmp_path / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
                              sharpness=12.0)
+    drifted = perturb_checkpoint(model, tmp_path / "ckpt" / "v1", scale=0.05, seed=1).path
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"name": "test", "c_base_s": 0.02, "c_tok_s": 0.0005, "source": "test"}))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"problem_id": f"p{i}", "prompt_token_ids": [5, 6, 7 + i]})
                                  for i in range(3)) + "\n")
-    out = CliRunner().invoke(app, ["bench", "e2e", "--model", str(model), "--prompts", str(prompts), "--samples", "4",
-                                   "--epochs", "2", "--max-tokens", "24", "--arms", "none,das", "--dtype", "float32",
-                                   "--max-model-len", "256", "--eager", "--json"])
+    out = CliRunner().invoke(app, [
+        "bench", "e2e", "--model", str(model), "--prompts", str(prompts), "--samples", "4", "--epochs", "2",
+        "--max-tokens", "24", "--temperature", "0", "--arms", "none,das,das-service", "--dtype", "float32",
+        "--max-model-len", "256", "--kv-cache-gib", "1", "--eager", "--budget", f"das:{cost}",
+        "--drift", str(drifted), "--plot", str(tmp_path / "e2e.png"), "--markdown", str(tmp_path / "e2e.md"),
+        "--json"])
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
-    assert doc["config"]["arms"] == ["none", "das"] and len(doc["epochs"]) == 2
-    for epoch in doc["epochs"]:
-        assert set(epoch["arms"]) == {"none", "das"}
-        for arm in epoch["arms"].values():
-            assert arm["tokens"] > 0 and arm["makespan_s"] > 0 and arm["errors"] == 0
-            assert 0 <= arm["tail_share"] < 1
-            assert set(arm) >= {"tokens_per_s", "draft_tokens", "accepted_tokens", "acceptance_length"}
+    assert doc["config"]["budget"]["policy"] == "das" and doc["config"]["budget"]["c_base_s"] == 0.02
+    (run,) = doc["runs"]
+    assert [e["epoch"] for e in run["epochs"]] == [1, 2]
+    for epoch in run["epochs"]:
+        for name, arm in epoch["arms"].items():
+            assert arm["tokens"] > 0 and arm["makespan_s"] > 0 and arm["errors"] == 0 and len(arm["lengths"]) == 12
+            assert arm["reward_mean"] is None and arm["rewards"] is None  # token prompts have no checker
         assert epoch["arms"]["none"]["draft_tokens"] == 0
-    second = doc["epochs"][1]["arms"]["das"]
-    assert second["accepted_tokens"] > 0 and second["acceptance_length"] > 1
-    assert doc["identical_outputs"] is True and doc["divergence"] == {"das": 0.0}
+        assert epoch["arms"]["das-service"]["acceptance_length"] is None  # not observable through the service
+    for name in ("das", "das-service"):  # the second epoch drafts from the first epoch's rollouts
+        second = run["epochs"][1]["arms"][name]
+        assert second["accepted_tokens"] > 0 and second["draft_tokens"] >= second["accepted_tokens"]
+    assert doc["identical_outputs"] is True and doc["divergence"] == {"das": 0.0, "das-service": 0.0}
+    assert doc["noise_floor"] is None  # the policy changed between the epochs
+    assert set(doc["tests"]["arms"]) == {"das", "das-service"}
+    assert all(t["length"]["ks_distance"] == 0 for t in doc["tests"]["arms"].values())
+    assert {g["name"].split(" makespan")[0] for g in doc["goals"]} == {"das / none", "das-service / das"}
     assert doc["proposer"]["steps"] > 0
+    assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+    report = (tmp_path / "e2e.md").read_text()
+    assert "--drift" in report and "| 2 | das-service |" in report

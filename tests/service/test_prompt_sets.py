@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from das.service.prompt_sets import PromptSetError, load_prompt_set
+from das.service.prompt_sets import REASONING_GYM_DATASETS, PromptSetError, extract_answer, load_prompt_set
 
 
 def write(tmp_path, *lines: object):
@@ -48,3 +48,29 @@ def test_reasoning_gym_problems_are_reproducible_chat_prompts():
     a, b = load_prompt_set("reasoning-gym:4"), load_prompt_set("reasoning-gym:4")
     assert a == b and len({p.problem_id for p in a}) == 4
     assert all(p.messages and p.messages[-1]["role"] == "user" for p in a)
+
+
+@pytest.mark.parametrize("text, answer", [
+    ("4 + 3 = 7.\nFinal answer: 7", "7"),
+    ("first 12, then Final Answer: **-1,234** (checked 99)", "-1234"),
+    ("Final answer: 3. Wait. Final answer: 5", "5"),
+    ("so the result is \\boxed{42} and 7 more steps", "42"),
+    ("the sum is 10, or maybe 11", "11"),
+    ("I do not know", None),
+])
+def test_answer_extraction(text, answer):
+    assert extract_answer(text) == answer
+
+
+def test_reasoning_gym_problems_are_scored_by_their_dataset_checker(tmp_path):
+    problems = load_prompt_set("reasoning-gym:3")
+    assert [p.entry["metadata"]["source_dataset"] for p in problems] == list(REASONING_GYM_DATASETS)
+    for p in problems:
+        right = p.entry["answer"]
+        assert p.score(f"Let me think.\nFinal answer: {right}") == 1.0
+        assert p.score(f"Final answer: {int(float(right)) + 1}") < 1.0
+        assert p.score("no idea") == 0.0 and p.score(None) == 0.0
+    (plain,) = load_prompt_set(str(write(tmp_path, {"problem_id": "a", "prompt": "hi"})))
+    assert not plain.scorable
+    with pytest.raises(ValueError, match="no checker"):
+        plain.score("Final answer: 1")
