@@ -63,7 +63,11 @@ from das.service.engine import Engine, EngineConfig
 from das.service.prompt_sets import Problem
 
 if TYPE_CHECKING:
+    import uvicorn
+
     from das.scheduler.cost_model import CostModel
+    from das.service.client import AsyncRolloutClient
+    from das.service.coordinator import RayBackend
 
 ARMS = ("none", "ngram", "suffix", "suffix-t", "das-uniform", "das", "das-service")
 BASELINE = "none"
@@ -183,8 +187,9 @@ class Arm(Protocol):
 
 
 class EngineArm:
-    """An arm on an in-process `Engine`. With `predict`, each group is tagged with the predicted mean length of
-    its problem before it runs, from the lengths of this arm's finished samples (as the coordinator does)."""
+    """An arm on an in-process `Engine`. With `predict`, it does what the coordinator does for one engine: each
+    group is tagged with the predicted mean length of its problem, from the lengths of this arm's finished
+    samples, and the groups start longest predicted first."""
 
     def __init__(self, engine: Engine, predict: bool) -> None:
         from das.scheduler.difficulty import DifficultyBook
@@ -199,9 +204,11 @@ class EngineArm:
         return cls(await Engine.create(config), predict)
 
     async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
+        order = list(range(len(groups)))
         if self._predictor is not None:
             forecast = self._predictor.predict([g.problem_id for g in groups], np.zeros(len(groups), np.int64))
             groups = [g.model_copy(update={"predicted_tokens": float(m)}) for g, m in zip(groups, forecast.mean)]
+            order.sort(key=lambda i: -forecast.mean[i])  # stable: ties keep the prompt set's order
         before = dataclasses.replace(self.engine.spec_tally)
         start = time.perf_counter()
 
@@ -215,7 +222,7 @@ class EngineArm:
                                                                     s.finish_reason)
             return out
 
-        per_group = await asyncio.gather(*(one(i, g) for i, g in enumerate(groups)))
+        per_group = await asyncio.gather(*(one(i, groups[i]) for i in order))
         makespan = time.perf_counter() - start
         after = self.engine.spec_tally
         return EpochOutput(sorted((o for g in per_group for o in g), key=lambda o: (o.group, o.sample_index)),
@@ -236,7 +243,8 @@ class ServiceArm:
     """The Ray service (embedded cluster, one NodeEngine with the engine) behind the gateway on a loopback port,
     driven by the asyncio trainer client. `weights_root`: the directory the drift checkpoints lie in."""
 
-    def __init__(self, backend: Any, server: Any, serving: asyncio.Task[None], client: Any) -> None:
+    def __init__(self, backend: RayBackend, server: uvicorn.Server, serving: asyncio.Task[None],
+                 client: AsyncRolloutClient) -> None:
         self._backend = backend
         self._server = server
         self._serving = serving

@@ -102,14 +102,17 @@ def test_arms_differ_only_in_speculation() -> None:
 
 
 class RecordingStub(StubEngine):
-    """The stub engine, remembering the predicted length each group came with."""
+    """The stub engine with a sample length per problem, remembering the order groups started in and the
+    predicted length each came with."""
 
-    def __init__(self) -> None:
-        super().__init__(StubEngineConfig(tokens=16))
-        self.predicted: list[float | None] = []
+    def __init__(self, lengths: dict[str, int]) -> None:
+        super().__init__(StubEngineConfig())
+        self.lengths = lengths
+        self.started: list[tuple[str, float | None]] = []
 
     async def generate(self, group: GroupRequest):  # type: ignore[override]
-        self.predicted.append(group.predicted_tokens)
+        self.started.append((group.problem_id, group.predicted_tokens))
+        self.config = StubEngineConfig(tokens=self.lengths[group.problem_id])
         async for sample in super().generate(group):
             yield sample
 
@@ -117,20 +120,31 @@ class RecordingStub(StubEngine):
 def test_das_arms_get_the_coordinators_length_predictions() -> None:
     groups = [GroupRequest(problem_id=f"p{i}", n=2, prompt_token_ids=[1, 2], sampling={"max_tokens": 64})
               for i in range(3)]
+    lengths = {"p0": 8, "p1": 30, "p2": 16}  # the stub's sample length per problem
 
     async def two_epochs(predict: bool) -> tuple[RecordingStub, list[EpochOutput]]:
-        stub = RecordingStub()
+        stub = RecordingStub(lengths)
         arm = EngineArm(stub, predict)  # type: ignore[arg-type]
         return stub, [await arm.run_epoch(groups), await arm.run_epoch(groups)]
 
     stub, (first, second) = asyncio.run(two_epochs(predict=True))
-    # the coordinator's call (RayBackend.place): first from an empty book, then the problem's mean length (16)
-    cold = float(LengthPredictor(DifficultyBook()).predict(["p0"], [0]).mean[0])
-    assert stub.predicted == [cold] * 3 + [16.0] * 3
+    # the coordinator's calls (RayBackend.place): first from an empty book, in the prompt set's order; then each
+    # problem's mean length, longest first
+    book = DifficultyBook()
+    cold = LengthPredictor(book).predict(["p0"], [0]).mean[0]
+    for pid, n in lengths.items():
+        for _ in range(2):
+            book.history(pid).add_length(0, n, "stop")
+    warm = dict(zip(lengths, LengthPredictor(book).predict(list(lengths), [0, 0, 0]).mean))
+    assert stub.started == [("p0", cold), ("p1", cold), ("p2", cold),
+                            ("p1", warm["p1"]), ("p2", warm["p2"]), ("p0", warm["p0"])]
+    assert warm["p1"] > warm["p2"] > warm["p0"]
+    # outcomes come back in the prompt set's order whatever order the groups ran in
     assert [(o.group, o.sample_index) for o in second.outcomes] == [(g, j) for g in range(3) for j in range(2)]
-    assert first.drafts == 0 and len(first.outcomes[0].token_ids) == 16
+    assert [len(o.token_ids) for o in second.outcomes] == [8, 8, 30, 30, 16, 16]
+    assert first.drafts == 0
     stub, _ = asyncio.run(two_epochs(predict=False))
-    assert stub.predicted == [None] * 6
+    assert stub.started == [(f"p{i}", None) for i in range(3)] * 2
 
 
 def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) -> None:
