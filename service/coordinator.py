@@ -105,7 +105,9 @@ class RayBackend:
             kwargs: dict[str, Any] = {"include_dashboard": False, "runtime_env": {"env_vars": env}}
             if config.address is None:
                 kwargs["object_store_memory"] = config.object_store_mib << 20
-            ray.init(address=config.address, **kwargs)
+            # "local": always a cluster of our own; with no address Ray would join one that `ray start` left
+            # running on this machine.
+            ray.init(address=config.address or "local", **kwargs)
             started = True
         here = ray.get_runtime_context().get_node_id()
         state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
