@@ -13,7 +13,11 @@ own finished samples, the same call as `RayBackend.place`), so `das-service / da
 a difference in policy.
 
 A run: all arms' engines start, then every epoch runs every arm in turn on the same groups (so the arms of an
-epoch are measured minutes apart under the same machine load), then the engines stop. Drafters keep their
+epoch are measured minutes apart under the same machine load), then the engines stop. With `sequential` one
+engine is alive at a time: an arm starts, runs all its epochs and stops before the next arm starts (for a
+machine without the memory for every arm's engine: a compiled SmolLM2 engine holds ~3.3 GB on the CPU with a
+1 GiB KV cache); the arms are then measured at different times, so a changing machine load shows up as a
+difference between arms. Drafters keep their
 history from epoch to epoch (the RL setting: the same problems come back). `drift`: before epoch e >= 2 every arm
 reloads checkpoint `drift[e - 2]` as policy version e - 1 (Engine.reload_weights; not timed). `repeats` R: R
 independent runs, each with fresh engines (fresh drafter histories) and engine seed `seed + r`, so the repeats
@@ -80,7 +84,7 @@ NEVER_A_LOSS = 0.97  # with ignore_eos, das tokens/s must be at least this share
 class E2EConfig:
     """One benchmark. `budget`: the budget hook settings of `das` and `das-service` (drafter/budget_hook.py);
     `suffix_tuned`: suffix-t's vLLM suffix_decoding_* settings; `drift`: checkpoint directories, one per epoch
-    after the first; `kv_cache_gib`: each engine's CPU KV cache."""
+    after the first; `kv_cache_gib`: each engine's CPU KV cache; `sequential`: one engine alive at a time."""
 
     model: str
     prompts: str
@@ -100,6 +104,7 @@ class E2EConfig:
     budget: dict[str, Any] = field(default_factory=dict)
     suffix_tuned: dict[str, Any] = field(default_factory=dict)
     kv_cache_gib: int = 2
+    sequential: bool = False
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.arms if a not in ARMS]
@@ -520,38 +525,38 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
     began = time.perf_counter()
     for repeat in range(config.repeats):
         where = f"repeat {repeat + 1}/{config.repeats}, " if config.repeats > 1 else ""
-        arms: dict[str, Arm] = {}
         setup: dict[str, float] = {}
-        run: list[dict[str, ArmEpoch]] = []
-        try:
-            for name in config.arms:
-                progress(f"{where}starting the {name} engine")
-                t0 = time.perf_counter()
-                arms[name] = await arm_factory(name, config, repeat)
-                setup[name] = round(time.perf_counter() - t0, 1)
-            for epoch in range(config.epochs):
-                if epoch and config.drift:
-                    progress(f"{where}loading policy version {epoch} from {config.drift[epoch - 1]}")
-                    for arm in arms.values():
-                        await arm.reload(config.drift[epoch - 1], epoch)
-                row: dict[str, ArmEpoch] = {}
-                for name, arm in arms.items():
-                    out = await arm.run_epoch(groups)
-                    if len(out.outcomes) != len(groups) * config.samples:  # the tests pair samples by position
-                        raise RuntimeError(f"{name}: {len(out.outcomes)} samples came back, expected "
-                                           f"{len(groups) * config.samples}")
-                    row[name] = stats = ArmEpoch.of(out, problems)
-                    tokens[name].append([o.token_ids for o in out.outcomes])
-                    reward = f", reward {stats.reward_mean:.3f}" if stats.reward_mean is not None else ""
-                    progress(f"{where}epoch {epoch + 1}/{config.epochs} {name}: {stats.makespan_s:.1f} s, "
-                             f"{stats.tokens} tokens, accepted {stats.accepted_tokens}/{stats.draft_tokens}{reward}"
-                             f" ({time.perf_counter() - began:.0f} s so far)")
-                run.append(row)
-            if "das" in arms:
-                result.proposer = await arms["das"].proposer_stats()
-        finally:
-            for arm in arms.values():
-                await arm.close()
+        run: list[dict[str, ArmEpoch]] = [{} for _ in range(config.epochs)]
+        # Engines alive together: all arms (interleaved epochs), or one arm at a time (sequential).
+        for together in ([[a] for a in config.arms] if config.sequential else [list(config.arms)]):
+            arms: dict[str, Arm] = {}
+            try:
+                for name in together:
+                    progress(f"{where}starting the {name} engine")
+                    t0 = time.perf_counter()
+                    arms[name] = await arm_factory(name, config, repeat)
+                    setup[name] = round(time.perf_counter() - t0, 1)
+                for epoch in range(config.epochs):
+                    if epoch and config.drift:
+                        progress(f"{where}loading policy version {epoch} from {config.drift[epoch - 1]}")
+                        for arm in arms.values():
+                            await arm.reload(config.drift[epoch - 1], epoch)
+                    for name, arm in arms.items():
+                        out = await arm.run_epoch(groups)
+                        if len(out.outcomes) != len(groups) * config.samples:  # the tests pair samples by position
+                            raise RuntimeError(f"{name}: {len(out.outcomes)} samples came back, expected "
+                                               f"{len(groups) * config.samples}")
+                        run[epoch][name] = stats = ArmEpoch.of(out, problems)
+                        tokens[name].append([o.token_ids for o in out.outcomes])
+                        reward = f", reward {stats.reward_mean:.3f}" if stats.reward_mean is not None else ""
+                        progress(f"{where}epoch {epoch + 1}/{config.epochs} {name}: {stats.makespan_s:.1f} s, "
+                                 f"{stats.tokens} tokens, accepted {stats.accepted_tokens}/{stats.draft_tokens}"
+                                 f"{reward} ({time.perf_counter() - began:.0f} s so far)")
+                if "das" in arms:
+                    result.proposer = await arms["das"].proposer_stats()
+            finally:
+                for arm in arms.values():
+                    await arm.close()
         result.runs.append(run)
         result.setup_s.append(setup)
     result.wall_s = time.perf_counter() - began

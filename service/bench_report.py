@@ -79,8 +79,9 @@ def _title(result: E2EResult) -> str:
     repeats = f", medians of {c.repeats} repeats" if c.repeats > 1 else ""
     eos = ", ignore_eos" if c.ignore_eos else ""
     drift = f", drift over {len(c.drift)} checkpoints" if c.drift else ""
+    order = ", arms one after another" if c.sequential else ""
     return (f"{Path(c.model).name}: {c.prompts} x {c.samples} samples, {c.epochs} epochs, T={c.temperature}, "
-            f"max {c.max_tokens} tokens, K={c.num_speculative_tokens}{eos}{drift}{repeats}")
+            f"max {c.max_tokens} tokens, K={c.num_speculative_tokens}{eos}{drift}{order}{repeats}")
 
 
 def print_tables(result: E2EResult, console: Any) -> None:

@@ -230,6 +230,9 @@ def bench_e2e(
                                                                   "compute-bound check).")] = False,
     seed: Annotated[int, typer.Option(help="Engine seed (repeat r uses seed + r).")] = 0,
     kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", min=1, help="CPU KV cache of each engine.")] = 2,
+    sequential: Annotated[bool, typer.Option("--sequential", help="One engine alive at a time: each arm runs all "
+                                                                  "its epochs, then stops (less memory; arms "
+                                                                  "measured at different times).")] = False,
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG: makespan per epoch, length distributions.")]
         = None,
     markdown: Annotated[Optional[Path], typer.Option(help="Write the tables as markdown.")] = None,
@@ -267,7 +270,7 @@ def bench_e2e(
                            ignore_eos=ignore_eos, repeats=repeats,
                            drift=tuple(d.strip() for d in drift.split(",") if d.strip()) if drift else (),
                            budget=budget_settings, suffix_tuned=suffix_tuned if "suffix-t" in arm_names else {},
-                           kv_cache_gib=kv_cache_gib)
+                           kv_cache_gib=kv_cache_gib, sequential=sequential)
     except (PromptSetError, OSError, ValueError) as exc:
         _fail(str(exc))
     console.print(f"[cyan]das budget {escape(spec)}; suffix-t {suffix_tuned or '-'}[/cyan]")

@@ -211,6 +211,23 @@ def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) ->
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
 
 
+def test_sequential_keeps_one_engine_alive_at_a_time() -> None:
+    problems = reasoning_gym_problems(3)
+    config = E2EConfig(model="m", prompts="reasoning-gym:3", samples=2, epochs=2, arms=("none", "das"),
+                       sequential=True)
+    log: list = []
+
+    async def factory(name: str, cfg: E2EConfig, repeat: int) -> ScriptedArm:
+        log.append((repeat, name, "start"))
+        return ScriptedArm(name, repeat, problems, log)
+
+    result = asyncio.run(run_e2e(config, problems, arm_factory=factory))
+    assert [entry[1:] for entry in log] == [("none", "start"), ("none", "run"), ("none", "run"), ("none", "close"),
+                                            ("das", "start"), ("das", "run"), ("das", "run"), ("das", "close")]
+    assert [list(row) for row in result.runs[0]] == [["none", "das"], ["none", "das"]]
+    assert result.goals()[0].name.startswith("das / none") and result.goals()[0].ratio == pytest.approx(0.4)
+
+
 def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:
     """none, das (length-aware budget) and das-service on a tiny model, greedy in float32 (so every arm must give
     the same tokens), with a perturbed checkpoint loaded before epoch 2 in every arm."""
