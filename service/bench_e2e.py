@@ -28,7 +28,7 @@ Per repeat, epoch and arm: makespan_s (first submit to last sample), tokens (out
 and accepted_tokens (vLLM's own counters for the in-process arms, whatever the method; through the service, the
 sum of our proposer's per-sample counts), acceptance_length (1 + accepted / verification steps that carried a
 draft; None through the service, whose samples do not carry their step count), tail_share (share of the makespan
-after the median sample finished), reward_mean (reasoning-gym's checker on each sample's text; None for prompt
+after the median sample finished), longest_tokens (the longest sample's length), reward_mean (reasoning-gym's checker on each sample's text; None for prompt
 files without answers), errors, and every sample's length and reward.
 
 Does an arm change the output? Pooled over repeats and epochs, each arm's rewards and output lengths are compared
@@ -36,8 +36,9 @@ with `none`'s by stratified permutation tests (service/bench_stats.py): reward d
 interval and p-value; Kolmogorov-Smirnov distance of the length distributions with p-value. p < ALPHA flags the
 arm (`changes_rewards`, `changes_lengths`), and a flagged arm's speed-up is reported but not counted as a win.
 
-Goals (ratios of median makespans summed over the warm epochs 2.., or over all when there is one): das / none,
-das / the better suffix arm, das / das-uniform, das-service / das; with `ignore_eos` (every sample runs to
+Goals (ratios of median makespans summed over the warm epochs 2.., or over all when there is one, and the same
+ratios per token of each epoch's longest sample): das / none, das / the better suffix arm, das / das-uniform,
+das-service / das; with `ignore_eos` (every sample runs to
 max_tokens: the compute-bound check) das / none tokens per second, which must be >= NEVER_A_LOSS.
 
 At temperature 0: identical_outputs (all arms token-identical), divergence (per arm, the share of samples that
@@ -336,6 +337,7 @@ class ArmEpoch:
     accepted_tokens: int
     acceptance_length: float | None
     tail_share: float
+    longest_tokens: int
     reward_mean: float | None
     errors: int
     lengths: list[int] = field(repr=False)
@@ -354,6 +356,7 @@ class ArmEpoch:
             acceptance_length=(round(1 + out.accepted_tokens / out.drafts, 3) if out.drafts else
                                None if out.drafts is None else 1.0),
             tail_share=round((makespan - statistics.median(finished)) / makespan, 3) if finished else 0.0,
+            longest_tokens=max((len(o.token_ids) for o in out.outcomes), default=0),
             reward_mean=round(float(np.mean(rewards)), 4) if rewards else None,
             errors=sum(o.finish_reason == "error" for o in out.outcomes),
             lengths=[len(o.token_ids) for o in out.outcomes], rewards=rewards)
@@ -391,13 +394,17 @@ class ArmTests:
 @dataclass(frozen=True)
 class Goal:
     """A ratio the issue asks for. `counted`: False when an arm in it changed the output (then its speed is no
-    win); `passed`: for a goal with a threshold, whether it is met."""
+    win); `passed`: for a goal with a threshold, whether it is met. `per_longest_token`: for a makespan ratio, the
+    same ratio of makespan per token of the epoch's longest sample: at temperature > 0 every arm draws its own
+    longest sample, and one batch's makespan mostly follows that sample's length, so this ratio is the one less
+    at the mercy of which arm drew the longest straggler."""
 
     name: str
     ratio: float
     counted: bool
     note: str = ""
     passed: bool | None = None
+    per_longest_token: float | None = None
 
 
 @dataclass
@@ -439,6 +446,9 @@ class E2EResult:
         def makespan(arm: str) -> float:
             return sum(medians[e][arm]["makespan_s"] or 0.0 for e in warm)
 
+        def per_token(arm: str) -> float:
+            return makespan(arm) / max(sum(medians[e][arm]["longest_tokens"] or 0.0 for e in warm), 1.0)
+
         def counted(*arms: str) -> tuple[bool, str]:
             flagged = [a for a in arms if a in self.tests and self.tests[a].flagged]
             return not flagged, f"output changed: {', '.join(flagged)}" if flagged else ""
@@ -452,7 +462,8 @@ class E2EResult:
             if arm in self.arms and other in self.arms and makespan(other) > 0:
                 ok, why = counted(arm, other)
                 name = f"{arm} / {'best suffix (' + other + ')' if other in SUFFIX_ARMS else other} makespan, {label}"
-                goals.append(Goal(name, round(makespan(arm) / makespan(other), 3), ok, why))
+                goals.append(Goal(name, round(makespan(arm) / makespan(other), 3), ok, why,
+                                  per_longest_token=round(per_token(arm) / per_token(other), 3)))
         if self.config.ignore_eos and "das" in self.arms and BASELINE in self.arms:
             def rate(arm: str) -> float:
                 return (sum(m[arm]["tokens"] or 0 for m in medians) /

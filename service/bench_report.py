@@ -25,7 +25,7 @@ def _fmt(value: float | int | None, pattern: str) -> str:
 
 def _rows(result: E2EResult) -> list[list[str]]:
     """Per epoch and arm, the table cells: epoch, arm, makespan (every repeat's in parentheses when several),
-    vs none, tail share, tokens/s, drafted, accepted, acceptance length, reward, errors."""
+    vs none, longest sample, tail share, tokens/s, drafted, accepted, acceptance length, reward, errors."""
     from das.service.bench_e2e import BASELINE
 
     rows = []
@@ -38,14 +38,15 @@ def _rows(result: E2EResult) -> list[list[str]]:
             ratio = _RATIO.format(m["makespan_s"] / base) if base and arm != BASELINE and m["makespan_s"] else ""
             if arm in result.tests and result.tests[arm].flagged:
                 ratio += " (output changed)"  # reported, not a win
-            rows.append([str(e + 1), arm, makespan, ratio, _fmt(m["tail_share"], "{:.2f}"),
+            rows.append([str(e + 1), arm, makespan, ratio, _fmt(m["longest_tokens"], "{:.0f}"),
+                         _fmt(m["tail_share"], "{:.2f}"),
                          _fmt(m["tokens_per_s"], "{:.1f}"), _fmt(m["draft_tokens"], "{:,.0f}"),
                          _fmt(m["accepted_tokens"], "{:,.0f}"), _fmt(m["acceptance_length"], "{:.2f}"),
                          _fmt(m["reward_mean"], "{:.3f}"), _fmt(m["errors"], "{:.0f}")])
     return rows
 
 
-_COLUMNS = ("epoch", "arm", "makespan s", "vs none", "tail share", "tok/s", "drafted", "accepted", "accept len",
+_COLUMNS = ("epoch", "arm", "makespan s", "vs none", "longest", "tail share", "tok/s", "drafted", "accepted", "accept len",
             "reward", "errors")
 
 
@@ -70,7 +71,8 @@ def _goal_lines(result: E2EResult) -> list[str]:
     for g in result.goals():
         status = "" if g.passed is None else (" PASS" if g.passed else " FAIL")
         counted = "" if g.counted else f" (not counted: {g.note})"
-        lines.append(f"{g.name}: {g.ratio:.3f}{status}{counted}")
+        per_token = f" (per token of the longest sample: {g.per_longest_token:.3f})" if g.per_longest_token else ""
+        lines.append(f"{g.name}: {g.ratio:.3f}{per_token}{status}{counted}")
     return lines
 
 

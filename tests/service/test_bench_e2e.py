@@ -36,15 +36,16 @@ class ScriptedArm:
     """Every sample's length depends on its problem and index only, except `ngram` (300 tokens longer); half the
     samples answer right, except `suffix` (always wrong)."""
 
-    def __init__(self, name: str, repeat: int, problems: list, log: list) -> None:
+    def __init__(self, name: str, repeat: int, problems: list, log: list, longer: int = 0) -> None:
         self.name, self.repeat, self.problems, self.log = name, repeat, problems, log
+        self.longer = longer  # tokens added to every sample (ngram: 300)
 
     async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
         self.log.append((self.repeat, self.name, "run"))
         outcomes = []
         for g, group in enumerate(groups):
             for j in range(group.n):
-                length = 20 + 9 * g + 4 * j + (300 if self.name == "ngram" else 0)
+                length = 20 + 9 * g + 4 * j + (300 if self.name == "ngram" else self.longer)
                 right = j % 2 == 0 and self.name != "suffix"
                 answer = self.problems[g].entry["answer"] if right else "none"  # no number: reward 0
                 outcomes.append(Outcome(g, j, [1] * length, f"so. Final answer: {answer}", "stop", 0.01 * length))
@@ -205,7 +206,8 @@ def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) ->
     text = markdown(result, "das bench e2e --fake")
     assert "| 2 | das | 4.0 (4.0, 5.2, 3.2) | x0.40 |" in text
     assert "| ngram |" in text and "lengths differ" in text and "rewards differ" in text
-    assert "das / best suffix (suffix) makespan, epochs 2-3: 0.800 (not counted: output changed: suffix)" in text
+    assert ("das / best suffix (suffix) makespan, epochs 2-3: 0.800 (per token of the longest sample: 0.800) "
+            "(not counted: output changed: suffix)") in text
     plot(result, tmp_path / "e2e.png")
     png = (tmp_path / "e2e.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
@@ -219,13 +221,17 @@ def test_sequential_keeps_one_engine_alive_at_a_time() -> None:
 
     async def factory(name: str, cfg: E2EConfig, repeat: int) -> ScriptedArm:
         log.append((repeat, name, "start"))
-        return ScriptedArm(name, repeat, problems, log)
+        return ScriptedArm(name, repeat, problems, log, longer=48 if name == "das" else 0)
 
     result = asyncio.run(run_e2e(config, problems, arm_factory=factory))
     assert [entry[1:] for entry in log] == [("none", "start"), ("none", "run"), ("none", "run"), ("none", "close"),
                                             ("das", "start"), ("das", "run"), ("das", "run"), ("das", "close")]
     assert [list(row) for row in result.runs[0]] == [["none", "das"], ["none", "das"]]
-    assert result.goals()[0].name.startswith("das / none") and result.goals()[0].ratio == pytest.approx(0.4)
+    (goal,) = result.goals()
+    longest = {arm: result.runs[0][1][arm].longest_tokens for arm in ("none", "das")}
+    assert longest == {"none": 20 + 9 * 2 + 4 * 1, "das": 20 + 9 * 2 + 4 * 1 + 48}
+    assert goal.name.startswith("das / none") and goal.ratio == pytest.approx(0.4)
+    assert goal.per_longest_token == pytest.approx(0.4 * longest["none"] / longest["das"], abs=1e-3)
 
 
 def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:
