@@ -41,6 +41,11 @@ ratios per token of each epoch's longest sample): das / none, das / the better s
 das-service / das; with `ignore_eos` (every sample runs to
 max_tokens: the compute-bound check) das / none tokens per second, which must be >= NEVER_A_LOSS.
 
+With `profile`, every in-process arm's engine times its steps (service/step_profile.py): per epoch, the mean
+milliseconds per step of the forward pass, sampling or verification, the drafter, the runner's bookkeeping and
+the engine loop between steps, the mean step shape (requests, scheduled tokens, draft tokens) and a line fitted
+through forward + sampling time against scheduled tokens (the engine's own cost model, measured on this run).
+
 At temperature 0: identical_outputs (all arms token-identical), divergence (per arm, the share of samples that
 differ from the baseline's) and noise_floor (the share of the baseline's own samples that differ between its
 epochs 1 and 2, without drift): in bf16, batch shapes alone make greedy samples diverge.
@@ -66,6 +71,7 @@ from das.service.api_types import GroupRequest, SamplingSpec
 from das.service.bench_stats import LengthTest, RewardTest, length_test, reward_test
 from das.service.engine import Engine, EngineConfig
 from das.service.prompt_sets import Problem
+from das.service.step_profile import StepProfile
 
 if TYPE_CHECKING:
     import uvicorn
@@ -106,6 +112,7 @@ class E2EConfig:
     suffix_tuned: dict[str, Any] = field(default_factory=dict)
     kv_cache_gib: int = 2
     sequential: bool = False
+    profile: bool = False
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.arms if a not in ARMS]
@@ -180,6 +187,7 @@ class EpochOutput:
     draft_tokens: int
     accepted_tokens: int
     drafts: int | None
+    profile: StepProfile | None = None
 
 
 class Arm(Protocol):
@@ -197,17 +205,25 @@ class EngineArm:
     group is tagged with the predicted mean length of its problem, from the lengths of this arm's finished
     samples, and the groups start longest predicted first."""
 
-    def __init__(self, engine: Engine, predict: bool) -> None:
+    def __init__(self, engine: Engine, predict: bool, profile: bool = False) -> None:
         from das.scheduler.difficulty import DifficultyBook
         from das.scheduler.length import LengthPredictor
 
         self.engine = engine
         self._book = DifficultyBook() if predict else None
         self._predictor = LengthPredictor(self._book) if self._book is not None else None
+        self._profile = profile
 
     @classmethod
-    async def create(cls, config: EngineConfig, predict: bool) -> EngineArm:
-        return cls(await Engine.create(config), predict)
+    async def create(cls, config: EngineConfig, predict: bool, profile: bool = False) -> EngineArm:
+        engine = await Engine.create(config)
+        try:
+            if profile:
+                await engine.start_step_profile()
+        except BaseException:
+            await engine.close()
+            raise
+        return cls(engine, predict, profile)
 
     async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
         order = list(range(len(groups)))
@@ -228,12 +244,15 @@ class EngineArm:
                                                                     s.finish_reason)
             return out
 
+        if self._profile:
+            await self.engine.take_step_profile()  # steps before this epoch (none when epochs run back to back)
         per_group = await asyncio.gather(*(one(i, groups[i]) for i in order))
         makespan = time.perf_counter() - start
         after = self.engine.spec_tally
+        profile = await self.engine.take_step_profile() if self._profile else None
         return EpochOutput(sorted((o for g in per_group for o in g), key=lambda o: (o.group, o.sample_index)),
                            makespan, after.draft_tokens - before.draft_tokens,
-                           after.accepted_tokens - before.accepted_tokens, after.drafts - before.drafts)
+                           after.accepted_tokens - before.accepted_tokens, after.drafts - before.drafts, profile)
 
     async def reload(self, checkpoint: str, version: int) -> None:
         await self.engine.reload_weights(checkpoint, version)
@@ -319,7 +338,7 @@ async def start_arm(arm: str, config: E2EConfig, repeat: int) -> Arm:
         if root is not None and len(config.drift) == 1:
             root = root.parent  # commonpath of one checkpoint is the checkpoint itself; the root must contain it
         return await ServiceArm.create(engine, root)
-    return await EngineArm.create(engine, predict=arm.startswith("das"))
+    return await EngineArm.create(engine, predict=arm.startswith("das"), profile=config.profile)
 
 
 # ---- results ----
@@ -342,6 +361,7 @@ class ArmEpoch:
     errors: int
     lengths: list[int] = field(repr=False)
     rewards: list[float] | None = field(repr=False)
+    profile: StepProfile | None = field(default=None, repr=False)
 
     @classmethod
     def of(cls, out: EpochOutput, problems: Sequence[Problem]) -> ArmEpoch:
@@ -359,11 +379,11 @@ class ArmEpoch:
             longest_tokens=max((len(o.token_ids) for o in out.outcomes), default=0),
             reward_mean=round(float(np.mean(rewards)), 4) if rewards else None,
             errors=sum(o.finish_reason == "error" for o in out.outcomes),
-            lengths=[len(o.token_ids) for o in out.outcomes], rewards=rewards)
+            lengths=[len(o.token_ids) for o in out.outcomes], rewards=rewards, profile=out.profile)
 
     def figures(self) -> dict[str, float | int | None]:
         """The scalar figures (what the medians are taken of)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("lengths", "rewards")}
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("lengths", "rewards", "profile")}
 
 
 @dataclass(frozen=True)
@@ -431,6 +451,19 @@ class E2EResult:
             for arm in self.arms:
                 values = [run[e][arm].figures() for run in self.runs]
                 row[arm] = {key: _median([v[key] for v in values]) for key in values[0]}
+            out.append(row)
+        return out
+
+    def profile_medians(self) -> list[dict[str, dict[str, float | None]]]:
+        """Per epoch and profiled arm, the median over repeats of each StepProfile field (arms through the
+        service are not profiled and are left out)."""
+        out = []
+        for e in range(self.config.epochs):
+            row = {}
+            for arm in self.arms:
+                profiles = [dataclasses.asdict(p) for run in self.runs if (p := run[e][arm].profile) is not None]
+                if profiles:
+                    row[arm] = {key: _median([p[key] for p in profiles]) for key in profiles[0]}
             out.append(row)
         return out
 

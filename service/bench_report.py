@@ -66,6 +66,26 @@ def _test_rows(result: E2EResult) -> list[list[str]]:
 _TEST_COLUMNS = ("arm", "reward - none [95% CI]", "p", "length KS D", "p", "verdict")
 
 
+def _profile_rows(result: E2EResult) -> list[list[str]]:
+    """Per epoch and profiled arm: steps, mean requests, tokens and drafts per step, then milliseconds per step
+    of forward, sample, propose, rest, gap and the whole step, and the fitted cost line."""
+    rows = []
+    for e, arms in enumerate(result.profile_medians()):
+        for arm, p in arms.items():
+            fit = (f"{p['fit_base_ms']:.1f} + {p['fit_ms_per_token']:.3f} n"
+                   if p["fit_base_ms"] is not None and p["fit_ms_per_token"] is not None else "-")
+            rows.append([str(e + 1), arm, _fmt(p["steps"], "{:.0f}"), _fmt(p["requests"], "{:.1f}"),
+                         _fmt(p["tokens"], "{:.1f}"), _fmt(p["drafts"], "{:.1f}"),
+                         *(_fmt(p[k], "{:.2f}") for k in ("forward_ms", "sample_ms", "propose_ms", "rest_ms",
+                                                           "gap_ms", "step_ms")), fit])
+    return rows
+
+
+_PROFILE_COLUMNS = ("epoch", "arm", "steps", "requests", "tokens/step", "drafts/step", "forward ms", "sample ms",
+                    "propose ms", "rest ms", "gap ms", "step ms", "forward+sample ms, n tokens")
+_PROFILE_TITLE = "where an engine step's time goes (mean per step; medians over repeats)"
+
+
 def _goal_lines(result: E2EResult) -> list[str]:
     lines = []
     for g in result.goals():
@@ -104,6 +124,14 @@ def print_tables(result: E2EResult, console: Any) -> None:
         for row in _test_rows(result):
             tests.add_row(*row)
         console.print(tests)
+    profile = _profile_rows(result)
+    if profile:
+        steps = Table(title=_PROFILE_TITLE)
+        for col in _PROFILE_COLUMNS:
+            steps.add_column(col, justify="right")
+        for row in profile:
+            steps.add_row(*row)
+        console.print(steps)
     for line in _goal_lines(result):
         console.print(line)
     if result.identical_outputs is not None:
@@ -143,6 +171,13 @@ def markdown(result: E2EResult, command: str | None = None) -> str:
         lines += [f"Output against `{BASELINE}`, pooled over repeats and epochs (stratified permutation tests by "
                   f"repeat, epoch and problem; an arm is flagged at p < {ALPHA} and its speed is not counted):", ""]
         lines += _markdown_table(_TEST_COLUMNS, _test_rows(result)) + [""]
+    profile = _profile_rows(result)
+    if profile:
+        lines += [f"{_PROFILE_TITLE[0].upper()}{_PROFILE_TITLE[1:]}: forward = input preparation and the forward "
+                  f"pass over every scheduled token (drafts included), sample = sampler or rejection sampler, "
+                  f"propose = the drafter, rest = the runner's bookkeeping, gap = scheduler and output handling "
+                  f"between steps:", ""]
+        lines += _markdown_table(_PROFILE_COLUMNS, profile) + [""]
     goals = _goal_lines(result)
     if goals:
         lines += ["Goals (ratios of median makespans; below 1 is faster):", ""]

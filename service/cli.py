@@ -233,6 +233,8 @@ def bench_e2e(
     sequential: Annotated[bool, typer.Option("--sequential", help="One engine alive at a time: each arm runs all "
                                                                   "its epochs, then stops (less memory; arms "
                                                                   "measured at different times).")] = False,
+    profile: Annotated[bool, typer.Option("--profile", help="Time every engine step of the in-process arms: "
+                                                            "forward, sampling, drafter, engine loop.")] = False,
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG: makespan per epoch, length distributions.")]
         = None,
     markdown: Annotated[Optional[Path], typer.Option(help="Write the tables as markdown.")] = None,
@@ -270,7 +272,7 @@ def bench_e2e(
                            ignore_eos=ignore_eos, repeats=repeats,
                            drift=tuple(d.strip() for d in drift.split(",") if d.strip()) if drift else (),
                            budget=budget_settings, suffix_tuned=suffix_tuned if "suffix-t" in arm_names else {},
-                           kv_cache_gib=kv_cache_gib, sequential=sequential)
+                           kv_cache_gib=kv_cache_gib, sequential=sequential, profile=profile)
     except (PromptSetError, OSError, ValueError) as exc:
         _fail(str(exc))
     console.print(f"[cyan]das budget {escape(spec)}; suffix-t {suffix_tuned or '-'}[/cyan]")

@@ -31,13 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from das.drafter.records import RecordError, RolloutRecord
 from das.drafter.vllm_proposer import CONFIG_KEY, RequestTags
 from das.service.api_types import GroupRequest, SampleResult
+from das.service.step_profile import StepProfile
 
 log = logging.getLogger(__name__)
 
 Speculation = Literal["none", "das", "ngram", "suffix"]
 
 PROPOSER_CLASS = "das.drafter.vllm_proposer.DasProposer"
-WORKER_EXTENSION = "das.drafter.vllm_worker.DasWorkerExtension"
+WORKER_EXTENSION = "das.service.step_profile.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
 
 
 class EngineInputError(ValueError):
@@ -153,7 +154,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
             speculative_config=config.speculative_config(),
-            worker_extension_cls=WORKER_EXTENSION if das else "",
+            worker_extension_cls=WORKER_EXTENSION,
             additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": config.budget}} if das else {})
         tally = SpecDecodeTally()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
@@ -316,6 +317,15 @@ class Engine:
             return {}
         (stats,) = await self._llm.collective_rpc("das_stats")
         return dict(stats)
+
+    async def start_step_profile(self) -> None:
+        """Times every step from now on (service/step_profile.py); `take_step_profile` reads and clears."""
+        await self._llm.collective_rpc("das_profile_start")
+
+    async def take_step_profile(self) -> StepProfile:
+        """The steps since `start_step_profile` or the last take, summarised; clears them."""
+        (columns,) = await self._llm.collective_rpc("das_profile_take")
+        return StepProfile.of(columns)
 
     async def close(self) -> None:
         """Stops the engine processes; lets AsyncLLM's output task see its cancellation before returning, so the

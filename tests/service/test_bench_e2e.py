@@ -250,7 +250,7 @@ def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:
         "--max-tokens", "24", "--temperature", "0", "--arms", "none,das,das-service", "--dtype", "float32",
         "--max-model-len", "256", "--kv-cache-gib", "1", "--eager", "--budget", f"das:{cost}",
         "--drift", str(drifted), "--plot", str(tmp_path / "e2e.png"), "--markdown", str(tmp_path / "e2e.md"),
-        "--json"])
+        "--profile", "--json"])
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
     assert doc["config"]["budget"]["policy"] == "das" and doc["config"]["budget"]["c_base_s"] == 0.02
@@ -271,6 +271,16 @@ def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:
     assert all(t["length"]["ks_distance"] == 0 for t in doc["tests"]["arms"].values())
     assert {g["name"].split(" makespan")[0] for g in doc["goals"]} == {"das / none", "das-service / das"}
     assert doc["proposer"]["steps"] > 0
+    for epoch in run["epochs"]:  # step profiles: the in-process arms only, their shapes as scheduled
+        none, das = epoch["arms"]["none"]["profile"], epoch["arms"]["das"]["profile"]
+        assert epoch["arms"]["das-service"]["profile"] is None
+        assert none["steps"] >= epoch["arms"]["none"]["longest_tokens"]  # one token per request and step at most
+        assert none["drafts"] == 0 and none["propose_ms"] == 0
+        assert none["forward_ms"] > 0 and none["sample_ms"] > 0 and none["requests"] <= 12
+        assert das["propose_ms"] > 0 and das["tokens"] >= das["requests"]
+    assert run["epochs"][1]["arms"]["das"]["profile"]["drafts"] > 0
+    assert run["epochs"][1]["arms"]["das"]["profile"]["steps"] <= run["epochs"][1]["arms"]["none"]["profile"]["steps"]
     assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
     report = (tmp_path / "e2e.md").read_text()
     assert "--drift" in report and "| 2 | das-service |" in report
+    assert "Where an engine step's time goes" in report
