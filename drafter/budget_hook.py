@@ -13,7 +13,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from das.scheduler.budget import BatchState, BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy
+from das.scheduler.budget import (BatchState, BudgetPolicy, ClassPolicy, DraftPlan, DrafterParams, OptimalPolicy,
+                                  UniformPolicy)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,18 +40,20 @@ class RequestView:
 class BudgetHook(Protocol):
     name: str
 
-    def draft_lengths(self, batch: list[RequestView]) -> np.ndarray:
-        """int32 K_i >= 0, one per request (the proposer clips to room and K_max)."""
+    def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
+        """Per request, K_i >= 0 (int32; the proposer clips to room and K_max) and the least estimated acceptance
+        probability a draft token must have. `drafter`: measured capacity and efficiency per request (the
+        hook's constants where None)."""
         ...
 
 
 class PolicyBudget:
     """A `scheduler.budget` policy fed from the proposer's batch.
 
-    capacity / efficiency: the drafter parameters k and a of the budget model (DESIGN.md), the same for every
-    request until the scheduler measures them per request. c_base_s / c_tok_s: the engine's step cost model.
-    Cost: one BatchState (three small numpy arrays) plus the policy, about 30-90 us for 256 requests
-    (scheduler/budget.py).
+    capacity / efficiency: the drafter parameters k and a of the budget model (DESIGN.md) for requests without
+    measured ones (the proposer passes measured ones, scheduler/acceptance.py). c_base_s / c_tok_s: the engine's
+    step cost model. Cost: one BatchState (three small numpy arrays) plus the policy, about 30-90 us for 256
+    requests (scheduler/budget.py).
     """
 
     def __init__(self, policy: BudgetPolicy, k_max: int, *, c_base_s: float = 6.1e-3, c_tok_s: float = 30.7e-6,
@@ -61,17 +64,20 @@ class PolicyBudget:
         self.c_base_s, self.c_tok_s = c_base_s, c_tok_s
         self.capacity, self.efficiency = capacity, efficiency
 
-    def draft_lengths(self, batch: list[RequestView]) -> np.ndarray:
+    def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
         n = len(batch)
-        state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n),
-                           np.full(n, self.capacity), np.full(n, self.efficiency),
+        capacity = drafter.capacity if drafter is not None else np.full(n, self.capacity)
+        efficiency = drafter.efficiency if drafter is not None else np.full(n, self.efficiency)
+        state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), capacity, efficiency,
                            self.c_base_s, self.c_tok_s, self.k_max)
-        return self.policy.draft_lengths(state)
+        return self.policy.plan(state)
 
 
 def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
     """`{"policy": "uniform", "k": K}` (default: uniform K_max), `{"policy": "classes", "long": 16, "medium": 8,
-    "short": 4}`, or `{"policy": "das", "c_base_s": ..., "c_tok_s": ..., "capacity": ..., "efficiency": ...}`."""
+    "short": 4}`, or `{"policy": "das", "c_base_s": ..., "c_tok_s": ..., "capacity": ..., "efficiency": ...,
+    "per_token": false}` (true: up to K_max tokens per request above a per-token probability floor instead of
+    the model's K_i, scheduler/budget.py)."""
     config = dict(config)
     name = config.pop("policy", "uniform")
     cost = {key: float(config.pop(key)) for key in ("c_base_s", "c_tok_s", "capacity", "efficiency")
@@ -81,7 +87,7 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
     elif name == "classes":
         policy = ClassPolicy(**{key: int(config.pop(key)) for key in ("long", "medium", "short") if key in config})
     elif name == "das":
-        policy = OptimalPolicy()
+        policy = OptimalPolicy(per_token=bool(config.pop("per_token", False)))
     else:
         raise ValueError(f"unknown budget policy {name!r}; expected uniform, classes or das")
     if config:

@@ -12,8 +12,11 @@ Each step, for every request in the batch (row i of the runner's input batch):
      the request's last draft (accepted = common prefix, at most all but the last committed token, since the
      last one is the bonus or the recovered token, which the rejection sampler never takes from the draft) and
      fed into the live segment of its problem;
-  3. the budget hook picks K_i, capped so that no draft runs past `max_tokens` or the context, and the bank
-     proposes at most K_i tokens.
+  3. the budget hook plans K_i and a probability floor per request from the predicted remaining lengths and each
+     request's measured acceptance by draft position (scheduler/acceptance.py: its own, shrunk towards the
+     engine's recent pooled acceptance); K_i is capped so that no draft runs past `max_tokens` or the context,
+     the bank proposes at most K_i tokens, and the draft is cut before its first token whose estimated
+     probability (that it and every token before it are accepted) is under the floor.
 Drafts are plain token ids inside the vocabulary, never padded: vLLM's CPU rejection kernel has no guard for
 the `-1` placeholder.
 
@@ -33,8 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from das.drafter.history import DrafterConfig, HistoryBank
 from das.drafter.budget_hook import BudgetHook, RequestView, budget_hook_from_config
+from das.drafter.history import DrafterConfig, HistoryBank
+from das.scheduler.acceptance import AcceptanceCounts
+from das.scheduler.budget import DraftPlan
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +101,7 @@ class _Running:
     prompt_len: int
     max_tokens: int
     fed: int                                   # tokens of prompt + output already fed to the bank
+    slot: int                                  # its row in the proposer's AcceptanceCounts
     draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     draft_source: str = ""                     # source kind of `draft` (see `source_kind`)
     counts: DraftCounts = field(default_factory=DraftCounts)
@@ -119,6 +125,7 @@ class DasProposer:
         self.bank = HistoryBank(DrafterConfig(**extra.get("drafter", {})))
         self._context = self.bank.config.max_depth
         self.budget: BudgetHook = budget_hook_from_config(extra.get("budget", {}), self.k_max)
+        self.acceptance = AcceptanceCounts(self.k_max)
         self.policy_version = 0
         self._runner: Any = None
         self._running: dict[str, _Running] = {}
@@ -157,25 +164,36 @@ class DasProposer:
         self._retire(set(req_ids))
         views: list[RequestView] = []
         rows: list[_Running] = []
+        verified: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the drafts this step verified
         for i, rid in enumerate(req_ids):
             run = self._running.get(rid)
             if run is None:
                 run = self._start(rid, runner.requests[rid])
             n = int(num_tokens_no_spec[i])
             if n > run.fed:
-                self._commit(rid, run, token_ids_cpu[i, run.fed:n])
+                drafted = int(run.draft.size)
+                accepted = self._commit(rid, run, token_ids_cpu[i, run.fed:n])
+                if drafted:
+                    verified.append((run.slot, drafted, accepted))
                 run.fed = n
             generated = n - run.prompt_len
             room = max(0, min(run.max_tokens - generated, self.max_model_len - n) - 1)
             views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens, room))
             rows.append(run)
-        lengths = self.budget.draft_lengths(views) if views else np.zeros(0, np.int32)
+        if verified:
+            slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*verified))
+            self.acceptance.record(slots, drafted_counts, accepted_counts)
+        if views:
+            slots = np.fromiter((run.slot for run in rows), np.int64, len(rows))
+            plan = self.budget.plan(views, self.acceptance.params(slots))
+        else:
+            plan = DraftPlan(np.zeros(0, np.int32), np.zeros(0))
         drafts: list[list[int]] = []
         for i, (rid, run, view) in enumerate(zip(req_ids, rows, views)):
-            k = min(int(lengths[i]), view.room, self.k_max)
+            k = min(int(plan.lengths[i]), view.room, self.k_max)
             # the index matches at most max_depth tokens of context: copy no more than that
             run.draft, run.draft_source = self._draft(rid, token_ids_cpu[i, max(0, run.fed - self._context):run.fed],
-                                                      k)
+                                                      k, float(plan.min_prob[i]))
             drafts.append(run.draft.tolist())
         self._step_us.append((time.perf_counter() - t0) * 1e6)
         self._step_batch.append(len(req_ids))
@@ -223,12 +241,14 @@ class DasProposer:
         tags = RequestTags.from_extra_args(getattr(params, "extra_args", None), prompt)
         self.bank.start_request(rid, tags.problem_id, np.asarray(prompt, np.int32), self.policy_version)
         max_tokens = int(params.max_tokens) if params is not None and params.max_tokens else self.max_model_len
-        run = _Running(tags, len(prompt), max_tokens, fed=len(prompt))
+        run = _Running(tags, len(prompt), max_tokens, fed=len(prompt), slot=self.acceptance.start(rid))
         self._running[rid] = run
         return run
 
-    def _commit(self, rid: str, run: _Running, tokens: np.ndarray) -> None:
+    def _commit(self, rid: str, run: _Running, tokens: np.ndarray) -> int:
+        """Feeds the committed tokens; returns how many of the last draft's tokens were accepted (0 if none)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
+        accepted = 0
         if run.draft.size:
             m = min(run.draft.size, tokens.size - 1)
             same = run.draft[:m] == tokens[:m]
@@ -240,13 +260,19 @@ class DasProposer:
             source.proposed += int(run.draft.size)
         run.counts.steps += 1
         self.bank.extend(rid, tokens)
+        return accepted
 
-    def _draft(self, rid: str, context: np.ndarray, k: int) -> tuple[np.ndarray, str]:
-        """Up to k draft tokens and their source kind."""
-        if k <= 0:
+    def _draft(self, rid: str, context: np.ndarray, k: int, min_prob: float) -> tuple[np.ndarray, str]:
+        """Up to k draft tokens, cut before the first whose estimated probability is under min_prob, and their
+        source kind."""
+        if k <= 0 or min_prob > 1.0:
             return np.zeros(0, np.int32), ""
         proposal = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k)
         tokens = proposal.tokens
+        if min_prob > 0.0 and tokens.size:
+            below = proposal.probs[:tokens.size] < min_prob
+            if below.any():
+                tokens = tokens[:int(np.argmax(below))]
         if tokens.size and tokens.max() >= self.vocab_size:
             tokens = tokens[: np.argmax(tokens >= self.vocab_size)]
         return tokens, source_kind(proposal.source)
@@ -263,6 +289,7 @@ class DasProposer:
     def _finish(self, rid: str) -> None:
         run = self._running.pop(rid)
         self.bank.finish_request(rid)
+        self.acceptance.finish(rid)
         self._finished[self._key(rid, run)] = run.counts
         while len(self._finished) > _MAX_UNCLAIMED:  # nobody asked (plain vLLM use): drop the oldest
             self._finished.pop(next(iter(self._finished)))

@@ -167,13 +167,30 @@ def _cost_scalar(name: str, value: object) -> float:
     return v
 
 
+@dataclass(frozen=True)
+class DraftPlan:
+    """What a request may verify this step. lengths: int32 K_i in [0, K_max], the most draft tokens; min_prob:
+    float64, the least probability (the drafter's estimate that every draft token up to this one is accepted) a
+    draft token must have to be verified: 0 verifies whatever the drafter proposes, inf nothing."""
+
+    lengths: np.ndarray
+    min_prob: np.ndarray
+
+
 @runtime_checkable
 class BudgetPolicy(Protocol):
-    """A draft budget policy: `draft_lengths(batch)` is an int32 array of K_i in [0, batch.k_max], one per request."""
+    """A draft budget policy: `draft_lengths(batch)` is an int32 array of K_i in [0, batch.k_max], one per request;
+    `plan(batch)` the same with a per-request probability floor for the drafter's tokens."""
 
     name: str
 
     def draft_lengths(self, batch: BatchState) -> np.ndarray: ...
+
+    def plan(self, batch: BatchState) -> DraftPlan: ...
+
+
+def _plan_without_floor(policy: BudgetPolicy, batch: BatchState) -> DraftPlan:
+    return DraftPlan(policy.draft_lengths(batch), np.zeros(len(batch)))
 
 
 class UniformPolicy:
@@ -187,6 +204,9 @@ class UniformPolicy:
 
     def draft_lengths(self, batch: BatchState) -> np.ndarray:
         return np.full(len(batch), min(self.k, batch.k_max), dtype=np.int32)
+
+    def plan(self, batch: BatchState) -> DraftPlan:
+        return _plan_without_floor(self, batch)
 
 
 class ClassPolicy:
@@ -229,6 +249,9 @@ class ClassPolicy:
         cls = (rem >= lo).astype(np.intp) + (rem >= hi)
         return np.minimum(self.levels[cls], batch.k_max).astype(np.int32)
 
+    def plan(self, batch: BatchState) -> DraftPlan:
+        return _plan_without_floor(self, batch)
+
 
 @dataclass(frozen=True)
 class BudgetSolution:
@@ -238,21 +261,45 @@ class BudgetSolution:
     proposed: p_i, draft tokens request i proposes over its remaining life (float, tokens; 0 if l_i <= N).
     draft_lengths: K_i = clip(round(p_i / N), 0, K_max), int32: what to propose this step.
     cap_binding: True if K_max raised N above the uncapped optimum (some request drafts K_max per step).
+    marginal: c_tok / lambda_i, the cost of a draft token over the value of one pass less for request i, at the
+        optimum without the K_max cap, where it equals the model's acceptance probability of request i's last
+        proposed token, k_i a_i e^{-a_i p_i / l_i} = a_i (N - b_i) / l_i (inf where p_i = 0; 0 when drafts are
+        free). A draft token the drafter itself estimates at least this likely to be accepted is worth
+        verifying (`OptimalPolicy.plan`). With one request left it is c_tok / c_base whatever the drafter.
     """
 
     n_forward: float
     proposed: np.ndarray
     draft_lengths: np.ndarray
     cap_binding: bool
+    marginal: np.ndarray
 
 
 class OptimalPolicy:
-    """The closed-form length-aware budget (`das`); see the module docstring for the model and the solver."""
+    """The closed-form length-aware budget (`das`); see the module docstring for the model and the solver.
 
-    name = "das"
+    `draft_lengths` and, by default, `plan` are the model's K_i. With `per_token=True` (`das-token`) `plan` uses
+    the same optimum per draft token instead: a request with p_i > 0 may verify up to K_max tokens, each only
+    while the drafter's own estimate of its acceptance stays at least the request's marginal
+    (BudgetSolution.marginal): the model's average acceptance curve decides who drafts and how cheap a token must
+    be, the drafter's per-token estimate which tokens clear that bar. It depends on those estimates being
+    calibrated; on the bundled traces they run low and the floor cuts good drafts (README, simulated makespan),
+    so it is not the default.
+    """
+
+    def __init__(self, per_token: bool = False) -> None:
+        self.per_token = per_token
+        self.name = "das-token" if per_token else "das"
 
     def draft_lengths(self, batch: BatchState) -> np.ndarray:
         return solve_budget(batch).draft_lengths
+
+    def plan(self, batch: BatchState) -> DraftPlan:
+        solution = solve_budget(batch)
+        if not self.per_token:
+            return DraftPlan(solution.draft_lengths, np.zeros(len(batch)))
+        lengths = np.where(solution.proposed > 0.0, batch.k_max, 0).astype(np.int32)
+        return DraftPlan(lengths, solution.marginal)
 
 
 def solve_budget(batch: BatchState) -> BudgetSolution:
@@ -265,28 +312,34 @@ def solve_budget(batch: BatchState) -> BudgetSolution:
     l_max = float(rem[rem.argmax()]) if n else 0.0
     if n == 0 or l_max == 0.0 or k_max == 0 or batch.c_base_s == 0.0:
         # nothing to speed up, drafts impossible, or forward passes free: the batch runs without drafts
-        return BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), False)
+        return BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), False, np.full(n, np.inf))
     kl = batch.capacity * rem      # k_i l_i: tokens drafts can cover at best
     b = rem - kl                   # b_i: passes request i needs however much it drafts
     w = rem / batch.efficiency     # w_i = l_i / a_i (tokens)
     r = batch.c_base_s / batch.c_tok_s if batch.c_tok_s > 0.0 else np.inf
     if r == 0.0 or 1.0 / r == np.inf:   # c_base / c_tok underflowed (or nearly): same as c_base = 0
-        return BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), False)
+        return BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), False, np.full(n, np.inf))
     if r == np.inf:                # drafts free: the limit c_tok -> 0+ is the K_max-capped optimum
         x = _cap_forward_count(0.0, batch, b, kl, w)
         p = _proposed(x, rem, b, w)
         capped = True
+        marginal = np.where(p > 0.0, 0.0, np.inf)  # drafts free: every token is worth verifying
     else:
         x = _forward_count(rem, b, w, r, l_max)
         p = _proposed(x, rem, b, w)
+        # the uncapped optimum's marginal: c_tok / lambda_i with lambda_i the value of one pass less for request
+        # i; K_max limits how many tokens one step verifies, not what one token is worth
+        marginal = np.full(n, np.inf)
+        np.divide(x - b, w, out=marginal, where=p > 0.0)  # p_i > 0 means l_i > x > 0, so w_i > 0
         capped = float(p[p.argmax()]) > k_max * x
         if capped:
             x = _cap_forward_count(x, batch, b, kl, w)
             p = _proposed(x, rem, b, w)
+            marginal[p <= 0.0] = np.inf
     k = p * (1.0 / x)
     np.rint(k, out=k)
     np.minimum(k, k_max, out=k)
-    return BudgetSolution(x, p, k.astype(np.int32), capped)
+    return BudgetSolution(x, p, k.astype(np.int32), capped, marginal)
 
 
 def _proposed(x: float, rem: np.ndarray, b: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -416,7 +469,7 @@ class DrafterParams:
 
 
 def estimate_drafter_params(proposed: np.ndarray, accepted: np.ndarray, *, prior_capacity: float = 0.5,
-                            prior_steps: float = 4.0) -> DrafterParams:
+                            prior_steps: float = 4.0, prior_q: np.ndarray | None = None) -> DrafterParams:
     """k_i and a_i from per-position acceptance counts.
 
     proposed[i, j]: verification steps of request i in which draft position j+1 was proposed; accepted[i, j]:
@@ -431,6 +484,7 @@ def estimate_drafter_params(proposed: np.ndarray, accepted: np.ndarray, *, prior
         a = q_1 / k (and k a = q_1 <= 1).
     q_j is shrunk towards a geometric prior prior_capacity^j with the weight of prior_steps steps, so a request
     with no observations gets k ~ prior_capacity, a ~ 1, and the results are always valid BatchState inputs.
+    `prior_q` (J values in (0, 1]) replaces the geometric prior, e.g. the engine's pooled acceptance.
     """
     prop = np.asarray(proposed, dtype=np.float64)
     acc = np.asarray(accepted, dtype=np.float64)
@@ -442,7 +496,12 @@ def estimate_drafter_params(proposed: np.ndarray, accepted: np.ndarray, *, prior
         raise ValueError("acceptance counts must be finite with 0 <= accepted <= proposed")
     if not (0 < prior_capacity < 1 and np.isfinite(prior_steps) and prior_steps > 0):
         raise ValueError("prior_capacity must be in (0, 1) and prior_steps > 0")
-    prior = prior_capacity ** np.arange(1, prop.shape[-1] + 1)
+    if prior_q is None:
+        prior = prior_capacity ** np.arange(1, prop.shape[-1] + 1)
+    else:
+        prior = np.asarray(prior_q, dtype=np.float64)
+        if prior.shape != (prop.shape[-1],) or not (np.all(prior > 0) and np.all(prior <= 1)):
+            raise ValueError(f"prior_q must be {prop.shape[-1]} values in (0, 1], got {prior_q!r}")
     q = (acc + prior_steps * prior) / (prop + prior_steps)
     e = q.sum(axis=-1)
     capacity = e / (1.0 + e)

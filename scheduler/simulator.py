@@ -3,8 +3,9 @@
 Every policy version after the first is one batch. Its groups (one problem's samples) are placed on E engines;
 each engine decodes its requests together, one forward pass after another, each pass costing
 c_base + c_tok * (tokens verified in it, drafts included). Drafts come from the real drafter (a HistoryBank holding
-the earlier versions, fed with the batch's own tokens as they are generated); accepted = longest prefix of the
-draft equal to the recorded continuation; a request advances by accepted + 1 and ends at its recorded length. So
+the earlier versions, fed with the batch's own tokens as they are generated), cut by the policy's per-token probability floor where it has
+one; accepted = longest prefix of the draft equal to the recorded continuation; a pass verifies the draft tokens
+actually proposed; a request advances by accepted + 1 and ends at its recorded length. So
 the only modelled parts are the step cost and the absence of prefill and of queueing beyond the batch (every
 request of an engine runs from the start). Engines interleave in simulated time because they share the drafter.
 
@@ -22,14 +23,14 @@ import numpy as np
 from das.drafter.history import DrafterConfig, HistoryBank
 from das.drafter.records import RolloutRecord
 from das.drafter.replay import accepted_prefix
-from das.scheduler.budget import (BatchState, BudgetPolicy, ClassPolicy, DrafterParams, OptimalPolicy, UniformPolicy,
-                                  estimate_drafter_params)
+from das.scheduler.acceptance import AcceptanceCounts
+from das.scheduler.budget import BatchState, BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import Placement, place_groups, round_robin
 
-ARMS = ("none", "uniform-4", "uniform-8", "uniform-16", "classes", "das")
+ARMS = ("none", "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das")
 PLACEMENTS = ("round-robin", "length-aware")
 
 
@@ -43,6 +44,8 @@ def make_policy(name: str) -> BudgetPolicy | None:
         return ClassPolicy()
     if name == "das":
         return OptimalPolicy()
+    if name == "das-token":
+        return OptimalPolicy(per_token=True)
     raise ValueError(f"unknown policy {name!r}; known: {list(ARMS)}")
 
 
@@ -56,23 +59,6 @@ class ArmResult:
     tokens_verified: int = 0         # tokens processed by forward passes, drafts included
     accepted_tokens: int = 0         # draft tokens accepted
     batches: list[float] = field(default_factory=list)  # makespan per batch
-
-
-class _Acceptance:
-    """Per-request, per-draft-position acceptance counts, turned into the budget model's capacity k_i and
-    efficiency a_i by `estimate_drafter_params` (saturation gives k, the first position's acceptance gives k a)."""
-
-    def __init__(self, n: int, k_max: int) -> None:
-        self.proposed = np.zeros((n, k_max))
-        self.accepted = np.zeros((n, k_max))
-        self._positions = np.arange(k_max)
-
-    def update(self, idx: np.ndarray, proposed: np.ndarray, accepted: np.ndarray) -> None:
-        self.proposed[idx] += self._positions < proposed[:, None]
-        self.accepted[idx] += self._positions < accepted[:, None]
-
-    def params(self, idx: np.ndarray) -> DrafterParams:
-        return estimate_drafter_params(self.proposed[idx], self.accepted[idx])
 
 
 def _placement(kind: str, loads: np.ndarray, engines: int) -> Placement:
@@ -114,7 +100,8 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             bank.start_request(ids[i], r.problem_id, full[i][:prompt_len[i]], r.policy_version)
     pos = np.zeros(len(batch), dtype=np.int64)
     finish = np.zeros(len(batch))
-    acceptance = _Acceptance(len(batch), k_max)
+    acceptance = AcceptanceCounts(k_max)
+    slot = np.array([acceptance.start(i) for i in ids], dtype=np.int64)
     clock = [(0.0, e) for e in range(engines) if len(engine_requests[e])]
     heapq.heapify(clock)
     passes = verified = accepted_total = 0
@@ -124,28 +111,37 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
         if not len(active):
             continue
         k = np.zeros(len(active), dtype=np.int64)
+        floor = np.zeros(len(active))
         if policy is not None:
             forecast = predictor.predict([problems[i] for i in active], pos[active])
-            drafter = acceptance.params(active)
+            drafter = acceptance.params(slot[active])
             state = BatchState(remaining=np.maximum(forecast.p90 - pos[active], 1.0), capacity=drafter.capacity,
                                efficiency=drafter.efficiency, c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s,
                                k_max=k_max)
-            k = policy.draft_lengths(state).astype(np.int64)  # the engine cannot know where a sample ends
+            plan = policy.plan(state)  # the engine cannot know where a sample ends
+            k, floor = plan.lengths.astype(np.int64), plan.min_prob
+        drafted = np.zeros(len(active), dtype=np.int64)
         advanced = np.ones(len(active), dtype=np.int64)
         accepted = np.zeros(len(active), dtype=np.int64)
         for j, i in enumerate(active):
             at = prompt_len[i] + pos[i]
-            if k[j] > 0:
-                draft = bank.propose(ids[i], full[i][:at], int(k[j])).tokens
+            if k[j] > 0 and floor[j] <= 1.0:
+                proposal = bank.propose(ids[i], full[i][:at], int(k[j]))
+                draft = proposal.tokens
+                if floor[j] > 0.0 and draft.size:
+                    below = proposal.probs[:draft.size] < floor[j]
+                    if below.any():
+                        draft = draft[:int(np.argmax(below))]
+                drafted[j] = draft.size
                 accepted[j] = accepted_prefix(draft, full[i][at:at + len(draft)])
                 advanced[j] = min(accepted[j] + 1, lengths[i] - pos[i])
             if policy is not None:
                 bank.extend(ids[i], full[i][at:at + advanced[j]])
-        step = cost.step_time(float(len(active) + k.sum()))
+        step = cost.step_time(float(len(active) + drafted.sum()))
         pos[active] += advanced
-        acceptance.update(active, k, accepted)
+        acceptance.record(slot[active], drafted, accepted)
         passes += 1
-        verified += int(len(active) + k.sum())
+        verified += int(len(active) + drafted.sum())
         accepted_total += int(accepted.sum())
         done = active[pos[active] >= lengths[active]]
         finish[done] = now + step

@@ -193,3 +193,40 @@ def test_drafts_are_counted_by_source_kind():
     assert set(by_source) <= {"live", "prompt", "sealed", "global"} and by_source
     assert sum(c["proposed"] for c in by_source.values()) == sum(c.proposed for c in per_request.values()) > 0
     assert sum(c["accepted"] for c in by_source.values()) == sum(c.accepted for c in per_request.values()) > 0
+
+
+def test_measured_acceptance_by_position_is_recorded_per_request_and_pooled():
+    proposer, runner = attached(k=4)
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    run_sample(proposer, runner, "b", RequestTags("p", key="b"), RESPONSE)
+    counts = proposer.pop_counts(["b"])["b"]
+    pooled = proposer.acceptance
+    # every proposed position of b's drafts was checked; position 1 is counted once per draft
+    assert pooled.pool_proposed.sum() == counts.proposed and pooled.pool_accepted.sum() == counts.accepted
+    assert pooled.pool_accepted[0] > 0 and np.all(np.diff(pooled.pool_accepted) <= 0)
+
+
+def test_the_das_floor_cuts_drafts_the_drafter_itself_doubts(monkeypatch):
+    """The length-aware plan gives a probability floor; the proposer drafts only the tokens whose estimated
+    probability is at or above it."""
+    proposer, runner = attached(k=8, budget={"policy": "das", "c_base_s": 44e-3, "c_tok_s": 0.49e-3,
+                                             "per_token": True})
+    proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), tuple(RESPONSE))])
+    runner.add("r", PROMPT, tags=RequestTags("p", key="r"))
+    runner.step(proposer, {})
+    real_plan = proposer.budget.plan
+
+    def floor_at(value: float):
+        def plan(views, drafter=None):
+            p = real_plan(views, drafter)
+            return type(p)(np.full(len(views), 8, np.int32), np.full(len(views), value))
+        return plan
+
+    probs = proposer.bank.propose("r", np.asarray(PROMPT + [10], np.int32), 8).probs
+    assert np.all(np.diff(probs) <= 0) and probs[0] > probs[-1]  # cumulative: falls along the draft
+    floor = float(probs[2])  # keeps exactly the tokens whose probability is >= the third's
+    monkeypatch.setattr(proposer.budget, "plan", floor_at(floor))
+    drafts = runner.step(proposer, {"r": [10]})
+    assert drafts["r"] == RESPONSE[1:1 + int(np.sum(probs >= floor))]
+    monkeypatch.setattr(proposer.budget, "plan", floor_at(np.inf))
+    assert runner.step(proposer, {"r": [11]})["r"] == []

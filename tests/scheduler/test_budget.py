@@ -389,3 +389,45 @@ def test_batch_state_is_frozen_and_owns_its_arrays():
         b.remaining[0] = 1.0
     with pytest.raises(AttributeError):
         b.k_max = 3  # type: ignore[misc]
+
+
+def test_marginal_is_the_last_tokens_modeled_acceptance_and_the_token_price():
+    """Uncapped: for every drafting request, marginal_i = k_i a_i exp(-a_i p_i / l_i), the modeled acceptance of
+    its last proposed token, and c_tok / marginal_i (its pass's value lambda_i) sums to c_base over them (less
+    when the optimum is the kink at a request's own length, which then takes the rest without drafting)."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        b = random_batch(rng, int(rng.integers(1, 40)))
+        s = solve_budget(b)
+        on = s.proposed > 0
+        l, k, a = b.remaining, b.capacity, b.efficiency
+        np.testing.assert_allclose(s.marginal[on], (k * a * np.exp(-a * s.proposed / l))[on], rtol=1e-6)
+        assert np.all(s.marginal[~on] == np.inf)
+        if on.any():
+            prices = np.sum(b.c_tok_s / s.marginal[on])
+            kink = np.any(np.isclose(l, s.n_forward, rtol=1e-9))
+            assert prices <= b.c_base_s * (1 + 1e-6) and (kink or prices == pytest.approx(b.c_base_s, rel=1e-6))
+
+
+def test_one_request_left_is_worth_c_tok_over_c_base_per_token_whatever_the_drafter_or_cap():
+    for capacity, efficiency, k_max in ((0.2, 0.5, 8), (0.95, 2.0, 8), (0.6, 1.0, NO_CAP)):
+        s = solve_budget(batch([900.0], capacity=capacity, efficiency=efficiency, c_base_s=44e-3,
+                               c_tok_s=0.49e-3, k_max=k_max))
+        assert s.marginal[0] == pytest.approx(0.49 / 44, rel=1e-9)
+    free = solve_budget(batch([900.0, 10.0], c_tok_s=0.0, k_max=8))
+    assert free.marginal.tolist() == [0.0, np.inf]  # drafts free for the long one; the short one is not drafting
+
+
+def test_plan_per_token_and_by_lengths():
+    b = batch([20.0] * 15 + [900.0], capacity=0.6, c_base_s=6e-3, c_tok_s=3e-5, k_max=16)
+    s = solve_budget(b)
+    per_token = OptimalPolicy(per_token=True).plan(b)
+    assert per_token.lengths.tolist() == [16 if p > 0 else 0 for p in s.proposed]
+    np.testing.assert_array_equal(per_token.min_prob, s.marginal)
+    by_lengths = OptimalPolicy().plan(b)
+    np.testing.assert_array_equal(by_lengths.lengths, s.draft_lengths)
+    assert by_lengths.min_prob.tolist() == [0.0] * 16 and OptimalPolicy(per_token=True).name == "das-token"
+    for policy in (UniformPolicy(4), ClassPolicy()):
+        plan = policy.plan(b)
+        np.testing.assert_array_equal(plan.lengths, policy.draft_lengths(b))
+        assert plan.min_prob.tolist() == [0.0] * 16

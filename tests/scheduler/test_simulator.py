@@ -60,7 +60,7 @@ def test_cli_labels_everything_as_simulated(tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["simulated"] is True and set(doc["arms"]) == {"none", "uniform-4", "uniform-8", "uniform-16",
-                                                            "classes", "das"}
+                                                            "classes", "das-token", "das"}
     assert set(doc["placement"]) == {"round-robin", "length-aware"}
     for arm in doc["arms"].values():
         assert {"makespan_s", "tail_share", "forward_passes", "tokens_verified"} <= set(arm)

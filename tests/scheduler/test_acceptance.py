@@ -1,0 +1,57 @@
+"""AcceptanceCounts: per-request and pooled acceptance by draft position, and the drafter parameters from them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from das.scheduler.acceptance import AcceptanceCounts
+from das.scheduler.budget import estimate_drafter_params
+
+
+def test_counts_by_position_per_request_and_pooled():
+    book = AcceptanceCounts(k_max=4)
+    a, b = book.start("a"), book.start("b")
+    book.record(np.array([a, b]), np.array([4, 2]), np.array([1, 2]))
+    book.record(np.array([a]), np.array([6]), np.array([0]))  # positions beyond k_max are not counted
+    assert book.pool_proposed.tolist() == [3, 3, 2, 2] and book.pool_accepted.tolist() == [2, 1, 0, 0]
+    own = book.params(book.slots(["a", "b"]))
+    # b always accepted everything it drafted, a rarely: b's capacity and first-token acceptance are higher
+    assert own.capacity[1] > own.capacity[0] and own.capacity[1] * own.efficiency[1] > own.capacity[0] * own.efficiency[0]
+
+
+def test_a_new_request_starts_from_the_pooled_acceptance_and_slots_are_reused():
+    book = AcceptanceCounts(k_max=3)
+    for i in range(40):  # more requests than the initial slots: the arrays grow
+        book.start(f"r{i}")
+    slots = book.slots([f"r{i}" for i in range(40)])
+    assert len(set(slots.tolist())) == 40
+    book.record(slots, np.full(40, 3), np.full(40, 3))  # every draft fully accepted
+    book.finish("r0")
+    fresh = book.start("new")
+    assert fresh == slots[0]  # the finished request's slot, zeroed
+    new, old = book.params(book.slots(["new", "r1"])).capacity
+    assert new > 0.6  # the engine's drafts are usually right: a newcomer is expected to do well too
+    assert new < old  # but less than a request measured to
+    with pytest.raises(KeyError):
+        book.slots(["r0"])
+
+
+def test_the_pooled_window_halves_old_evidence():
+    book = AcceptanceCounts(k_max=1, pool_window=10)
+    book.start("a")
+    s = book.slots(["a"])
+    for _ in range(11):
+        book.record(s, np.array([1]), np.array([1]))
+    assert book.pool_proposed[0] == 5.5 and book.pool_accepted[0] == 5.5
+
+
+def test_estimate_takes_a_prior_per_position():
+    none = np.zeros(3)
+    flat = estimate_drafter_params(none, none, prior_q=np.array([0.9, 0.8, 0.7]))
+    geometric = estimate_drafter_params(none, none)
+    assert flat.capacity > geometric.capacity
+    with pytest.raises(ValueError, match="prior_q"):
+        estimate_drafter_params(none, none, prior_q=np.array([0.9, 0.0, 0.7]))
+    with pytest.raises(ValueError, match="k_max"):
+        AcceptanceCounts(0)
