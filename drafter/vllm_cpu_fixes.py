@@ -24,6 +24,14 @@ step on average, sampling took 449 ms a step against 128 ms without speculation 
 GPU the padding avoids a host sync; on the CPU there is no sync to avoid, so the replacement computes the same
 figures for the kept cells only (accepted drafts and each request's last token) and leaves the rest zero, as
 nothing reads them. Same outputs, tested against vLLM's own method.
+
+`sample_plainly_without_drafts`: vLLM 0.32's model runner builds speculative-decoding metadata for every step of
+an engine with a speculative method, so a step in which no request carries a draft still goes through the
+rejection sampler (the bonus-token sampler with a copy of the processed logits, the rejection kernels over zero
+drafts, the logprobs scatter and gather). With zero drafts its result is the plain sampler's: each request's
+next token sampled from its processed logits, at the same positions. The replacement hands such steps to the
+plain sampler, which is what an engine without speculation runs, so a step the budget leaves undrafted costs
+what it costs without speculation.
 """
 
 from __future__ import annotations
@@ -77,6 +85,19 @@ def logprobs_of_kept_positions(self: Any, max_num_logprobs: int, metadata: Any, 
     return LogprobsTensors(ids, values, ranks)
 
 
+def sample_plainly_without_drafts(original: Any) -> Any:
+    """Wraps the model runner's `_sample(logits, spec_decode_metadata)`: metadata with no draft token anywhere
+    (max_spec_len 0) is dropped, so the plain sampler runs; steps with drafts are untouched."""
+
+    def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None
+        return original(self, logits, spec_decode_metadata)
+
+    _sample.__wrapped__ = original  # type: ignore[attr-defined]
+    return _sample
+
+
 def register() -> None:
     """vLLM general-plugin hook: installs the fixes on the CPU platform, does nothing elsewhere."""
     from vllm.platforms import current_platform
@@ -85,6 +106,9 @@ def register() -> None:
         return
     from vllm.utils import cpu_triton_utils
     from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     RejectionSampler._get_logprobs_tensors = logprobs_of_kept_positions
+    if not hasattr(CPUModelRunner._sample, "__wrapped__"):  # vLLM may load the plugins more than once
+        CPUModelRunner._sample = sample_plainly_without_drafts(CPUModelRunner._sample)

@@ -77,12 +77,15 @@ def _profile_rows(result: E2EResult) -> list[list[str]]:
             rows.append([str(e + 1), arm, _fmt(p["steps"], "{:.0f}"), _fmt(p["requests"], "{:.1f}"),
                          _fmt(p["tokens"], "{:.1f}"), _fmt(p["drafts"], "{:.1f}"),
                          *(_fmt(p[k], "{:.2f}") for k in ("forward_ms", "sample_ms", "propose_ms", "rest_ms",
-                                                           "gap_ms", "step_ms")), fit])
+                                                           "gap_ms", "step_ms")),
+                         _fmt(p["drafted_steps"], "{:.0f}"),
+                         f"{_fmt(p['sample_ms_drafted'], '{:.1f}')} / {_fmt(p['sample_ms_plain'], '{:.1f}')}", fit])
     return rows
 
 
 _PROFILE_COLUMNS = ("epoch", "arm", "steps", "requests", "tokens/step", "drafts/step", "forward ms", "sample ms",
-                    "propose ms", "rest ms", "gap ms", "step ms", "forward+sample ms, n tokens")
+                    "propose ms", "rest ms", "gap ms", "step ms", "drafted steps", "sample ms drafted / plain",
+                    "forward+sample ms, n tokens")
 _PROFILE_TITLE = "where an engine step's time goes (mean per step; medians over repeats)"
 
 

@@ -124,9 +124,11 @@ class EngineWorkerExtension(DasWorkerExtension, StepProfileExtension):
 
 @dataclass(frozen=True)
 class StepProfile:
-    """Steps of one engine over one epoch: per-step mean milliseconds of each part, the mean step shape, and
-    `fit_ms_per_token` / `fit_base_ms`: a least-squares line of forward + sample time against scheduled tokens,
-    the engine's measured cost model (None with fewer than two distinct token counts)."""
+    """Steps of one engine over one epoch: per-step mean milliseconds of each part, the mean step shape,
+    `drafted_steps` (steps that verified at least one draft token) with the mean sample (verification) time of
+    those and of the other steps (None where there are none), and `fit_ms_per_token` / `fit_base_ms`: a
+    least-squares line of forward + sample time against scheduled tokens, the engine's measured cost model (None
+    with fewer than two distinct token counts)."""
 
     steps: int
     requests: float
@@ -138,6 +140,9 @@ class StepProfile:
     rest_ms: float
     gap_ms: float
     step_ms: float
+    drafted_steps: int
+    sample_ms_drafted: float | None
+    sample_ms_plain: float | None
     fit_base_ms: float | None
     fit_ms_per_token: float | None
 
@@ -146,10 +151,13 @@ class StepProfile:
         data = {name: np.asarray(columns.get(name, []), dtype=np.float64) for name in FIELDS}
         n = len(data["tokens"])
         if n == 0:
-            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, None, None)
+            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None, None, None, None)
 
-        def ms(name: str) -> float:
-            return round(float(data[name].mean()) * 1e3, 3)
+        def ms(name: str, rows: np.ndarray | None = None) -> float:
+            values = data[name] if rows is None else data[name][rows]
+            return round(float(values.mean()) * 1e3, 3)
+
+        drafted = data["drafts"] > 0
 
         parts = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s")
         fit_base = fit_slope = None
@@ -161,4 +169,7 @@ class StepProfile:
                    forward_ms=ms("forward_s"), sample_ms=ms("sample_s"), propose_ms=ms("propose_s"),
                    rest_ms=ms("rest_s"), gap_ms=ms("gap_s"),
                    step_ms=round(float(sum(data[p] for p in parts).mean()) * 1e3, 3),
+                   drafted_steps=int(drafted.sum()),
+                   sample_ms_drafted=ms("sample_s", drafted) if drafted.any() else None,
+                   sample_ms_plain=ms("sample_s", ~drafted) if (~drafted).any() else None,
                    fit_base_ms=fit_base, fit_ms_per_token=fit_slope)

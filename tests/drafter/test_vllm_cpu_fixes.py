@@ -1,4 +1,5 @@
-"""The CPU `_expand` fix, through vLLM's own rejection-sampler code path and its kernel dispatcher."""
+"""The CPU fixes (drafter/vllm_cpu_fixes.py): `_expand` through vLLM's own rejection-sampler code path and its
+kernel dispatcher, logprobs of the kept cells only, and the plain sampler for steps without drafts."""
 
 from __future__ import annotations
 
@@ -32,7 +33,11 @@ current_platform.register_triton_kernel_overrides()
 temps = expand_batch_to_tokens(torch.tensor([0.8, 0.6, 1.0]), torch.tensor([2, 5, 6], dtype=torch.int32), 6)
 top_k = expand_batch_to_tokens(torch.tensor([5, 0, 7], dtype=torch.int32), torch.tensor([1, 3, 4], dtype=torch.int32),
                                4, replace_from=0, replace_to=9)
-print(json.dumps({"temps": temps.tolist(), "top_k": top_k.tolist()}))
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+installed = [hasattr(CPUModelRunner._sample, "__wrapped__"),
+             RejectionSampler._get_logprobs_tensors.__name__ == "logprobs_of_kept_positions"]
+print(json.dumps({"temps": temps.tolist(), "top_k": top_k.tolist(), "installed": installed}))
 """
 
 
@@ -44,6 +49,7 @@ def test_vllm_expand_on_cpu_uses_the_fix():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     assert out["temps"] == pytest.approx([0.8, 0.8, 0.6, 0.6, 0.6, 1.0])
     assert out["top_k"] == [5, 9, 9, 7]
+    assert out["installed"] == [True, True]  # the sampling fixes are in place in a worker too
 
 
 LOGPROBS_EQUIVALENCE = """
@@ -87,3 +93,27 @@ def test_logprobs_of_kept_positions_match_vllms_own():
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report and all(report.values()), report
+
+
+def test_a_step_without_drafts_takes_the_plain_sampler():
+    """vLLM's own `_sample` under the wrapper: zero drafts everywhere goes to the sampler, as without
+    speculation; any draft goes to the rejection sampler with the metadata unchanged."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from das.drafter.vllm_cpu_fixes import sample_plainly_without_drafts
+
+    calls = []
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(sampling_metadata="meta", update_async_output_token_ids=lambda: None),
+        sampler=lambda logits, sampling_metadata: calls.append(("plain", logits)) or "plain",
+        rejection_sampler=lambda spec, draft_probs, logits, meta: calls.append(("verify", spec)) or "verified",
+        use_async_scheduling=False, _get_spec_decode_draft_probs=lambda spec: None)
+    sample = sample_plainly_without_drafts(getattr(GPUModelRunner._sample, "__wrapped__", GPUModelRunner._sample))
+    none = SpecDecodeMetadata.make_dummy([[], [], []], torch.device("cpu"))
+    some = SpecDecodeMetadata.make_dummy([[], [5], []], torch.device("cpu"))
+    assert sample(runner, "logits", none) == "plain" and calls[-1] == ("plain", "logits")
+    assert sample(runner, "logits", some) == "verified" and calls[-1] == ("verify", some)
+    assert sample(runner, "logits", None) == "plain"
