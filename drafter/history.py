@@ -195,14 +195,16 @@ class HistoryBank:
         if req is not None and req.problem.live is not None:
             req.problem.live.index.seal(req.live_seq)
 
-    def propose(self, request_id: str, context: np.ndarray, max_tokens: int) -> Proposal:
-        """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`."""
+    def propose(self, request_id: str, context: np.ndarray, max_tokens: int, min_prob: float = 0.0) -> Proposal:
+        """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`; every
+        source's walk stops before a token whose cumulative probability is under max(min_prob, config.min_prob)
+        (min_prob in [0, 1]: a per-request floor, e.g. the budget's token price)."""
         req = self._request(request_id)
         if max_tokens <= 0:
             return _no_proposal()
         indices, kinds = self._source_list(req.problem)
         cfg = self.config
-        req.pending = choice = self.calibrator.choose(indices, kinds, context, max_tokens, cfg.min_prob,
+        req.pending = choice = self.calibrator.choose(indices, kinds, context, max_tokens, max(cfg.min_prob, min_prob),
                                                       cfg.match_factor, cfg.prior)
         if choice.best < 0:
             return _no_proposal()

@@ -267,12 +267,8 @@ class DasProposer:
         source kind."""
         if k <= 0 or min_prob > 1.0:
             return np.zeros(0, np.int32), ""
-        proposal = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k)
+        proposal = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k, min_prob)
         tokens = proposal.tokens
-        if min_prob > 0.0 and tokens.size:
-            below = proposal.probs[:tokens.size] < min_prob
-            if below.any():
-                tokens = tokens[:int(np.argmax(below))]
         if tokens.size and tokens.max() >= self.vocab_size:
             tokens = tokens[: np.argmax(tokens >= self.vocab_size)]
         return tokens, source_kind(proposal.source)

@@ -126,12 +126,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
         for j, i in enumerate(active):
             at = prompt_len[i] + pos[i]
             if k[j] > 0 and floor[j] <= 1.0:
-                proposal = bank.propose(ids[i], full[i][:at], int(k[j]))
-                draft = proposal.tokens
-                if floor[j] > 0.0 and draft.size:
-                    below = proposal.probs[:draft.size] < floor[j]
-                    if below.any():
-                        draft = draft[:int(np.argmax(below))]
+                draft = bank.propose(ids[i], full[i][:at], int(k[j]), float(floor[j])).tokens
                 drafted[j] = draft.size
                 accepted[j] = accepted_prefix(draft, full[i][at:at + len(draft)])
                 advanced[j] = min(accepted[j] + 1, lengths[i] - pos[i])

@@ -445,25 +445,23 @@ class E2EResult:
 
     def medians(self) -> list[dict[str, dict[str, float | None]]]:
         """Per epoch and arm, the median over repeats of each scalar figure (None where no repeat has one)."""
-        out = []
-        for e in range(self.config.epochs):
-            row = {}
-            for arm in self.arms:
-                values = [run[e][arm].figures() for run in self.runs]
-                row[arm] = {key: _median([v[key] for v in values]) for key in values[0]}
-            out.append(row)
-        return out
+        return self._per_epoch_medians(lambda arm_epoch: arm_epoch.figures())
 
     def profile_medians(self) -> list[dict[str, dict[str, float | None]]]:
         """Per epoch and profiled arm, the median over repeats of each StepProfile field (arms through the
         service are not profiled and are left out)."""
+        return self._per_epoch_medians(lambda arm_epoch: arm_epoch.profile and dataclasses.asdict(arm_epoch.profile))
+
+    def _per_epoch_medians(self, record) -> list[dict[str, dict[str, float | None]]]:
+        """Per epoch and arm, the median over repeats of each field of record(ArmEpoch) (a dict, or None where the
+        arm has no such record; an arm no repeat has a record for is left out)."""
         out = []
         for e in range(self.config.epochs):
             row = {}
             for arm in self.arms:
-                profiles = [dataclasses.asdict(p) for run in self.runs if (p := run[e][arm].profile) is not None]
-                if profiles:
-                    row[arm] = {key: _median([p[key] for p in profiles]) for key in profiles[0]}
+                records = [r for run in self.runs if (r := record(run[e][arm]))]
+                if records:
+                    row[arm] = {key: _median([r[key] for r in records]) for key in records[0]}
             out.append(row)
         return out
 

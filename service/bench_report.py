@@ -109,32 +109,27 @@ def _title(result: E2EResult) -> str:
             f"max {c.max_tokens} tokens, K={c.num_speculative_tokens}{eos}{drift}{order}{repeats}")
 
 
-def print_tables(result: E2EResult, console: Any) -> None:
+def _rich_table(title: str, columns: tuple[str, ...], rows: list[list[str]]) -> Any:
     from rich.table import Table
 
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def print_tables(result: E2EResult, console: Any) -> None:
     from das.service.bench_e2e import ALPHA, BASELINE
 
-    table = Table(title=_title(result))
-    for col in _COLUMNS:
-        table.add_column(col, justify="right")
-    for row in _rows(result):
-        table.add_row(*row)
-    console.print(table)
+    console.print(_rich_table(_title(result), _COLUMNS, _rows(result)))
     if result.tests:
-        tests = Table(title=f"output against {BASELINE} (stratified permutation tests, flagged at p < {ALPHA})")
-        for col in _TEST_COLUMNS:
-            tests.add_column(col, justify="right")
-        for row in _test_rows(result):
-            tests.add_row(*row)
-        console.print(tests)
+        console.print(_rich_table(f"output against {BASELINE} (stratified permutation tests, flagged at p < {ALPHA})",
+                                  _TEST_COLUMNS, _test_rows(result)))
     profile = _profile_rows(result)
     if profile:
-        steps = Table(title=_PROFILE_TITLE)
-        for col in _PROFILE_COLUMNS:
-            steps.add_column(col, justify="right")
-        for row in profile:
-            steps.add_row(*row)
-        console.print(steps)
+        console.print(_rich_table(_PROFILE_TITLE, _PROFILE_COLUMNS, profile))
     for line in _goal_lines(result):
         console.print(line)
     if result.identical_outputs is not None:

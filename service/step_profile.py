@@ -36,6 +36,7 @@ from das.drafter.vllm_worker import DasWorkerExtension
 IDLE_S = 1.0  # a gap between steps longer than this is the engine idle between batches, not loop overhead
 
 FIELDS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s", "requests", "tokens", "drafts")
+_GAP = FIELDS.index("gap_s")  # filled in when the next step starts
 
 
 class StepTimer:
@@ -43,7 +44,7 @@ class StepTimer:
 
     def __init__(self, runner: Any) -> None:
         self._runner = runner
-        self._steps: list[tuple[float, ...]] = []
+        self._steps: list[list[float]] = []  # one record a step, in FIELDS order
         self._current: dict[str, float] = {}
         self._last_end: float | None = None
         execute, sample_tokens = runner.execute_model, runner.sample_tokens
@@ -53,7 +54,7 @@ class StepTimer:
             start = time.perf_counter()
             gap = start - self._last_end if self._last_end is not None else 0.0
             if self._steps and gap <= IDLE_S:  # the gap belongs to the step before this one
-                self._steps[-1] = (*self._steps[-1][:4], gap, *self._steps[-1][5:])
+                self._steps[-1][_GAP] = gap
             self._current = {"forward_s": 0.0, "sample_s": 0.0, "propose_s": 0.0}
             try:
                 return execute(scheduler_output, *args, **kwargs)
@@ -73,8 +74,8 @@ class StepTimer:
                 c = self._current
                 if c:
                     rest = end - start - c["sample_s"] - c["propose_s"]
-                    self._steps.append((c["forward_s"], c["sample_s"], c["propose_s"], rest, 0.0,
-                                        c["requests"], c["tokens"], c["drafts"]))
+                    self._steps.append([c["forward_s"], c["sample_s"], c["propose_s"], rest, 0.0,
+                                        c["requests"], c["tokens"], c["drafts"]])
                     self._current = {}
 
         def timed(name: str, method: Any) -> Any:
