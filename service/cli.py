@@ -108,6 +108,33 @@ def bench_drafter(
     _emit(result, as_json)
 
 
+@bench_app.command("verify")
+def bench_verify(
+    requests: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "8,32,128",
+    drafts: Annotated[str, typer.Option(help="Comma-separated draft tokens per request.")] = "1,4",
+    vocab: Annotated[int, typer.Option(min=2, help="Vocabulary size (SmolLM2: 49152).")] = 49152,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature (0: greedy).")] = 0.8,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed calls per case; figures are medians.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """One verification step: vLLM's CPU rejection sampler against ours, and the plain sampler, side by side."""
+    from das.drafter.bench_verify import run_verify_bench
+
+    try:
+        sizes = [int(x) for x in requests.split(",") if x.strip()]
+        lengths = [int(x) for x in drafts.split(",") if x.strip()]
+    except ValueError:
+        _fail(f"--requests and --drafts take comma-separated integers, got {requests!r} and {drafts!r}")
+    if not sizes or not lengths or min(sizes) < 1 or min(lengths) < 1:
+        _fail("--requests and --drafts need at least one value each, all >= 1")
+    try:
+        result = run_verify_bench(sizes, lengths, vocab=vocab, temperature=temperature, repeats=repeats,
+                                  progress=not as_json)
+    except (ValueError, RuntimeError) as exc:
+        _fail(str(exc))
+    _emit(result, as_json)
+
+
 @bench_app.command("simulate")
 def bench_simulate(
     traces: Annotated[Optional[Path], typer.Option(help="History file to replay (default: bundled fixture).")] = None,
