@@ -150,10 +150,18 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     return makespan, tail, passes, verified, accepted_total
 
 
+def longest_group(batch: Sequence[RolloutRecord]) -> list[RolloutRecord]:
+    """The samples of the problem whose longest sample is the batch's longest (ties: the first problem by id)."""
+    longest = max(batch, key=lambda r: (len(r.output_token_ids), [-ord(c) for c in r.problem_id]))
+    return [r for r in batch if r.problem_id == longest.problem_id]
+
+
 def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, policy_name: str,
              placement: str = "length-aware", k_max: int = 16, window: int = 4,
-             on_batch: Callable[[], None] | None = None) -> ArmResult:
-    """Every policy version after the first, as one batch, with the `window` versions before it as history."""
+             on_batch: Callable[[], None] | None = None, longest_group_only: bool = False) -> ArmResult:
+    """Every policy version after the first, as one batch, with the `window` versions before it as history.
+    longest_group_only: each batch reduced to its longest group (see `longest_group`) on one engine: the critical
+    path no placement can shorten, apart from what the batch's other requests add to its steps."""
     if engines < 1:
         raise ValueError("engines must be >= 1")
     if placement not in PLACEMENTS:
@@ -170,6 +178,8 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
     for v in versions[1:]:
         history = [r for u in versions if v - window <= u < v for r in by_version[u]]
         batch = sorted(by_version[v], key=lambda r: (r.problem_id, r.sample_index))
+        if longest_group_only:
+            batch, engines = longest_group(batch), 1
         makespan, tail, passes, verified, accepted = simulate_batch(
             batch, history, cost, engines, policy, placement, k_max, DrafterConfig(window=window))
         result.makespan_s += makespan
@@ -191,6 +201,7 @@ class SimulationBench:
     config: dict[str, object]
     arms: dict[str, ArmResult] = field(default_factory=dict)
     placement: dict[str, ArmResult] = field(default_factory=dict)
+    longest_group: ArmResult | None = None  # the placement policy on each batch's longest group alone
 
     def to_dict(self) -> dict[str, object]:
         keys = ("makespan_s", "tail_share", "forward_passes", "tokens_verified", "accepted_tokens", "batches")
@@ -198,6 +209,7 @@ class SimulationBench:
         return {"simulated": True, "config": self.config,
                 "arms": {k: pick(v) for k, v in self.arms.items()},
                 "placement": {k: pick(v) for k, v in self.placement.items()},
+                "longest_group_alone": pick(self.longest_group) if self.longest_group else None,
                 "ratios": self.ratios()}
 
     def ratios(self) -> dict[str, float]:
@@ -212,6 +224,10 @@ class SimulationBench:
         if len(self.placement) == 2:
             out["length-aware/round-robin"] = (self.placement["length-aware"].makespan_s
                                                / self.placement["round-robin"].makespan_s)
+        if self.longest_group and "round-robin" in self.placement:
+            # the best any placement could do relative to round robin, up to batch effects on step cost
+            out["longest-group-alone/round-robin"] = (self.longest_group.makespan_s
+                                                      / self.placement["round-robin"].makespan_s)
         return out
 
     def print(self, console) -> None:  # noqa: ANN001 - rich Console
@@ -220,8 +236,9 @@ class SimulationBench:
         cfg = self.config
         title = (f"SIMULATED rollout makespan: {cfg['traces']} under cost model {cfg['cost_model']} "
                  f"({cfg['engines']} engines, K_max {cfg['k_max']})")
+        placements = {**self.placement, **({"longest group alone": self.longest_group} if self.longest_group else {})}
         for label, rows in (("policy (length-aware placement)", self.arms),
-                            (f"placement (policy {cfg['placement_policy']})", self.placement)):
+                            (f"placement (policy {cfg['placement_policy']})", placements)):
             table = Table(title=f"{title}: {label}")
             for col in ("arm", "makespan s (simulated)", "tail share", "forward passes", "tokens verified",
                         "accepted"):
@@ -247,7 +264,7 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
                                     "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s, "engines": engines,
                                     "k_max": k_max, "placement_policy": placement_policy})
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("simulating", total=max(1, batches) * (len(arms) + 1))
+        task = bar.add_task("simulating", total=max(1, batches) * (len(arms) + 2))
         for name in arms:
             bar.update(task, description=f"simulating {name}")
             bench.arms[name] = simulate(records, cost, engines, name, "length-aware", k_max,
@@ -260,4 +277,7 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
             bar.update(task, description=f"simulating {placement_policy} with {kind} placement")
             bench.placement[kind] = simulate(records, cost, engines, placement_policy, kind, k_max,
                                              on_batch=lambda: bar.advance(task))
+        bar.update(task, description=f"simulating {placement_policy} on each batch's longest group alone")
+        bench.longest_group = simulate(records, cost, 1, placement_policy, k_max=k_max,
+                                       on_batch=lambda: bar.advance(task), longest_group_only=True)
     return bench
