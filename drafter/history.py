@@ -198,9 +198,9 @@ class HistoryBank:
     def propose(self, request_id: str, context: np.ndarray, max_tokens: int, min_prob: float = 0.0) -> Proposal:
         """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`; every
         source's walk stops before a token whose cumulative probability is under max(min_prob, config.min_prob)
-        (min_prob in [0, 1]: a per-request floor, e.g. the budget's token price)."""
+        (a per-request floor, e.g. the budget's token price; above 1 no token can pass, so nothing is proposed)."""
         req = self._request(request_id)
-        if max_tokens <= 0:
+        if max_tokens <= 0 or min_prob > 1.0:
             return _no_proposal()
         indices, kinds = self._source_list(req.problem)
         cfg = self.config

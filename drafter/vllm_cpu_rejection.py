@@ -35,11 +35,11 @@ PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: a grid cell after a request's l
 GREEDY_TEMPERATURE = 0.0
 
 
-def _uniforms(owners: list[int], generators: dict[int, torch.Generator]) -> torch.Tensor:
+def _uniforms(owners: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
     """float64 uniforms in [0, 1), one per entry of owners (a request index each); a request with its own
     generator (a seeded request) draws its entries from it, so its outputs repeat."""
-    u = torch.rand(len(owners), dtype=torch.float64)
-    for at, owner in enumerate(owners) if generators else ():
+    u = torch.rand(owners.numel(), dtype=torch.float64)
+    for at, owner in enumerate(owners.tolist()) if generators else ():
         if owner in generators:
             u[at] = torch.rand(1, dtype=torch.float64, generator=generators[owner])[0]
     return u
@@ -104,7 +104,7 @@ def sample_without_draft_probs(draft_token_ids: torch.Tensor, num_draft_tokens: 
         weights = torch.exp(logits - logits.amax(-1, keepdim=True))  # -inf (top-k/top-p masked) -> 0
         total = weights.sum(-1, dtype=torch.float64)
         p_draft = weights.gather(1, draft[r_rows].unsqueeze(1)).squeeze(1).to(torch.float64) / total
-        u = _uniforms(req[r_rows].tolist(), sampling_metadata.generators)
+        u = _uniforms(req[r_rows], sampling_metadata.generators)
         accept[r_rows] = u < p_draft
 
     # accepted prefix length a_i: drafts of request i before its first rejection
@@ -122,22 +122,21 @@ def sample_without_draft_probs(draft_token_ids: torch.Tensor, num_draft_tokens: 
         recovered = argmax[rows]
         rand = (~row_greedy[rows]).nonzero().squeeze(1)
         if rand.numel():
-            recovered[rand] = _recovered(weights, r_rows, rows[rand], draft[rows[rand]], stopped[rand],
-                                         sampling_metadata.generators)
+            in_weights = torch.cumsum((~row_greedy).to(torch.int64), 0) - 1  # target row -> row of weights
+            recovered[rand] = _recovered(weights.index_select(0, in_weights[rows[rand]]), draft[rows[rand]],
+                                         stopped[rand], sampling_metadata.generators)
         out[stopped, accepted[stopped]] = recovered.to(torch.int32)
     return out
 
 
-def _recovered(weights: torch.Tensor, r_rows: torch.Tensor, rows: torch.Tensor, drafts: torch.Tensor,
-               requests: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def _recovered(weights: torch.Tensor, drafts: torch.Tensor, requests: torch.Tensor,
+               generators: dict[int, torch.Generator]) -> torch.Tensor:
     """A token from each rejected row's distribution without its draft token: inverse CDF of one uniform over the
-    row's float64 cumulative weights (O(vocab) per row). weights holds the rows r_rows (target row indices)."""
-    where = torch.empty(int(r_rows.max()) + 1, dtype=torch.int64)
-    where[r_rows] = torch.arange(r_rows.numel())
-    w = weights.index_select(0, where[rows]).to(torch.float64)
+    row's float64 cumulative weights (O(vocab) per row). weights: [rejected rows, vocab] unnormalised."""
+    w = weights.to(torch.float64)
     w.scatter_(1, drafts.unsqueeze(1), 0.0)
     cdf = torch.cumsum(w, -1)
-    target = _uniforms(requests.tolist(), generators) * cdf[:, -1]
+    target = _uniforms(requests, generators) * cdf[:, -1]
     token = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=w.shape[1] - 1)
     # all of the row's mass on the draft token (it was rejected only by rounding): the draft is the only choice
     return torch.where(cdf[:, -1] > 0, token, drafts)

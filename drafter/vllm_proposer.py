@@ -265,7 +265,7 @@ class DasProposer:
     def _draft(self, rid: str, context: np.ndarray, k: int, min_prob: float) -> tuple[np.ndarray, str]:
         """Up to k draft tokens, cut before the first whose estimated probability is under min_prob, and their
         source kind."""
-        if k <= 0 or min_prob > 1.0:
+        if k <= 0:
             return np.zeros(0, np.int32), ""
         proposal = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k, min_prob)
         tokens = proposal.tokens

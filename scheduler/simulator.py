@@ -125,7 +125,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
         accepted = np.zeros(len(active), dtype=np.int64)
         for j, i in enumerate(active):
             at = prompt_len[i] + pos[i]
-            if k[j] > 0 and floor[j] <= 1.0:
+            if k[j] > 0:
                 draft = bank.propose(ids[i], full[i][:at], int(k[j]), float(floor[j])).tokens
                 drafted[j] = draft.size
                 accepted[j] = accepted_prefix(draft, full[i][at:at + len(draft)])
@@ -152,7 +152,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
 
 def longest_group(batch: Sequence[RolloutRecord]) -> list[RolloutRecord]:
     """The samples of the problem whose longest sample is the batch's longest (ties: the first problem by id)."""
-    longest = max(batch, key=lambda r: (len(r.output_token_ids), [-ord(c) for c in r.problem_id]))
+    longest = min(batch, key=lambda r: (-len(r.output_token_ids), r.problem_id))
     return [r for r in batch if r.problem_id == longest.problem_id]
 
 
