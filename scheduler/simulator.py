@@ -9,6 +9,15 @@ actually proposed; a request advances by accepted + 1 and ends at its recorded l
 the only modelled parts are the step cost and the absence of prefill and of queueing beyond the batch (every
 request of an engine runs from the start). Engines interleave in simulated time because they share the drafter.
 
+Three references run beside the arms, to show where a policy's time goes (`SimulationBench.references`):
+  * every group alone: one engine per group, so no group shares its steps (what placement could reach at best
+    on any number of engines, up to the drafter history the engines share);
+  * oracle lengths: the placement policy with every request's true remaining length in place of the predictor's
+    (placement and budget both), i.e. what a perfect length predictor would give;
+  * drafts free: every request drafts K_max every step at c_tok = 0 (each step costs c_base): about the fewest
+    passes this drafter allows, so no budget policy gets far below it. Not a strict bound: a shorter draft can
+    land the next step on a position where the drafter does better.
+
 All figures printed from here are simulated and labelled so.
 """
 
@@ -67,8 +76,10 @@ def _placement(kind: str, loads: np.ndarray, engines: int) -> Placement:
 
 def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord], cost: CostModel,
                    engines: int, policy: BudgetPolicy | None, placement: str, k_max: int,
-                   drafter_config: DrafterConfig | None = None) -> tuple[float, float, int, int, int]:
-    """One batch: (makespan_s, tail_share, forward_passes, tokens_verified, accepted_tokens)."""
+                   drafter_config: DrafterConfig | None = None,
+                   oracle_lengths: bool = False) -> tuple[float, float, int, int, int]:
+    """One batch: (makespan_s, tail_share, forward_passes, tokens_verified, accepted_tokens).
+    oracle_lengths: placement and budget see each request's true length instead of the predictor's."""
     book = DifficultyBook()
     book.add_records(history)
     predictor = LengthPredictor(book)
@@ -80,7 +91,10 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.int64)
     full = [np.asarray(r.prompt_token_ids + r.output_token_ids, dtype=np.int32) for r in batch]
     prompt_len = np.array([len(r.prompt_token_ids) for r in batch], dtype=np.int64)
-    predicted = predictor.predict(problems, np.zeros(len(batch))).mean
+    if oracle_lengths:
+        predicted = lengths.astype(np.float64)
+    else:
+        predicted = predictor.predict(problems, np.zeros(len(batch))).mean
 
     groups: dict[str, list[int]] = {}
     for i, p in enumerate(problems):
@@ -113,12 +127,15 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
         k = np.zeros(len(active), dtype=np.int64)
         floor = np.zeros(len(active))
         if policy is not None:
-            forecast = predictor.predict([problems[i] for i in active], pos[active])
+            if oracle_lengths:
+                ends = lengths[active]
+            else:  # the engine cannot know where a sample ends
+                ends = predictor.predict([problems[i] for i in active], pos[active]).p90
             drafter = acceptance.params(slot[active])
-            state = BatchState(remaining=np.maximum(forecast.p90 - pos[active], 1.0), capacity=drafter.capacity,
+            state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), capacity=drafter.capacity,
                                efficiency=drafter.efficiency, c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s,
                                k_max=k_max)
-            plan = policy.plan(state)  # the engine cannot know where a sample ends
+            plan = policy.plan(state)
             k, floor = plan.lengths.astype(np.int64), plan.min_prob
         drafted = np.zeros(len(active), dtype=np.int64)
         advanced = np.ones(len(active), dtype=np.int64)
@@ -150,18 +167,13 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     return makespan, tail, passes, verified, accepted_total
 
 
-def longest_group(batch: Sequence[RolloutRecord]) -> list[RolloutRecord]:
-    """The samples of the problem whose longest sample is the batch's longest (ties: the first problem by id)."""
-    longest = min(batch, key=lambda r: (-len(r.output_token_ids), r.problem_id))
-    return [r for r in batch if r.problem_id == longest.problem_id]
-
-
 def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, policy_name: str,
              placement: str = "length-aware", k_max: int = 16, window: int = 4,
-             on_batch: Callable[[], None] | None = None, longest_group_only: bool = False) -> ArmResult:
+             on_batch: Callable[[], None] | None = None, engine_per_group: bool = False,
+             oracle_lengths: bool = False) -> ArmResult:
     """Every policy version after the first, as one batch, with the `window` versions before it as history.
-    longest_group_only: each batch reduced to its longest group (see `longest_group`) on one engine: the critical
-    path no placement can shorten, apart from what the batch's other requests add to its steps."""
+    engine_per_group: as many engines as the batch has groups (`engines` is ignored), each group alone on one.
+    oracle_lengths: placement and budget know every request's true length (see `simulate_batch`)."""
     if engines < 1:
         raise ValueError("engines must be >= 1")
     if placement not in PLACEMENTS:
@@ -178,10 +190,10 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
     for v in versions[1:]:
         history = [r for u in versions if v - window <= u < v for r in by_version[u]]
         batch = sorted(by_version[v], key=lambda r: (r.problem_id, r.sample_index))
-        if longest_group_only:
-            batch, engines = longest_group(batch), 1
+        batch_engines = len({r.problem_id for r in batch}) if engine_per_group else engines
         makespan, tail, passes, verified, accepted = simulate_batch(
-            batch, history, cost, engines, policy, placement, k_max, DrafterConfig(window=window))
+            batch, history, cost, batch_engines, policy, placement, k_max, DrafterConfig(window=window),
+            oracle_lengths)
         result.makespan_s += makespan
         result.batches.append(makespan)
         result.forward_passes += passes
@@ -194,14 +206,18 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
     return result
 
 
+REFERENCES = ("every_group_alone", "oracle_lengths", "drafts_free")
+
+
 @dataclass
 class SimulationBench:
-    """Every arm (length-aware placement) plus both placements under one policy, on the same traces."""
+    """Every arm (length-aware placement), both placements under one policy, and the references (module
+    docstring; keys of REFERENCES), on the same traces."""
 
     config: dict[str, object]
     arms: dict[str, ArmResult] = field(default_factory=dict)
     placement: dict[str, ArmResult] = field(default_factory=dict)
-    longest_group: ArmResult | None = None  # the placement policy on each batch's longest group alone
+    references: dict[str, ArmResult] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         keys = ("makespan_s", "tail_share", "forward_passes", "tokens_verified", "accepted_tokens", "batches")
@@ -209,7 +225,7 @@ class SimulationBench:
         return {"simulated": True, "config": self.config,
                 "arms": {k: pick(v) for k, v in self.arms.items()},
                 "placement": {k: pick(v) for k, v in self.placement.items()},
-                "longest_group_alone": pick(self.longest_group) if self.longest_group else None,
+                "references": {k: pick(v) for k, v in self.references.items()},
                 "ratios": self.ratios()}
 
     def ratios(self) -> dict[str, float]:
@@ -224,10 +240,20 @@ class SimulationBench:
         if len(self.placement) == 2:
             out["length-aware/round-robin"] = (self.placement["length-aware"].makespan_s
                                                / self.placement["round-robin"].makespan_s)
-        if self.longest_group and "round-robin" in self.placement:
-            # the best any placement could do relative to round robin, up to batch effects on step cost
-            out["longest-group-alone/round-robin"] = (self.longest_group.makespan_s
+        ref = self.references
+        policy = str(self.config["placement_policy"])
+        if "every_group_alone" in ref and "round-robin" in self.placement:
+            # the best any placement could do relative to round robin
+            out["every-group-alone/round-robin"] = (ref["every_group_alone"].makespan_s
                                                       / self.placement["round-robin"].makespan_s)
+        if "oracle_lengths" in ref and policy in a:
+            out[f"oracle-lengths/{policy}"] = ref["oracle_lengths"].makespan_s / a[policy].makespan_s
+        if "drafts_free" in ref:
+            if "none" in a:
+                out["drafts-free/none"] = ref["drafts_free"].makespan_s / a["none"].makespan_s
+            if uniform:
+                best = min(uniform, key=lambda n: a[n].makespan_s)
+                out[f"drafts-free/best-uniform ({best})"] = ref["drafts_free"].makespan_s / a[best].makespan_s
         return out
 
     def print(self, console) -> None:  # noqa: ANN001 - rich Console
@@ -236,9 +262,11 @@ class SimulationBench:
         cfg = self.config
         title = (f"SIMULATED rollout makespan: {cfg['traces']} under cost model {cfg['cost_model']} "
                  f"({cfg['engines']} engines, K_max {cfg['k_max']})")
-        placements = {**self.placement, **({"longest group alone": self.longest_group} if self.longest_group else {})}
+        references = {name.replace("_", " "): r for name, r in self.references.items()}
         for label, rows in (("policy (length-aware placement)", self.arms),
-                            (f"placement (policy {cfg['placement_policy']})", placements)):
+                            (f"placement (policy {cfg['placement_policy']})", self.placement),
+                            (f"references (policy {cfg['placement_policy']}; drafts free: uniform-{cfg['k_max']}, "
+                             f"c_tok = 0)", references)):
             table = Table(title=f"{title}: {label}")
             for col in ("arm", "makespan s (simulated)", "tail share", "forward passes", "tokens verified",
                         "accepted"):
@@ -264,7 +292,7 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
                                     "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s, "engines": engines,
                                     "k_max": k_max, "placement_policy": placement_policy})
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("simulating", total=max(1, batches) * (len(arms) + 2))
+        task = bar.add_task("simulating", total=max(1, batches) * (len(arms) + len(PLACEMENTS) + len(REFERENCES)))
         for name in arms:
             bar.update(task, description=f"simulating {name}")
             bench.arms[name] = simulate(records, cost, engines, name, "length-aware", k_max,
@@ -277,7 +305,14 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
             bar.update(task, description=f"simulating {placement_policy} with {kind} placement")
             bench.placement[kind] = simulate(records, cost, engines, placement_policy, kind, k_max,
                                              on_batch=lambda: bar.advance(task))
-        bar.update(task, description=f"simulating {placement_policy} on each batch's longest group alone")
-        bench.longest_group = simulate(records, cost, 1, placement_policy, k_max=k_max,
-                                       on_batch=lambda: bar.advance(task), longest_group_only=True)
+        bar.update(task, description=f"simulating {placement_policy} with one engine per group")
+        bench.references["every_group_alone"] = simulate(records, cost, engines, placement_policy, k_max=k_max,
+                                                         on_batch=lambda: bar.advance(task), engine_per_group=True)
+        bar.update(task, description=f"simulating {placement_policy} with the true lengths")
+        bench.references["oracle_lengths"] = simulate(records, cost, engines, placement_policy, k_max=k_max,
+                                                      on_batch=lambda: bar.advance(task), oracle_lengths=True)
+        bar.update(task, description=f"simulating uniform-{k_max} with free drafts")
+        free = CostModel(f"{cost.name} without c_tok", cost.c_base_s, 0.0, cost.source)
+        bench.references["drafts_free"] = simulate(records, free, engines, f"uniform-{k_max}", k_max=k_max,
+                                                   on_batch=lambda: bar.advance(task))
     return bench

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from das.drafter.records import RolloutRecord, write_rollouts
 from das.scheduler.cost_model import CostModel
-from das.scheduler.simulator import longest_group, simulate
+from das.scheduler.simulator import simulate
 from das.service.cli import app
 
 FLAT = CostModel(name="flat", c_base_s=1.0, c_tok_s=0.0, source="test")
@@ -32,18 +32,32 @@ def test_no_speculation_makespan_is_the_longest_sample():
     assert r.forward_passes >= 9
 
 
-def test_the_longest_group_alone_is_the_critical_path():
-    """Problems p0 (samples 0, 2) and p1 (samples 1, 3): p1 holds the longest sample, so the reference runs p1's
-    two samples on one engine; with a per-token cost its steps are cheaper than with the whole batch."""
+def test_every_group_alone_bounds_every_placement():
+    """Problems p0 (samples 0, 2: 3 and 4 tokens) and p1 (samples 1, 3: 9 and 2 tokens), each on its own engine;
+    with a per-token cost, steps shared with fewer requests are cheaper, so no placement on fewer engines beats
+    it without drafting."""
     recs = records({0: [5, 5, 5, 5], 1: [3, 9, 4, 2]})
-    assert [r.sample_index for r in longest_group(sorted(recs[4:], key=lambda r: r.problem_id))] == [1, 3]
     per_token = CostModel(name="t", c_base_s=1.0, c_tok_s=0.5, source="test")
-    alone = simulate(recs, per_token, engines=4, policy_name="none", longest_group_only=True)
-    assert alone.tokens_verified == 9 + 2 and alone.forward_passes == 9
-    assert alone.makespan_s == pytest.approx(2 * 2.0 + 7 * 1.5)  # two requests for 2 steps, then one
-    for engines in (1, 2, 4):  # without drafting, no placement beats it
+    alone = simulate(recs, per_token, engines=1, policy_name="none", engine_per_group=True)
+    assert alone.tokens_verified == 3 + 9 + 4 + 2 and alone.forward_passes == 9 + 4
+    assert alone.makespan_s == pytest.approx(2 * 2.0 + 7 * 1.5)  # p1: two requests for 2 steps, then one
+    for engines in (1, 2, 4):
         for placement in ("length-aware", "round-robin"):
             assert simulate(recs, per_token, engines, "none", placement).makespan_s >= alone.makespan_s
+
+
+def test_oracle_lengths_place_by_the_true_lengths():
+    """History says every problem writes 5 tokens; in the batch p0 writes 9 per sample, p1 and p2 write 1. Placed
+    by the true lengths (LPT), p0 gets an engine to itself; placed by the prediction (all equal), p0 shares one."""
+    def batch(version: int, lengths: dict[str, int]) -> list[RolloutRecord]:
+        return [RolloutRecord(problem_id=p, policy_version=version, sample_index=i, prompt_token_ids=(1, 2),
+                              output_token_ids=tuple(range(10, 10 + n))) for p, n in lengths.items() for i in (0, 1)]
+    recs = batch(0, {"p0": 5, "p1": 5, "p2": 5}) + batch(1, {"p0": 9, "p1": 1, "p2": 1})
+    per_token = CostModel(name="t", c_base_s=1.0, c_tok_s=0.5, source="test")
+    oracle = simulate(recs, per_token, engines=2, policy_name="none", oracle_lengths=True)
+    predicted = simulate(recs, per_token, engines=2, policy_name="none")
+    assert oracle.makespan_s == pytest.approx(9 * 2.0)  # p0's two samples alone for 9 steps
+    assert predicted.makespan_s == pytest.approx(3.0 + 8 * 2.0)  # p0 shares its first step with one group
 
 
 def test_repeated_text_is_drafted_and_shortens_the_makespan():
@@ -76,7 +90,10 @@ def test_cli_labels_everything_as_simulated(tmp_path):
     assert doc["simulated"] is True and set(doc["arms"]) == {"none", "uniform-4", "uniform-8", "uniform-16",
                                                             "classes", "das-token", "das"}
     assert set(doc["placement"]) == {"round-robin", "length-aware"}
-    assert doc["longest_group_alone"]["makespan_s"] > 0 and "longest-group-alone/round-robin" in doc["ratios"]
+    assert set(doc["references"]) == {"every_group_alone", "oracle_lengths", "drafts_free"}
+    assert {"every-group-alone/round-robin", "oracle-lengths/das", "drafts-free/none"} <= set(doc["ratios"])
+    free = doc["references"]["drafts_free"]
+    assert free["tokens_verified"] >= doc["arms"]["uniform-16"]["tokens_verified"] > 0
     for arm in doc["arms"].values():
         assert {"makespan_s", "tail_share", "forward_passes", "tokens_verified"} <= set(arm)
     table = CliRunner().invoke(app, ["bench", "simulate", "--traces", str(path), "--engines", "2",
