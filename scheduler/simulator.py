@@ -3,10 +3,10 @@
 Every policy version after the first is one batch. Its groups (one problem's samples) are placed on E engines;
 each engine decodes its requests together, one forward pass after another, each pass costing
 c_base + c_tok * (tokens verified in it, drafts included). Drafts come from the real drafter (a HistoryBank holding
-the earlier versions, fed with the batch's own tokens as they are generated), cut by the policy's per-token probability floor where it has
-one; accepted = longest prefix of the draft equal to the recorded continuation; a pass verifies the draft tokens
-actually proposed; a request advances by accepted + 1 and ends at its recorded length. So
-the only modelled parts are the step cost and the absence of prefill and of queueing beyond the batch (every
+the earlier versions, fed with the batch's own tokens as they are generated), cut by the policy's per-token
+probability floor where it has one; accepted = longest prefix of the draft equal to the recorded continuation; a
+pass verifies the draft tokens actually proposed; a request advances by accepted + 1 and ends at its recorded
+length. So the only modelled parts are the step cost and the absence of prefill and of queueing beyond the batch (every
 request of an engine runs from the start). Engines interleave in simulated time because they share the drafter.
 
 Three references run beside the arms, to show where a policy's time goes (`SimulationBench.references`):
