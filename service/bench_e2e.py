@@ -28,8 +28,8 @@ Per repeat, epoch and arm: makespan_s (first submit to last sample), tokens (out
 and accepted_tokens (vLLM's own counters for the in-process arms, whatever the method; through the service, the
 sum of our proposer's per-sample counts), acceptance_length (1 + accepted / verification steps that carried a
 draft; None through the service, whose samples do not carry their step count), tail_share (share of the makespan
-after the median sample finished), longest_tokens (the longest sample's length), reward_mean (reasoning-gym's checker on each sample's text; None for prompt
-files without answers), errors, and every sample's length and reward.
+after the median sample finished), longest_tokens (the longest sample's length), reward_mean (reasoning-gym's
+checker on each sample's text; None for prompt files without answers), errors, and every sample's length and reward.
 
 Does an arm change the output? Pooled over repeats and epochs, each arm's rewards and output lengths are compared
 with `none`'s by stratified permutation tests (service/bench_stats.py): reward difference with a 95% bootstrap
@@ -140,7 +140,8 @@ class E2EConfig:
         speculation = {"none": "none", "ngram": "ngram", "suffix": "suffix", "suffix-t": "suffix"}.get(arm, "das")
         budget = {"policy": "uniform"} if arm == "das-uniform" else self.budget if speculation == "das" else {}
         return EngineConfig(
-            model=self.model, speculation=speculation, num_speculative_tokens=self.num_speculative_tokens,  # type: ignore[arg-type]
+            model=self.model, speculation=speculation,  # type: ignore[arg-type]
+            num_speculative_tokens=self.num_speculative_tokens,
             dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed + repeat,  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager, kv_cache_gib=self.kv_cache_gib, budget=budget,
             suffix_options=self.suffix_tuned if arm == "suffix-t" else {})

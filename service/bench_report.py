@@ -46,8 +46,8 @@ def _rows(result: E2EResult) -> list[list[str]]:
     return rows
 
 
-_COLUMNS = ("epoch", "arm", "makespan s", "vs none", "longest", "tail share", "tok/s", "drafted", "accepted", "accept len",
-            "reward", "errors")
+_COLUMNS = ("epoch", "arm", "makespan s", "vs none", "longest", "tail share", "tok/s", "drafted", "accepted",
+            "accept len", "reward", "errors")
 
 
 def _test_rows(result: E2EResult) -> list[list[str]]:

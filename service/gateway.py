@@ -365,7 +365,8 @@ class _Gateway:
     async def admit(self, body: RolloutRequest) -> tuple[_Batch, int]:
         """The batch this request streams (a new one, or the running/ended one with its id) and the record to
         start from."""
-        fingerprint = hashlib.sha256(body.model_dump_json(include={"groups", "logprobs", "return_prompt_token_ids"}).encode()).hexdigest()
+        identity = body.model_dump_json(include={"groups", "logprobs", "return_prompt_token_ids"})
+        fingerprint = hashlib.sha256(identity.encode()).hexdigest()
         batch = self._existing(body, fingerprint)
         if batch is not None:
             return batch, body.resume_from

@@ -17,7 +17,8 @@ def test_counts_by_position_per_request_and_pooled():
     assert book.pool_proposed.tolist() == [3, 3, 2, 2] and book.pool_accepted.tolist() == [2, 1, 0, 0]
     own = book.params(book.slots(["a", "b"]))
     # b always accepted everything it drafted, a rarely: b's capacity and first-token acceptance are higher
-    assert own.capacity[1] > own.capacity[0] and own.capacity[1] * own.efficiency[1] > own.capacity[0] * own.efficiency[0]
+    assert own.capacity[1] > own.capacity[0]
+    assert own.capacity[1] * own.efficiency[1] > own.capacity[0] * own.efficiency[0]
 
 
 def test_a_new_request_starts_from_the_pooled_acceptance_and_slots_are_reused():

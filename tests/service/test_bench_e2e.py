@@ -168,8 +168,9 @@ def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) ->
     # each repeat: every arm's epochs in turn, every arm reloading drift[e-2] as version e-1 before epoch e >= 2
     for r in range(3):
         mine = [entry[1:] for entry in log if entry[0] == r]
-        expected = ([(a, "run") for a in ARMS] + [(a, "reload", drift[0], 1) for a in ARMS] + [(a, "run") for a in ARMS]
-                    + [(a, "reload", drift[1], 2) for a in ARMS] + [(a, "run") for a in ARMS] + [(a, "close") for a in ARMS])
+        expected = ([(a, "run") for a in ARMS] + [(a, "reload", drift[0], 1) for a in ARMS]
+                    + [(a, "run") for a in ARMS] + [(a, "reload", drift[1], 2) for a in ARMS]
+                    + [(a, "run") for a in ARMS] + [(a, "close") for a in ARMS])
         assert mine == expected
     assert len(result.runs) == 3 and all(len(run) == 3 for run in result.runs)
 
@@ -187,7 +188,8 @@ def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) ->
     assert set(tests) == set(ARMS) - {"none"}
     assert tests["ngram"].changes_lengths and tests["ngram"].length.ks_distance == 1.0
     assert not tests["ngram"].changes_rewards
-    assert tests["suffix"].changes_rewards and tests["suffix"].reward.ci_high < 0 and not tests["suffix"].changes_lengths
+    suffix = tests["suffix"]
+    assert suffix.changes_rewards and suffix.reward.ci_high < 0 and not suffix.changes_lengths
     for arm in ("suffix-t", "das-uniform", "das", "das-service"):  # the same outputs: nothing to see
         assert not tests[arm].flagged and tests[arm].length.p_value == 1.0 and tests[arm].reward.difference == 0
 

@@ -86,7 +86,8 @@ def test_profile_means_and_the_fitted_cost_line() -> None:
     assert p.propose_ms == pytest.approx(1.0) and p.sample_ms == pytest.approx(1.0)
     assert p.step_ms == pytest.approx(p.forward_ms + p.sample_ms + p.propose_ms + p.rest_ms + p.gap_ms, abs=1e-2)
     assert p.fit_base_ms == pytest.approx(6.0, abs=1e-3) and p.fit_ms_per_token == pytest.approx(0.5, abs=1e-4)
-    assert p.drafted_steps == 3 and p.sample_ms_drafted == pytest.approx(1.0) and p.sample_ms_plain == pytest.approx(1.0)
+    assert p.drafted_steps == 3
+    assert p.sample_ms_drafted == pytest.approx(1.0) and p.sample_ms_plain == pytest.approx(1.0)
     plain = StepProfile.of({**columns, "drafts": [0] * 4})
     assert plain.drafted_steps == 0 and plain.sample_ms_drafted is None and plain.sample_ms_plain == pytest.approx(1.0)
     one_shape = StepProfile.of({**columns, "tokens": [4] * 4})
