@@ -39,7 +39,9 @@ def _uniforms(owners: torch.Tensor, generators: dict[int, torch.Generator]) -> t
     """float64 uniforms in [0, 1), one per entry of owners (a request index each); a request with its own
     generator (a seeded request) draws its entries from it, so its outputs repeat."""
     u = torch.rand(owners.numel(), dtype=torch.float64)
-    for at, owner in enumerate(owners.tolist()) if generators else ():
+    if not generators:  # the common case: no seeded request, no per-entry Python loop
+        return u
+    for at, owner in enumerate(owners.tolist()):
         if owner in generators:
             u[at] = torch.rand(1, dtype=torch.float64, generator=generators[owner])[0]
     return u

@@ -234,8 +234,8 @@ class SimulationBench:
         if "das" in a and "none" in a:
             out["das/none"] = a["das"].makespan_s / a["none"].makespan_s
         uniform = [n for n in a if n.startswith("uniform-")]
-        if "das" in a and uniform:
-            best = min(uniform, key=lambda n: a[n].makespan_s)
+        best = min(uniform, key=lambda n: a[n].makespan_s) if uniform else None
+        if "das" in a and best:
             out[f"das/best-uniform ({best})"] = a["das"].makespan_s / a[best].makespan_s
         if len(self.placement) == 2:
             out["length-aware/round-robin"] = (self.placement["length-aware"].makespan_s
@@ -245,14 +245,13 @@ class SimulationBench:
         if "every_group_alone" in ref and "round-robin" in self.placement:
             # the best any placement could do relative to round robin
             out["every-group-alone/round-robin"] = (ref["every_group_alone"].makespan_s
-                                                      / self.placement["round-robin"].makespan_s)
+                                                    / self.placement["round-robin"].makespan_s)
         if "oracle_lengths" in ref and policy in a:
             out[f"oracle-lengths/{policy}"] = ref["oracle_lengths"].makespan_s / a[policy].makespan_s
         if "drafts_free" in ref:
             if "none" in a:
                 out["drafts-free/none"] = ref["drafts_free"].makespan_s / a["none"].makespan_s
-            if uniform:
-                best = min(uniform, key=lambda n: a[n].makespan_s)
+            if best:
                 out[f"drafts-free/best-uniform ({best})"] = ref["drafts_free"].makespan_s / a[best].makespan_s
         return out
 

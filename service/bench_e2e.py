@@ -453,7 +453,8 @@ class E2EResult:
         service are not profiled and are left out)."""
         return self._per_epoch_medians(lambda arm_epoch: arm_epoch.profile and dataclasses.asdict(arm_epoch.profile))
 
-    def _per_epoch_medians(self, record) -> list[dict[str, dict[str, float | None]]]:
+    def _per_epoch_medians(self, record: Callable[[ArmEpoch], dict[str, Any] | None]
+                           ) -> list[dict[str, dict[str, float | None]]]:
         """Per epoch and arm, the median over repeats of each field of record(ArmEpoch) (a dict, or None where the
         arm has no such record; an arm no repeat has a record for is left out)."""
         out = []
