@@ -146,7 +146,14 @@ class Engine:
         # vLLM's CPU backend reads its KV cache size from the environment only.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        if current_platform.is_cpu():
+            # vLLM 0.32 cannot reload the AOT compile cache its CPU backend writes ("'function' object has no
+            # attribute 'finalize_loading'"), so every start recompiled (~2 min). Without AOT, Inductor's own
+            # cache makes a warm start ~40 s. Set before the engine core process is spawned; a user's value wins.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
         das = config.speculation == "das"
         args = AsyncEngineArgs(

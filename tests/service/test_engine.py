@@ -230,3 +230,31 @@ def test_weight_reload_changes_outputs_bumps_the_version_and_keeps_history(loop,
     assert loop.run_until_complete(tiny_das.reload_weights(tiny_models[0], version=5)) == 5
     (back,) = run_groups(loop, tiny_das, [group])
     assert back[0].token_ids == before[0].token_ids and back[0].policy_version == 5
+
+
+def test_engine_core_starts_without_vllms_aot_compile_cache_on_cpu(loop, monkeypatch, smollm2):
+    # vLLM 0.32 cannot reload the AOT cache its CPU backend writes, so with it every start recompiled for minutes;
+    # the engine core process reads the switch from the environment it inherits at spawn.
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    seen: dict[str, str | None] = {}
+
+    class Spawned(Exception):
+        pass
+
+    def spawn(*args, **kwargs):
+        import os
+
+        seen["aot"] = os.environ.get("VLLM_USE_AOT_COMPILE")
+        raise Spawned
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", spawn)
+    with pytest.raises(Spawned):
+        loop.run_until_complete(Engine.create(EngineConfig(model=str(smollm2), speculation="none")))
+    assert seen["aot"] == "0"
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # an operator's explicit choice wins
+    with pytest.raises(Spawned):
+        loop.run_until_complete(Engine.create(EngineConfig(model=str(smollm2), speculation="none")))
+    assert seen["aot"] == "1"
