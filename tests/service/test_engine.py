@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 from collections import Counter
 from pathlib import Path
 
@@ -243,8 +244,6 @@ def test_engine_core_starts_without_vllms_aot_compile_cache_on_cpu(loop, monkeyp
         pass
 
     def spawn(*args, **kwargs):
-        import os
-
         seen["aot"] = os.environ.get("VLLM_USE_AOT_COMPILE")
         raise Spawned
 
