@@ -3,7 +3,8 @@
 The policies themselves live in `das.scheduler.budget` (uniform K, the three length classes, the length-aware
 optimum); this module turns the proposer's view of its batch into their `BatchState` and back. The scheduler
 tunes a hook by its configuration (`{"policy": ..., ...}` in `additional_config["das"]["budget"]`) and informs it
-per request through `RequestTags.predicted_tokens`.
+per request through `RequestTags.length_curve` (the scheduler's forecast, re-read every step as the sample grows) or
+`RequestTags.predicted_tokens` (one number, fixed at submission).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import numpy as np
 
 from das.scheduler.budget import (BatchState, BudgetPolicy, ClassPolicy, DraftPlan, DrafterParams, OptimalPolicy,
                                   UniformPolicy)
+from das.scheduler.length import LengthCurve
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,18 +24,25 @@ class RequestView:
     """One running request as the budget hook sees it (tokens).
 
     generated: output tokens so far; predicted_tokens: predicted total output length, None if unknown;
-    max_tokens: the request's output cap; room: the most draft tokens that fit before max_tokens or the context.
+    max_tokens: the request's output cap; room: the most draft tokens that fit before max_tokens or the context;
+    length_curve: the predicted total output length given `generated` (conditioned on the sample having got this
+    far), None if unknown.
     """
 
     generated: int
     predicted_tokens: float | None
     max_tokens: int
     room: int
+    length_curve: LengthCurve | None = None
 
     @property
     def remaining(self) -> float:
-        """Predicted remaining output tokens (>= 1): from the prediction when there is one, else the cap."""
-        total = self.predicted_tokens if self.predicted_tokens is not None else self.max_tokens
+        """Predicted remaining output tokens (>= 1): from the curve when there is one (a sample that outlives its
+        problem's usual length is predicted to run on), else from predicted_tokens, else the cap. O(log curve)."""
+        if self.length_curve is not None:
+            total = self.length_curve.at(self.generated)
+        else:
+            total = self.predicted_tokens if self.predicted_tokens is not None else self.max_tokens
         return float(max(1.0, min(total, self.max_tokens) - self.generated))
 
 

@@ -12,7 +12,8 @@ Each step, for every request in the batch (row i of the runner's input batch):
      the request's last draft (accepted = common prefix, at most all but the last committed token, since the
      last one is the bonus or the recovered token, which the rejection sampler never takes from the draft) and
      fed into the live segment of its problem;
-  3. the budget hook plans K_i and a probability floor per request from the predicted remaining lengths and each
+  3. the budget hook plans K_i and a probability floor per request from the predicted remaining lengths (the
+     request's length curve read at its current length, else its fixed predicted length) and each
      request's measured acceptance by draft position (scheduler/acceptance.py: its own, shrunk towards the
      engine's recent pooled acceptance); K_i is capped so that no draft runs past `max_tokens` or the context,
      the bank proposes at most K_i tokens, and the draft is cut before its first token whose estimated
@@ -20,9 +21,10 @@ Each step, for every request in the batch (row i of the runner's input batch):
 Drafts are plain token ids inside the vocabulary, never padded: vLLM's CPU rejection kernel has no guard for
 the `-1` placeholder.
 
-Cost per step: O(batch) Python bookkeeping plus, per request, one native `choose` over its sources (O(max_depth)
-per source for the match, O(K) for the walk) and O(max_depth) per committed token in the live segment. Measured
-per step in `stats()["step_us"]`.
+Cost per step: O(batch) Python bookkeeping (including a binary search of each request's length curve, a few
+hundred steps at most) plus, per request, one native `choose` over its sources (O(max_depth) per source for the
+match, O(K) for the walk) and O(max_depth) per committed token in the live segment. Measured per step in
+`stats()["step_us"]`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from das.drafter.budget_hook import BudgetHook, RequestView, budget_hook_from_co
 from das.drafter.history import DrafterConfig, HistoryBank
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget import DraftPlan
+from das.scheduler.length import LengthCurve
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +64,21 @@ class RequestTags:
     key: the caller's id for the sample; draft counts are returned under it (vLLM renames requests inside the
         engine core, so its own ids are not the caller's).
     sample_index: index of the sample in its group (for records only).
-    predicted_tokens: the scheduler's predicted total output length (tokens), or None when unknown; the budget
-        hook uses it to tell long samples from short ones.
+    predicted_tokens: the scheduler's predicted total output length (tokens), or None when unknown;
+    length_curve: the same forecast as a function of the tokens generated so far, or None. The budget hook uses
+    the curve where there is one, else predicted_tokens, to tell long samples from short ones.
     """
 
     problem_id: str
     key: str | None = None
     sample_index: int = 0
     predicted_tokens: float | None = None
+    length_curve: LengthCurve | None = None
 
     def to_extra_args(self) -> dict[str, Any]:
+        curve = self.length_curve.to_dict() if self.length_curve is not None else None
         return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
-                                 "predicted_tokens": self.predicted_tokens}}
+                                 "predicted_tokens": self.predicted_tokens, "length_curve": curve}}
 
     @staticmethod
     def from_extra_args(extra_args: dict[str, Any] | None, prompt: list[int]) -> RequestTags:
@@ -82,8 +88,14 @@ class RequestTags:
             return RequestTags(problem_id=f"prompt-{digest}")
         predicted = raw.get("predicted_tokens")
         key = raw.get("key")
+        curve = None
+        if raw.get("length_curve") is not None:
+            try:
+                curve = LengthCurve.from_dict(raw["length_curve"])
+            except ValueError as exc:  # the sample still runs; only its budget falls back to predicted_tokens
+                log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
-                           None if predicted is None else float(predicted))
+                           None if predicted is None else float(predicted), curve)
 
 
 @dataclass
@@ -178,7 +190,8 @@ class DasProposer:
                 run.fed = n
             generated = n - run.prompt_len
             room = max(0, min(run.max_tokens - generated, self.max_model_len - n) - 1)
-            views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens, room))
+            views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens, room,
+                                     run.tags.length_curve))
             rows.append(run)
         if verified:
             slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*verified))

@@ -25,6 +25,7 @@ All lengths are output tokens. Every predicted final length is >= generated + 1.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,62 @@ class LengthForecast:
 
     def __len__(self) -> int:
         return len(self.p50)
+
+
+@dataclass(frozen=True, slots=True)
+class LengthCurve:
+    """One problem's forecast of a sample's FINAL output length (tokens; the forecast's p90, what the budget plans
+    with) as a function of the tokens the sample has generated so far, g: exactly `LengthPredictor.predict`'s p90
+    at every g, in a form an engine evaluates per decode step without the difficulty book.
+
+    Conditioning on L > g only changes the forecast where g passes a held length, so below `tail_from` it is a
+    step function: ``ends[j]`` for the last j with ``starts[j] <= g``. From `tail_from` (the longest held length)
+    on, the tail model: ``g * (1 + tail_ratio)``. Never below g + 1.
+
+    Invariants (ValueError otherwise): `starts` are strictly increasing ints from 0, one finite end per start with
+    ``ends[j] > starts[j]``; `tail_from` is 0 when there are no starts, else an int above the last start;
+    `tail_ratio` is finite and >= 0.
+    """
+
+    starts: tuple[int, ...]
+    ends: tuple[float, ...]
+    tail_from: int
+    tail_ratio: float
+
+    def __post_init__(self) -> None:
+        starts, ends = self.starts, self.ends
+        if len(starts) != len(ends):
+            raise ValueError(f"LengthCurve needs one end per start, got {len(starts)} starts and {len(ends)} ends")
+        if starts and (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))):
+            raise ValueError("LengthCurve.starts must be strictly increasing from 0")
+        if not all(np.isfinite(e) and e > s for s, e in zip(starts, ends)):
+            raise ValueError("LengthCurve.ends must be finite and above their starts")
+        if (self.tail_from != 0) if not starts else self.tail_from <= starts[-1]:
+            raise ValueError(f"LengthCurve.tail_from must be above the last start (0 without starts), "
+                             f"got {self.tail_from}")
+        if not (np.isfinite(self.tail_ratio) and self.tail_ratio >= 0):
+            raise ValueError(f"LengthCurve.tail_ratio must be finite and >= 0, got {self.tail_ratio}")
+
+    def at(self, generated: int) -> float:
+        """Predicted final length of a sample with `generated` >= 0 output tokens so far. O(log len(starts))."""
+        if generated >= self.tail_from:
+            final = generated * (1.0 + self.tail_ratio)
+        else:
+            final = self.ends[bisect_right(self.starts, generated) - 1]
+        return max(final, generated + 1.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"starts": list(self.starts), "ends": list(self.ends), "tail_from": self.tail_from,
+                "tail_ratio": self.tail_ratio}
+
+    @staticmethod
+    def from_dict(raw: dict[str, Any]) -> LengthCurve:
+        """Inverse of `to_dict`; ValueError for anything else."""
+        try:
+            return LengthCurve(tuple(int(s) for s in raw["starts"]), tuple(float(e) for e in raw["ends"]),
+                               int(raw["tail_from"]), float(raw["tail_ratio"]))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not a length curve: {exc!r}") from None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -146,6 +203,29 @@ class LengthPredictor:
         for arr in arrays:
             arr.flags.writeable = False
         return LengthForecast(*arrays)
+
+    def curves(self, problem_ids: Sequence[str]) -> list[LengthCurve]:
+        """`predict(...).p90` at every g for each entry of `problem_ids`, as curves (one object per distinct
+        problem; see LengthCurve). Cost: one `predict` over the distinct lengths of each problem's support."""
+        prior = self._current_prior()
+        uniq = list(dict.fromkeys(problem_ids))
+        prior_atoms = prior.atoms if self.prior_weight > 0 else np.zeros(0, np.int64)
+        # The support predict() conditions on: the problem's own lengths and the prior's atoms. The forecast
+        # changes only where g reaches one of them, and from the largest on the tail model takes over.
+        tops, starts = [], []
+        for pid in uniq:
+            support = np.unique(np.concatenate([self.book.lengths(pid), prior_atoms]))
+            top = int(support[-1]) if len(support) else 0
+            tops.append(top)
+            starts.append(np.unique(np.concatenate([[0], support[support < top]])) if top > 0
+                          else np.zeros(0, np.int64))
+        sizes = [len(st) for st in starts]
+        p90 = (self.predict(np.repeat(np.asarray(uniq, dtype=str), sizes), np.concatenate(starts)).p90
+               if sum(sizes) else np.zeros(0))
+        tail_ratio = float(prior.tail[_QUANTILES.index(0.9)])
+        by_id = {pid: LengthCurve(tuple(int(g) for g in st), tuple(float(e) for e in ends), top, tail_ratio)
+                 for pid, st, ends, top in zip(uniq, starts, np.split(p90, np.cumsum(sizes)[:-1]), tops)}
+        return [by_id[pid] for pid in problem_ids]
 
     def _current_prior(self) -> _Prior:
         # Rebuilding costs O(M log M), and rollouts finish all the time: a big book would pay it at every call. The

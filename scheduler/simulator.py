@@ -129,7 +129,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
         if policy is not None:
             if oracle_lengths:
                 ends = lengths[active]
-            else:  # the engine cannot know where a sample ends
+            else:  # the engine cannot know where a sample ends: it reads this p90 from the request's LengthCurve
                 ends = predictor.predict([problems[i] for i in active], pos[active]).p90
             drafter = acceptance.params(slot[active])
             state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), capacity=drafter.capacity,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from das.scheduler.length import LengthCurve
 
 
 class SamplingSpec(BaseModel):
@@ -29,6 +31,10 @@ class ChatMessage(BaseModel):
     content: str
 
 
+# The service's own curves have at most window x max_per_version + 64 steps (321 at the defaults).
+MAX_CURVE_POINTS = 4096
+
+
 class GroupRequest(BaseModel):
     """One prompt, `n` samples: the unit an RL trainer asks for. Exactly one of `prompt_token_ids`, `prompt`
     (text) and `messages` (chat; the model's template is applied)."""
@@ -42,6 +48,10 @@ class GroupRequest(BaseModel):
     messages: tuple[ChatMessage, ...] | None = None
     sampling: SamplingSpec = SamplingSpec()
     predicted_tokens: float | None = Field(None, gt=0, description="the scheduler's predicted output length")
+    length_curve: LengthCurve | None = Field(
+        None, description="the scheduler's predicted output length as a function of the tokens a sample has "
+                          "generated (what the draft budget reads every step); the service fills it in when neither "
+                          "this nor predicted_tokens is given")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GroupRequest:
@@ -53,6 +63,13 @@ class GroupRequest(BaseModel):
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages is empty")
         return self
+
+    @field_validator("length_curve")
+    @classmethod
+    def _bounded_curve(cls, curve: LengthCurve | None) -> LengthCurve | None:
+        if curve is not None and len(curve.starts) > MAX_CURVE_POINTS:
+            raise ValueError(f"{len(curve.starts)} steps, at most {MAX_CURVE_POINTS}")
+        return curve
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]

@@ -203,8 +203,8 @@ class Arm(Protocol):
 
 class EngineArm:
     """An arm on an in-process `Engine`. With `predict`, it does what the coordinator does for one engine: each
-    group is tagged with the predicted mean length of its problem, from the lengths of this arm's finished
-    samples, and the groups start longest predicted first."""
+    group is tagged with its problem's predicted mean length and length curve (`with_length_predictions`), from
+    the lengths of this arm's finished samples, and the groups start longest predicted first."""
 
     def __init__(self, engine: Engine, predict: bool, profile: bool = False) -> None:
         from das.scheduler.difficulty import DifficultyBook
@@ -229,9 +229,10 @@ class EngineArm:
     async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
         order = list(range(len(groups)))
         if self._predictor is not None:
-            forecast = self._predictor.predict([g.problem_id for g in groups], np.zeros(len(groups), np.int64))
-            groups = [g.model_copy(update={"predicted_tokens": float(m)}) for g, m in zip(groups, forecast.mean)]
-            order.sort(key=lambda i: -forecast.mean[i])  # stable: ties keep the prompt set's order
+            from das.service.coordinator import with_length_predictions
+
+            groups = with_length_predictions(self._predictor, groups)
+            order.sort(key=lambda i: -float(groups[i].predicted_tokens))  # stable: ties keep the set's order
         before = dataclasses.replace(self.engine.spec_tally)
         start = time.perf_counter()
 

@@ -52,6 +52,18 @@ _FORWARDED_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "VLLM_PLUGINS", "
                   "VLLM_CPU_OMP_THREADS_BIND")
 
 
+def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRequest]) -> list[GroupRequest]:
+    """The groups with the scheduler's forecasts, every one with `predicted_tokens` set: a group without it gets
+    its problem's predicted mean length (for placement and submission order) and, unless it brought a
+    `length_curve`, the curve the draft budget reads every step. A group with `predicted_tokens` of its own keeps
+    it and gets no curve, so the caller's prediction is the one the budget uses."""
+    forecast = predictor.predict([g.problem_id for g in groups], np.zeros(len(groups), np.int64))
+    curves = predictor.curves([g.problem_id for g in groups])
+    return [g if g.predicted_tokens else
+            g.model_copy(update={"predicted_tokens": float(m), "length_curve": g.length_curve or c})
+            for g, m, c in zip(groups, forecast.mean, curves)]
+
+
 class ServiceConfig(BaseModel):
     """Everything that shapes the service. Exactly one of `engine` (vLLM; its `model` may be a known model name,
     prepared on each node) and `stub_engine` (no model: tests and load tests)."""
@@ -204,13 +216,10 @@ class RayBackend:
             raise GroupInputError(*refused)
 
     def place(self, groups: Sequence[GroupRequest]) -> list[list[tuple[int, GroupRequest]]]:
-        """Per engine, the (batch index, group) pairs it runs, longest predicted first. Each group without a
-        `predicted_tokens` of its own gets the predicted mean length of its problem."""
-        forecast = self._predictor.predict([g.problem_id for g in groups], np.zeros(len(groups), np.int64))
-        predicted = [g.predicted_tokens or float(m) for g, m in zip(groups, forecast.mean)]
-        placement = place_groups([g.n * p for g, p in zip(groups, predicted)], len(self._engines))
-        tagged = [g if g.predicted_tokens else g.model_copy(update={"predicted_tokens": p})
-                  for g, p in zip(groups, predicted)]
+        """Per engine, the (batch index, group) pairs it runs, longest predicted first (`with_length_predictions`
+        tags the groups)."""
+        tagged = with_length_predictions(self._predictor, groups)
+        placement = place_groups([g.n * float(g.predicted_tokens) for g in tagged], len(self._engines))
         return [[(int(i), tagged[int(i)]) for i in order] for order in placement.order]
 
     async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:

@@ -243,7 +243,7 @@ class Engine:
         from vllm.sampling_params import RequestOutputKind
 
         s = group.sampling
-        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens)
+        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
         params = SamplingParams(
             n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
             stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=0,

@@ -5,6 +5,7 @@ import pytest
 
 from das.drafter.budget_hook import RequestView, budget_hook_from_config
 from das.scheduler.budget import DrafterParams
+from das.scheduler.length import LengthCurve
 
 
 def views(*remaining: int, max_tokens: int = 1000) -> list[RequestView]:
@@ -68,3 +69,19 @@ def test_bad_settings_are_named(config, message):
 def test_empty_batch():
     assert budget_hook_from_config({"policy": "das"}, k_max=8).plan([]).lengths.shape == (0,)
     assert np.asarray(budget_hook_from_config({}, k_max=8).plan([]).lengths).dtype == np.int32
+
+
+def test_a_length_curve_keeps_a_sample_that_outlives_its_prediction_in_the_budget():
+    """Predicted 100 tokens at submission; at 150 generated a fixed prediction leaves 1 token to go, the curve
+    (conditioned on having got this far) says 400 to go, and the cap still bounds both."""
+    curve = LengthCurve((0, 100), (100.0, 550.0), 600, 1.0)
+    fixed = RequestView(generated=150, predicted_tokens=100.0, max_tokens=1000, room=64)
+    curved = RequestView(generated=150, predicted_tokens=100.0, max_tokens=1000, room=64, length_curve=curve)
+    assert fixed.remaining == 1.0 and curved.remaining == 400.0
+    assert RequestView(generated=150, predicted_tokens=None, max_tokens=300, room=64, length_curve=curve).remaining \
+        == 150.0
+    assert RequestView(generated=700, predicted_tokens=None, max_tokens=2000, room=64,
+                       length_curve=curve).remaining == 700.0  # the tail model: 700 * (1 + 1)
+    hook = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5}, k_max=16)
+    batch = [RequestView(generated=20, predicted_tokens=40.0, max_tokens=1000, room=64) for _ in range(15)]
+    assert hook.plan([*batch, curved]).lengths[-1] > hook.plan([*batch, fixed]).lengths[-1]

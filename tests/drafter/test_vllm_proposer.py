@@ -10,6 +10,7 @@ import pytest
 
 from das.drafter.records import RolloutRecord
 from das.drafter.vllm_proposer import DasProposer, RequestTags
+from das.scheduler.length import LengthCurve
 
 PROMPT = [7, 8, 9]
 RESPONSE = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
@@ -174,6 +175,17 @@ def test_untagged_requests_share_history_by_prompt():
     assert tags_a.problem_id == tags_b.problem_id != RequestTags.from_extra_args(None, [1]).problem_id
     tags = RequestTags("q", key="k", sample_index=3, predicted_tokens=120.0)
     assert RequestTags.from_extra_args(tags.to_extra_args(), PROMPT) == tags
+    curved = RequestTags("q", key="k", predicted_tokens=120.0,
+                         length_curve=LengthCurve((0, 50), (90.0, 130.0), 200, 1.0))
+    assert RequestTags.from_extra_args(curved.to_extra_args(), PROMPT) == curved
+
+
+def test_a_malformed_length_curve_is_dropped_not_fatal(caplog):
+    raw = RequestTags("q", key="k", predicted_tokens=120.0).to_extra_args()
+    raw["das"]["length_curve"] = {"starts": [3], "ends": [1.0], "tail_from": 0, "tail_ratio": 1.0}
+    with caplog.at_level("WARNING"):
+        tags = RequestTags.from_extra_args(raw, PROMPT)
+    assert tags == RequestTags("q", key="k", predicted_tokens=120.0) and "length curve ignored" in caplog.text
 
 
 def test_stats_report_the_per_step_cost():

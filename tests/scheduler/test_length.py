@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from das.drafter.records import RolloutRecord, load_rollouts
 from das.scheduler.difficulty import DifficultyBook
-from das.scheduler.length import PRIOR_ATOMS, PRIOR_REFRESH, LengthForecast, LengthPredictor, calibration_report
+from das.scheduler.length import (PRIOR_ATOMS, PRIOR_REFRESH, LengthCurve, LengthForecast, LengthPredictor,
+                                  calibration_report)
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "traces-smollm2.jsonl.gz"
 
@@ -267,3 +268,55 @@ def test_a_batch_equals_its_requests_one_by_one() -> None:
         one = predictor.predict([ids[i]], g[i:i + 1])
         for name in ("p10", "p50", "p90", "mean", "remaining_mean", "extrapolated"):
             assert getattr(one, name)[0] == pytest.approx(getattr(batch, name)[i], rel=1e-12), (name, i)
+
+
+# --- curves: the forecast as a function of tokens generated, for the engine -----------------------------------
+
+@settings(max_examples=60, deadline=None)
+@given(st.dictionaries(st.sampled_from(["a", "b", "c"]), st.lists(st.integers(0, 300), max_size=10), max_size=3),
+       st.sampled_from([0.0, 0.5, 2.0]))
+def test_a_curve_is_the_p90_forecast_at_every_g(lengths: dict[str, list[int]], prior_weight: float) -> None:
+    book = _book({pid: xs for pid, xs in lengths.items() if xs})
+    predictor = LengthPredictor(book, prior_weight)
+    ids = ["a", "b", "c", "unseen", "a"]
+    curves = predictor.curves(ids)
+    assert curves[0] is curves[4]  # one object per problem
+    g = np.arange(0, 700)
+    for pid, curve in zip(ids, curves):
+        expected = predictor.predict([pid] * len(g), g).p90
+        np.testing.assert_allclose([curve.at(int(x)) for x in g], expected, rtol=1e-12, err_msg=pid)
+
+
+def test_curves_on_the_real_traces_cover_a_sample_that_outlives_its_problem() -> None:
+    book = DifficultyBook()
+    book.add_records([r for r in load_rollouts(FIXTURE) if r.policy_version == 0])
+    predictor = LengthPredictor(book)
+    pid = "gsm_symbolic/0"
+    (curve,) = predictor.curves([pid])
+    longest = int(book.lengths(pid).max())
+    # Past every length the problem has had, the forecast does not end the sample (a fixed prediction would leave
+    # it one token): the global prior's long samples say it may run on, and past those the tail model.
+    assert curve.at(longest + 50) - (longest + 50) > 100
+    assert curve.tail_ratio > 0 and curve.at(2 * curve.tail_from) > 2 * curve.tail_from + 1
+    g = np.array([0, longest // 2, longest, 3 * longest, 2 * curve.tail_from])
+    np.testing.assert_allclose([curve.at(int(x)) for x in g], predictor.predict([pid] * len(g), g).p90)
+
+
+def test_curves_for_an_empty_book_or_batch() -> None:
+    predictor = LengthPredictor(DifficultyBook())
+    assert predictor.curves([]) == []
+    (curve,) = predictor.curves(["x"])
+    assert curve == LengthCurve((), (), 0, 1.0) and curve.at(0) == 1.0 and curve.at(40) == 80.0
+
+
+def test_curve_round_trip_and_bad_curves() -> None:
+    curve = LengthCurve((0, 10, 30), (25.0, 40.0, 60.0), 90, 0.5)
+    assert LengthCurve.from_dict(curve.to_dict()) == curve
+    assert [curve.at(g) for g in (0, 9, 10, 29, 30, 89, 90, 100)] == [25, 25, 40, 40, 60, 90, 135, 150]
+    for bad in [((1, 10), (25.0, 40.0), 90, 0.5), ((0, 10, 10), (25.0, 40.0, 50.0), 90, 0.5),
+                ((0, 10), (25.0,), 90, 0.5), ((0, 10), (25.0, 5.0), 90, 0.5), ((0, 10), (25.0, 40.0), 10, 0.5),
+                ((), (), 3, 0.5), ((0,), (25.0,), 90, -1.0), ((0,), (float("nan"),), 90, 0.5)]:
+        with pytest.raises(ValueError):
+            LengthCurve(*bad)
+    with pytest.raises(ValueError, match="not a length curve"):
+        LengthCurve.from_dict({"starts": [0]})

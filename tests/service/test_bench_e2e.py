@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from das.service.api_types import GroupRequest
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
-from das.scheduler.length import LengthPredictor
+from das.scheduler.length import LengthCurve, LengthPredictor
 from das.service.bench_e2e import ARMS, E2EConfig, EngineArm, EpochOutput, Outcome, run_e2e, suffix_tuned_options
 from das.service.bench_report import markdown, plot
 from das.service.checkpoints import perturb_checkpoint
@@ -110,9 +110,11 @@ class RecordingStub(StubEngine):
         super().__init__(StubEngineConfig())
         self.lengths = lengths
         self.started: list[tuple[str, float | None]] = []
+        self.curves: list[LengthCurve | None] = []
 
     async def generate(self, group: GroupRequest):  # type: ignore[override]
         self.started.append((group.problem_id, group.predicted_tokens))
+        self.curves.append(group.length_curve)
         self.config = StubEngineConfig(tokens=self.lengths[group.problem_id])
         async for sample in super().generate(group):
             yield sample
@@ -140,12 +142,15 @@ def test_das_arms_get_the_coordinators_length_predictions() -> None:
     assert stub.started == [("p0", cold), ("p1", cold), ("p2", cold),
                             ("p1", warm["p1"]), ("p2", warm["p2"]), ("p0", warm["p0"])]
     assert warm["p1"] > warm["p2"] > warm["p0"]
+    # and the curve the draft budget reads every step, from the same book
+    assert stub.curves == [*LengthPredictor(DifficultyBook()).curves(["p0", "p1", "p2"]),
+                           *LengthPredictor(book).curves(["p1", "p2", "p0"])]
     # outcomes come back in the prompt set's order whatever order the groups ran in
     assert [(o.group, o.sample_index) for o in second.outcomes] == [(g, j) for g in range(3) for j in range(2)]
     assert [len(o.token_ids) for o in second.outcomes] == [8, 8, 30, 30, 16, 16]
     assert first.drafts == 0
     stub, _ = asyncio.run(two_epochs(predict=False))
-    assert stub.started == [(f"p{i}", None) for i in range(3)] * 2
+    assert stub.started == [(f"p{i}", None) for i in range(3)] * 2 and stub.curves == [None] * 6
 
 
 def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) -> None:

@@ -13,7 +13,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 from das.service.api_types import GroupRequest
-from das.service.coordinator import RayBackend, ServiceConfig
+from das.scheduler.difficulty import DifficultyBook
+from das.scheduler.length import LengthCurve, LengthPredictor
+from das.service.coordinator import RayBackend, ServiceConfig, with_length_predictions
 from das.service.engine import EngineInputError
 from das.service.models import prepare_model
 from das.service.rollout_backend import GroupInputError
@@ -54,6 +56,26 @@ def start(loop: asyncio.AbstractEventLoop, config: ServiceConfig) -> RayBackend:
     backend = loop.run_until_complete(RayBackend.start(config))
     loop.run_until_complete(backend.wait_ready())
     return backend
+
+
+def test_groups_get_the_predicted_mean_and_the_curve_unless_they_bring_a_prediction() -> None:
+    book = DifficultyBook()
+    for x in (40, 60, 80, 300):
+        book.history("p0").add_length(0, x, "stop")
+    predictor = LengthPredictor(book)
+    own_curve = LengthCurve((0,), (9.0,), 20, 0.5)
+    batch = [*groups(2, n=2), GroupRequest(problem_id="p0", prompt="x", predicted_tokens=55.0),
+             GroupRequest(problem_id="p0", prompt="x", length_curve=own_curve)]
+    tagged = with_length_predictions(predictor, batch)
+    mean = predictor.predict(["p0", "p1"], [0, 0]).mean
+    assert [g.predicted_tokens for g in tagged] == [mean[0], mean[1], 55.0, mean[0]]
+    curve = predictor.curves(["p0"])[0]
+    assert tagged[0].length_curve == curve and tagged[1].length_curve == predictor.curves(["p1"])[0]
+    assert tagged[2].length_curve is None  # the caller's own prediction is what the budget uses
+    assert tagged[3].length_curve == own_curve
+    assert curve.at(301) > 302  # past p0's longest sample, still predicted to run on
+    assert [g.model_copy(update={"predicted_tokens": None, "length_curve": None}) for g in tagged[:2]] == \
+        batch[:2]  # nothing else changes
 
 
 def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEventLoop, tmp_path: Path) -> None:
