@@ -34,7 +34,9 @@ ALL_OPTIONS: dict[str, Any] = {
     "auth": {"enabled": False},
     "history": {"persistence": {"existingClaim": "das-history"}},
     "weights": {"volume": {"hostPath": {"path": "/mnt/checkpoints", "type": "Directory"}}},
-    "workers": {"rayStartParams": {"resources": '"{\\"das_node\\": 1}"'}},
+    "workers": {"rayStartParams": {"resources": '"{\\"das_node\\": 1}"'},
+                "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+                "compileCache": {"volume": {"persistentVolumeClaim": {"claimName": "vllm-cache"}}}},
     "head": {"extraVolumes": [{"name": "scratch", "emptyDir": {}}],
              "extraVolumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
     "serviceMonitor": {"enabled": True}, "dashboards": {"enabled": True},
@@ -197,6 +199,24 @@ def test_gpu_workers_from_the_example() -> None:
     # The head runs no engine: no GPU asked for there.
     head = spec["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert all("nvidia.com/gpu" not in head["resources"].get(side, {}) for side in ("requests", "limits"))
+
+
+def test_compile_cache_volume_is_the_workers_vllm_cache_root() -> None:
+    def worker(values: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+        (cluster,) = by_kind(objects(render(values)), "RayCluster")
+        (group,) = cluster["spec"]["workerGroupSpecs"]
+        pod = group["template"]["spec"]
+        return pod, pod["containers"][0]
+
+    pod, container = worker(ALL_OPTIONS)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    assert volumes["vllm-cache"]["persistentVolumeClaim"] == {"claimName": "vllm-cache"}
+    assert mounts["vllm-cache"] == "/var/cache/vllm"
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {"VLLM_CACHE_ROOT": "/var/cache/vllm", "VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's env kept
+    pod, container = worker(None)  # default: no volume, vLLM's own cache location in the container
+    assert "vllm-cache" not in {v["name"] for v in pod["volumes"]} and "env" not in container
 
 
 @pytest.mark.parametrize("replicas,low,high", [(5, 1, 2), (1, 2, 4)])
