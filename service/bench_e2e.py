@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import platform
 import socket
@@ -79,6 +80,8 @@ if TYPE_CHECKING:
     from das.scheduler.cost_model import CostModel
     from das.service.client import AsyncRolloutClient
     from das.service.coordinator import RayBackend
+
+log = logging.getLogger(__name__)
 
 ARMS = ("none", "ngram", "suffix", "suffix-t", "das-uniform", "das", "das-service")
 BASELINE = "none"
@@ -556,6 +559,17 @@ def machine_info() -> dict[str, Any]:
 # ---- the run ----
 
 
+class E2EFailed(RuntimeError):
+    """The run stopped at `where` (repeat, epoch, arm) because of `cause`; `completed` holds every arm-epoch that
+    finished before, one dict each (repeat, epoch, arm and `ArmEpoch.figures()`), so a long run that dies late
+    still reports what it measured."""
+
+    def __init__(self, where: str, cause: BaseException | str, completed: list[dict[str, Any]]) -> None:
+        reason = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason, self.completed = where, reason, completed
+
+
 async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable[[str], None] = lambda _: None,
                   arm_factory: Callable[[str, E2EConfig, int], Any] = start_arm) -> E2EResult:
     """Runs the benchmark (see the module docstring). `arm_factory(arm, config, repeat)` awaits to a started
@@ -567,6 +581,7 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
     groups = [p.group(config.samples, sampling) for p in problems]
     result = E2EResult(config)
     tokens: dict[str, list[list[list[int]]]] = {arm: [] for arm in config.arms}  # arm -> (repeat, epoch) -> samples
+    completed: list[dict[str, Any]] = []  # what an E2EFailed reports
     began = time.perf_counter()
     for repeat in range(config.repeats):
         where = f"repeat {repeat + 1}/{config.repeats}, " if config.repeats > 1 else ""
@@ -575,33 +590,45 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
         # Engines alive together: all arms (interleaved epochs), or one arm at a time (sequential).
         for together in ([[a] for a in config.arms] if config.sequential else [list(config.arms)]):
             arms: dict[str, Arm] = {}
+            step = "start"
             try:
                 for name in together:
-                    progress(f"{where}starting the {name} engine")
+                    step = f"{where}starting the {name} engine"
+                    progress(step)
                     t0 = time.perf_counter()
                     arms[name] = await arm_factory(name, config, repeat)
                     setup[name] = round(time.perf_counter() - t0, 1)
                 for epoch in range(config.epochs):
                     if epoch and config.drift:
-                        progress(f"{where}loading policy version {epoch} from {config.drift[epoch - 1]}")
+                        step = f"{where}loading policy version {epoch} from {config.drift[epoch - 1]}"
+                        progress(step)
                         for arm in arms.values():
                             await arm.reload(config.drift[epoch - 1], epoch)
                     for name, arm in arms.items():
+                        step = f"{where}epoch {epoch + 1}/{config.epochs} {name}"
                         out = await arm.run_epoch(groups)
                         if len(out.outcomes) != len(groups) * config.samples:  # the tests pair samples by position
-                            raise RuntimeError(f"{name}: {len(out.outcomes)} samples came back, expected "
+                            raise RuntimeError(f"{len(out.outcomes)} samples came back, expected "
                                                f"{len(groups) * config.samples}")
+                        if all(o.finish_reason == "error" for o in out.outcomes):  # a dead engine, not a result
+                            raise RuntimeError("every sample failed (see the log above)")
                         run[epoch][name] = stats = ArmEpoch.of(out, problems)
+                        completed.append({"repeat": repeat + 1, "epoch": epoch + 1, "arm": name, **stats.figures()})
                         tokens[name].append([o.token_ids for o in out.outcomes])
                         reward = f", reward {stats.reward_mean:.3f}" if stats.reward_mean is not None else ""
-                        progress(f"{where}epoch {epoch + 1}/{config.epochs} {name}: {stats.makespan_s:.1f} s, "
+                        progress(f"{step}: {stats.makespan_s:.1f} s, "
                                  f"{stats.tokens} tokens, accepted {stats.accepted_tokens}/{stats.draft_tokens}"
                                  f"{reward} ({time.perf_counter() - began:.0f} s so far)")
                 if "das" in arms:
                     result.proposer = await arms["das"].proposer_stats()
+            except Exception as exc:
+                raise E2EFailed(step, exc, completed) from exc
             finally:
-                for arm in arms.values():
-                    await arm.close()
+                for name, arm in arms.items():
+                    try:
+                        await arm.close()
+                    except Exception:  # one arm's failed close must not keep the others' engines alive
+                        log.warning("closing the %s arm failed", name, exc_info=True)
         result.runs.append(run)
         result.setup_s.append(setup)
     result.wall_s = time.perf_counter() - began

@@ -271,7 +271,7 @@ def bench_e2e(
     arm and epoch (drafters keep their history)."""
     import asyncio
 
-    from das.service.bench_e2e import E2EConfig, run_e2e, suffix_tuned_options
+    from das.service.bench_e2e import E2EConfig, E2EFailed, run_e2e, suffix_tuned_options
     from das.service.bench_report import markdown as render_markdown, plot as render_plot
     from das.service.models import prepare_model
     from das.service.prompt_sets import PromptSetError, load_prompt_set
@@ -303,7 +303,18 @@ def bench_e2e(
     except (PromptSetError, OSError, ValueError) as exc:
         _fail(str(exc))
     console.print(f"[cyan]das budget {escape(spec)}; suffix-t {suffix_tuned or '-'}[/cyan]")
-    result = asyncio.run(run_e2e(config, problems, progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]")))
+    try:
+        result = asyncio.run(run_e2e(config, problems,
+                                     progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]")))
+    except E2EFailed as exc:
+        if as_json:
+            print(json.dumps({"failed": str(exc), "completed": exc.completed}, indent=2))
+        hint = ("" if sequential else " If an engine process was killed (exit code -9, the kernel's out-of-memory "
+                "killer), run one engine at a time with --sequential or give each a smaller --kv-cache-gib.")
+        console.print(f"[red]error:[/red] das bench e2e stopped at {escape(str(exc))}. The {len(exc.completed)} "
+                      f"arm-epochs that finished are in the progress lines above"
+                      f"{' and in the JSON' if as_json else ''}.{hint}")
+        raise typer.Exit(code=1) from None
     if plot is not None:
         render_plot(result, plot)
     if markdown is not None:

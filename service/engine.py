@@ -137,6 +137,7 @@ class Engine:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._inflight = 0
+        self._death_reported = False
         self._drained = asyncio.Event()
         self._drained.set()
         self._reloading = asyncio.Lock()
@@ -267,9 +268,18 @@ class Engine:
                 text.append(completion.text)
                 finish = completion.finish_reason
         except Exception as exc:  # one sample's failure must not take its siblings down (cancellation passes)
-            log.warning("sample %s of problem %s failed", key, group.problem_id, exc_info=True)
+            if self._llm.errored:
+                # A dead engine core fails every running sample with the same error: one report, not a traceback
+                # for each of them.
+                if not self._death_reported:
+                    self._death_reported = True
+                    log.error("the engine died (%s); its running samples end with finish_reason 'error'. A worker "
+                              "process killed with exit code -9 (in vLLM's log above) is usually the kernel's "
+                              "out-of-memory killer.", _describe(exc))
+            else:
+                log.warning("sample %s of problem %s failed", key, group.problem_id, exc_info=True)
             error, finish = _describe(exc), "error"
-        counts = await self._draft_counts(key)
+        counts = await self._draft_counts(key) if not self._llm.errored else {}
         results.put_nowait(SampleResult(
             problem_id=group.problem_id, sample_index=index, token_ids=tokens, logprobs=logprobs,
             finish_reason=finish if finish in ("stop", "length", "abort", "error") else "stop",

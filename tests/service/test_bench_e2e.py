@@ -16,7 +16,8 @@ from das.service.api_types import GroupRequest
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
-from das.service.bench_e2e import ARMS, E2EConfig, EngineArm, EpochOutput, Outcome, run_e2e, suffix_tuned_options
+from das.service.bench_e2e import (ARMS, E2EConfig, E2EFailed, EngineArm, EpochOutput, Outcome, run_e2e,
+                                   suffix_tuned_options)
 from das.service.bench_report import markdown, plot
 from das.service.checkpoints import perturb_checkpoint
 from das.service.cli import app
@@ -239,6 +240,53 @@ def test_sequential_keeps_one_engine_alive_at_a_time() -> None:
     assert longest == {"none": 20 + 9 * 2 + 4 * 1, "das": 20 + 9 * 2 + 4 * 1 + 48}
     assert goal.name.startswith("das / none") and goal.ratio == pytest.approx(0.4)
     assert goal.per_longest_token == pytest.approx(0.4 * longest["none"] / longest["das"], abs=1e-3)
+
+
+class DyingArm(ScriptedArm):
+    """Runs `epochs_alive` epochs, then its engine is dead: every sample comes back as an error."""
+
+    def __init__(self, *args, epochs_alive: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.epochs_alive = epochs_alive
+
+    async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
+        out = await super().run_epoch(groups)
+        self.epochs_alive -= 1
+        if self.epochs_alive >= 0:
+            return out
+        dead = [Outcome(o.group, o.sample_index, [], None, "error", 0.0) for o in out.outcomes]
+        return EpochOutput(dead, out.makespan_s, 0, 0, 0)
+
+
+def test_an_arm_that_dies_stops_the_run_and_keeps_what_finished(monkeypatch) -> None:
+    problems = reasoning_gym_problems(2)
+    config = E2EConfig(model="m", prompts="reasoning-gym:2", samples=2, epochs=3, arms=("none", "das", "suffix"))
+    log: list = []
+
+    async def factory(name: str, cfg: E2EConfig, repeat: int) -> ScriptedArm:
+        if name == "das":
+            return DyingArm(name, repeat, problems, log, epochs_alive=1)
+        return ScriptedArm(name, repeat, problems, log)
+
+    with pytest.raises(E2EFailed) as failed:
+        asyncio.run(run_e2e(config, problems, arm_factory=factory))
+    assert failed.value.where == "epoch 2/3 das" and "every sample failed" in failed.value.reason
+    assert [(c["epoch"], c["arm"]) for c in failed.value.completed] == [(1, "none"), (1, "das"), (1, "suffix"),
+                                                                        (2, "none")]
+    assert failed.value.completed[1]["makespan_s"] == MAKESPAN["das"]
+    assert sorted(entry[1] for entry in log if entry[2] == "close") == ["das", "none", "suffix"]  # all engines shut
+
+    async def stops(config, problems, progress):  # the CLI on such a run: exit 1, the finished figures in the JSON
+        raise E2EFailed("epoch 2/3 das", RuntimeError("every sample failed"), failed.value.completed)
+
+    monkeypatch.setattr("das.service.bench_e2e.run_e2e", stops)
+    monkeypatch.setattr("das.service.models.prepare_model", lambda model, progress: Path(model))
+    result = CliRunner().invoke(app, ["bench", "e2e", "--model", "m", "--prompts", "reasoning-gym:2",
+                                      "--arms", "none,das", "--budget", "uniform", "--json"])
+    assert result.exit_code == 1, result.output
+    doc = json.loads(result.stdout)
+    assert doc["failed"] == "epoch 2/3 das: RuntimeError: every sample failed" and len(doc["completed"]) == 4
+    assert "--sequential" in result.stderr and "4 arm-epochs" in result.stderr
 
 
 def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:

@@ -214,6 +214,37 @@ def test_an_engine_side_failure_fails_that_sample_only(loop, tiny_das, monkeypat
     assert [r.finish_reason for r in again] == ["length"] * 3
 
 
+class DeadCore:
+    """Stands in for an AsyncLLM whose engine core died: every request fails, `errored` is True, and RPCs are
+    counted (nothing should ask a dead engine for draft counts)."""
+
+    errored = True
+
+    def __init__(self) -> None:
+        self.rpcs = 0
+
+    def generate(self, prompt, params, request_id):
+        raise RuntimeError("EngineCore encountered an issue")
+
+    async def collective_rpc(self, *args, **kwargs):
+        self.rpcs += 1
+        raise RuntimeError("engine dead")
+
+
+def test_a_dead_engine_is_reported_once_not_per_sample(loop, tiny_das, monkeypatch, caplog):
+    dead = DeadCore()
+    monkeypatch.setattr(tiny_das, "_llm", dead)
+    monkeypatch.setattr(tiny_das, "_death_reported", False)
+    group = GroupRequest(problem_id="d", n=4, prompt_token_ids=[5, 6], sampling={"max_tokens": 4})
+    with caplog.at_level("WARNING", logger="das.service.engine"):
+        (results,) = run_groups(loop, tiny_das, [group])
+    assert [r.finish_reason for r in results] == ["error"] * 4
+    assert all("EngineCore encountered an issue" in r.error for r in results)
+    reports = [r for r in caplog.records if r.name == "das.service.engine"]
+    assert len(reports) == 1 and "the engine died" in reports[0].getMessage() and reports[0].exc_info is None
+    assert dead.rpcs == 0
+
+
 def test_weight_reload_changes_outputs_bumps_the_version_and_keeps_history(loop, tiny_models, tiny_das):
     group = GroupRequest(problem_id="w", n=1, prompt_token_ids=[3, 4, 5],
                          sampling={"max_tokens": 12, "temperature": 0.0, "ignore_eos": True})
