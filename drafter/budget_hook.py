@@ -78,7 +78,7 @@ class PolicyBudget:
         capacity = drafter.capacity if drafter is not None else np.full(n, self.capacity)
         efficiency = drafter.efficiency if drafter is not None else np.full(n, self.efficiency)
         state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), capacity, efficiency,
-                           self.c_base_s, self.c_tok_s, self.k_max)
+                           self.c_base_s, self.c_tok_s, self.k_max, drafter.unmeasured if drafter is not None else None)
         return self.policy.plan(state)
 
 

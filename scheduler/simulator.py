@@ -134,7 +134,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             drafter = acceptance.params(slot[active])
             state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), capacity=drafter.capacity,
                                efficiency=drafter.efficiency, c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s,
-                               k_max=k_max)
+                               k_max=k_max, explore=drafter.unmeasured)
             plan = policy.plan(state)
             k, floor = plan.lengths.astype(np.int64), plan.min_prob
         drafted = np.zeros(len(active), dtype=np.int64)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das.scheduler.acceptance import AcceptanceCounts
+from das.scheduler.acceptance import EXPLORE_DRAFTS, AcceptanceCounts
 from das.scheduler.budget import estimate_drafter_params
 
 
@@ -56,3 +56,14 @@ def test_estimate_takes_a_prior_per_position():
         estimate_drafter_params(none, none, prior_q=np.array([0.9, 0.0, 0.7]))
     with pytest.raises(ValueError, match="k_max"):
         AcceptanceCounts(0)
+
+
+def test_a_request_is_unmeasured_until_enough_of_its_drafts_were_verified():
+    counts = AcceptanceCounts(k_max=4)
+    old, new = counts.start("old"), counts.start("new")
+    for _ in range(EXPLORE_DRAFTS - 1):
+        counts.record(np.array([old]), np.array([2]), np.array([0]))
+    assert counts.params(np.array([old, new])).unmeasured.tolist() == [True, True]
+    counts.record(np.array([old]), np.array([3]), np.array([1]))
+    counts.record(np.array([new]), np.array([0]), np.array([0]))  # no draft, nothing measured
+    assert counts.params(np.array([old, new])).unmeasured.tolist() == [False, True]
