@@ -20,8 +20,8 @@ from das.scheduler.budget import DrafterParams, estimate_drafter_params
 POOL_WINDOW = 4096.0  # pooled counts are halved when more first-position drafts than this were counted
 # A request is "unmeasured" (DrafterParams.unmeasured) until this many of its drafts were verified. At most this many
 # draft tokens per request, and it keeps every request measuring: on the recorded Qwen2.5-Coder traces under
-# h100-7b, a batch whose first drafts were all rejected pooled a first-position acceptance of 0.045 (measured
-# over the batch: 0.54), every new request inherited it and drafted nothing, and nothing could correct it.
+# h100-7b (simulated), a batch's pooled first-position acceptance stuck at 0.045 (0.54 over all verified drafts):
+# every new request inherited it and drafted nothing, so nothing could correct it.
 EXPLORE_DRAFTS = 8
 
 
