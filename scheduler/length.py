@@ -25,6 +25,7 @@ All lengths are output tokens. Every predicted final length is >= generated + 1.
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -83,17 +84,18 @@ class LengthCurve:
     tail_ratio: float
 
     def __post_init__(self) -> None:
-        starts, ends = self.starts, self.ends
-        if len(starts) != len(ends):
-            raise ValueError(f"LengthCurve needs one end per start, got {len(starts)} starts and {len(ends)} ends")
-        if starts and (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))):
+        # Vectorised: an engine builds a curve for every request it starts (siblings each carry a copy).
+        starts, ends = np.asarray(self.starts, np.int64), np.asarray(self.ends, np.float64)
+        if starts.shape != ends.shape or starts.ndim != 1:
+            raise ValueError(f"LengthCurve needs one end per start, got {starts.size} starts and {ends.size} ends")
+        if starts.size and (starts[0] != 0 or bool((np.diff(starts) <= 0).any())):
             raise ValueError("LengthCurve.starts must be strictly increasing from 0")
-        if not all(np.isfinite(e) and e > s for s, e in zip(starts, ends)):
+        if not (np.isfinite(ends).all() and (ends > starts).all()):
             raise ValueError("LengthCurve.ends must be finite and above their starts")
-        if (self.tail_from != 0) if not starts else self.tail_from <= starts[-1]:
+        if (self.tail_from != 0) if not starts.size else self.tail_from <= starts[-1]:
             raise ValueError(f"LengthCurve.tail_from must be above the last start (0 without starts), "
                              f"got {self.tail_from}")
-        if not (np.isfinite(self.tail_ratio) and self.tail_ratio >= 0):
+        if not (math.isfinite(self.tail_ratio) and self.tail_ratio >= 0):
             raise ValueError(f"LengthCurve.tail_ratio must be finite and >= 0, got {self.tail_ratio}")
 
     def at(self, generated: int) -> float:
@@ -112,8 +114,8 @@ class LengthCurve:
     def from_dict(raw: dict[str, Any]) -> LengthCurve:
         """Inverse of `to_dict`; ValueError for anything else."""
         try:
-            return LengthCurve(tuple(int(s) for s in raw["starts"]), tuple(float(e) for e in raw["ends"]),
-                               int(raw["tail_from"]), float(raw["tail_ratio"]))
+            return LengthCurve(tuple(map(int, raw["starts"])), tuple(map(float, raw["ends"])), int(raw["tail_from"]),
+                               float(raw["tail_ratio"]))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not a length curve: {exc!r}") from None
 

@@ -564,8 +564,8 @@ class E2EFailed(RuntimeError):
     finished before, one dict each (repeat, epoch, arm and `ArmEpoch.figures()`), so a long run that dies late
     still reports what it measured."""
 
-    def __init__(self, where: str, cause: BaseException | str, completed: list[dict[str, Any]]) -> None:
-        reason = cause if isinstance(cause, str) else f"{type(cause).__name__}: {cause}"
+    def __init__(self, where: str, cause: BaseException, completed: list[dict[str, Any]]) -> None:
+        reason = f"{type(cause).__name__}: {cause}"
         super().__init__(f"{where}: {reason}")
         self.where, self.reason, self.completed = where, reason, completed
 
