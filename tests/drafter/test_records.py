@@ -277,14 +277,16 @@ def test_history_stats_empty_file_and_print(tmp_path: Path, monkeypatch: pytest.
     assert "[/bold]x" in text and "[red]m.jsonl" in text
 
 
-@pytest.mark.parametrize("name, problems", [("traces-smollm2.jsonl.gz", 30),
-                                            ("traces-qwen2.5-coder-0.5b.jsonl.gz", 15)])
-def test_bundled_traces_hold_what_their_readme_says(name: str, problems: int) -> None:
-    """Three epochs of 8 samples per problem, every rollout finished (stop or length) and within 1,024 tokens."""
+@pytest.mark.parametrize("name, problems, samples", [("traces-smollm2.jsonl.gz", 30, 8),
+                                                     ("traces-qwen2.5-coder-0.5b.jsonl.gz", 15, 8),
+                                                     ("traces-smollm2-66x16.jsonl.gz", 66, 16)])
+def test_bundled_traces_hold_what_their_readme_says(name: str, problems: int, samples: int) -> None:
+    """Three epochs of `samples` samples per problem, every rollout finished (stop or length) and within 1,024
+    tokens."""
     records = load_rollouts(Path(__file__).parents[1] / "fixtures" / name)
     groups: dict[tuple[int, str], list[int]] = {}
     for r in records:
         groups.setdefault((r.policy_version, r.problem_id), []).append(r.sample_index)
-    assert len(records) == problems * 8 * 3 and len({pid for _, pid in groups}) == problems
-    assert {v for v, _ in groups} == {0, 1, 2} and all(sorted(s) == list(range(8)) for s in groups.values())
+    assert len(records) == problems * samples * 3 and len({pid for _, pid in groups}) == problems
+    assert {v for v, _ in groups} == {0, 1, 2} and all(sorted(s) == list(range(samples)) for s in groups.values())
     assert all(r.finish_reason in ("stop", "length") and 0 < len(r.output_token_ids) <= 1024 for r in records)
