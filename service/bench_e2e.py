@@ -326,7 +326,16 @@ class ServiceArm:
         await self._client.reload_weights(str(Path(checkpoint).resolve()), version)
 
     async def proposer_stats(self) -> dict[str, Any]:
-        return {}
+        """The engines' draft tokens by source since they started, in the in-process proposer's shape
+        (`{"by_source": {kind: {"proposed", "accepted"}}}`), summed over the service's engines."""
+        await self._backend.refresh_stats()
+        by_source: dict[str, dict[str, int]] = {}
+        for load in self._backend.stats().engines:
+            for kind, (proposed, accepted) in load.drafts_by_source.items():
+                counts = by_source.setdefault(kind, {"proposed": 0, "accepted": 0})
+                counts["proposed"] += proposed
+                counts["accepted"] += accepted
+        return {"by_source": dict(sorted(by_source.items()))}
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -441,6 +450,8 @@ class E2EResult:
     divergence: dict[str, float] = field(default_factory=dict)
     noise_floor: float | None = None
     proposer: dict[str, Any] = field(default_factory=dict)  # the das arm's per-step cost and history size
+    # arms that run our proposer: repeat -> source kind -> {"proposed", "accepted"} draft tokens over the repeat
+    drafts_by_source: dict[str, list[dict[str, dict[str, int]]]] = field(default_factory=dict)
     setup_s: list[dict[str, float]] = field(default_factory=list)  # per repeat: engine start seconds per arm
     wall_s: float = 0.0
 
@@ -525,6 +536,7 @@ class E2EResult:
                 "divergence": self.divergence,
                 "noise_floor": self.noise_floor,
                 "proposer": self.proposer,
+                "drafts_by_source": self.drafts_by_source,
                 "wall_s": round(self.wall_s, 1)}
 
     def print(self, console: Any) -> None:
@@ -619,8 +631,12 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                         progress(f"{step}: {stats.makespan_s:.1f} s, "
                                  f"{stats.tokens} tokens, accepted {stats.accepted_tokens}/{stats.draft_tokens}"
                                  f"{reward} ({time.perf_counter() - began:.0f} s so far)")
-                if "das" in arms:
-                    result.proposer = await arms["das"].proposer_stats()
+                for name in ("das-uniform", "das", "das-service"):  # the arms that run our proposer
+                    if name in arms:
+                        stats = await arms[name].proposer_stats()
+                        result.drafts_by_source.setdefault(name, []).append(stats.get("by_source", {}))
+                        if name == "das":
+                            result.proposer = stats
             except Exception as exc:
                 raise E2EFailed(step, exc, completed) from exc
             finally:

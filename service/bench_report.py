@@ -143,6 +143,24 @@ def print_tables(result: E2EResult, console: Any) -> None:
         p = result.proposer
         console.print(f"das proposer per decode step: p50 {p['step_us_p50']:.0f} us, p99 {p['step_us_p99']:.0f} us "
                       f"at {p['mean_batch']:.1f} requests on average; history {p['stored_tokens']} tokens")
+    for line in _source_lines(result):
+        console.print(line)
+
+
+def _source_lines(result: E2EResult) -> list[str]:
+    """Per drafting arm of ours, its draft tokens accepted / proposed by source kind, summed over the repeats."""
+    lines = []
+    for arm, repeats in result.drafts_by_source.items():
+        total: dict[str, list[int]] = {}
+        for by_source in repeats:
+            for kind, counts in by_source.items():
+                pair = total.setdefault(kind, [0, 0])
+                pair[0] += counts["accepted"]
+                pair[1] += counts["proposed"]
+        cells = [f"{kind} {a:,}/{p:,}" + (f" ({a / p:.0%})" if p else "") for kind, (a, p) in sorted(total.items())]
+        if cells:
+            lines.append(f"{arm} draft tokens accepted/proposed by source: " + ", ".join(cells))
+    return lines
 
 
 def _markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
@@ -180,6 +198,9 @@ def markdown(result: E2EResult, command: str | None = None) -> str:
     if goals:
         lines += ["Goals (ratios of median makespans; below 1 is faster):", ""]
         lines += [f"- {g}" for g in goals] + [""]
+    sources = _source_lines(result)
+    if sources:
+        lines += [f"- {line}" for line in sources] + [""]
     if result.identical_outputs is not None:
         shares = ", ".join(f"{arm} {share:.1%}" for arm, share in result.divergence.items())
         lines += [f"Greedy: identical outputs across arms: {result.identical_outputs}; samples that differ from "

@@ -144,7 +144,7 @@ class RayBackend:
         await backend._load_difficulty()
         progress(f"{len(shards)} history shards, {len(nodes)} node engine actors; loading engines")
         backend._loading = asyncio.create_task(backend._load_engines(progress))
-        backend._background = [asyncio.create_task(backend._every(config.stats_interval_s, backend._refresh)),
+        backend._background = [asyncio.create_task(backend._every(config.stats_interval_s, backend.refresh_stats)),
                                asyncio.create_task(backend._every(config.history.snapshot_interval_s,
                                                                   backend._snapshot))]
         return backend
@@ -158,7 +158,7 @@ class RayBackend:
             return
         self._engines = [(node, i, name) for node, node_names in zip(self._nodes, names)
                          for i, name in enumerate(node_names)]
-        await self._refresh()
+        await self.refresh_stats()
         progress(f"{len(self._engines)} engines ready: {', '.join(n for _, _, n in self._engines)}")
 
     async def _load_difficulty(self) -> None:
@@ -285,7 +285,8 @@ class RayBackend:
             except Exception:  # figures and snapshots are retried next time; the service goes on
                 log.exception("background job %s failed", getattr(job, "__name__", job))
 
-    async def _refresh(self) -> None:
+    async def refresh_stats(self) -> None:
+        """Reads every node's and shard's figures now (the background job does it every stats_interval_s)."""
         nodes = await asyncio.gather(*(node.stats.remote() for node in self._nodes)) if self._engines else []
         shards = await asyncio.gather(*(s.stats.remote() for s in self._shards))
         self._stats = BackendStats(

@@ -57,7 +57,10 @@ class ScriptedArm:
         self.log.append((self.repeat, self.name, "reload", checkpoint, version))
 
     async def proposer_stats(self) -> dict:
-        return {}
+        if not self.name.startswith("das"):
+            return {}
+        return {"by_source": {"live": {"proposed": 100 + self.repeat, "accepted": 30},
+                              "sealed-age-1": {"proposed": 20, "accepted": 0}}}
 
     async def close(self) -> None:
         self.log.append((self.repeat, self.name, "close"))
@@ -210,10 +213,13 @@ def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) ->
 
     doc = json.loads(json.dumps(result.to_dict()))
     assert doc["tests"]["arms"]["ngram"]["changes_lengths"] is True
+    assert set(doc["drafts_by_source"]) == {"das-uniform", "das", "das-service"}  # the arms with our proposer
+    assert [s["live"]["proposed"] for s in doc["drafts_by_source"]["das"]] == [100, 101, 102]
     assert len(doc["runs"][2]["epochs"][1]["arms"]["das"]["lengths"]) == 48
     text = markdown(result, "das bench e2e --fake")
     assert "| 2 | das | 4.0 (4.0, 5.2, 3.2) | x0.40 |" in text
     assert "| ngram |" in text and "lengths differ" in text and "rewards differ" in text
+    assert "- das-service draft tokens accepted/proposed by source: live 90/303 (30%), sealed-age-1 0/60 (0%)" in text
     assert ("das / best suffix (suffix) makespan, epochs 2-3: 0.800 (per token of the longest sample: 0.800) "
             "(not counted: output changed: suffix)") in text
     plot(result, tmp_path / "e2e.png")
@@ -326,6 +332,13 @@ def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:
     assert all(t["length"]["ks_distance"] == 0 for t in doc["tests"]["arms"].values())
     assert {g["name"].split(" makespan")[0] for g in doc["goals"]} == {"das / none", "das-service / das"}
     assert doc["proposer"]["steps"] > 0
+    for name in ("das", "das-service"):  # by source, both arms: the same totals as their per-epoch counts
+        (by_source,) = doc["drafts_by_source"][name]
+        assert "live" in by_source and all(0 <= c["accepted"] <= c["proposed"] for c in by_source.values())
+        for epoch_key, source_key in (("draft_tokens", "proposed"), ("accepted_tokens", "accepted")):
+            per_epoch = sum(epoch["arms"][name][epoch_key] for epoch in run["epochs"])
+            assert sum(c[source_key] for c in by_source.values()) == per_epoch
+    assert "das-service draft tokens accepted/proposed by source: " in (tmp_path / "e2e.md").read_text()
     for epoch in run["epochs"]:  # step profiles: the in-process arms only, their shapes as scheduled
         none, das = epoch["arms"]["none"]["profile"], epoch["arms"]["das"]["profile"]
         assert epoch["arms"]["das-service"]["profile"] is None
