@@ -22,9 +22,9 @@ Drafts are plain token ids inside the vocabulary, never padded: vLLM's CPU rejec
 the `-1` placeholder.
 
 Cost per step: O(batch) Python bookkeeping (including a binary search of each request's length curve, a few
-hundred steps at most, ~0.5 us; a new request's curve is decoded and checked once, ~70 us at 321 steps) plus, per request, one native `choose` over its sources (O(max_depth) per source for the
-match, O(K) for the walk) and O(max_depth) per committed token in the live segment. Measured per step in
-`stats()["step_us"]`.
+hundred steps at most, ~0.5 us; a new request's curve is decoded and checked once, ~70 us at 321 steps) plus, per
+request, one native `choose` over its sources (O(max_depth) per source for the match, O(K) for the walk) and
+O(max_depth) per committed token in the live segment. Measured per step in `stats()["step_us"]`.
 """
 
 from __future__ import annotations

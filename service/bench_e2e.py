@@ -61,7 +61,7 @@ import platform
 import socket
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -329,19 +329,28 @@ class ServiceArm:
         """The engines' draft tokens by source since they started, in the in-process proposer's shape
         (`{"by_source": {kind: {"proposed", "accepted"}}}`), summed over the service's engines."""
         await self._backend.refresh_stats()
-        by_source: dict[str, dict[str, int]] = {}
-        for load in self._backend.stats().engines:
-            for kind, (proposed, accepted) in load.drafts_by_source.items():
-                counts = by_source.setdefault(kind, {"proposed": 0, "accepted": 0})
-                counts["proposed"] += proposed
-                counts["accepted"] += accepted
-        return {"by_source": dict(sorted(by_source.items()))}
+        return {"by_source": sum_by_source(
+            {kind: {"proposed": proposed, "accepted": accepted}
+             for kind, (proposed, accepted) in load.drafts_by_source.items()}
+            for load in self._backend.stats().engines)}
 
     async def close(self) -> None:
         await self._client.aclose()
         self._server.should_exit = True
         await asyncio.gather(self._serving, return_exceptions=True)
         await self._backend.close()
+
+
+def sum_by_source(parts: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Draft-token counts by source kind (`{kind: {"proposed", "accepted"}}`, the proposer's `by_source`) added
+    up over engines or repeats, kinds sorted."""
+    total: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for kind, counts in part.items():
+            into = total.setdefault(kind, {"proposed": 0, "accepted": 0})
+            into["proposed"] += counts["proposed"]
+            into["accepted"] += counts["accepted"]
+    return dict(sorted(total.items()))
 
 
 async def start_arm(arm: str, config: E2EConfig, repeat: int) -> Arm:

@@ -149,15 +149,13 @@ def print_tables(result: E2EResult, console: Any) -> None:
 
 def _source_lines(result: E2EResult) -> list[str]:
     """Per drafting arm of ours, its draft tokens accepted / proposed by source kind, summed over the repeats."""
+    from das.service.bench_e2e import sum_by_source
+
     lines = []
     for arm, repeats in result.drafts_by_source.items():
-        total: dict[str, list[int]] = {}
-        for by_source in repeats:
-            for kind, counts in by_source.items():
-                pair = total.setdefault(kind, [0, 0])
-                pair[0] += counts["accepted"]
-                pair[1] += counts["proposed"]
-        cells = [f"{kind} {a:,}/{p:,}" + (f" ({a / p:.0%})" if p else "") for kind, (a, p) in sorted(total.items())]
+        cells = [f"{kind} {c['accepted']:,}/{c['proposed']:,}"
+                 + (f" ({c['accepted'] / c['proposed']:.0%})" if c["proposed"] else "")
+                 for kind, c in sum_by_source(repeats).items()]
         if cells:
             lines.append(f"{arm} draft tokens accepted/proposed by source: " + ", ".join(cells))
     return lines
