@@ -8,7 +8,7 @@ For each problem the bank keeps:
 A global index holds a bounded share of recent outputs of all problems (shared phrasing; the only history a new
 problem has). Memory is bounded by a total token budget; the oldest sealed versions go first.
 
-A proposal drafts from every source of the request's problem in one native call; a SourceCalibrator, which learns
+A proposal drafts from every source of the request's problem in one native call; a SourceChooser, which learns
 online from the tokens that were really committed, picks the candidate expected to get the most tokens accepted.
 """
 
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from das.drafter._suffix_index import Choice, SuffixIndex
-from das.drafter.calibration import SourceCalibrator
 from das.drafter.records import RolloutRecord
+from das.drafter.source_choice import SourceChooser
 
 
 @dataclass(frozen=True)
@@ -34,8 +34,8 @@ class DrafterConfig:
     min_prob: float = 0.0        # stop a draft when its cumulative probability falls below this
     match_factor: float = 0.0    # draft at most match_factor * matched-context tokens (0: no cap)
     prior: float = 2.0           # pseudo-count added to a node's continuations: discounts thin evidence
-    calibration_pseudo_count: float = 5.0  # weight of a candidate's own score before feedback arrives
-    calibration_horizon: float = 2000.0    # observations per calibration cell before old ones fade
+    choice_pseudo_count: float = 5.0  # weight of a candidate's own score before feedback arrives
+    choice_horizon: float = 2000.0    # observations per calibration cell before old ones fade
     token_budget: int = 50_000_000   # all stored history tokens, all problems
     global_tokens: int = 2_000_000   # share of the budget for the cross-problem fallback
 
@@ -46,8 +46,8 @@ class DrafterConfig:
             "min_prob": 0.0 <= self.min_prob <= 1.0,
             "match_factor": 0.0 <= self.match_factor,
             "prior": 0.0 <= self.prior,
-            "calibration_pseudo_count": self.calibration_pseudo_count > 0,
-            "calibration_horizon": self.calibration_horizon >= 1,
+            "choice_pseudo_count": self.choice_pseudo_count > 0,
+            "choice_horizon": self.choice_horizon >= 1,
             "token_budget": self.token_budget >= 1,
             "global_tokens": 0 <= self.global_tokens <= self.token_budget,
         }
@@ -143,8 +143,8 @@ class HistoryBank:
         self._global = Segment.new(self.config.max_depth)  # seq_ids oldest first
         self._sources: dict[str, tuple[list[SuffixIndex], list[int]]] = {}
         kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global"]
-        self.calibrator = SourceCalibrator(kinds, self.config.calibration_pseudo_count,
-                                           self.config.calibration_horizon)
+        self.chooser = SourceChooser(kinds, self.config.choice_pseudo_count,
+                                           self.config.choice_horizon)
 
     # ---- problems and requests ----
 
@@ -186,7 +186,7 @@ class HistoryBank:
         if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32):
             tokens = _tokens(tokens)
         if req.pending is not None:
-            self.calibrator.observe(req.pending, tokens)
+            self.chooser.observe(req.pending, tokens)
             req.pending = None
         req.problem.live.index.extend(req.live_seq, tokens)  # type: ignore[union-attr]
 
@@ -204,11 +204,11 @@ class HistoryBank:
             return _no_proposal()
         indices, kinds = self._source_list(req.problem)
         cfg = self.config
-        req.pending = choice = self.calibrator.choose(indices, kinds, context, max_tokens, max(cfg.min_prob, min_prob),
+        req.pending = choice = self.chooser.choose(indices, kinds, context, max_tokens, max(cfg.min_prob, min_prob),
                                                       cfg.match_factor, cfg.prior)
         if choice.best < 0:
             return _no_proposal()
-        return Proposal(choice.tokens, choice.probs, self.calibrator.kinds[kinds[choice.best]], choice.match_len)
+        return Proposal(choice.tokens, choice.probs, self.chooser.kinds[kinds[choice.best]], choice.match_len)
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
@@ -221,7 +221,7 @@ class HistoryBank:
         cached = self._sources.get(history.problem_id)
         if cached is not None:
             return cached
-        kind = self.calibrator.kind_index
+        kind = self.chooser.kind_index
         indices, kinds = [history.prompts.index], [kind("prompt")]
         if history.live is not None:
             indices.append(history.live.index)
@@ -328,3 +328,12 @@ def _tokens(values: Iterable[int] | np.ndarray) -> np.ndarray:
     if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 2**31 - 1):
         raise ValueError("token id outside [0, 2147483647]")
     return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+def accepted_prefix(draft: np.ndarray, truth: np.ndarray) -> int:
+    """Tokens a verifier accepts along a recorded path: the common prefix of the draft and the truth."""
+    n = min(len(draft), len(truth))
+    if n == 0:
+        return 0
+    miss = np.flatnonzero(draft[:n] != truth[:n])
+    return int(miss[0]) if miss.size else n

@@ -29,9 +29,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from das.drafter.history import DrafterConfig, HistoryBank
+from das.drafter.history import DrafterConfig, HistoryBank, accepted_prefix
 from das.drafter.records import RolloutRecord
-from das.drafter.replay import accepted_prefix
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget import BatchState, BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy
 from das.scheduler.cost_model import CostModel

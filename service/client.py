@@ -22,9 +22,7 @@ from urllib.parse import quote
 import httpx
 import msgpack
 
-from das.service.api_types import GroupRequest
-from das.service.gateway import MSGPACK, NDJSON, BatchSummary, SampleRecord
-from das.service.history_store import ProblemSummary
+from das.service.api import MSGPACK, NDJSON, BatchSummary, GroupRequest, ProblemSummary, SampleRecord
 
 Wire = Literal["msgpack", "ndjson"]
 

@@ -38,9 +38,9 @@ from das.drafter.records import RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
-from das.service.api_types import GroupRequest, SampleResult
-from das.service.engine import EngineConfig, validate_rollouts
-from das.service.history_store import HistoryConfig, HistoryShard, ProblemSummary, shard_of
+from das.service.api import GroupRequest, ProblemSummary, SampleResult
+from das.service.engine.async_engine import EngineConfig, validate_rollouts
+from das.service.history_store import HistoryConfig, HistoryShard, shard_of
 from das.service.node_engine import NodeEngine
 from das.service.rollout_backend import BackendStats, GroupInputError, merge_streams
 from das.service.stub_engine import StubEngineConfig

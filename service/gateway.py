@@ -45,7 +45,7 @@ import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgpack
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
@@ -53,16 +53,27 @@ from fastapi.responses import StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 
-from das.service.api_types import FinishReason, GroupRequest, SampleResult
-from das.service.engine import EngineInputError
+from das.service.api import (
+    MSGPACK,
+    NDJSON,
+    BatchStatus,
+    BatchSummary,
+    GroupRequest,
+    HistoryRequest,
+    HistoryResponse,
+    ProblemSummary,
+    RolloutRequest,
+    SampleRecord,
+    SampleResult,
+    WeightsRequest,
+    WeightsResponse,
+)
+from das.service.engine.async_engine import EngineInputError
 from das.service.metrics import CONTENT_TYPE, GatewayMetrics
-from das.service.history_store import ProblemSummary
 from das.service.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 
 log = logging.getLogger(__name__)
 
-MSGPACK = "application/msgpack"
-NDJSON = "application/x-ndjson"
 # Records a stream chunk carries at most: a replay of a large batch goes out in pieces, not one huge buffer.
 _CHUNK_RECORDS = 1024
 
@@ -86,88 +97,6 @@ class GatewaySettings(BaseModel):
                                                "user's process")
 
 
-class RolloutRequest(BaseModel):
-    """A batch of groups. `batch_id` is the idempotency key: repeat it to resume the same batch."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    batch_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
-    groups: list[GroupRequest] = Field(min_length=1)
-    logprobs: bool = False
-    return_prompt_token_ids: bool = Field(False, description="each sample carries its prompt's token ids (what "
-                                                             "a history file needs)")
-    resume_from: int = Field(0, ge=0, description="when attaching to an existing batch, skip its first records "
-                                                  "(the number the client already has)")
-
-
-class SampleRecord(BaseModel):
-    """One finished sample on the wire. `group_index`: the group's position in the request; `latency_s`: seconds
-    from the batch's start to the sample reaching the gateway; `text` None without a tokenizer; `logprobs` and
-    `prompt_token_ids` only when the batch asked for them."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    group_index: int
-    problem_id: str
-    sample_index: int
-    output_token_ids: list[int]
-    text: str | None
-    logprobs: list[float] | None = None
-    prompt_token_ids: list[int] | None = None
-    finish_reason: FinishReason
-    policy_version: int
-    draft_tokens: int
-    accepted_tokens: int
-    latency_s: float
-    error: str | None = None
-    engine: str | None = Field(None, description="the engine that produced the sample")
-
-
-BatchState = Literal["queued", "running", "done", "aborted", "failed"]
-
-
-class BatchSummary(BaseModel):
-    """A batch's status and counts so far (final once `status` is done, aborted or failed). `makespan_s`: start
-    to the latest sample so far, None before the first."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    batch_id: str
-    status: BatchState
-    groups: int
-    samples_expected: int
-    samples: int
-    tokens: int
-    draft_tokens: int
-    accepted_tokens: int
-    errors: int
-    makespan_s: float | None
-    error: str | None = None
-
-
-class WeightsRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    path: str = Field(min_length=1, description="checkpoint directory, inside the weights root")
-    version: int = Field(ge=0, description="policy version of these weights; must be newer than the served one")
-
-
-class WeightsResponse(BaseModel):
-    policy_version: int
-    reload_s: float = Field(description="seconds, including the wait for running batches")
-
-
-class HistoryRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    records: list[dict[str, Any]] = Field(description="history-file records (problem_id, policy_version, "
-                                                      "sample_index, prompt_token_ids, output_token_ids, ...)")
-
-
-class HistoryResponse(BaseModel):
-    added: int
-
-
 class _Batch:
     """One accepted batch. Its records are appended in finishing order, msgpack-encoded, and never change, so
     any number of readers can follow it by position. Encoded once: a msgpack reader streams the stored bytes as
@@ -183,7 +112,7 @@ class _Batch:
         self.expected = sum(g.n for g in groups)
         self.frames: list[bytes] = []
         self.size = 0  # bytes in frames
-        self.status: BatchState = "queued"
+        self.status: BatchStatus = "queued"
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.finish_times: list[float] = []  # seconds after start, per record
@@ -224,7 +153,7 @@ class _Batch:
         self.errors += sample.finish_reason == "error"
         self._notify()
 
-    def end(self, status: BatchState, error: str | None) -> None:
+    def end(self, status: BatchStatus, error: str | None) -> None:
         self.status, self.error = status, error
         self._notify()
 
@@ -397,7 +326,7 @@ class _Gateway:
         return batch, 0
 
     async def _run(self, batch: _Batch) -> None:
-        status: BatchState = "failed"
+        status: BatchStatus = "failed"
         error: str | None = None
         try:
             async with self.gate.batch():
@@ -421,7 +350,7 @@ class _Gateway:
         finally:
             self._finish(batch, status, error)
 
-    def _finish(self, batch: _Batch, status: BatchState, error: str | None) -> None:
+    def _finish(self, batch: _Batch, status: BatchStatus, error: str | None) -> None:
         """Ends the batch once (its task, or `abort` when the task was cancelled before its first step)."""
         if batch.ended:
             return

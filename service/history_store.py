@@ -36,6 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from das.drafter.records import RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, dump_difficulty, load_difficulty
+from das.service.api import ProblemSummary
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +84,6 @@ class _Problem:
     prompt: tuple[int, ...]
     rollouts: deque[StoredRollout] = field(default_factory=deque)
     tokens: int = 0
-
-
-class ProblemSummary(BaseModel):
-    """What the store holds for one problem (GET /v1/history/{problem_id})."""
-
-    problem_id: str
-    rollouts: int
-    output_tokens: int
-    policy_versions: list[int] = Field(description="versions of the rollouts held, increasing")
-    prompt_tokens: int
-    length_p50: float | None = Field(description="median output length (tokens) of the held rollouts")
-    length_max: int | None
-    finish_reasons: dict[str, int] = Field(description="counts over the versions the difficulty record holds")
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from das.service.api_types import SampleResult
+from das.service.api import SampleResult
 from das.service.history_store import resident_bytes
 from das.service.rollout_backend import BackendStats
 

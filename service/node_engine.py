@@ -22,8 +22,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from das.service.api_types import GroupRequest, SampleResult
-from das.service.engine import Engine, EngineConfig, EngineInputError
+from das.service.api import GroupRequest, SampleResult
+from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
 from das.service.history_store import resident_bytes, shard_of
 from das.service.rollout_backend import EngineLoad, merge_batches
 from das.service.stub_engine import StubEngine, StubEngineConfig
@@ -43,7 +43,7 @@ class NodeStats:
 class NodeEngine:
     """The `engines` engines of one node. `shards`: the HistoryStore actor handles, in shard order. With several
     engines, the GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES) are dealt out evenly, one slice per engine.
-    A vLLM `config.model` may be a known model name: each node prepares its own copy (service/models.py)."""
+    A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/models.py)."""
 
     def __init__(self, node: str, config: EngineConfig | StubEngineConfig, shards: Sequence[Any],
                  engines: int = 1) -> None:
@@ -72,7 +72,7 @@ class NodeEngine:
         """Loads every engine (minutes with torch.compile); returns the engine names."""
         config = self.config
         if isinstance(config, EngineConfig):
-            from das.service.models import prepare_model
+            from das.service.engine.models import prepare_model
 
             config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
         for env in self._engine_envs():

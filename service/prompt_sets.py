@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from das.service.api_types import GroupRequest, SamplingSpec
+from das.service.api import GroupRequest, SamplingSpec
 
 REASONING_GYM_PREFIX = "reasoning-gym:"
 SYSTEM_PROMPT = ("You are a careful math assistant. Reason step by step, then give the final answer on the last "

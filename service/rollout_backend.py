@@ -16,9 +16,8 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from das.service.api_types import GroupRequest, SampleResult
-from das.service.engine import Engine, EngineInputError, validate_rollouts
-from das.service.history_store import ProblemSummary
+from das.service.api import GroupRequest, ProblemSummary, SampleResult
+from das.service.engine.async_engine import Engine, EngineInputError, validate_rollouts
 
 
 class GroupInputError(EngineInputError):

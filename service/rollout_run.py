@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from das.drafter.records import RolloutRecord, write_rollouts
-from das.service.api_types import SamplingSpec
+from das.service.api import SamplingSpec
 from das.service.client import RolloutClient
 from das.service.prompt_sets import Problem
 

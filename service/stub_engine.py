@@ -15,8 +15,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.service.api_types import GroupRequest, SampleResult
-from das.service.engine import EngineInputError, SpecDecodeTally, validate_rollouts
+from das.service.api import GroupRequest, SampleResult
+from das.service.engine.async_engine import EngineInputError, SpecDecodeTally, validate_rollouts
 
 
 class StubEngineConfig(BaseModel):

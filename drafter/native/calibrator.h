@@ -1,4 +1,4 @@
-// Online calibration of draft sources (see drafter/calibration.py for the why).
+// Online calibration of draft sources (see drafter/source_choice.py for the why).
 //
 // A candidate draft is described by (source kind, matched-context bucket, first-token probability bucket, number of
 // sources proposing the same first token); a table learns the mean accepted tokens per cell from the committed

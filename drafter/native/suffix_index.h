@@ -1,6 +1,6 @@
 // Depth-limited suffix trie with occurrence counts over many token sequences.
 //
-// Semantics (what the pure-Python reference in drafter/reference.py implements naively):
+// Semantics (what the pure-Python reference in tests/drafter/reference_index.py implements naively):
 //   occ(w)   = number of positions j over all stored sequences s with s[j : j+|w|] == w, for 1 <= |w| <= D.
 //   next(w)  = sum over tokens t of occ(w t): the occurrences of w that continue (a sequence's unfinished tail
 //              and sequence ends do not count).

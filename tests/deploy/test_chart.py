@@ -19,8 +19,16 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from das.service.cli import app as cli_app
-from tests.deploy.manifests import (CHART, ROOT, by_kind, example_values, objects, pod_templates, render,
-                                    validation_errors)
+from tests.deploy.manifests import (
+    CHART,
+    ROOT,
+    by_kind,
+    example_values,
+    objects,
+    pod_templates,
+    render,
+    validation_errors,
+)
 from tests.deploy.shell_stubs import run_with_stubs
 
 EXAMPLE = "values-8xh100.yaml"

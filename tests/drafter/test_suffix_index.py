@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from das.drafter._suffix_index import SuffixIndex
-from das.drafter.reference import ReferenceSuffixIndex
+from tests.drafter.reference_index import ReferenceSuffixIndex
 
 # A small alphabet makes repeats, branches, shared edges and label splits common.
 tokens = st.integers(min_value=0, max_value=5)

@@ -8,8 +8,15 @@ import time
 import numpy as np
 import pytest
 
-from das.scheduler.budget import (BatchState, BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy,
-                                  estimate_drafter_params, solve_budget)
+from das.scheduler.budget import (
+    BatchState,
+    BudgetPolicy,
+    ClassPolicy,
+    OptimalPolicy,
+    UniformPolicy,
+    estimate_drafter_params,
+    solve_budget,
+)
 
 NO_CAP = 10**9  # a K_max that never binds, to test the uncapped model
 

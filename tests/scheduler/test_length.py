@@ -12,8 +12,14 @@ from hypothesis import strategies as st
 
 from das.drafter.records import RolloutRecord, load_rollouts
 from das.scheduler.difficulty import DifficultyBook
-from das.scheduler.length import (PRIOR_ATOMS, PRIOR_REFRESH, LengthCurve, LengthForecast, LengthPredictor,
-                                  calibration_report)
+from das.scheduler.length import (
+    PRIOR_ATOMS,
+    PRIOR_REFRESH,
+    LengthCurve,
+    LengthForecast,
+    LengthPredictor,
+    calibration_report,
+)
 
 FIXTURE = Path(__file__).parents[1] / "fixtures" / "traces-smollm2.jsonl.gz"
 

@@ -7,10 +7,10 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from das.bench.cli import app
 from das.drafter.records import RolloutRecord, write_rollouts
 from das.scheduler.cost_model import CostModel
 from das.scheduler.simulator import simulate
-from das.service.cli import app
 
 FLAT = CostModel(name="flat", c_base_s=1.0, c_tok_s=0.0, source="test")
 

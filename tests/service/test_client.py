@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from das.service.client import AsyncRolloutClient, RolloutClient, RolloutError
 from das.service.gateway import create_app
 from das.service.rollout_backend import StubBackend
-from tests.service.test_gateway import TOKEN, LiveServer, groups, gateway_settings
+from tests.service.test_gateway import TOKEN, LiveServer, gateway_settings, groups
 
 
 @pytest.fixture

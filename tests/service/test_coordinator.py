@@ -12,12 +12,12 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from das.service.api_types import GroupRequest
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
+from das.service.api import GroupRequest
 from das.service.coordinator import RayBackend, ServiceConfig, with_length_predictions
-from das.service.engine import EngineInputError
-from das.service.models import prepare_model
+from das.service.engine.async_engine import EngineInputError
+from das.service.engine.models import prepare_model
 from das.service.rollout_backend import GroupInputError
 from tests.tiny_models import build_tiny_model
 

@@ -19,9 +19,9 @@ import msgpack
 import pytest
 import uvicorn
 
-from das.service.api_types import GroupRequest, SampleResult
-from das.service.engine import EngineInputError
-from das.service.gateway import GatewaySettings, SampleRecord, create_app
+from das.service.api import GroupRequest, SampleRecord, SampleResult
+from das.service.engine.async_engine import EngineInputError
+from das.service.gateway import GatewaySettings, create_app
 from das.service.rollout_backend import EngineBackend, StubBackend
 
 TOKEN = "s3cret-token"

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 
 from das.service.client import RolloutClient
-from das.service.models import prepare_model
+from das.service.engine.models import prepare_model
 from tests.tiny_models import build_tiny_model
 
 TOKEN = "serve-test-token"

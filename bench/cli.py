@@ -1,0 +1,258 @@
+"""The `das` program: the service's commands (`das.service.cli`) plus `das bench ...` and `das models perturb`.
+
+Benchmarks sit above the service in the layering, so the program is assembled here, in the top layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Optional
+
+import typer
+from rich.markup import escape
+
+from das.service.cli import app, console, emit, fail, models_app
+
+if TYPE_CHECKING:
+    from das.scheduler.cost_model import CostModel
+
+bench_app = typer.Typer(help="Benchmarks that print their figures.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("drafter")
+def bench_drafter(
+    traces: Annotated[Optional[Path], typer.Option(help="History file to replay (default: bundled fixture).")] = None,
+    max_draft: Annotated[int, typer.Option("--max-draft", min=1, max=64, help="Draft budget K per step.")] = 16,
+    arms: Annotated[str, typer.Option(help="Comma-separated arms: das, arctic-d24, arctic-d64, ngram.")] =
+        "das,arctic-d24,arctic-d64,ngram",
+    repeats: Annotated[int, typer.Option(min=1, help="Repeat every arm; figures are medians over repeats.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Replay a history file through each drafter and compare acceptance, latency and memory."""
+    from das.bench.drafter_replay import default_trace_path, run_drafter_bench
+    from das.drafter.records import RecordError
+
+    path = traces or default_trace_path()
+    try:
+        result = run_drafter_bench(path, max_draft=max_draft, arms=[a.strip() for a in arms.split(",") if a.strip()],
+                                   repeats=repeats, progress=not as_json)
+    except (RecordError, OSError, ValueError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
+
+
+@bench_app.command("verify")
+def bench_verify(
+    requests: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "8,32,128",
+    drafts: Annotated[str, typer.Option(help="Comma-separated draft tokens per request.")] = "1,4",
+    vocab: Annotated[int, typer.Option(min=2, help="Vocabulary size (SmolLM2: 49152).")] = 49152,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature (0: greedy).")] = 0.8,
+    repeats: Annotated[int, typer.Option(min=1, help="Timed calls per case; figures are medians.")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """One verification step: vLLM's CPU rejection sampler against ours, and the plain sampler, side by side."""
+    from das.bench.verify import run_verify_bench
+
+    try:
+        sizes = [int(x) for x in requests.split(",") if x.strip()]
+        lengths = [int(x) for x in drafts.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--requests and --drafts take comma-separated integers, got {requests!r} and {drafts!r}")
+    if not sizes or not lengths or min(sizes) < 1 or min(lengths) < 1:
+        fail("--requests and --drafts need at least one value each, all >= 1")
+    try:
+        result = run_verify_bench(sizes, lengths, vocab=vocab, temperature=temperature, repeats=repeats,
+                                  progress=not as_json)
+    except (ValueError, RuntimeError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
+
+
+@bench_app.command("simulate")
+def bench_simulate(
+    traces: Annotated[Optional[Path], typer.Option(help="History file to replay (default: bundled fixture).")] = None,
+    cost_model: Annotated[str, typer.Option("--cost-model", help="Named model (h100-7b) or a calibrated one.")] =
+        "h100-7b",
+    engines: Annotated[int, typer.Option(min=1, help="Engines the batch is placed on.")] = 8,
+    policy: Annotated[Optional[str], typer.Option(help="Run only this policy arm (default: all).")] = None,
+    k_max: Annotated[int, typer.Option("--k-max", min=1, max=64, help="Largest draft per request per step.")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Discrete-event replay of recorded batches under a cost model: every figure is SIMULATED."""
+    from das.bench.drafter_replay import default_trace_path
+    from das.drafter.records import RecordError, load_rollouts
+    from das.scheduler.cost_model import load_cost_model
+    from das.scheduler.simulator import ARMS, run_simulation_bench
+
+    path = traces or default_trace_path()
+    try:
+        model = load_cost_model(cost_model)
+        records = load_rollouts(path)
+        arms = [policy] if policy else list(ARMS)
+        result = run_simulation_bench(records, str(path), model, engines, arms=arms,
+                                      placement_policy=policy or "das", k_max=k_max, progress=not as_json)
+    except (RecordError, OSError, ValueError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
+
+
+def _budget_settings(spec: str) -> tuple[dict[str, Any], CostModel | None]:
+    """`uniform`, `classes` or `das:COST_MODEL` as budget-hook settings, with the cost model (None for the first
+    two)."""
+    from das.scheduler.cost_model import load_cost_model
+
+    policy, _, cost_name = spec.partition(":")
+    if policy in ("uniform", "classes") and not cost_name:
+        return {"policy": policy}, None
+    if policy == "das" and cost_name:
+        cost = load_cost_model(cost_name)
+        return {"policy": "das", "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s}, cost
+    raise ValueError(f"--budget {spec!r}: expected uniform, classes or das:COST_MODEL")
+
+
+def _default_budget(model: str) -> str | None:
+    """das:cpu-<model> if that cost model was calibrated here, else das:cpu-smollm2 if that was, else None."""
+    from das.scheduler.cost_model import cost_model_dir
+
+    for name in (f"cpu-{Path(model).name}", "cpu-smollm2"):
+        if (cost_model_dir() / f"{name}.json").exists():
+            return f"das:{name}"
+    return None
+
+
+def _command_line(ctx: typer.Context) -> str:
+    """The running command as a shell line: its path and every option that differs from its default (so a report
+    says how to rerun it, whether it came from a shell or from a test runner)."""
+    import shlex
+
+    from typer.core import TyperOption
+
+    words = ["das", *ctx.command_path.split()[1:]]  # the program name is the test runner's under CliRunner
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name or "")
+        if not isinstance(param, TyperOption) or value == param.default or value is None:
+            continue
+        flag = max(param.opts, key=len)
+        if param.is_flag:
+            words.append(flag if value else (param.secondary_opts or [flag])[0])
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+@models_app.command("perturb")
+def models_perturb(
+    src: Annotated[str, typer.Argument(help="A known model name or a model directory.")],
+    dst: Annotated[Path, typer.Argument(help="Directory to write (must not exist, or be empty).")],
+    scale: Annotated[float, typer.Option(min=0.0, help="Noise per tensor, relative to its RMS.")] = 0.01,
+    seed: Annotated[int, typer.Option(help="Seed of the noise (same seed, same checkpoint).")] = 0,
+) -> None:
+    """Write a drifted checkpoint: every weight tensor plus Gaussian noise of `scale` x its RMS (for --drift)."""
+    from das.bench.checkpoints import perturb_checkpoint
+    from das.service.engine.models import prepare_model
+
+    try:
+        report = perturb_checkpoint(prepare_model(src, progress=True), dst, scale, seed)
+    except (ValueError, OSError) as exc:
+        fail(str(exc))
+    console.print(f"{report.tensors} tensors, {report.parameters:,} parameters, relative change "
+                  f"{report.relative_change:.4f}")
+    print(report.path)
+
+
+@bench_app.command("e2e")
+def bench_e2e(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory.")] = "smollm2",
+    prompts: Annotated[str, typer.Option(help="Prompts JSONL file, or reasoning-gym:N for N generated problems.")]
+        = "reasoning-gym:8",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem (the group size n).")] = 8,
+    epochs: Annotated[int, typer.Option(min=1, help="Times the same prompts are run.")] = 3,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Output tokens per sample, at most.")] =
+        1024,
+    temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature (0: greedy, then outputs are "
+                                                             "compared token by token).")] = 0.8,
+    arms: Annotated[str, typer.Option(help="Comma-separated arms: none, ngram, suffix, suffix-t, das-uniform, das, "
+                                           "das-service.")] = "none,ngram,suffix,suffix-t,das-uniform,das,das-service",
+    k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens of every arm.")] = 8,
+    dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
+    max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
+    eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
+    budget: Annotated[Optional[str], typer.Option(
+        help="das and das-service's draft budget: uniform, classes, or das:COST_MODEL (length-aware); default "
+             "das:cpu-<model> or das:cpu-smollm2, whichever was calibrated here.")] = None,
+    drift: Annotated[Optional[str], typer.Option(
+        help="Comma-separated checkpoint directories, one loaded before each epoch after the first, in every arm "
+             "(make them with `das models perturb`).")] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Independent runs (fresh engines each); tables show medians.")]
+        = 1,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Every sample runs to --max-tokens (the "
+                                                                  "compute-bound check).")] = False,
+    seed: Annotated[int, typer.Option(help="Engine seed (repeat r uses seed + r).")] = 0,
+    kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", min=1, help="CPU KV cache of each engine.")] = 2,
+    sequential: Annotated[bool, typer.Option("--sequential", help="One engine alive at a time: each arm runs all "
+                                                                  "its epochs, then stops (less memory; arms "
+                                                                  "measured at different times).")] = False,
+    profile: Annotated[bool, typer.Option("--profile", help="Time every engine step of the in-process arms: "
+                                                            "forward, sampling, drafter, engine loop.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(help="Write a PNG: makespan per epoch, length distributions.")]
+        = None,
+    markdown: Annotated[Optional[Path], typer.Option(help="Write the tables as markdown.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Real engines, real model, several epochs: makespan, throughput, acceptance, rewards and output tests per
+    arm and epoch (drafters keep their history)."""
+    import asyncio
+
+    from das.bench.e2e import E2EConfig, E2EFailed, run_e2e, suffix_tuned_options
+    from das.bench.e2e_report import markdown as render_markdown
+    from das.bench.e2e_report import plot as render_plot
+    from das.service.engine.models import prepare_model
+    from das.service.prompt_sets import PromptSetError, load_prompt_set
+
+    arm_names = tuple(a.strip() for a in arms.split(",") if a.strip())
+    try:
+        problems = load_prompt_set(prompts)
+        spec = budget or _default_budget(model)
+        if spec is None:
+            if {"das", "das-service", "suffix-t"} & set(arm_names):
+                raise ValueError("no cost model calibrated here for the das budget and suffix-t: run `das calibrate` "
+                                 "or pass --budget")
+            spec = "uniform"
+        budget_settings, cost = _budget_settings(spec)
+        if cost is None and "suffix-t" in arm_names:
+            fallback = _default_budget(model)
+            if fallback is None:
+                raise ValueError("suffix-t is tuned from a cost model: run `das calibrate` or pass --budget das:NAME")
+            cost = _budget_settings(fallback)[1]
+        suffix_tuned = suffix_tuned_options(cost, len(problems) * samples) if cost is not None else {}
+        model_dir = prepare_model(model, progress=True)
+        config = E2EConfig(model=str(model_dir), prompts=prompts, samples=samples, epochs=epochs,
+                           max_tokens=max_tokens, temperature=temperature, arms=arm_names, num_speculative_tokens=k,
+                           dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=eager,
+                           ignore_eos=ignore_eos, repeats=repeats,
+                           drift=tuple(d.strip() for d in drift.split(",") if d.strip()) if drift else (),
+                           budget=budget_settings, suffix_tuned=suffix_tuned if "suffix-t" in arm_names else {},
+                           kv_cache_gib=kv_cache_gib, sequential=sequential, profile=profile)
+    except (PromptSetError, OSError, ValueError) as exc:
+        fail(str(exc))
+    console.print(f"[cyan]das budget {escape(spec)}; suffix-t {suffix_tuned or '-'}[/cyan]")
+    try:
+        result = asyncio.run(run_e2e(config, problems,
+                                     progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]")))
+    except E2EFailed as exc:
+        if as_json:
+            print(json.dumps({"failed": str(exc), "completed": exc.completed}, indent=2))
+        hint = ("" if sequential else " If an engine process was killed (exit code -9, the kernel's out-of-memory "
+                "killer), run one engine at a time with --sequential or give each a smaller --kv-cache-gib.")
+        console.print(f"[red]error:[/red] das bench e2e stopped at {escape(str(exc))}. The {len(exc.completed)} "
+                      f"arm-epochs that finished are in the progress lines above"
+                      f"{' and in the JSON' if as_json else ''}.{hint}")
+        raise typer.Exit(code=1) from None
+    if plot is not None:
+        render_plot(result, plot)
+    if markdown is not None:
+        markdown.parent.mkdir(parents=True, exist_ok=True)
+        markdown.write_text(render_markdown(result, _command_line(ctx)) + "\n")
+    emit(result, as_json)

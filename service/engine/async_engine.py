@@ -1,0 +1,368 @@
+"""`Engine`: one vLLM engine (`AsyncLLM`) with the DAS proposer, serving groups of samples over asyncio.
+
+Standalone (`das bench e2e`, tests) or inside a Ray actor (the service). One engine = one vLLM engine core
+process; the proposer and its history live in that process and are reached with `collective_rpc`
+(service/engine/worker.py).
+
+Lifecycle: `await Engine.create(config)`; `generate(group)` streams each sample as it finishes; between batches
+`reload_weights(path)` loads a new checkpoint and bumps the policy version (the drafter keeps its history,
+tagged by version); `await close()`.
+
+Errors: a bad group (prompt longer than the context, token ids outside the vocabulary, n < 1, max_tokens < 1,
+unknown sampling keys) raises `EngineInputError` (a ValueError) before anything is scheduled. A failure inside
+vLLM for one sample ends that sample with finish_reason "error" and the message; the other samples and groups go
+on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from das.drafter.records import RecordError, RolloutRecord
+from das.service.api import GroupRequest, SampleResult
+from das.service.engine.proposer import CONFIG_KEY, RequestTags
+from das.service.engine.step_profile import StepProfile
+
+log = logging.getLogger(__name__)
+
+Speculation = Literal["none", "das", "ngram", "suffix"]
+
+PROPOSER_CLASS = "das.service.engine.proposer.DasProposer"
+WORKER_EXTENSION = "das.service.engine.step_profile.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
+
+
+class EngineInputError(ValueError):
+    """A group the engine refuses before scheduling anything; the message says which field and why."""
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine. `model` is a prepared model directory (service/engine/models.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    speculation: Speculation = "das"
+    num_speculative_tokens: int = Field(8, ge=1, le=64)
+    budget: dict[str, Any] = Field(default_factory=dict, description="budget hook settings (service/engine/budget_hook.py)")
+    drafter: dict[str, Any] = Field(default_factory=dict, description="DrafterConfig fields (drafter/history)")
+    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    max_model_len: int = Field(2048, ge=16)
+    max_num_seqs: int = Field(256, ge=1)
+    seed: int = 0
+    kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
+    suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
+                                           "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
+                                           "empty)")
+
+    @field_validator("suffix_options")
+    @classmethod
+    def _suffix_keys(cls, options: dict[str, Any]) -> dict[str, Any]:
+        # Only suffix settings: anything else would silently change what the method is compared on.
+        bad = sorted(k for k in options if not k.startswith("suffix_decoding_"))
+        if bad:
+            raise ValueError(f"suffix_options takes suffix_decoding_* settings only, got {bad}")
+        return options
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        k = self.num_speculative_tokens
+        if self.speculation == "none":
+            return None
+        if self.speculation == "das":
+            return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
+        if self.speculation == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+        return {"method": "suffix", "num_speculative_tokens": k, **self.suffix_options}
+
+
+@dataclass
+class SpecDecodeTally:
+    """vLLM's own speculative-decoding counters for one engine, summed over its steps (any method, so peer arms
+    are counted the same way as ours). drafts: verification steps with a draft; the rest are tokens. `running` and
+    `waiting`: the scheduler's request queues at its latest step (gauges, not sums)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+def _tally_logger_factory(tally: SpecDecodeTally) -> Any:
+    """A vLLM stat-logger factory that adds every step's SpecDecodingStats into `tally`."""
+    from vllm.v1.metrics.loggers import StatLoggerBase
+
+    class TallyLogger(StatLoggerBase):
+        def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
+            pass
+
+        def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
+                   engine_idx: int = 0) -> None:
+            if scheduler_stats is None:
+                return
+            tally.running = scheduler_stats.num_running_reqs
+            tally.waiting = scheduler_stats.num_waiting_reqs
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                tally.drafts += spec.num_drafts
+                tally.draft_tokens += spec.num_draft_tokens
+                tally.accepted_tokens += spec.num_accepted_tokens
+
+        def log_engine_initialized(self) -> None:
+            pass
+
+    return TallyLogger
+
+
+class Engine:
+    """One AsyncLLM with the DAS proposer. Use `await Engine.create(config)`."""
+
+    def __init__(self, config: EngineConfig, llm: Any, tokenizer: Any, vocab_size: int,
+                 tally: SpecDecodeTally | None = None) -> None:
+        self.config = config
+        self.spec_tally = tally or SpecDecodeTally()
+        self.policy_version = 0
+        self._llm = llm
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._inflight = 0
+        self._death_reported = False
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._reloading = asyncio.Lock()
+
+    @classmethod
+    async def create(cls, config: EngineConfig) -> Engine:
+        # vLLM's CPU backend reads its KV cache size from the environment only.
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if current_platform.is_cpu():
+            # vLLM 0.32 cannot reload the AOT compile cache its CPU backend writes ("'function' object has no
+            # attribute 'finalize_loading'"), so every start recompiled (~2 min). Without AOT, Inductor's own
+            # cache makes a warm start ~40 s. Set before the engine core process is spawned; a user's value wins.
+            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+
+        das = config.speculation == "das"
+        args = AsyncEngineArgs(
+            model=config.model, dtype=config.dtype, max_model_len=config.max_model_len, seed=config.seed,
+            max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
+            enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
+            speculative_config=config.speculative_config(),
+            worker_extension_cls=WORKER_EXTENSION,
+            additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": config.budget}} if das else {})
+        tally = SpecDecodeTally()
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
+        try:
+            if das:
+                await llm.collective_rpc("das_attach")
+            tokenizer = llm.tokenizer
+            vocab_size = llm.model_config.get_vocab_size()
+        except BaseException:
+            llm.shutdown()
+            raise
+        return cls(config, llm, tokenizer, vocab_size, tally)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (Hugging Face): encode, decode, apply_chat_template."""
+        return self._tokenizer
+
+    # ---- generation ----
+
+    def prompt_token_ids(self, group: GroupRequest) -> list[int]:
+        """The group's prompt as token ids, checked against the vocabulary and the context length."""
+        if group.prompt_token_ids is not None:
+            ids = list(group.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self._vocab_size]
+            if bad:
+                raise EngineInputError(f"prompt_token_ids: {len(bad)} token id(s) outside the vocabulary "
+                                       f"[0, {self._vocab_size}), first {bad[0]}")
+        elif group.prompt is not None:
+            ids = list(self._tokenizer.encode(group.prompt))
+        else:
+            assert group.messages is not None
+            messages = [m.model_dump() for m in group.messages]
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+        if len(ids) >= self.config.max_model_len:
+            raise EngineInputError(f"prompt is {len(ids)} tokens; the context holds {self.config.max_model_len} "
+                                   f"and at least one output token must fit")
+        stops = [t for t in group.sampling.stop_token_ids if not 0 <= t < self._vocab_size]
+        if stops:
+            raise EngineInputError(f"sampling.stop_token_ids: {stops[0]} is outside the vocabulary")
+        return ids
+
+    async def generate(self, group: GroupRequest | dict[str, Any]) -> AsyncIterator[SampleResult]:
+        """Schedules the group's n samples and yields each one as it finishes (in finishing order).
+
+        Raises EngineInputError before scheduling anything if the group is invalid. Closing the iterator early
+        aborts the samples still running.
+        """
+        if not isinstance(group, GroupRequest):
+            try:
+                group = GroupRequest.model_validate(group)
+            except ValidationError as exc:
+                raise EngineInputError(str(exc)) from None
+        prompt = self.prompt_token_ids(group)
+        async with self._reloading:  # a reload waits for nothing new to start, then for the running to drain
+            self._inflight += 1
+            self._drained.clear()
+        try:
+            group_id = uuid.uuid4().hex[:12]
+            results: asyncio.Queue[SampleResult] = asyncio.Queue()
+            tasks = [asyncio.create_task(self._sample(group, prompt, f"{group_id}-{i}", i, results))
+                     for i in range(group.n)]
+            try:
+                for _ in range(group.n):
+                    yield await results.get()
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+        finally:
+            self._inflight -= 1
+            if self._inflight == 0:
+                self._drained.set()
+
+    async def _sample(self, group: GroupRequest, prompt: list[int], key: str, index: int,
+                      results: asyncio.Queue[SampleResult]) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        s = group.sampling
+        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
+        params = SamplingParams(
+            n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
+            stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=0,
+            output_kind=RequestOutputKind.DELTA, extra_args=tags.to_extra_args())
+        version = self.policy_version
+        start = time.perf_counter()
+        first: float | None = None
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        text: list[str] = []
+        finish: str | None = None
+        error: str | None = None
+        try:
+            async for out in self._llm.generate({"prompt_token_ids": prompt}, params, request_id=key):
+                completion = out.outputs[0]
+                if completion.token_ids and first is None:
+                    first = time.perf_counter() - start
+                for tok, lp in zip(completion.token_ids, completion.logprobs or ()):
+                    logprobs.append(float(lp[tok].logprob))
+                tokens.extend(completion.token_ids)
+                text.append(completion.text)
+                finish = completion.finish_reason
+        except Exception as exc:  # one sample's failure must not take its siblings down (cancellation passes)
+            if self._llm.errored:
+                # A dead engine core fails every running sample with the same error: one report, not a traceback
+                # for each of them.
+                if not self._death_reported:
+                    self._death_reported = True
+                    log.error("the engine died (%s); its running samples end with finish_reason 'error'. A worker "
+                              "process killed with exit code -9 (in vLLM's log above) is usually the kernel's "
+                              "out-of-memory killer.", _describe(exc))
+            else:
+                log.warning("sample %s of problem %s failed", key, group.problem_id, exc_info=True)
+            error, finish = _describe(exc), "error"
+        counts = await self._draft_counts(key) if not self._llm.errored else {}
+        results.put_nowait(SampleResult(
+            problem_id=group.problem_id, sample_index=index, token_ids=tokens, logprobs=logprobs,
+            finish_reason=finish if finish in ("stop", "length", "abort", "error") else "stop",
+            policy_version=version, draft_tokens=counts.get("proposed", 0),
+            accepted_tokens=counts.get("accepted", 0), decode_steps=counts.get("steps", 0),
+            first_token_s=first, total_s=time.perf_counter() - start, error=error, text="".join(text),
+            prompt_token_ids=prompt))
+
+    async def _draft_counts(self, key: str) -> dict[str, int]:
+        if self.config.speculation != "das":
+            return {}
+        try:
+            (counts,) = await self._llm.collective_rpc("das_pop_counts", args=([key],))
+        except Exception as exc:  # counts are statistics: losing them must not lose the sample
+            log.warning("draft counts of %s unavailable: %s", key, exc)
+            return {}
+        return counts.get(key, {})
+
+    # ---- weights, history, stats ----
+
+    async def reload_weights(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int:
+        """Loads safetensors weights from `checkpoint` (a directory) once the running samples have finished, and
+        serves them as policy `version` (default: the current one + 1; it must be newer). New groups wait while
+        it runs. Returns the version now served."""
+        path = Path(checkpoint)
+        if not path.is_dir() or not any(path.glob("*.safetensors")):
+            raise EngineInputError(f"{path}: not a directory with *.safetensors weights")
+        new = self.policy_version + 1 if version is None else version
+        if new <= self.policy_version:
+            raise EngineInputError(f"version: must be newer than the served version {self.policy_version}, "
+                                   f"got {new}")
+        async with self._reloading:
+            await self._drained.wait()
+            await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            await self._llm.reset_prefix_cache()
+            self.policy_version = new
+            if self.config.speculation == "das":
+                await self._llm.collective_rpc("das_set_policy_version", args=(new,))
+        return self.policy_version
+
+    async def add_history(self, rollouts: list[dict[str, Any]]) -> int:
+        """Imports finished rollouts (history-format dicts) into the drafter as sealed history. All are validated
+        here first (EngineInputError naming the rollout and field), so a bad one changes nothing."""
+        validate_rollouts(rollouts)
+        if self.config.speculation != "das":
+            return 0
+        (count,) = await self._llm.collective_rpc("das_add_rollouts", args=(rollouts,))
+        return int(count)
+
+    async def drafter_stats(self) -> dict[str, Any]:
+        if self.config.speculation != "das":
+            return {}
+        (stats,) = await self._llm.collective_rpc("das_stats")
+        return dict(stats)
+
+    async def start_step_profile(self) -> None:
+        """Times every step from now on (service/engine/step_profile.py); `take_step_profile` reads and clears."""
+        await self._llm.collective_rpc("das_profile_start")
+
+    async def take_step_profile(self) -> StepProfile:
+        """The steps since `start_step_profile` or the last take, summarised; clears them."""
+        (columns,) = await self._llm.collective_rpc("das_profile_take")
+        return StepProfile.of(columns)
+
+    async def close(self) -> None:
+        """Stops the engine processes; lets AsyncLLM's output task see its cancellation before returning, so the
+        event loop can be closed cleanly afterwards."""
+        self._llm.shutdown()
+        await asyncio.sleep(0)
+
+
+def validate_rollouts(rollouts: list[dict[str, Any]]) -> None:
+    """Checks history-format dicts; EngineInputError names the first bad one by index and field."""
+    for i, rollout in enumerate(rollouts):
+        try:
+            RolloutRecord.from_dict(rollout)
+        except RecordError as exc:
+            raise EngineInputError(f"rollout {i}: {exc}") from None
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message` of an exception, following vLLM's message-less wrappers (EngineGenerateError) to the
+    cause."""
+    while not str(exc) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    return f"{type(exc).__name__}: {exc}"

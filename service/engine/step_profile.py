@@ -1,0 +1,176 @@
+"""Where an engine step's time goes: timers on vLLM's model runner, read by `das bench e2e --profile`.
+
+vLLM's engine loop, once per step: the scheduler picks the requests and their draft tokens; the model runner's
+`execute_model` prepares the inputs and runs the forward pass over every scheduled token (drafts included);
+`sample_tokens` samples (or, when the step carries drafts, runs the rejection sampler over every draft position),
+updates the request states and asks the drafter for the next step's drafts (`propose_draft_token_ids`); the
+engine core then turns the sampled tokens into outputs. `StepTimer` wraps the three runner methods on one runner
+instance (instance attributes shadow the class's methods, vLLM's code is untouched) and keeps, per step:
+
+- forward_s: `execute_model` (input preparation and the forward pass);
+- sample_s: the sampler or rejection sampler (`_sample`);
+- propose_s: the drafter (`propose_draft_token_ids`; 0 without speculation);
+- rest_s: the remainder of `sample_tokens` (state updates, copying tokens to the host);
+- gap_s: from the end of this step's `sample_tokens` to the start of the next step's `execute_model`: the
+  scheduler and the engine core's output handling. A gap over `IDLE_S` is the engine waiting for work and is
+  counted as 0, as is the last step's;
+- requests, tokens, drafts: the step's shape (running requests, scheduled tokens, of which draft tokens).
+
+Cost: four `perf_counter` calls and one tuple append per step (~2 us, against steps of tens of ms here).
+
+`StepProfileExtension` is mixed into vLLM's worker (`worker_extension_cls`), so the timer runs in the engine
+process and is reached with `collective_rpc("das_profile_start" | "das_profile_take")`; `EngineWorkerExtension`
+is the class engines are started with (ours and the DAS proposer's methods).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from das.service.engine.worker import DasWorkerExtension
+
+IDLE_S = 1.0  # a gap between steps longer than this is the engine idle between batches, not loop overhead
+
+FIELDS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s", "requests", "tokens", "drafts")
+_GAP = FIELDS.index("gap_s")  # filled in when the next step starts
+
+
+class StepTimer:
+    """Times one model runner's steps until `take()`; see the module docstring for the fields."""
+
+    def __init__(self, runner: Any) -> None:
+        self._runner = runner
+        self._steps: list[list[float]] = []  # one record a step, in FIELDS order
+        self._current: dict[str, float] = {}
+        self._last_end: float | None = None
+        execute, sample_tokens = runner.execute_model, runner.sample_tokens
+        sample, propose = runner._sample, runner.propose_draft_token_ids
+
+        def timed_execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            gap = start - self._last_end if self._last_end is not None else 0.0
+            if self._steps and gap <= IDLE_S:  # the gap belongs to the step before this one
+                self._steps[-1][_GAP] = gap
+            self._current = {"forward_s": 0.0, "sample_s": 0.0, "propose_s": 0.0}
+            try:
+                return execute(scheduler_output, *args, **kwargs)
+            finally:
+                self._current["forward_s"] = time.perf_counter() - start
+                drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None) or {}
+                self._current["requests"] = len(scheduler_output.num_scheduled_tokens)
+                self._current["tokens"] = scheduler_output.total_num_scheduled_tokens
+                self._current["drafts"] = sum(len(d) for d in drafts.values())
+
+        def timed_sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return sample_tokens(*args, **kwargs)
+            finally:
+                self._last_end = end = time.perf_counter()
+                c = self._current
+                if c:
+                    rest = end - start - c["sample_s"] - c["propose_s"]
+                    self._steps.append([c["forward_s"], c["sample_s"], c["propose_s"], rest, 0.0,
+                                        c["requests"], c["tokens"], c["drafts"]])
+                    self._current = {}
+
+        def timed(name: str, method: Any) -> Any:
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                start = time.perf_counter()
+                try:
+                    return method(*args, **kwargs)
+                finally:
+                    if self._current:
+                        self._current[name] += time.perf_counter() - start
+            return wrapper
+
+        runner.execute_model = timed_execute
+        runner.sample_tokens = timed_sample_tokens
+        runner._sample = timed("sample_s", sample)
+        runner.propose_draft_token_ids = timed("propose_s", propose)
+
+    def take(self) -> dict[str, list[float]]:
+        """The steps recorded since the last take, column by column (FIELDS), and forgets them."""
+        steps, self._steps = self._steps, []
+        return {name: [s[i] for s in steps] for i, name in enumerate(FIELDS)}
+
+
+class StepProfileExtension:
+    """Worker methods (vLLM `worker_extension_cls`): `self.model_runner` is the worker's model runner."""
+
+    model_runner: Any
+    _das_step_timer: StepTimer | None = None
+
+    def das_profile_start(self) -> bool:
+        """Starts timing steps (once; later calls only clear what was recorded)."""
+        if self._das_step_timer is None:
+            self._das_step_timer = StepTimer(self.model_runner)
+        self._das_step_timer.take()
+        return True
+
+    def das_profile_take(self) -> dict[str, list[float]]:
+        if self._das_step_timer is None:
+            raise RuntimeError("step profiling was not started (das_profile_start)")
+        return self._das_step_timer.take()
+
+
+class EngineWorkerExtension(DasWorkerExtension, StepProfileExtension):
+    """The worker extension every engine starts with: the DAS proposer's methods (used only by das engines) and
+    step profiling."""
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Steps of one engine over one epoch: per-step mean milliseconds of each part, the mean step shape,
+    `drafted_steps` (steps that verified at least one draft token) with the mean sample (verification) time of
+    those and of the other steps (None where there are none), and `fit_ms_per_token` / `fit_base_ms`: a
+    least-squares line of forward + sample time against scheduled tokens, the engine's measured cost model (None
+    with fewer than two distinct token counts)."""
+
+    steps: int
+    requests: float
+    tokens: float
+    drafts: float
+    forward_ms: float
+    sample_ms: float
+    propose_ms: float
+    rest_ms: float
+    gap_ms: float
+    step_ms: float
+    drafted_steps: int
+    sample_ms_drafted: float | None
+    sample_ms_plain: float | None
+    fit_base_ms: float | None
+    fit_ms_per_token: float | None
+
+    @classmethod
+    def of(cls, columns: dict[str, list[float]]) -> StepProfile:
+        data = {name: np.asarray(columns.get(name, []), dtype=np.float64) for name in FIELDS}
+        n = len(data["tokens"])
+        if n == 0:
+            return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None, None, None, None)
+
+        def ms(name: str, rows: np.ndarray | None = None) -> float:
+            values = data[name] if rows is None else data[name][rows]
+            return round(float(values.mean()) * 1e3, 3)
+
+        drafted = data["drafts"] > 0
+
+        parts = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s")
+        fit_base = fit_slope = None
+        if len(np.unique(data["tokens"])) >= 2:
+            slope, base = np.polyfit(data["tokens"], (data["forward_s"] + data["sample_s"]) * 1e3, 1)
+            fit_base, fit_slope = round(float(base), 3), round(float(slope), 4)
+        return cls(steps=n, requests=round(float(data["requests"].mean()), 2),
+                   tokens=round(float(data["tokens"].mean()), 2), drafts=round(float(data["drafts"].mean()), 2),
+                   forward_ms=ms("forward_s"), sample_ms=ms("sample_s"), propose_ms=ms("propose_s"),
+                   rest_ms=ms("rest_s"), gap_ms=ms("gap_s"),
+                   step_ms=round(float(sum(data[p] for p in parts).mean()) * 1e3, 3),
+                   drafted_steps=int(drafted.sum()),
+                   sample_ms_drafted=ms("sample_s", drafted) if drafted.any() else None,
+                   sample_ms_plain=ms("sample_s", ~drafted) if (~drafted).any() else None,
+                   fit_base_ms=fit_base, fit_ms_per_token=fit_slope)

@@ -1,0 +1,49 @@
+"""The worker extension that connects the engine to its `DasProposer` (`worker_extension_cls` in vLLM).
+
+vLLM mixes this class into its worker, so its methods run in the worker (the engine core's thread when the
+executor is in-process) and are reached with `collective_rpc("das_...")`. Everything that crosses the process
+boundary is plain data (dicts, lists, ints, strings).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from das.drafter.records import RolloutRecord
+from das.service.engine.proposer import DasProposer
+
+
+class DasWorkerExtension:
+    """Methods added to vLLM's worker; `self.model_runner` is the worker's model runner."""
+
+    model_runner: Any
+
+    def _das_proposer(self) -> DasProposer:
+        drafter = getattr(self.model_runner, "drafter", None)
+        if not isinstance(drafter, DasProposer):
+            raise RuntimeError("this engine does not run the DAS proposer (speculative method custom_class "
+                               "with das.service.engine.proposer.DasProposer)")
+        return drafter
+
+    def das_attach(self) -> bool:
+        """Hands the proposer the model runner (request ids, sampling params). Call once after start."""
+        self._das_proposer().attach(self.model_runner)
+        return True
+
+    def das_set_policy_version(self, version: int) -> int:
+        proposer = self._das_proposer()
+        proposer.set_policy_version(int(version))
+        return proposer.policy_version
+
+    def das_pop_counts(self, request_ids: list[str]) -> dict[str, dict[str, int]]:
+        counts = self._das_proposer().pop_counts(list(request_ids))
+        return {rid: dataclasses.asdict(c) for rid, c in counts.items()}
+
+    def das_add_rollouts(self, rollouts: list[dict[str, Any]]) -> int:
+        """Imports finished rollouts (the history format's fields) as sealed history; all are validated first."""
+        records = [RolloutRecord.from_dict(r) for r in rollouts]
+        return self._das_proposer().bank.add_rollouts(records)
+
+    def das_stats(self) -> dict[str, Any]:
+        return self._das_proposer().stats()

@@ -1,0 +1,290 @@
+"""The engine with real vLLM engine processes on the CPU: lossless drafting (greedy identity on SmolLM2, the
+output distribution at temperature > 0 on a tiny model), history across epochs, weight reload, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from das.service.api import GroupRequest, SampleResult
+from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
+from das.service.engine.models import prepare_model
+from tests.tiny_models import build_tiny_model
+
+TINY_VOCAB = 32
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "List the prime numbers below 30, separated by commas.",
+    "Explain in two sentences what a hash table is.",
+]
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    return prepare_model("smollm2", progress=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory, smollm2) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return tuple(build_tiny_model(root / f"seed{seed}", smollm2, vocab_size=TINY_VOCAB, seed=seed, sharpness=12.0)
+                 for seed in (0, 1))
+
+
+def start(loop, **config) -> Engine:
+    return loop.run_until_complete(Engine.create(EngineConfig(enforce_eager=True, **config)))
+
+
+def run_groups(loop, engine: Engine, groups: list[GroupRequest]) -> list[list[SampleResult]]:
+    async def one(group: GroupRequest) -> list[SampleResult]:
+        return sorted([r async for r in engine.generate(group)], key=lambda r: r.sample_index)
+
+    async def all_groups() -> list[list[SampleResult]]:
+        return list(await asyncio.gather(*(one(g) for g in groups)))
+
+    return loop.run_until_complete(all_groups())
+
+
+def chat_groups(n: int, max_tokens: int) -> list[GroupRequest]:
+    return [GroupRequest(problem_id=f"q{i}", n=n, messages=[{"role": "user", "content": p}],
+                         sampling={"max_tokens": max_tokens, "temperature": 0.0}) for i, p in enumerate(PROMPTS)]
+
+
+def test_greedy_outputs_are_token_identical_with_and_without_das_drafts(loop, smollm2):
+    outputs = {}
+    for arm in ("none", "das"):
+        engine = start(loop, model=str(smollm2), speculation=arm, dtype="float32", max_model_len=1024,
+                       num_speculative_tokens=8)
+        try:
+            outputs[arm] = [run_groups(loop, engine, chat_groups(n=2, max_tokens=96)) for _ in range(2)]
+        finally:
+            loop.run_until_complete(engine.close())
+    for epoch in range(2):
+        for g_none, g_das in zip(outputs["none"][epoch], outputs["das"][epoch]):
+            for a, b in zip(g_none, g_das):
+                assert a.token_ids == b.token_ids, f"epoch {epoch} problem {a.problem_id} sample {a.sample_index}"
+                assert len(b.logprobs) == len(b.token_ids)
+    per_step = []
+    for epoch in range(2):
+        samples = [r for g in outputs["das"][epoch] for r in g]
+        accepted, steps = sum(r.accepted_tokens for r in samples), sum(r.decode_steps for r in samples)
+        assert accepted > 0 and steps > 0, f"epoch {epoch}: no draft accepted, the identity proves nothing"
+        per_step.append(accepted / steps)
+    assert per_step[1] > per_step[0], f"accepted tokens per step by epoch: {per_step}"
+
+
+def chi_square_p_value(a: Counter, b: Counter) -> float:
+    """Two-sample chi-square test of homogeneity; cells with fewer than 10 pooled counts are merged into one."""
+    import torch
+
+    keys = sorted(set(a) | set(b), key=lambda k: -(a[k] + b[k]))
+    cells, rest = [], [0, 0]
+    for k in keys:
+        if a[k] + b[k] >= 10:
+            cells.append([a[k], b[k]])
+        else:
+            rest[0] += a[k]
+            rest[1] += b[k]
+    if sum(rest):
+        cells.append(rest)
+    na, nb = sum(c[0] for c in cells), sum(c[1] for c in cells)
+    stat = 0.0
+    for ca, cb in cells:
+        total = ca + cb
+        for observed, n in ((ca, na), (cb, nb)):
+            expected = total * n / (na + nb)
+            stat += (observed - expected) ** 2 / expected
+    dof = len(cells) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def tiny_das(loop, tiny_models):
+    engine = start(loop, model=str(tiny_models[0]), speculation="das", dtype="float32", max_model_len=256,
+                   num_speculative_tokens=4)
+    yield engine
+    loop.run_until_complete(engine.close())
+
+
+def sampled_groups(problem: str, samples: int) -> list[GroupRequest]:
+    # groups of 100 samples share their prompt, so vLLM serves all but the first from the prefix cache
+    return [GroupRequest(problem_id=f"{problem}{g}", n=100, prompt_token_ids=[5, 6, 7, 8 + g],
+                         sampling={"max_tokens": 6, "temperature": 0.8, "ignore_eos": True})
+            for g in range(samples // 100)]
+
+
+def test_sampling_at_temperature_keeps_the_models_distribution(loop, tiny_models, tiny_das):
+    """Per position 1-5 (position 0 is never drafted), the das outputs' token histogram against the plain
+    engine's, 1,600 samples each. Each position is tested at alpha = 0.001, so a correct engine fails this test
+    with probability at most 0.5% (Bonferroni over 5 positions); a broken verification (the CPU expand bug made
+    the outputs garbage) fails it with p-values near 0."""
+    plain = start(loop, model=str(tiny_models[0]), speculation="none", dtype="float32", max_model_len=256)
+    try:
+        reference = [r for g in run_groups(loop, plain, sampled_groups("t", 1600)) for r in g]
+    finally:
+        loop.run_until_complete(plain.close())
+    run_groups(loop, tiny_das, sampled_groups("t", 1600))  # epoch 0 fills the history
+    drafted = [r for g in run_groups(loop, tiny_das, sampled_groups("t", 1600)) for r in g]
+    for results in (reference, drafted):
+        assert all(len(r.token_ids) == 6 == len(r.logprobs) for r in results)
+        assert all(lp <= 0 for r in results for lp in r.logprobs)
+    for pos in range(1, 6):
+        p = chi_square_p_value(Counter(r.token_ids[pos] for r in reference),
+                               Counter(r.token_ids[pos] for r in drafted))
+        assert p > 1e-3, f"position {pos}: das and plain sampling differ (chi-square p = {p:.2e})"
+    joint = chi_square_p_value(Counter(tuple(r.token_ids[1:3]) for r in reference),
+                               Counter(tuple(r.token_ids[1:3]) for r in drafted))
+    assert not math.isnan(joint) and joint > 1e-3
+    # measured here: 2,412 of 10,342 draft tokens accepted; p-values 0.06-0.80 (with vLLM's stock CPU expand
+    # kernel, VLLM_PLUGINS=disabled: 219 accepted and p = 1e-27 to 1e-40 at positions 1-4)
+    assert sum(r.accepted_tokens for r in drafted) > 1000, "too few accepted drafts to test anything"
+
+
+@pytest.mark.parametrize("group, message", [
+    ({"problem_id": "b", "prompt_token_ids": list(range(5, 25)) * 15}, "context holds 256"),
+    ({"problem_id": "b", "prompt_token_ids": [5, TINY_VOCAB]}, "outside the vocabulary"),
+    ({"problem_id": "b", "prompt_token_ids": [5], "n": 0}, "greater than or equal to 1"),
+    ({"problem_id": "b", "prompt_token_ids": [5], "sampling": {"max_tokens": 0}}, "max_tokens"),
+    ({"problem_id": "b", "prompt_token_ids": [5], "sampling": {"temp": 0.5}}, "temp"),
+    ({"problem_id": "b", "prompt_token_ids": [5], "sampling": {"stop_token_ids": [99]}}, "stop_token_ids"),
+])
+def test_bad_groups_fail_before_anything_is_scheduled(loop, tiny_das, group, message):
+    async def first():
+        async for result in tiny_das.generate(group):
+            return result
+
+    with pytest.raises(EngineInputError, match=message):
+        loop.run_until_complete(first())
+    assert tiny_das._inflight == 0
+
+
+def test_imported_history_drafts_a_problems_first_sample(loop, tiny_das):
+    sampling = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
+    prompt = [9, 10, 11, 12]
+    (probe,) = run_groups(loop, tiny_das, [GroupRequest(problem_id="probe", n=1, prompt_token_ids=prompt,
+                                                        sampling=sampling)])
+    record = {"problem_id": "imported", "policy_version": 0, "sample_index": 0, "prompt_token_ids": prompt,
+              "output_token_ids": probe[0].token_ids}
+    assert loop.run_until_complete(tiny_das.add_history([record])) == 1
+    (first,) = run_groups(loop, tiny_das, [GroupRequest(problem_id="imported", n=1, prompt_token_ids=prompt,
+                                                        sampling=sampling)])
+    assert first[0].token_ids == probe[0].token_ids
+    assert first[0].accepted_tokens >= 12 and first[0].decode_steps < probe[0].decode_steps
+    with pytest.raises(EngineInputError, match="rollout 1: .*problem_id"):
+        loop.run_until_complete(tiny_das.add_history([record, {**record, "problem_id": ""}]))
+
+
+class FailingOn:
+    """Stands in for AsyncLLM: fails the requests whose id ends with `suffix`, passes the rest through."""
+
+    def __init__(self, llm, suffix: str) -> None:
+        self._llm, self._suffix = llm, suffix
+
+    def generate(self, prompt, params, request_id):
+        if request_id.endswith(self._suffix):
+            raise RuntimeError("worker lost the request")
+        return self._llm.generate(prompt, params, request_id=request_id)
+
+    def __getattr__(self, name):
+        return getattr(self._llm, name)
+
+
+def test_an_engine_side_failure_fails_that_sample_only(loop, tiny_das, monkeypatch):
+    monkeypatch.setattr(tiny_das, "_llm", FailingOn(tiny_das._llm, "-1"))
+    group = GroupRequest(problem_id="f", n=3, prompt_token_ids=[5, 6],
+                         sampling={"max_tokens": 4, "ignore_eos": True})  # so no sample may stop early
+    (results,) = run_groups(loop, tiny_das, [group])
+    assert [r.finish_reason for r in results] == ["length", "error", "length"]
+    assert "worker lost the request" in results[1].error and results[1].token_ids == []
+    monkeypatch.undo()
+    (again,) = run_groups(loop, tiny_das, [group])
+    assert [r.finish_reason for r in again] == ["length"] * 3
+
+
+class DeadCore:
+    """Stands in for an AsyncLLM whose engine core died: every request fails, `errored` is True, and RPCs are
+    counted (nothing should ask a dead engine for draft counts)."""
+
+    errored = True
+
+    def __init__(self) -> None:
+        self.rpcs = 0
+
+    def generate(self, prompt, params, request_id):
+        raise RuntimeError("EngineCore encountered an issue")
+
+    async def collective_rpc(self, *args, **kwargs):
+        self.rpcs += 1
+        raise RuntimeError("engine dead")
+
+
+def test_a_dead_engine_is_reported_once_not_per_sample(loop, tiny_das, monkeypatch, caplog):
+    dead = DeadCore()
+    monkeypatch.setattr(tiny_das, "_llm", dead)
+    monkeypatch.setattr(tiny_das, "_death_reported", False)
+    group = GroupRequest(problem_id="d", n=4, prompt_token_ids=[5, 6], sampling={"max_tokens": 4})
+    with caplog.at_level("WARNING", logger="das.service.engine.async_engine"):
+        (results,) = run_groups(loop, tiny_das, [group])
+    assert [r.finish_reason for r in results] == ["error"] * 4
+    assert all("EngineCore encountered an issue" in r.error for r in results)
+    reports = [r for r in caplog.records if r.name == "das.service.engine.async_engine"]
+    assert len(reports) == 1 and "the engine died" in reports[0].getMessage() and reports[0].exc_info is None
+    assert dead.rpcs == 0
+
+
+def test_weight_reload_changes_outputs_bumps_the_version_and_keeps_history(loop, tiny_models, tiny_das):
+    group = GroupRequest(problem_id="w", n=1, prompt_token_ids=[3, 4, 5],
+                         sampling={"max_tokens": 12, "temperature": 0.0, "ignore_eos": True})
+    (before,) = run_groups(loop, tiny_das, [group])
+    stored = loop.run_until_complete(tiny_das.drafter_stats())["stored_tokens"]
+    version = loop.run_until_complete(tiny_das.reload_weights(tiny_models[1]))
+    (after,) = run_groups(loop, tiny_das, [group])
+    assert version == 1 and before[0].policy_version == 0 and after[0].policy_version == 1
+    assert before[0].token_ids != after[0].token_ids
+    assert loop.run_until_complete(tiny_das.drafter_stats())["stored_tokens"] >= stored
+    with pytest.raises(EngineInputError, match="safetensors"):
+        loop.run_until_complete(tiny_das.reload_weights(tiny_models[1] / "missing"))
+    with pytest.raises(EngineInputError, match="newer"):
+        loop.run_until_complete(tiny_das.reload_weights(tiny_models[0], version=1))
+    assert loop.run_until_complete(tiny_das.reload_weights(tiny_models[0], version=5)) == 5
+    (back,) = run_groups(loop, tiny_das, [group])
+    assert back[0].token_ids == before[0].token_ids and back[0].policy_version == 5
+
+
+def test_engine_core_starts_without_vllms_aot_compile_cache_on_cpu(loop, monkeypatch, smollm2):
+    # vLLM 0.32 cannot reload the AOT cache its CPU backend writes, so with it every start recompiled for minutes;
+    # the engine core process reads the switch from the environment it inherits at spawn.
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    seen: dict[str, str | None] = {}
+
+    class Spawned(Exception):
+        pass
+
+    def spawn(*args, **kwargs):
+        seen["aot"] = os.environ.get("VLLM_USE_AOT_COMPILE")
+        raise Spawned
+
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.setattr(AsyncLLM, "from_engine_args", spawn)
+    with pytest.raises(Spawned):
+        loop.run_until_complete(Engine.create(EngineConfig(model=str(smollm2), speculation="none")))
+    assert seen["aot"] == "0"
+
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # an operator's explicit choice wins
+    with pytest.raises(Spawned):
+        loop.run_until_complete(Engine.create(EngineConfig(model=str(smollm2), speculation="none")))
+    assert seen["aot"] == "1"

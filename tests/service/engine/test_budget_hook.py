@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from das.scheduler.budget import DrafterParams
+from das.scheduler.length import LengthCurve
+from das.service.engine.budget_hook import RequestView, budget_hook_from_config
+
+
+def views(*remaining: int, max_tokens: int = 1000) -> list[RequestView]:
+    return [RequestView(generated=0, predicted_tokens=float(r), max_tokens=max_tokens, room=64) for r in remaining]
+
+
+def test_default_is_uniform_k_max():
+    hook = budget_hook_from_config({}, k_max=6)
+    assert hook.name == "uniform-6"
+    plan = hook.plan(views(10, 500))
+    assert plan.lengths.tolist() == [6, 6] and plan.min_prob.tolist() == [0.0, 0.0]  # no floor: all proposed
+
+
+def test_classes_give_long_predicted_samples_more_drafts():
+    hook = budget_hook_from_config({"policy": "classes", "long": 12, "medium": 6, "short": 0}, k_max=16)
+    assert hook.plan(views(900, 50, 400)).lengths.tolist() == [12, 0, 6]
+
+
+def test_das_policy_drafts_the_long_tail():
+    lengths = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5},
+                                      k_max=16).plan(views(*([20] * 15), 900)).lengths
+    assert lengths[-1] > 0 and lengths[-1] >= lengths[:-1].max()
+    plan = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5, "per_token": True},
+                                   k_max=16).plan(views(*([20] * 15), 900))
+    assert plan.lengths[-1] == 16 and 0 < plan.min_prob[-1] < 1  # per token: up to K_max above a floor
+    assert np.all(plan.min_prob[plan.lengths == 0] == np.inf)
+
+
+def test_measured_acceptance_decides_who_drafts():
+    """Per-request drafter parameters replace the hook's constants. On the CPU cost model with 48 similar
+    requests, a drafter measured to be rarely right is not worth a draft token; one measured to be usually right
+    is, above the same per-token floor for every request; the last request alone is worth c_tok / c_base."""
+    hook = budget_hook_from_config({"policy": "das", "c_base_s": 44e-3, "c_tok_s": 0.49e-3, "per_token": True},
+                                   k_max=8)
+    batch = views(*([300] * 48))
+    weak = hook.plan(batch, DrafterParams(np.full(48, 0.2), np.full(48, 1.0)))
+    strong = hook.plan(batch, DrafterParams(np.full(48, 0.9), np.full(48, 1.0)))
+    assert weak.lengths.tolist() == [0] * 48 and np.all(weak.min_prob == np.inf)
+    assert strong.lengths.tolist() == [8] * 48 and np.allclose(strong.min_prob, strong.min_prob[0])
+    assert 0 < strong.min_prob[0] < 1
+    alone = hook.plan(views(300), DrafterParams(np.full(1, 0.2), np.full(1, 1.0)))
+    assert alone.lengths[0] == 8 and alone.min_prob[0] == pytest.approx(0.49 / 44, rel=1e-6)
+
+
+def test_remaining_uses_the_prediction_capped_by_max_tokens_and_at_least_one():
+    assert RequestView(100, 400.0, 300, 8).remaining == 200
+    assert RequestView(100, None, 300, 8).remaining == 200
+    assert RequestView(500, 400.0, 600, 8).remaining == 1
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"policy": "fastest"}, "unknown budget policy"),
+    ({"policy": "uniform", "K": 3}, "unknown budget settings"),
+    ({"policy": "uniform", "k": -1}, "integer >= 0"),
+])
+def test_bad_settings_are_named(config, message):
+    with pytest.raises(ValueError, match=message):
+        budget_hook_from_config(config, k_max=8)
+
+
+def test_empty_batch():
+    assert budget_hook_from_config({"policy": "das"}, k_max=8).plan([]).lengths.shape == (0,)
+    assert np.asarray(budget_hook_from_config({}, k_max=8).plan([]).lengths).dtype == np.int32
+
+
+def test_a_length_curve_keeps_a_sample_that_outlives_its_prediction_in_the_budget():
+    """Predicted 100 tokens at submission; at 150 generated a fixed prediction leaves 1 token to go, the curve
+    (conditioned on having got this far) says 400 to go, and the cap still bounds both."""
+    curve = LengthCurve((0, 100), (100.0, 550.0), 600, 1.0)
+    fixed = RequestView(generated=150, predicted_tokens=100.0, max_tokens=1000, room=64)
+    curved = RequestView(generated=150, predicted_tokens=100.0, max_tokens=1000, room=64, length_curve=curve)
+    assert fixed.remaining == 1.0 and curved.remaining == 400.0
+    assert RequestView(generated=150, predicted_tokens=None, max_tokens=300, room=64, length_curve=curve).remaining \
+        == 150.0
+    assert RequestView(generated=700, predicted_tokens=None, max_tokens=2000, room=64,
+                       length_curve=curve).remaining == 700.0  # the tail model: 700 * (1 + 1)
+    hook = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5}, k_max=16)
+    batch = [RequestView(generated=20, predicted_tokens=40.0, max_tokens=1000, room=64) for _ in range(15)]
+    assert hook.plan([*batch, curved]).lengths[-1] > hook.plan([*batch, fixed]).lengths[-1]

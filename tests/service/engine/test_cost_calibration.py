@@ -1,0 +1,28 @@
+"""The calibration loop (the vLLM timer itself is exercised by `das calibrate` on a real engine)."""
+
+from __future__ import annotations
+
+import pytest
+
+from das.service.engine.cost_calibration import calibrate
+
+
+def test_medians_and_fit_recover_a_noisy_linear_engine():
+    calls = []
+
+    def timer(batch: int) -> float:
+        calls.append(batch)
+        noise = [0.0, 0.5, -0.5][len(calls) % 3]  # the median of each point's three timings is noise-free
+        return 0.02 + 0.001 * batch + noise
+
+    result = calibrate("fake", timer, [1, 8, 64, 8], repeats=3, source="test")
+    assert sorted(set(calls)) == [1, 8, 64] and len(calls) == 9
+    assert [p[0] for p in result.points] == [1, 8, 64]
+    assert result.model.c_base_s == pytest.approx(0.02) and result.model.c_tok_s == pytest.approx(0.001)
+
+
+def test_needs_two_batch_sizes():
+    with pytest.raises(ValueError, match="two distinct"):
+        calibrate("x", lambda b: 1.0, [4, 4], repeats=1, source="s")
+    with pytest.raises(ValueError, match="repeats"):
+        calibrate("x", lambda b: 1.0, [1, 4], repeats=0, source="s")

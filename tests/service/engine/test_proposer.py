@@ -1,0 +1,246 @@
+"""DasProposer against a stand-in for vLLM's model runner: the same calls vLLM makes, without an engine (the
+engine tests in tests/service/engine/test_async_engine.py run it inside real vLLM)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from das.drafter.records import RolloutRecord
+from das.scheduler.length import LengthCurve
+from das.service.engine.proposer import DasProposer, RequestTags
+
+PROMPT = [7, 8, 9]
+RESPONSE = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
+
+
+def make_proposer(k: int = 4, vocab: int = 100, max_model_len: int = 64, budget: dict | None = None) -> DasProposer:
+    config = SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=max_model_len),
+        additional_config={"das": {"budget": budget or {}}})
+    return DasProposer(config)
+
+
+class FakeRunner:
+    """The parts of vLLM's GPUModelRunner the proposer reads: input_batch.req_ids and requests[rid]."""
+
+    def __init__(self, width: int = 64) -> None:
+        self.input_batch = SimpleNamespace(req_ids=[])
+        self.requests: dict[str, SimpleNamespace] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.width = width
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 32, tags: RequestTags | None = None) -> None:
+        params = SimpleNamespace(max_tokens=max_tokens, extra_args=tags.to_extra_args() if tags else None)
+        self.requests[rid] = SimpleNamespace(prompt_token_ids=list(prompt), sampling_params=params)
+        self.tokens[rid] = list(prompt)
+        self.input_batch.req_ids.append(rid)
+
+    def remove(self, rid: str) -> None:
+        self.input_batch.req_ids.remove(rid)
+        del self.requests[rid], self.tokens[rid]
+
+    def step(self, proposer: DasProposer, committed: dict[str, list[int]]) -> dict[str, list[int]]:
+        """Commits tokens, then calls propose the way vLLM does (rows in input-batch order)."""
+        for rid, toks in committed.items():
+            self.tokens[rid].extend(toks)
+        rows = self.input_batch.req_ids
+        table = np.zeros((len(rows), self.width), np.int32)
+        counts = np.zeros(len(rows), np.int32)
+        for i, rid in enumerate(rows):
+            table[i, :len(self.tokens[rid])] = self.tokens[rid]
+            counts[i] = len(self.tokens[rid])
+        drafts = proposer.propose([committed.get(rid, []) for rid in rows], counts, table)
+        return dict(zip(rows, drafts))
+
+
+def attached(**kwargs) -> tuple[DasProposer, FakeRunner]:
+    proposer, runner = make_proposer(**kwargs), FakeRunner()
+    proposer.attach(runner)
+    return proposer, runner
+
+
+def run_sample(proposer: DasProposer, runner: FakeRunner, rid: str, tags: RequestTags,
+               response: list[int]) -> dict[str, list[int]]:
+    """Decodes `response` one verified step at a time: each step commits the accepted draft prefix plus one."""
+    runner.add(rid, PROMPT, tags=tags)
+    drafts = runner.step(proposer, {})
+    pos = 0
+    while pos < len(response):
+        draft = drafts[rid]
+        accepted = 0
+        while accepted < len(draft) and pos + accepted < len(response) - 1 \
+                and draft[accepted] == response[pos + accepted]:
+            accepted += 1
+        commit = response[pos:pos + accepted + 1]
+        pos += len(commit)
+        drafts = runner.step(proposer, {rid: commit})
+    runner.remove(rid)
+    return drafts
+
+
+def test_without_the_runner_it_proposes_nothing():
+    proposer = make_proposer()
+    assert proposer.propose([[1], [2]], np.array([3, 3]), np.zeros((2, 8), np.int32)) == [[], []]
+
+
+def test_a_second_sample_of_a_problem_drafts_the_first_and_counts_what_was_accepted():
+    proposer, runner = attached()
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    first = proposer.pop_counts(["a"])["a"]
+    run_sample(proposer, runner, "b", RequestTags("p", key="b"), RESPONSE)
+    second = proposer.pop_counts(["b"])["b"]
+    assert first.accepted == 0
+    # a draft of up to 4 tokens per step, all right: 12 tokens in ceil(12 / 5) + a few steps
+    assert second.accepted >= 8 and second.proposed >= second.accepted
+    assert second.steps < first.steps
+    assert proposer.pop_counts(["b"]) == {}  # returned once
+
+
+def test_counts_are_claimed_by_the_callers_key_while_still_registered():
+    proposer, runner = attached()
+    runner.add("internal-1", PROMPT, tags=RequestTags("p", key="mine"))
+    runner.step(proposer, {})
+    runner.step(proposer, {"internal-1": [10]})
+    counts = proposer.pop_counts(["mine"])
+    assert counts["mine"].steps == 1
+    assert "internal-1" not in proposer._running  # finished in the bank too
+
+
+def test_requests_that_leave_the_runner_are_finished_and_preempted_ones_kept():
+    proposer, runner = attached()
+    runner.add("x", PROMPT, tags=RequestTags("p", key="x"))
+    runner.add("y", PROMPT, tags=RequestTags("p", key="y"))
+    runner.step(proposer, {})
+    runner.input_batch.req_ids.remove("y")   # preempted: out of the batch, still in runner.requests
+    runner.remove("x")                         # finished
+    runner.step(proposer, {})
+    assert set(proposer._running) == {"y"}
+    assert "x" in proposer.pop_counts(["x"])
+
+
+def test_drafts_stay_inside_the_vocabulary_the_room_and_k_max():
+    proposer, runner = attached(k=8, vocab=15)
+    # imported history with ids the model does not have (>= 15) after a few valid ones
+    proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), (10, 11, 12, 40, 41, 42))])
+    runner.add("r", PROMPT, max_tokens=3, tags=RequestTags("p", key="r"))
+    drafts = runner.step(proposer, {})
+    drafts = runner.step(proposer, {"r": [10]})
+    assert drafts["r"] == [11]  # room: 3 - 1 generated - 1 (the verified step's own token) = 1
+    runner.remove("r")
+    runner.add("s", PROMPT, max_tokens=30, tags=RequestTags("p", key="s"))
+    runner.step(proposer, {})
+    drafts = runner.step(proposer, {"s": [10]})
+    assert drafts["s"] == [11, 12]  # stops before the first id outside the vocabulary
+
+
+def test_uniform_budget_setting_limits_the_draft_length():
+    proposer, runner = attached(k=8, budget={"policy": "uniform", "k": 2})
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    runner.add("b", PROMPT, tags=RequestTags("p", key="b"))
+    runner.step(proposer, {})
+    assert len(runner.step(proposer, {"b": [10]})["b"]) == 2
+
+
+def test_a_drafter_failure_costs_the_step_its_drafts_not_the_engine(monkeypatch):
+    proposer, runner = attached()
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    runner.add("b", PROMPT, tags=RequestTags("p", key="b"))
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("index corrupted")
+
+    monkeypatch.setattr(proposer.bank, "propose", broken)
+    assert runner.step(proposer, {}) == {"b": []}
+    assert proposer.stats()["failures"] == 1
+
+
+def test_policy_versions_only_move_forward_and_seal_the_live_history():
+    proposer, runner = attached()
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    assert proposer.bank.problems["p"].live is not None
+    proposer.set_policy_version(1)
+    history = proposer.bank.problems["p"]
+    assert history.live is None and 0 in history.sealed
+    with pytest.raises(ValueError, match="older"):
+        proposer.set_policy_version(0)
+
+
+def test_untagged_requests_share_history_by_prompt():
+    tags_a = RequestTags.from_extra_args(None, PROMPT)
+    tags_b = RequestTags.from_extra_args({"das": {}}, PROMPT)
+    assert tags_a.problem_id == tags_b.problem_id != RequestTags.from_extra_args(None, [1]).problem_id
+    tags = RequestTags("q", key="k", sample_index=3, predicted_tokens=120.0)
+    assert RequestTags.from_extra_args(tags.to_extra_args(), PROMPT) == tags
+    curved = RequestTags("q", key="k", predicted_tokens=120.0,
+                         length_curve=LengthCurve((0, 50), (90.0, 130.0), 200, 1.0))
+    assert RequestTags.from_extra_args(curved.to_extra_args(), PROMPT) == curved
+
+
+def test_a_malformed_length_curve_is_dropped_not_fatal(caplog):
+    raw = RequestTags("q", key="k", predicted_tokens=120.0).to_extra_args()
+    raw["das"]["length_curve"] = {"starts": [3], "ends": [1.0], "tail_from": 0, "tail_ratio": 1.0}
+    with caplog.at_level("WARNING"):
+        tags = RequestTags.from_extra_args(raw, PROMPT)
+    assert tags == RequestTags("q", key="k", predicted_tokens=120.0) and "length curve ignored" in caplog.text
+
+
+def test_stats_report_the_per_step_cost():
+    proposer, runner = attached()
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    stats = proposer.stats()
+    assert stats["steps"] > 5 and 0 < stats["step_us_p50"] <= stats["step_us_p99"]
+    assert stats["stored_tokens"] > 0
+
+
+def test_drafts_are_counted_by_source_kind():
+    proposer, runner = attached()
+    for key in ("a", "b"):  # the second sample of the problem drafts from the first
+        run_sample(proposer, runner, key, RequestTags("p", key=key), RESPONSE)
+    per_request = proposer.pop_counts(["a", "b"])
+    by_source = proposer.stats()["by_source"]
+    assert set(by_source) <= {"live", "prompt", "sealed", "global"} and by_source
+    assert sum(c["proposed"] for c in by_source.values()) == sum(c.proposed for c in per_request.values()) > 0
+    assert sum(c["accepted"] for c in by_source.values()) == sum(c.accepted for c in per_request.values()) > 0
+
+
+def test_measured_acceptance_by_position_is_recorded_per_request_and_pooled():
+    proposer, runner = attached(k=4)
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    run_sample(proposer, runner, "b", RequestTags("p", key="b"), RESPONSE)
+    counts = proposer.pop_counts(["b"])["b"]
+    pooled = proposer.acceptance
+    # every proposed position of b's drafts was checked; position 1 is counted once per draft
+    assert pooled.pool_proposed.sum() == counts.proposed and pooled.pool_accepted.sum() == counts.accepted
+    assert pooled.pool_accepted[0] > 0 and np.all(np.diff(pooled.pool_accepted) <= 0)
+
+
+def test_the_das_floor_cuts_drafts_the_drafter_itself_doubts(monkeypatch):
+    """The length-aware plan gives a probability floor; the proposer drafts only the tokens whose estimated
+    probability is at or above it."""
+    proposer, runner = attached(k=8, budget={"policy": "das", "c_base_s": 44e-3, "c_tok_s": 0.49e-3,
+                                             "per_token": True})
+    proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), tuple(RESPONSE))])
+    runner.add("r", PROMPT, tags=RequestTags("p", key="r"))
+    runner.step(proposer, {})
+    real_plan = proposer.budget.plan
+
+    def floor_at(value: float):
+        def plan(views, drafter=None):
+            p = real_plan(views, drafter)
+            return type(p)(np.full(len(views), 8, np.int32), np.full(len(views), value))
+        return plan
+
+    probs = proposer.bank.propose("r", np.asarray(PROMPT + [10], np.int32), 8).probs
+    assert np.all(np.diff(probs) <= 0) and probs[0] > probs[-1]  # cumulative: falls along the draft
+    # keeps exactly the first three tokens: a floor between the third's and the fourth's probability (probs are
+    # float32 copies of the walk's float64 products, so a floor equal to one of them sits on a rounding edge)
+    floor = float(probs[2] + probs[3]) / 2
+    monkeypatch.setattr(proposer.budget, "plan", floor_at(floor))
+    drafts = runner.step(proposer, {"r": [10]})
+    assert drafts["r"] == RESPONSE[1:1 + int(np.sum(probs >= floor))]
+    monkeypatch.setattr(proposer.budget, "plan", floor_at(np.inf))
+    assert runner.step(proposer, {"r": [11]})["r"] == []

@@ -1,0 +1,113 @@
+"""StepTimer against a stand-in model runner that calls its parts the way vLLM's does, and StepProfile's sums."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from das.service.engine.step_profile import IDLE_S, StepProfile, StepProfileExtension, StepTimer
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Runner:
+    """Like vLLM's GPUModelRunner: execute_model, then sample_tokens, which calls _sample and then (with a
+    drafter) propose_draft_token_ids through the instance, so wrapped attributes are the ones called."""
+
+    def __init__(self, forward_s: float, sample_s: float, propose_s: float | None) -> None:
+        self.forward_s, self.sample_s, self.propose_s = forward_s, sample_s, propose_s
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        time.sleep(self.forward_s)
+
+    def _sample(self, logits: Any, metadata: Any) -> str:
+        time.sleep(self.sample_s)
+        return "sampled"
+
+    def propose_draft_token_ids(self, *args: Any) -> list[list[int]]:
+        assert self.propose_s is not None
+        time.sleep(self.propose_s)
+        return [[1, 2]]
+
+    def sample_tokens(self, grammar_output: Any) -> str:
+        out = self._sample(None, None)
+        if self.propose_s is not None:
+            self.propose_draft_token_ids(out)
+        return out
+
+
+def step(runner: Runner, output: SchedulerOutput, gap_s: float = 0.0) -> None:
+    runner.execute_model(output)
+    assert runner.sample_tokens(None) == "sampled"  # results pass through the timers unchanged
+    time.sleep(gap_s)
+
+
+def test_each_part_of_a_step_is_timed_with_its_shape() -> None:
+    runner = Runner(forward_s=0.03, sample_s=0.01, propose_s=0.005)
+    timer = StepTimer(runner)
+    step(runner, SchedulerOutput({"a": 3, "b": 1}, {"a": [7, 8]}), gap_s=0.02)
+    step(runner, SchedulerOutput({"a": 1}), gap_s=0.0)
+    cols = timer.take()
+    assert cols["requests"] == [2, 1] and cols["tokens"] == [4, 1] and cols["drafts"] == [2, 0]
+    assert 0.03 <= cols["forward_s"][0] < 0.06 and 0.01 <= cols["sample_s"][0] < 0.03
+    assert 0.005 <= cols["propose_s"][0] < 0.02 and 0 <= cols["rest_s"][0] < 0.005
+    assert 0.02 <= cols["gap_s"][0] < 0.04  # the time until the next step started
+    assert cols["gap_s"][1] == 0.0  # the last step has no next step yet
+    assert timer.take() == {name: [] for name in cols}  # taken means forgotten
+
+
+def test_an_idle_engine_is_not_loop_overhead() -> None:
+    runner = Runner(forward_s=0.0, sample_s=0.0, propose_s=None)
+    timer = StepTimer(runner)
+    step(runner, SchedulerOutput({"a": 1}), gap_s=IDLE_S + 0.05)
+    step(runner, SchedulerOutput({"a": 1}))
+    cols = timer.take()
+    assert cols["gap_s"] == [0.0, 0.0] and cols["propose_s"] == [0.0, 0.0]
+
+
+def test_profile_means_and_the_fitted_cost_line() -> None:
+    tokens = [1, 10, 20, 40]
+    columns = {"forward_s": [(5 + 0.5 * n) / 1e3 for n in tokens], "sample_s": [0.001] * 4,
+               "propose_s": [0.0, 0.002, 0.002, 0.0], "rest_s": [0.0005] * 4, "gap_s": [0.001] * 4,
+               "requests": [1, 2, 4, 8], "tokens": tokens, "drafts": [0, 8, 16, 32]}
+    p = StepProfile.of(columns)
+    assert p.steps == 4 and p.requests == 3.75 and p.tokens == 17.75 and p.drafts == 14.0
+    assert p.propose_ms == pytest.approx(1.0) and p.sample_ms == pytest.approx(1.0)
+    assert p.step_ms == pytest.approx(p.forward_ms + p.sample_ms + p.propose_ms + p.rest_ms + p.gap_ms, abs=1e-2)
+    assert p.fit_base_ms == pytest.approx(6.0, abs=1e-3) and p.fit_ms_per_token == pytest.approx(0.5, abs=1e-4)
+    assert p.drafted_steps == 3
+    assert p.sample_ms_drafted == pytest.approx(1.0) and p.sample_ms_plain == pytest.approx(1.0)
+    plain = StepProfile.of({**columns, "drafts": [0] * 4})
+    assert plain.drafted_steps == 0 and plain.sample_ms_drafted is None and plain.sample_ms_plain == pytest.approx(1.0)
+    one_shape = StepProfile.of({**columns, "tokens": [4] * 4})
+    assert one_shape.fit_base_ms is None and one_shape.fit_ms_per_token is None
+    assert StepProfile.of({}).steps == 0
+
+
+def test_the_worker_extension_starts_once_and_refuses_a_take_before_start() -> None:
+    class Worker(StepProfileExtension):
+        def __init__(self) -> None:
+            self.model_runner = Runner(0.0, 0.0, None)
+
+    worker = Worker()
+    with pytest.raises(RuntimeError, match="not started"):
+        worker.das_profile_take()
+    assert worker.das_profile_start()
+    wrapped = worker.model_runner.execute_model
+    step(worker.model_runner, SchedulerOutput({"a": 2}))
+    assert worker.das_profile_start()  # clears, does not wrap twice
+    assert worker.model_runner.execute_model is wrapped
+    assert worker.das_profile_take()["tokens"] == []
+    step(worker.model_runner, SchedulerOutput({"a": 2}))
+    assert worker.das_profile_take()["tokens"] == [2]
