@@ -127,8 +127,13 @@ def test_copies_only_files_in_the_build_context(name: str) -> None:
     for source in copied:
         assert (ROOT / source).exists(), f"COPY {source}: not in the repository"
         assert not ignored(source, patterns), f"COPY {source}: excluded by {name}.dockerignore"
-    # Everything pyproject.toml's build reads must be copied before the package is installed.
-    assert {"pyproject.toml", "CMakeLists.txt", "README.md", "drafter", "scheduler", "service"} <= set(copied)
+    # Everything pyproject.toml's build reads must be copied before the package is installed: every folder its
+    # wheel.packages maps into the `das` namespace.
+    packages = re.search(r"^wheel\.packages = \{(.*)\}$", (ROOT / "pyproject.toml").read_text(), re.MULTILINE)
+    assert packages
+    folders = set(re.findall(r'"das/\w+" = "(\w+)"', packages.group(1)))
+    assert {"drafter", "scheduler", "service", "bench"} <= folders
+    assert {"pyproject.toml", "CMakeLists.txt", "README.md", *folders} <= set(copied)
 
 
 def test_gpu_image_installs_the_gpu_extra() -> None:
