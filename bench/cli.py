@@ -97,28 +97,23 @@ def bench_simulate(
     emit(result, as_json)
 
 
-def _budget_settings(spec: str) -> tuple[dict[str, Any], CostModel | None]:
-    """`uniform`, `classes` or `das:COST_MODEL` as budget-hook settings, with the cost model (None for the first
-    two)."""
-    from das.scheduler.cost_model import load_cost_model
+def _budget_settings(spec: str, model: str) -> tuple[dict[str, Any], CostModel | None]:
+    """`das` (the length-aware budget on the engine's online cost fit, from the model's prior), `das:COST_MODEL`
+    (the same, from that cost model as prior), `uniform` or `classes` as budget-hook settings, with the cost
+    model das starts from (None for uniform and classes)."""
+    import dataclasses
+
+    from das.scheduler.cost_model import load_cost_model, prior_cost_model
 
     policy, _, cost_name = spec.partition(":")
     if policy in ("uniform", "classes") and not cost_name:
         return {"policy": policy}, None
-    if policy == "das" and cost_name:
+    if policy == "das" and not cost_name:
+        return {"policy": "das"}, prior_cost_model(model)
+    if policy == "das":
         cost = load_cost_model(cost_name)
-        return {"policy": "das", "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s}, cost
-    raise ValueError(f"--budget {spec!r}: expected uniform, classes or das:COST_MODEL")
-
-
-def _default_budget(model: str) -> str | None:
-    """das:cpu-<model> if that cost model was calibrated here, else das:cpu-smollm2 if that was, else None."""
-    from das.scheduler.cost_model import cost_model_dir
-
-    for name in (f"cpu-{Path(model).name}", "cpu-smollm2"):
-        if (cost_model_dir() / f"{name}.json").exists():
-            return f"das:{name}"
-    return None
+        return {"policy": "das", "prior": dataclasses.asdict(cost)}, cost
+    raise ValueError(f"--budget {spec!r}: expected das, das:COST_MODEL, uniform or classes")
 
 
 def _command_line(ctx: typer.Context) -> str:
@@ -180,8 +175,8 @@ def bench_e2e(
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
     budget: Annotated[Optional[str], typer.Option(
-        help="das and das-service's draft budget: uniform, classes, or das:COST_MODEL (length-aware); default "
-             "das:cpu-<model> or das:cpu-smollm2, whichever was calibrated here.")] = None,
+        help="das and das-service's draft budget: das (length-aware, on each engine's online cost fit from the "
+             "model's prior), das:COST_MODEL (the same from that prior), uniform or classes.")] = None,
     drift: Annotated[Optional[str], typer.Option(
         help="Comma-separated checkpoint directories, one loaded before each epoch after the first, in every arm "
              "(make them with `das models perturb`).")] = None,
@@ -208,25 +203,17 @@ def bench_e2e(
     from das.bench.e2e import E2EConfig, E2EFailed, run_e2e, suffix_tuned_options
     from das.bench.e2e_report import markdown as render_markdown
     from das.bench.e2e_report import plot as render_plot
+    from das.scheduler.cost_model import prior_cost_model
     from das.service.engine.models import prepare_model
     from das.service.prompt_sets import PromptSetError, load_prompt_set
 
     arm_names = tuple(a.strip() for a in arms.split(",") if a.strip())
     try:
         problems = load_prompt_set(prompts)
-        spec = budget or _default_budget(model)
-        if spec is None:
-            if {"das", "das-service", "suffix-t"} & set(arm_names):
-                raise ValueError("no cost model calibrated here for the das budget and suffix-t: run `das calibrate` "
-                                 "or pass --budget")
-            spec = "uniform"
-        budget_settings, cost = _budget_settings(spec)
-        if cost is None and "suffix-t" in arm_names:
-            fallback = _default_budget(model)
-            if fallback is None:
-                raise ValueError("suffix-t is tuned from a cost model: run `das calibrate` or pass --budget das:NAME")
-            cost = _budget_settings(fallback)[1]
-        suffix_tuned = suffix_tuned_options(cost, len(problems) * samples) if cost is not None else {}
+        spec = budget or "das"
+        budget_settings, cost = _budget_settings(spec, model)
+        cost = cost or prior_cost_model(model)  # suffix-t is tuned from a cost model whichever budget das uses
+        suffix_tuned = suffix_tuned_options(cost, len(problems) * samples)
         model_dir = prepare_model(model, progress=True)
         config = E2EConfig(model=str(model_dir), prompts=prompts, samples=samples, epochs=epochs,
                            max_tokens=max_tokens, temperature=temperature, arms=arm_names, num_speculative_tokens=k,
@@ -237,7 +224,7 @@ def bench_e2e(
                            kv_cache_gib=kv_cache_gib, sequential=sequential, profile=profile)
     except (PromptSetError, OSError, ValueError) as exc:
         fail(str(exc))
-    console.print(f"[cyan]das budget {escape(spec)}; suffix-t {suffix_tuned or '-'}[/cyan]")
+    console.print(f"[cyan]das budget {escape(spec)} (prior {escape(cost.name)}); suffix-t {suffix_tuned}[/cyan]")
     try:
         result = asyncio.run(run_e2e(config, problems,
                                      progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]")))

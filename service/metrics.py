@@ -179,7 +179,24 @@ class GatewayMetrics:
                                        "sealed, global).", labels=["engine", "source"])
         accepted = CounterMetricFamily("das_source_draft_tokens_accepted", "Draft tokens accepted, by source.",
                                        labels=["engine", "source"])
+        cost = {key: GaugeMetricFamily(name, doc, labels=["engine"]) for key, name, doc in (
+            ("c_base_s", "das_engine_step_base_seconds", "The engine's live step cost fit: seconds a decode step "
+             "costs however few tokens it verifies."),
+            ("c_tok_s", "das_engine_step_token_seconds", "The live step cost fit: seconds per token verified."),
+            ("c_spec_s", "das_engine_step_spec_seconds", "The live step cost fit: the extra seconds of a step that "
+             "verifies drafts."),
+            ("fit_error", "das_engine_step_fit_error_ratio", "Recent relative RMS error of the step cost fit."),
+            ("guard_floor", "das_engine_guard_floor_ratio", "The never-a-loss guard's probability floor for draft "
+             "tokens (0: not backing off)."))}
+        rejected = CounterMetricFamily("das_engine_step_fit_rejected", "Measured steps (what=step) and fits "
+                                       "(what=fit) the online cost model rejected.", labels=["engine", "what"])
         for load in stats.engines:
+            for key, family in cost.items():
+                if isinstance(load.step_cost.get(key), (int, float)):
+                    family.add_metric([load.engine], float(load.step_cost[key]))
+            for what in ("step", "fit"):
+                if isinstance(load.step_cost.get(f"rejected_{what}s"), int):
+                    rejected.add_metric([load.engine, what], load.step_cost[f"rejected_{what}s"])
             for source, (p, a) in sorted(load.drafts_by_source.items()):
                 proposed.add_metric([load.engine, source], p)
                 accepted.add_metric([load.engine, source], a)
@@ -188,7 +205,7 @@ class GatewayMetrics:
             for q, value in (("0.5", load.speculate_p50_s), ("0.99", load.speculate_p99_s)):
                 if value is not None:
                     speculate.add_metric([load.engine, q], value)
-        yield from (running, waiting, speculate, proposed, accepted)
+        yield from (running, waiting, speculate, proposed, accepted, *cost.values(), rejected)
         yield GaugeMetricFamily("das_engines_ready", "Engines loaded and serving.", value=stats.engines_ready)
         yield GaugeMetricFamily("das_history_problems_stored", "Problems with rollouts in the history store.",
                                 value=stats.history_problems)

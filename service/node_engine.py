@@ -138,7 +138,7 @@ class NodeEngine:
             by_source = {kind: (c["proposed"], c["accepted"]) for kind, c in drafter.get("by_source", {}).items()}
             loads.append(EngineLoad(name, engine.spec_tally.running, engine.spec_tally.waiting,
                                     p50 / 1e6 if p50 is not None else None, p99 / 1e6 if p99 is not None else None,
-                                    by_source))
+                                    by_source, drafter.get("cost", {})))
         return NodeStats(tuple(loads), resident_bytes())
 
     async def close(self) -> None:

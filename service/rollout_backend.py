@@ -44,6 +44,7 @@ class EngineLoad:
     speculate_p50_s: float | None = None
     speculate_p99_s: float | None = None
     drafts_by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
+    step_cost: dict[str, Any] = field(default_factory=dict)  # the live cost fit (budget_hook.PolicyBudget.stats)
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ on.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -29,6 +30,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from das.drafter.records import RecordError, RolloutRecord
+from das.scheduler.cost_model import prior_cost_model
 from das.service.api import GroupRequest, SampleResult
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.step_profile import StepProfile
@@ -39,6 +41,16 @@ Speculation = Literal["none", "das", "ngram", "suffix"]
 
 PROPOSER_CLASS = "das.service.engine.proposer.DasProposer"
 WORKER_EXTENSION = "das.service.engine.step_profile.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
+
+
+def budget_settings(config: EngineConfig) -> dict[str, Any]:
+    """The proposer's budget settings: `config.budget` with, unless it names its own cost model, the prior the
+    engine's online cost fit starts from (a stored `das calibrate` result for this model, a shipped calibration,
+    or the generic prior: scheduler/cost_model.py `prior_cost_model`)."""
+    settings = dict(config.budget)
+    if not {"prior", "c_base_s", "c_tok_s", "c_spec_s"} & settings.keys():
+        settings["prior"] = dataclasses.asdict(prior_cost_model(config.model))
+    return settings
 
 
 class EngineInputError(ValueError):
@@ -53,7 +65,9 @@ class EngineConfig(BaseModel):
     model: str
     speculation: Speculation = "das"
     num_speculative_tokens: int = Field(8, ge=1, le=64)
-    budget: dict[str, Any] = Field(default_factory=dict, description="budget hook settings (service/engine/budget_hook.py)")
+    budget: dict[str, Any] = Field(default_factory=dict, description="budget hook settings "
+                                   "(service/engine/budget_hook.py); empty: the length-aware budget (das) on an "
+                                   "online cost model")
     drafter: dict[str, Any] = Field(default_factory=dict, description="DrafterConfig fields (drafter/history)")
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
     max_model_len: int = Field(2048, ge=16)
@@ -163,7 +177,8 @@ class Engine:
             enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
             speculative_config=config.speculative_config(),
             worker_extension_cls=WORKER_EXTENSION,
-            additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": config.budget}} if das else {})
+            additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
+            else {})
         tally = SpecDecodeTally()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
         try:

@@ -1,14 +1,17 @@
 """Where the proposer asks how many draft tokens each running request gets this step.
 
 The policies themselves live in `das.scheduler.budget` (uniform K, the three length classes, the length-aware
-optimum); this module turns the proposer's view of its batch into their `BatchState` and back. The scheduler
-tunes a hook by its configuration (`{"policy": ..., ...}` in `additional_config["das"]["budget"]`) and informs it
-per request through `RequestTags.length_curve` (the scheduler's forecast, re-read every step as the sample grows) or
-`RequestTags.predicted_tokens` (one number, fixed at submission).
+optimum); this module turns the proposer's view of its batch into their `BatchState` and back, with the engine's
+step costs as it measures them (`observe`: an online fit, scheduler/cost_model.py) and a guard that backs off
+when drafted steps lose (`SpeculationGuard`). The scheduler tunes a hook by its configuration (`{"policy": ...,
+...}` in `additional_config["das"]["budget"]`) and informs it per request through `RequestTags.length_curve` (the
+scheduler's forecast, re-read every step as the sample grows) or `RequestTags.predicted_tokens` (one number,
+fixed at submission).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -23,6 +26,7 @@ from das.scheduler.budget import (
     OptimalPolicy,
     UniformPolicy,
 )
+from das.scheduler.cost_model import GENERIC_PRIOR, CostModel, OnlineCostModel
 from das.scheduler.length import LengthCurve
 
 
@@ -53,6 +57,19 @@ class RequestView:
         return float(max(1.0, min(total, self.max_tokens) - self.generated))
 
 
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One engine step as the proposer measured it: `step_s` seconds from the previous step's proposal to this
+    one's (the whole step: forward pass, sampling, the engine core's bookkeeping, the proposer); `tokens` scheduled
+    (running requests plus the draft tokens they verified); `requests` running; `accepted` draft tokens accepted."""
+
+    step_s: float
+    tokens: int
+    requests: int
+    drafted: int
+    accepted: int
+
+
 class BudgetHook(Protocol):
     name: str
 
@@ -62,42 +79,142 @@ class BudgetHook(Protocol):
         hook's constants where None)."""
         ...
 
+    def observe(self, step: StepSample) -> None:
+        """A measured step (decode only: prefill steps and idle gaps are not passed)."""
+        ...
 
-class PolicyBudget:
-    """A `scheduler.budget` policy fed from the proposer's batch.
+    def stats(self) -> dict[str, Any]:
+        """The live cost fit and the guard's state, plain data."""
+        ...
 
-    capacity / efficiency: the drafter parameters k and a of the budget model (DESIGN.md) for requests without
-    measured ones (the proposer passes measured ones, scheduler/acceptance.py). c_base_s / c_tok_s: the engine's
-    step cost model. Cost: one BatchState (three small numpy arrays) plus the policy, about 30-90 us for 256
-    requests (scheduler/budget.py).
+
+# The guard's probability floors, least to most demanding: a draft token is verified only if the drafter's own
+# estimate that it (and every token before it) is accepted reaches the floor.
+GUARD_FLOORS = (0.0, 0.3, 0.5, 0.7, 0.85)
+
+
+class SpeculationGuard:
+    """Never a loss: watches what drafted steps buy and raises the probability floor of draft tokens while they
+    lose.
+
+    A drafted step of r requests that got `accepted` draft tokens in `step_s` produced (r + accepted) / step_s
+    tokens per second; without drafts the same requests would have produced r / (c_base + c_tok r) by the live
+    cost fit. Their ratio, averaged over recent drafted steps (weight 1/16 each), is what speculation buys. Below
+    `lose` (after `patience` drafted steps at this floor) the floor goes one level up (fewer, likelier drafts),
+    above `win` one level down. The floor never switches drafting off entirely, so the measurement goes on.
     """
 
-    def __init__(self, policy: BudgetPolicy, k_max: int, *, c_base_s: float = 6.1e-3, c_tok_s: float = 30.7e-6,
-                 capacity: float = 0.6, efficiency: float = 1.0) -> None:
+    def __init__(self, lose: float = 0.98, win: float = 1.05, patience: int = 16) -> None:
+        self.lose, self.win, self.patience = lose, win, patience
+        self.level = 0
+        self.gain: float | None = None
+        self._since_change = 0
+        self.raised = 0
+
+    @property
+    def floor(self) -> float:
+        return GUARD_FLOORS[self.level]
+
+    def observe(self, step: StepSample, cost: CostModel) -> None:
+        if not step.drafted or step.requests == 0:
+            return
+        plain_s = cost.step_time(step.requests)
+        ratio = ((step.requests + step.accepted) / step.step_s) / (step.requests / plain_s)
+        self.gain = ratio if self.gain is None else 0.9375 * self.gain + 0.0625 * ratio
+        self._since_change += 1
+        if self._since_change < self.patience:
+            return
+        if self.gain < self.lose and self.level < len(GUARD_FLOORS) - 1:
+            self.level += 1
+            self.raised += 1
+        elif self.gain > self.win and self.level > 0:
+            self.level -= 1
+        else:
+            return
+        self._since_change = 0
+        self.gain = None
+
+
+class PolicyBudget:
+    """A `scheduler.budget` policy fed from the proposer's batch and the engine's live step costs.
+
+    capacity / efficiency: the drafter parameters k and a of the budget model (docs/design.md) for requests
+    without measured ones (the proposer passes measured ones, scheduler/acceptance.py). The step cost model is
+    `cost`, fitted online from the engine's own steps (`observe`) unless `online` is False, and read every step.
+    `guard`: the never-a-loss guard (`SpeculationGuard`), which only ever raises the policy's probability floors.
+    Cost per step: one BatchState (three small numpy arrays) plus the policy, about 30-90 us for 256 requests
+    (scheduler/budget.py), plus the fit's ~50 us (scheduler/cost_model.py).
+    """
+
+    def __init__(self, policy: BudgetPolicy, k_max: int, cost: CostModel, *, online: bool = True,
+                 guard: bool = True, capacity: float = 0.6, efficiency: float = 1.0) -> None:
         self.policy = policy
         self.name = policy.name
         self.k_max = k_max
-        self.c_base_s, self.c_tok_s = c_base_s, c_tok_s
+        self.fit = OnlineCostModel(cost) if online else None
+        self.cost = cost
+        self.guard = SpeculationGuard() if guard else None
         self.capacity, self.efficiency = capacity, efficiency
 
     def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
         n = len(batch)
         capacity = drafter.capacity if drafter is not None else np.full(n, self.capacity)
         efficiency = drafter.efficiency if drafter is not None else np.full(n, self.efficiency)
+        cost = self.cost
         state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), capacity, efficiency,
-                           self.c_base_s, self.c_tok_s, self.k_max, drafter.unmeasured if drafter is not None else None)
-        return self.policy.plan(state)
+                           cost.c_base_s, cost.c_tok_s, self.k_max, drafter.unmeasured if drafter is not None else None,
+                           c_spec_s=cost.c_spec_s)
+        plan = self.policy.plan(state)
+        if self.guard is not None and self.guard.level:
+            plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))
+        return plan
+
+    def observe(self, step: StepSample) -> None:
+        if self.fit is not None:
+            self.fit.observe(step.tokens, step.drafted > 0, step.step_s)
+            self.cost = self.fit.current()
+        if self.guard is not None:
+            self.guard.observe(step, self.cost)
+
+    def stats(self) -> dict[str, Any]:
+        cost = self.cost
+        out: dict[str, Any] = {"c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s, "c_spec_s": cost.c_spec_s,
+                               "prior": self.fit.prior.name if self.fit is not None else cost.name}
+        if self.fit is not None:
+            out.update(dataclasses.asdict(self.fit.stats()))
+        if self.guard is not None:
+            out.update(guard_floor=self.guard.floor, guard_gain=self.guard.gain, guard_raised=self.guard.raised)
+        return out
 
 
 def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
-    """`{"policy": "uniform", "k": K}` (default: uniform K_max), `{"policy": "classes", "long": 16, "medium": 8,
-    "short": 4}`, or `{"policy": "das", "c_base_s": ..., "c_tok_s": ..., "capacity": ..., "efficiency": ...,
-    "per_token": false}` (true: up to K_max tokens per request above a per-token probability floor instead of
-    the model's K_i, scheduler/budget.py)."""
+    """`{"policy": "das"}` (the default: the length-aware optimum, scheduler/budget.py), `{"policy": "uniform",
+    "k": K}` (default K: K_max), or `{"policy": "classes", "long": 16, "medium": 8, "short": 4}`; for every
+    policy, the step cost settings `"prior": {CostModel fields}` (default: `GENERIC_PRIOR`; or its coefficients
+    alone as `"c_base_s"`, `"c_tok_s"`, `"c_spec_s"`), `"online": true`
+    (fit the cost model from this engine's steps; false: keep the prior), `"guard": true` (the never-a-loss
+    guard), and `"capacity"`, `"efficiency"`; for das also `"per_token": false` (true: up to K_max tokens per
+    request above a per-token probability floor instead of the model's K_i). A prior that is not a valid cost
+    model raises ValueError."""
     config = dict(config)
-    name = config.pop("policy", "uniform")
-    cost = {key: float(config.pop(key)) for key in ("c_base_s", "c_tok_s", "capacity", "efficiency")
-            if key in config}
+    name = config.pop("policy", "das")
+    prior = GENERIC_PRIOR
+    if "prior" in config:
+        raw = config.pop("prior")
+        try:
+            prior = CostModel(**raw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"budget prior {raw!r} is not a cost model: {exc}") from None
+    fixed = {key: config.pop(key) for key in ("c_base_s", "c_tok_s", "c_spec_s") if key in config}
+    if fixed:  # shorthand: the prior's coefficients given one by one (e.g. a bench arm's fixed cost model)
+        try:
+            prior = CostModel("configured", **{"c_base_s": 0.0, "c_tok_s": 0.0, **{k: float(v) for k, v in
+                                                                                  fixed.items()}},
+                              source="budget settings")
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"budget cost settings {fixed!r}: {exc}") from None
+    options = {key: bool(config.pop(key)) for key in ("online", "guard") if key in config}
+    drafter = {key: float(config.pop(key)) for key in ("capacity", "efficiency") if key in config}
     if name == "uniform":
         policy: BudgetPolicy = UniformPolicy(int(config.pop("k", k_max)))
     elif name == "classes":
@@ -105,7 +222,7 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
     elif name == "das":
         policy = OptimalPolicy(per_token=bool(config.pop("per_token", False)))
     else:
-        raise ValueError(f"unknown budget policy {name!r}; expected uniform, classes or das")
+        raise ValueError(f"unknown budget policy {name!r}; expected das, uniform or classes")
     if config:
         raise ValueError(f"unknown budget settings for policy {name!r}: {sorted(config)}")
-    return PolicyBudget(policy, k_max, **cost)
+    return PolicyBudget(policy, k_max, prior, **options, **drafter)

@@ -42,7 +42,7 @@ from das.drafter.history import DrafterConfig, HistoryBank
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget import DraftPlan
 from das.scheduler.length import LengthCurve
-from das.service.engine.budget_hook import BudgetHook, RequestView, budget_hook_from_config
+from das.service.engine.budget_hook import BudgetHook, RequestView, StepSample, budget_hook_from_config
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,7 @@ EXTRA_ARGS_KEY = "das"
 
 _MAX_UNCLAIMED = 65536
 _STATS_WINDOW = 10000  # decode steps the cost figures of stats() cover
+IDLE_GAP_S = 1.0  # a gap between two proposals longer than this is the engine idle between batches, not a step
 
 CONFIG_KEY = "das"
 """`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterConfig}, "budget": {...}}`."""
@@ -147,6 +148,7 @@ class DasProposer:
         self._step_batch: deque[int] = deque(maxlen=_STATS_WINDOW)
         self.by_source: dict[str, DraftCounts] = {}  # since start, by source kind (steps unused)
         self.failures = 0
+        self._last_propose: float | None = None
 
     def attach(self, runner: Any) -> None:
         self._runner = runner
@@ -177,10 +179,12 @@ class DasProposer:
         views: list[RequestView] = []
         rows: list[_Running] = []
         verified: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the drafts this step verified
+        prefill = False
         for i, rid in enumerate(req_ids):
             run = self._running.get(rid)
             if run is None:
                 run = self._start(rid, runner.requests[rid])
+                prefill = True
             n = int(num_tokens_no_spec[i])
             if n > run.fed:
                 drafted = int(run.draft.size)
@@ -196,6 +200,7 @@ class DasProposer:
         if verified:
             slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*verified))
             self.acceptance.record(slots, drafted_counts, accepted_counts)
+        self._observe_step(t0, prefill, len(rows), verified)
         if views:
             slots = np.fromiter((run.slot for run in rows), np.int64, len(rows))
             plan = self.budget.plan(views, self.acceptance.params(slots))
@@ -211,6 +216,17 @@ class DasProposer:
         self._step_us.append((time.perf_counter() - t0) * 1e6)
         self._step_batch.append(len(req_ids))
         return drafts
+
+    def _observe_step(self, now: float, prefill: bool, requests: int, verified: list[tuple[int, int, int]]) -> None:
+        """Hands the budget the step that just ran: from the previous proposal to this one is one whole engine
+        step. A step with a prefill in it (a request seen for the first time) or after an idle gap is not a decode
+        step of this shape and is skipped."""
+        last, self._last_propose = self._last_propose, now
+        if last is None or prefill or not requests or now - last > IDLE_GAP_S:
+            return
+        drafted = sum(d for _, d, _ in verified)
+        self.budget.observe(StepSample(now - last, requests + drafted, requests, drafted,
+                                       sum(a for _, _, a in verified)))
 
     # ---- worker-extension API ----
 
@@ -244,6 +260,7 @@ class DasProposer:
             "memory_bytes": self.bank.memory_bytes(),
             "by_source": {kind: {"proposed": c.proposed, "accepted": c.accepted}
                           for kind, c in sorted(self.by_source.items())},
+            "cost": self.budget.stats(),
         }
 
     # ---- internals ----

@@ -461,3 +461,35 @@ def test_unmeasured_requests_get_one_draft_token_the_optimum_would_not_give():
     assert UniformPolicy(3).plan(BatchState(**args, explore=explore)).lengths.tolist() == [3] * 4
     with pytest.raises(ValueError, match="explore"):
         BatchState(**args, explore=np.array([True]))
+
+
+# --- the price of a drafted step ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_with_a_drafted_step_price_the_optimum_drafts_only_when_it_beats_no_drafts(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(1, 64))
+    rem = rng.lognormal(5, 1, n)
+    cap, eff = rng.uniform(0.2, 0.95, n), rng.uniform(0.3, 3, n)
+    c_base, c_tok, c_spec = 40e-3, float(rng.uniform(0.05e-3, 2e-3)), float(rng.uniform(0, 80e-3))
+    priced = solve_budget(BatchState(rem, cap, eff, c_base, c_tok, 8, c_spec_s=c_spec))
+    as_base = solve_budget(BatchState(rem, cap, eff, c_base + c_spec, c_tok, 8))
+    if priced.draft_lengths.any():
+        # the drafted step's price is paid on every pass: the same optimum as a base cost of c_base + c_spec,
+        # and cheaper than running every pass plain
+        assert np.array_equal(priced.draft_lengths, as_base.draft_lengths)
+        assert (c_base + c_spec) * priced.n_forward + c_tok * priced.proposed.sum() < c_base * rem.max()
+    else:
+        assert priced.n_forward == pytest.approx(rem.max())
+        drafted_cost = (c_base + c_spec) * as_base.n_forward + c_tok * as_base.proposed.sum()
+        assert not as_base.draft_lengths.any() or drafted_cost >= c_base * rem.max()
+
+
+def test_no_exploration_on_a_step_the_price_keeps_plain():
+    rem = np.full(32, 200.0)
+    state = BatchState(rem, np.full(32, 0.3), np.full(32, 1.0), 40e-3, 0.5e-3, 8, explore=np.ones(32, bool),
+                       c_spec_s=500e-3)
+    assert not OptimalPolicy().plan(state).lengths.any()
+    cheap = BatchState(rem, np.full(32, 0.3), np.full(32, 1.0), 40e-3, 0.5e-3, 8, explore=np.ones(32, bool))
+    assert OptimalPolicy().plan(cheap).lengths.min() >= 1  # without the price, unmeasured requests explore

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from das.scheduler.cost_model import CostModel, fit_cost_model, load_cost_model, save_cost_model
+import logging
+
+import numpy as np
+
+from das.scheduler.cost_model import (GENERIC_PRIOR, SHIPPED, CostModel, OnlineCostModel, fit_cost_model, load_cost_model,
+                                      prior_cost_model, save_cost_model)
 
 
 def test_h100_7b_is_memory_bound_at_small_batch():
@@ -37,3 +42,77 @@ def test_saved_models_load_by_name_and_bad_files_are_clear_errors(tmp_path):
         load_cost_model(str(bad))
     with pytest.raises(ValueError):
         CostModel(name="z", c_base_s=-1.0, c_tok_s=0.0, source="s")
+
+
+# --- the online fit -------------------------------------------------------------------------------------------
+
+TRUE = CostModel("true", 44e-3, 0.49e-3, "synthetic", c_spec_s=12e-3)
+
+
+def feed(fit: OnlineCostModel, truth: CostModel, steps: int, rng: np.random.Generator, *, drafted_share: float = 0.3,
+         outliers: float = 0.0) -> None:
+    for _ in range(steps):
+        n, drafted = int(rng.integers(4, 160)), bool(rng.random() < drafted_share)
+        t = truth.step_time(n, drafted) * rng.lognormal(0.0, 0.05)
+        if rng.random() < outliers:
+            t *= 8.0  # a step that shared the CPU with something else
+        fit.observe(n, drafted, t)
+
+
+def test_online_fit_recovers_the_three_costs_through_noise_and_outliers():
+    fit = OnlineCostModel(GENERIC_PRIOR)
+    feed(fit, TRUE, 1500, np.random.default_rng(1), outliers=0.03)
+    got = fit.current()
+    assert got.c_base_s == pytest.approx(TRUE.c_base_s, rel=0.1)
+    assert got.c_tok_s == pytest.approx(TRUE.c_tok_s, rel=0.1)
+    assert got.c_spec_s == pytest.approx(TRUE.c_spec_s, rel=0.35)
+    assert fit.stats().steps == 1500 and fit.stats().fit_error < 0.5
+
+
+def test_online_fit_follows_the_machine_load_as_it_moves():
+    fit = OnlineCostModel(TRUE)
+    rng = np.random.default_rng(2)
+    feed(fit, TRUE, 600, rng)
+    slower = CostModel("slower", 2 * TRUE.c_base_s, 2 * TRUE.c_tok_s, "synthetic", c_spec_s=TRUE.c_spec_s)
+    feed(fit, slower, 3000, rng)
+    assert fit.current().c_base_s == pytest.approx(slower.c_base_s, rel=0.15)
+    assert fit.current().c_tok_s == pytest.approx(slower.c_tok_s, rel=0.15)
+
+
+def test_a_cost_the_steps_do_not_show_stays_at_its_prior():
+    """No drafted step seen: c_spec is the prior's, whatever the plain steps say."""
+    fit = OnlineCostModel(TRUE)
+    feed(fit, CostModel("t", 30e-3, 0.3e-3, "s"), 800, np.random.default_rng(3), drafted_share=0.0)
+    assert fit.current().c_spec_s == pytest.approx(TRUE.c_spec_s, rel=1e-6)
+
+
+@pytest.mark.parametrize("step_s", [float("nan"), float("inf"), 0.0, -0.01, 60.0])
+def test_impossible_steps_are_rejected_and_counted(step_s):
+    fit = OnlineCostModel(TRUE)
+    before = fit.current()
+    assert fit.observe(64, False, step_s) is False
+    assert fit.current() == before and fit.stats().rejected_steps == 1 and fit.stats().steps == 0
+
+
+def test_a_fit_that_goes_negative_is_rejected_and_the_last_good_one_kept():
+    """Step times that fall as tokens grow would fit a negative c_tok: that fit is refused."""
+    fit = OnlineCostModel(CostModel("p", 10e-3, 1e-6, "s"), prior_steps=0.5)
+    for i in range(200):
+        n = 4 + (i % 50) * 4
+        fit.observe(n, False, max(1e-3, 0.2 - 0.9e-3 * n))
+    got = fit.current()
+    assert got.c_tok_s >= 0 and got.c_base_s >= 0 and fit.stats().rejected_fits > 0
+
+
+def test_the_prior_is_the_stored_calibration_then_the_shipped_one_then_generic(tmp_path, caplog):
+    assert prior_cost_model("/models/some-unknown-model", tmp_path) == GENERIC_PRIOR
+    assert prior_cost_model("/data/models/smollm2", tmp_path) == SHIPPED["smollm2"]
+    stored = CostModel("cpu-smollm2", 30e-3, 0.3e-3, "das calibrate here")
+    path = save_cost_model(stored, tmp_path)
+    assert prior_cost_model("/data/models/smollm2", tmp_path) == stored
+    for corrupt in ("{not json", '{"name": "cpu-smollm2", "c_base_s": -5, "c_tok_s": 1, "source": "x"}', "[]"):
+        path.write_text(corrupt)
+        with caplog.at_level(logging.WARNING, logger="das.scheduler.cost_model"):
+            assert prior_cost_model("/data/models/smollm2", tmp_path) == SHIPPED["smollm2"]
+        assert "ignoring the stored cost model" in caplog.text
+        caplog.clear()

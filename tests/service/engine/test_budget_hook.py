@@ -5,18 +5,74 @@ import pytest
 
 from das.scheduler.budget import DrafterParams
 from das.scheduler.length import LengthCurve
-from das.service.engine.budget_hook import RequestView, budget_hook_from_config
+from das.scheduler.cost_model import GENERIC_PRIOR
+from das.service.engine.budget_hook import GUARD_FLOORS, RequestView, StepSample, budget_hook_from_config
 
 
 def views(*remaining: int, max_tokens: int = 1000) -> list[RequestView]:
     return [RequestView(generated=0, predicted_tokens=float(r), max_tokens=max_tokens, room=64) for r in remaining]
 
 
-def test_default_is_uniform_k_max():
+def test_default_is_the_length_aware_budget_on_an_online_fit_from_the_generic_prior():
     hook = budget_hook_from_config({}, k_max=6)
+    assert hook.name == "das" and hook.fit is not None and hook.guard is not None
+    assert hook.cost == GENERIC_PRIOR
+    plan = hook.plan(views(*([10] * 31), 500))
+    assert plan.lengths[-1] > 0 and plan.lengths[:-1].max() == 0  # the long one drafts, the short ones not
+
+
+def test_uniform_k_max():
+    hook = budget_hook_from_config({"policy": "uniform"}, k_max=6)
     assert hook.name == "uniform-6"
     plan = hook.plan(views(10, 500))
     assert plan.lengths.tolist() == [6, 6] and plan.min_prob.tolist() == [0.0, 0.0]  # no floor: all proposed
+
+
+def test_the_budget_reads_the_live_fit_each_step():
+    """An engine whose steps turn out nearly free per token (memory-bound) drafts for everyone; one whose tokens
+    turn out dear (compute-bound) drafts only where few requests remain, from the same prior."""
+    rng = np.random.default_rng(0)
+    plans = {}
+    for label, (c_base, c_tok) in {"memory-bound": (20e-3, 2e-6), "compute-bound": (20e-3, 2e-3)}.items():
+        hook = budget_hook_from_config({"prior": {"name": "p", "c_base_s": 20e-3, "c_tok_s": 0.2e-3,
+                                                  "source": "test"}}, k_max=8)
+        for _ in range(400):
+            n = int(rng.integers(8, 200))
+            hook.observe(StepSample(c_base + c_tok * n, n, n, 0, 0))
+        assert hook.cost.c_tok_s == pytest.approx(c_tok, rel=0.05, abs=5e-6)  # the prior said 0.2e-3
+        plans[label] = hook.plan(views(*([300] * 32)), DrafterParams(np.full(32, 0.8), np.full(32, 1.0))).lengths
+    assert plans["memory-bound"].min() >= 4 and plans["compute-bound"].max() == 0
+
+
+def test_a_dear_drafted_step_switches_drafting_off_where_it_would_pay_per_token():
+    batch = views(*([200] * 16))
+    drafter = DrafterParams(np.full(16, 0.5), np.full(16, 1.0))
+    cheap = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    dear = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 200e-3, "online": False},
+                                   k_max=8)
+    assert cheap.plan(batch, drafter).lengths.min() > 0
+    assert dear.plan(batch, drafter).lengths.max() == 0
+
+
+def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win():
+    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    for _ in range(200):  # 32 requests, 64 drafts, 2 accepted, a step twice the plain one: a loss
+        hook.observe(StepSample(0.11, 96, 32, 64, 2))
+    assert hook.guard.floor == GUARD_FLOORS[-1]
+    plan = hook.plan(views(*([300] * 4)), DrafterParams(np.full(4, 0.9), np.full(4, 1.0)))
+    assert np.all(plan.min_prob[plan.lengths > 0] >= GUARD_FLOORS[-1])
+    for _ in range(200):  # 4 requests, 32 drafts, 20 accepted: a win
+        hook.observe(StepSample(0.06, 36, 4, 32, 20))
+    assert hook.guard.floor == 0.0
+    assert hook.stats()["guard_raised"] == len(GUARD_FLOORS) - 1
+
+
+@pytest.mark.parametrize("prior", [{"name": "x", "c_base_s": -1.0, "c_tok_s": 0.0, "source": "?"},
+                                   {"name": "x", "c_base_s": float("nan"), "c_tok_s": 1.0, "source": "?"},
+                                   {"c_base_s": 1.0}, "not a dict"])
+def test_a_bad_prior_is_a_clear_error(prior):
+    with pytest.raises(ValueError, match="prior"):
+        budget_hook_from_config({"prior": prior}, k_max=8)
 
 
 def test_classes_give_long_predicted_samples_more_drafts():

@@ -81,7 +81,7 @@ def test_missing_model_parts_are_named_with_the_pip_command():
 
 
 def test_qwen_conversion_stops_before_writing_when_parts_are_missing(tmp_path, monkeypatch):
-    from das.service import models
+    from das.service.engine import models
 
     monkeypatch.setattr(models, "QWEN_CODER_PARTS", ("das-absent-part1", "das-absent-part2"))
     with pytest.raises(FileNotFoundError, match="das-absent-part1, das-absent-part2; install them with: .* -m pip "
@@ -115,7 +115,7 @@ def test_parts_given_out_of_order_are_rejected(fake_parts, tmp_path):
 
 
 def test_qwen_conversion_rejects_parts_that_are_not_qwens_gguf(fake_parts, tmp_path, monkeypatch):
-    from das.service import models
+    from das.service.engine import models
 
     names, _ = fake_parts
     monkeypatch.setattr(models, "QWEN_CODER_PARTS", tuple(names))
