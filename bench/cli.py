@@ -243,3 +243,41 @@ def bench_e2e(
         markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(render_markdown(result, _command_line(ctx)) + "\n")
     emit(result, as_json)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    arms: Annotated[str, typer.Option(help="Comma-separated `das serve --speculation` values; the first is the "
+                                           "baseline of the ratios.")] = "none,das",
+    problems: Annotated[str, typer.Option(help="JSONL prompt file or reasoning-gym:N.")] = "reasoning-gym:8",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 8,
+    epochs: Annotated[int, typer.Option(min=1)] = 3,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
+    repeats: Annotated[int, typer.Option(min=1, help="Fresh servers per arm; tables show medians.")] = 3,
+    port: Annotated[int, typer.Option(help="Port of the servers (one at a time).")] = 8123,
+    serve_args: Annotated[str, typer.Option("--serve-args", help="More `das serve` flags for every arm, as one "
+                                                                  "string (e.g. '--eager').")] = "",
+    log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each server's log goes.")] = Path("bench-logs"),
+    markdown: Annotated[Optional[Path], typer.Option(help="Write the table as markdown.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The quick start's run as the benchmark: `das serve` per arm, `das rollout`'s epochs against it, medians of
+    repeats and ratios to the first arm."""
+    import shlex
+
+    from das.bench.user_run import UserRunConfig, run_user_bench
+    from das.service.prompt_sets import PromptSetError, load_prompt_set
+
+    try:
+        problem_set = load_prompt_set(problems)
+        config = UserRunConfig(arms=tuple(a.strip() for a in arms.split(",") if a.strip()), repeats=repeats,
+                               samples=samples, epochs=epochs, max_tokens=max_tokens, temperature=temperature,
+                               port=port, serve_args=tuple(shlex.split(serve_args)))
+        result = run_user_bench(config, problem_set, problems, log_dir,
+                                progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+    except (PromptSetError, OSError, ValueError, RuntimeError, TimeoutError) as exc:
+        fail(str(exc))
+    if markdown is not None:
+        markdown.write_text(result.markdown())
+    emit(result, as_json)

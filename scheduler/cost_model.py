@@ -179,26 +179,36 @@ class OnlineCostModel:
     """`t_step = c_base + c_tok * n_tokens + c_spec * drafted`, fitted from an engine's own measured steps.
 
     Exponentially weighted least squares (a step's weight halves every `half_life_steps` steps, so the fit follows
-    the machine's load as it moves) regularised towards the prior with the weight of `prior_steps` steps that never
-    fades: a coefficient the recent steps cannot tell apart (no drafted step seen, one batch size only) stays at
-    its prior instead of drifting. Robust to outliers: a step whose residual exceeds 4 recent mean absolute
-    residuals counts with a Huber weight (less the further out it is), and a step time that is not finite, not
-    positive, or more than `max_ratio` times the prediction (a paused machine) is rejected and counted.
+    the machine's load as it moves) regularised towards the prior with the weight of `prior_steps` steps that
+    never fades. The prior is kept as a shape: the fit is t = s (1 + tau n + rho d) + e_tok n + e_spec d with
+    tau and rho the prior's c_tok / c_base and c_spec / c_base, s's prior the prior's c_base and the e's prior 0,
+    so c_base = s, c_tok = s tau + e_tok, c_spec = s rho + e_spec. The scale s weighs 1/200 of the shape in the
+    prior: a machine faster or slower than the prior (the common case) moves s at once, and a coefficient the
+    recent steps cannot tell apart (no drafted step seen, one batch size only) keeps the prior's proportion to
+    c_base rather than its absolute value, which on a faster machine would make drafts look dear for good.
 
-    Coordinates are scaled (n_tokens by `token_scale`) so the prior's weight means the same for every coefficient.
+    Robust to outliers: a step whose residual exceeds 4 recent mean absolute residuals counts with a Huber weight
+    (less the further out it is), and a step time that is not finite, not positive, or more than `max_ratio`
+    times the prediction (a paused machine) is rejected and counted. A solve that gives a negative c_base or c_tok
+    or a step over 100x the prior's is rejected and counted; the last good fit stays.
+
+    n_tokens is scaled by `token_scale` so that the shape's prior weighs about the same on c_tok and c_spec.
     Cost: `observe` is a few numpy operations on 3x3 arrays plus one 3x3 solve, `current` builds one CostModel:
     ~50 us together on the 2-core development machine (against steps of tens of ms there, 5-20 ms on a GPU).
     """
 
-    def __init__(self, prior: CostModel, *, prior_steps: float = 20.0, half_life_steps: float = 400.0,
+    def __init__(self, prior: CostModel, *, prior_steps: float = 2.0, half_life_steps: float = 400.0,
                  token_scale: float = 32.0, max_ratio: float = 20.0) -> None:
         if not (prior_steps > 0 and half_life_steps > 0 and token_scale > 0 and max_ratio > 1):
             raise ValueError("OnlineCostModel: prior_steps, half_life_steps, token_scale > 0 and max_ratio > 1")
         self.prior = prior
         self._decay = 0.5 ** (1.0 / half_life_steps)
-        self._scale = np.array([1.0, token_scale, 1.0])
-        self._theta0 = np.array([prior.c_base_s, prior.c_tok_s * token_scale, prior.c_spec_s])
-        self._lambda0 = prior_steps * np.eye(3) * np.array([1.0, 1.0, 0.5])
+        self._token_scale = token_scale
+        base = max(prior.c_base_s, 1e-9)
+        self._tau, self._rho = prior.c_tok_s / base, prior.c_spec_s / base
+        self._theta0 = np.array([prior.c_base_s, 0.0, 0.0])  # (s, e_tok * token_scale, e_spec)
+        # the scale s is nearly free (a machine faster or slower than the prior is the common case), the shape is not
+        self._lambda0 = prior_steps * np.diag([0.005, 1.0, 1.0])
         self._gram = np.zeros((3, 3))
         self._moment = np.zeros(3)
         self._max_ratio = max_ratio
@@ -209,7 +219,8 @@ class OnlineCostModel:
 
     def observe(self, n_tokens: float, drafted: bool, step_s: float) -> bool:
         """One measured step; False when it was rejected. Refits at once."""
-        x = np.array([1.0, n_tokens / self._scale[1], 1.0 if drafted else 0.0])
+        d = 1.0 if drafted else 0.0
+        x = np.array([1.0 + self._tau * n_tokens + self._rho * d, n_tokens / self._token_scale, d])
         predicted = float(self._theta @ x)
         if not (math.isfinite(step_s) and step_s > 0 and n_tokens >= 0) or step_s > self._max_ratio * predicted:
             self._rejected_steps += 1
@@ -228,18 +239,24 @@ class OnlineCostModel:
         self._moment += weight * step_s * x
         self._steps += 1
         theta = np.linalg.solve(self._gram + self._lambda0, self._moment + self._lambda0 @ self._theta0)
-        # c_base or c_tok below 0, or anything beyond 100x the prior's step, is no machine: keep the last good fit
-        limit = 100.0 * self.prior.step_time(self._scale[1], drafted=True)
-        if not (np.all(np.isfinite(theta)) and theta[0] >= 0 and theta[1] >= 0 and np.all(np.abs(theta) < limit)):
+        # c_base or c_tok below 0, or a step beyond 100x the prior's, is no machine: keep the last good fit
+        c_base, c_tok, _ = self._coefficients(theta)
+        limit = 100.0 * self.prior.step_time(self._token_scale, drafted=True)
+        if not (np.all(np.isfinite(theta)) and c_base >= 0 and c_tok >= 0
+                and c_base + c_tok * self._token_scale < limit):
             self._rejected_fits += 1
             return True
         self._theta = theta
         return True
 
+    def _coefficients(self, theta: np.ndarray) -> tuple[float, float, float]:
+        """(c_base, c_tok, c_spec) of the fit's (s, e_tok * token_scale, e_spec)."""
+        s, e_tok, e_spec = (float(v) for v in theta)
+        return s, s * self._tau + e_tok / self._token_scale, s * self._rho + e_spec
+
     def current(self) -> CostModel:
         """The live fit (c_spec clipped at 0: a drafted step is never cheaper than a plain one)."""
-        c_base, c_tok_scaled, c_spec = (float(v) for v in self._theta)
-        c_tok = c_tok_scaled / float(self._scale[1])
+        c_base, c_tok, c_spec = self._coefficients(self._theta)
         if c_base + c_tok <= 0:
             return self.prior
         fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None

@@ -33,10 +33,16 @@ class EpochFigures:
     accepted_tokens: int
     errors: int
     policy_versions: list[int]
+    longest_tokens: int = 0  # the longest sample's output tokens: at T > 0 the makespan follows it
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    @property
+    def seconds_per_longest_token(self) -> float:
+        """Makespan over the longest sample's length: comparable across runs that drew different stragglers."""
+        return self.makespan_s / self.longest_tokens if self.longest_tokens else 0.0
 
 
 @dataclass(frozen=True)
@@ -46,18 +52,19 @@ class RolloutRun:
     records: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {"epochs": [{**asdict(e), "tokens_per_s": e.tokens_per_s} for e in self.epochs],
+        return {"epochs": [{**asdict(e), "tokens_per_s": e.tokens_per_s,
+                            "seconds_per_longest_token": e.seconds_per_longest_token} for e in self.epochs],
                 "history_file": self.history_file, "records": self.records}
 
     def print(self, console: Console) -> None:
         table = Table(title="das rollout: makespan per epoch (client-side)")
-        for column in ("epoch", "makespan s", "samples", "tokens", "tokens/s", "drafted", "accepted", "errors",
-                       "policy"):
+        for column in ("epoch", "makespan s", "samples", "tokens", "tokens/s", "longest", "drafted", "accepted",
+                       "errors", "policy"):
             table.add_column(column, justify="right")
         for e in self.epochs:
             table.add_row(str(e.epoch), f"{e.makespan_s:.2f}", str(e.samples), str(e.output_tokens),
-                          f"{e.tokens_per_s:.1f}", str(e.draft_tokens), str(e.accepted_tokens), str(e.errors),
-                          ",".join(map(str, e.policy_versions)))
+                          f"{e.tokens_per_s:.1f}", str(e.longest_tokens), str(e.draft_tokens),
+                          str(e.accepted_tokens), str(e.errors), ",".join(map(str, e.policy_versions)))
         console.print(table)
         if self.history_file:
             console.print(f"{self.records} rollouts written to {self.history_file}")
@@ -75,11 +82,12 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
         for epoch in range(1, epochs + 1):
             task = bar.add_task("samples", total=expected, epoch=epoch)
             start = time.perf_counter()
-            received = tokens = drafted = accepted = errors = 0
+            received = tokens = drafted = accepted = errors = longest = 0
             versions: set[int] = set()
             for sample in client.generate(groups, return_prompt_token_ids=history_file is not None):
                 bar.advance(task)
                 tokens += len(sample.output_token_ids)
+                longest = max(longest, len(sample.output_token_ids))
                 drafted += sample.draft_tokens
                 accepted += sample.accepted_tokens
                 errors += sample.finish_reason == "error"
@@ -91,6 +99,6 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
                                                  tuple(sample.prompt_token_ids or ()),
                                                  tuple(sample.output_token_ids), sample.finish_reason))
             figures.append(EpochFigures(epoch, time.perf_counter() - start, received, tokens, drafted, accepted,
-                                        errors, sorted(versions)))
+                                        errors, sorted(versions), longest))
     written = write_rollouts(history_file, records) if history_file is not None else 0
     return RolloutRun(figures, str(history_file) if history_file is not None else None, written)

@@ -91,6 +91,9 @@ class BudgetHook(Protocol):
 # The guard's probability floors, least to most demanding: a draft token is verified only if the drafter's own
 # estimate that it (and every token before it) is accepted reaches the floor.
 GUARD_FLOORS = (0.0, 0.3, 0.5, 0.7, 0.85)
+# One planned step in this many ignores the drafted-step price (see PolicyBudget.plan): at most 1/32 of the steps
+# pay c_spec for exploring.
+EXPLORE_EVERY = 32
 
 
 class SpeculationGuard:
@@ -155,15 +158,20 @@ class PolicyBudget:
         self.cost = cost
         self.guard = SpeculationGuard() if guard else None
         self.capacity, self.efficiency = capacity, efficiency
+        self._steps = 0
 
     def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
         n = len(batch)
         capacity = drafter.capacity if drafter is not None else np.full(n, self.capacity)
         efficiency = drafter.efficiency if drafter is not None else np.full(n, self.efficiency)
         cost = self.cost
+        self._steps += 1
+        # bounded exploration: one step in EXPLORE_EVERY plans as if drafted steps cost nothing extra, so requests
+        # still measure their acceptance and the fit still sees drafted steps where the price keeps steps plain
+        c_spec = 0.0 if self._steps % EXPLORE_EVERY == 0 else cost.c_spec_s
         state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), capacity, efficiency,
                            cost.c_base_s, cost.c_tok_s, self.k_max, drafter.unmeasured if drafter is not None else None,
-                           c_spec_s=cost.c_spec_s)
+                           c_spec_s=c_spec)
         plan = self.policy.plan(state)
         if self.guard is not None and self.guard.level:
             plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))

@@ -79,11 +79,16 @@ def test_online_fit_follows_the_machine_load_as_it_moves():
     assert fit.current().c_tok_s == pytest.approx(slower.c_tok_s, rel=0.15)
 
 
-def test_a_cost_the_steps_do_not_show_stays_at_its_prior():
-    """No drafted step seen: c_spec is the prior's, whatever the plain steps say."""
+def test_a_cost_the_steps_do_not_show_keeps_its_prior_proportion():
+    """No drafted step seen, on a machine 3x faster than the prior: c_spec keeps the prior's proportion to c_base
+    (not its absolute value, which would make drafted steps look dear for good); one batch size only: c_tok too."""
     fit = OnlineCostModel(TRUE)
-    feed(fit, CostModel("t", 30e-3, 0.3e-3, "s"), 800, np.random.default_rng(3), drafted_share=0.0)
-    assert fit.current().c_spec_s == pytest.approx(TRUE.c_spec_s, rel=1e-6)
+    for _ in range(800):
+        fit.observe(64, False, TRUE.step_time(64) / 3)
+    got = fit.current()
+    assert got.step_time(64) == pytest.approx(TRUE.step_time(64) / 3, rel=0.01)
+    assert got.c_spec_s / got.c_base_s == pytest.approx(TRUE.c_spec_s / TRUE.c_base_s, rel=1e-6)
+    assert got.c_tok_s / got.c_base_s == pytest.approx(TRUE.c_tok_s / TRUE.c_base_s, rel=0.05)
 
 
 @pytest.mark.parametrize("step_s", [float("nan"), float("inf"), 0.0, -0.01, 60.0])

@@ -1,0 +1,56 @@
+"""`das bench serve`: real `das serve` processes (stub engines: no model), the user's epochs against each, the
+medians and ratios it reports."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+from typer.testing import CliRunner
+
+from das.bench.cli import app
+from das.bench.user_run import UserRunConfig, UserRunResult
+from das.service.rollout_run import EpochFigures
+
+
+def figures(makespans: list[float], tokens: int = 1000, longest: int = 100) -> list[EpochFigures]:
+    return [EpochFigures(e + 1, m, 16, tokens, 0, 0, 0, [0], longest) for e, m in enumerate(makespans)]
+
+
+def test_medians_over_repeats_and_ratios_to_the_first_arm():
+    result = UserRunResult(UserRunConfig(arms=("none", "das"), repeats=3, epochs=2), "reasoning-gym:2", {
+        "none": [figures([10, 20]), figures([12, 22]), figures([11, 100])],
+        "das": [figures([8, 10]), figures([9, 11], longest=50), figures([30, 12])],
+    })
+    assert [m["makespan_s"] for m in result.medians("none")] == [11, 22]
+    assert [m["makespan_s"] for m in result.medians("das")] == [9, 11]
+    ratios = result.ratios("das")
+    assert ratios[0]["makespan_s"] == pytest.approx(9 / 11) and ratios[1]["makespan_s"] == pytest.approx(0.5)
+    assert ratios[1]["tokens_per_s"] == pytest.approx((1000 / 11) / (1000 / 22))
+    # per longest-sample token: das epoch 2 medians 0.10, 0.22, 0.12 s per token; none 0.2, 0.22, 1.0
+    assert ratios[1]["s_per_longest_token"] == pytest.approx(0.12 / 0.22)
+    assert "| das | 2 | 11.0 |" in result.markdown()
+    assert json.loads(json.dumps(result.to_dict()))["ratios"]["none"][0]["makespan_s"] == 1.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_runs_real_servers_per_arm_and_prints_the_ratios(tmp_path):
+    out = tmp_path / "run.md"
+    result = CliRunner().invoke(app, [
+        "bench", "serve", "--arms", "none,das", "--problems", "reasoning-gym:2", "--samples", "2", "--epochs", "2",
+        "--repeats", "1", "--max-tokens", "16", "--port", str(_free_port()), "--serve-args", "--stub-engine",
+        "--log-dir", str(tmp_path / "logs"), "--markdown", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout[result.stdout.index("{"):])
+    for arm in ("none", "das"):
+        (run,) = doc["runs"][arm]
+        assert [e["samples"] for e in run] == [4, 4] and all(e["output_tokens"] > 0 for e in run)
+    assert doc["ratios"]["none"][1]["makespan_s"] == 1.0 and doc["ratios"]["das"][1]["makespan_s"] > 0
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["serve-das-1.log", "serve-none-1.log"]
+    assert "| das | 2 |" in out.read_text()
