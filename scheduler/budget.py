@@ -1,6 +1,6 @@
 """Draft budget policies: every decode step, a draft length K_i in [0, K_max] for every running request.
 
-The model (DESIGN.md, "The length-aware budget")
+The model (docs/design.md, "The length-aware budget")
 -----------------------------------------------
 A forward pass costs t = c_base + c_tok * n_tokens seconds (n_tokens: tokens verified in the pass, drafts
 included). Request i has l_i predicted remaining tokens, drafter capacity k_i in (0, 1] and acceptance efficiency
@@ -21,8 +21,9 @@ sufficient. Lagrangian L = c_base N + c_tok sum p_i + sum_i lambda_i (l_i (1 - k
   * then lambda_i = c_tok / (k_i a_i e^{-a_i p_i / l_i}) = c_tok w_i / (N - b_i), and dL/dN = c_base - sum lambda_i
     = 0 gives
         c_base = c_tok g(N),   g(N) = sum_{l_i > N} w_i / (N - b_i) = sum_{l_i > N} 1 / (a_i (k_i - 1 + N / l_i)).
-DESIGN.md prints this condition as sum k_i / (a_i (1 - k_i + k_i N / l_i)): that is the derivative of the paper's
-uncorrected ln(1 - k_i (1 - N / l_i)), not of the corrected p_i above; the two agree only at k_i = 1.
+The paper's printed p_i = -(l_i / a_i) ln(1 - k_i (1 - N / l_i)) would give sum k_i / (a_i (1 - k_i + k_i N / l_i))
+here instead; it does not satisfy the model's own constraint, and the two agree only at k_i = 1 (docs/design.md,
+"Derivation of the closed form").
 
 Solving for N. Divide by c_tok: g(N) = r with r = c_base / c_tok (tokens; the step's fixed cost counted in
 tokens). Every term w_i / (N - b_i) decreases in N and drops out when N reaches l_i, so g is decreasing on
@@ -296,7 +297,7 @@ class OptimalPolicy:
     while the drafter's own estimate of its acceptance stays at least the request's marginal
     (BudgetSolution.marginal): the model's average acceptance curve decides who drafts and how cheap a token must
     be, the drafter's per-token estimate which tokens clear that bar. It depends on those estimates being
-    calibrated; on the bundled traces they run low and the floor cuts good drafts (README, simulated makespan),
+    calibrated; on the bundled traces they run low and the floor cuts good drafts (docs/results/2026-11-23-simulated-makespan.md),
     so it is not the default.
     """
 

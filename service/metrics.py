@@ -1,4 +1,4 @@
-"""Prometheus metrics of the gateway (prefix `das_`, units in the names, DESIGN.md "Metrics").
+"""Prometheus metrics of the gateway (prefix `das_`, units in the names, docs/design.md "Metrics").
 
 The gateway updates plain counters and bucket arrays on its event loop, per sample as it streams; prometheus-client
 reads them at scrape time through a custom collector. Why not its Counter/Histogram objects: each update takes a

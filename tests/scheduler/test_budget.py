@@ -131,7 +131,7 @@ def test_matches_brute_force_on_two_and_three_requests(seed):
 
 
 def test_the_printed_paper_formula_is_not_the_optimum():
-    # DESIGN.md notes the paper's ln(1 - k (1 - N / l)); with k < 1 it misses the constraint the model imposes.
+    # docs/design.md notes the paper's ln(1 - k (1 - N / l)); with k < 1 it misses the constraint the model imposes.
     b = batch([2000.0, 900.0], capacity=0.6, efficiency=1.2)
     s = solve_budget(b)
     l, k, a = b.remaining, b.capacity, b.efficiency
