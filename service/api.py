@@ -1,26 +1,95 @@
 """Typed requests and results that cross a boundary (HTTP, Ray, the engine): pydantic models, unknown keys
-rejected, so a typo in a sampling key is an error and not a silently ignored setting."""
+rejected, so a typo in a sampling key is an error and not a silently ignored setting.
+
+Bounds: what a request may carry is what every later stage can hold, so nothing accepted here fails later.
+Integers fit an int64 (msgpack, which carries batches to the engines and history to snapshots, holds no more);
+token ids and token counts an int32 (vLLM's and the drafter's buffers); floats are finite; strings are valid
+Unicode (JSON can spell a lone UTF-16 surrogate, which no tokenizer, msgpack frame or file name takes); sampling
+stays within what vLLM's `SamplingParams` accepts (temperature in [0, 2], top_p in (0, 1], top_k -1 or 0 for no
+cut or a positive count, non-empty stop strings).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from das.scheduler.length import LengthCurve
 
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1  # token ids and token counts (drafter.records.MAX_TOKEN_ID is the same bound)
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode: a lone UTF-16 surrogate") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# A NUL ends a path in every system call, so a path holding one is never the path meant; 4096 is Linux's PATH_MAX.
+CheckpointPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$"), AfterValidator(_unicode)]
+
+
+def wire_problem(value: Any, where: str = "value") -> str | None:
+    """Why parsed JSON `value` cannot travel on as msgpack or be stored (an integer beyond int64, a float that is
+    not finite, a string with a lone surrogate), naming the part at fault; None if it can."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if -INT64_MAX - 1 <= value <= INT64_MAX else f"{where}: integer beyond int64"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where}: {value} is not a finite number"
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return f"{where}: not valid Unicode (a lone UTF-16 surrogate)"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = wire_problem(key, f"{where} key") or wire_problem(item, f"{where}.{key}")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, (list, tuple)):
+        # Token lists are the bulk of a history import: whole lists of plain ints in range pass without a walk.
+        if value and all(type(v) is int for v in value) and -INT64_MAX - 1 <= min(value) and max(value) <= INT64_MAX:
+            return None
+        for i, item in enumerate(value):
+            problem = wire_problem(item, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    return f"{where}: a {type(value).__name__} is not a JSON value"
+
 
 class SamplingSpec(BaseModel):
-    """How the samples of one group are drawn. Temperature 0 is greedy."""
+    """How the samples of one group are drawn. Temperature 0 is greedy. The bounds are vLLM's (`SamplingParams`),
+    so whatever passes here the engine runs."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    max_tokens: int = Field(256, ge=1, description="output tokens per sample, at most")
-    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    max_tokens: int = Field(256, ge=1, le=INT32_MAX, description="output tokens per sample, at most")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0: no top-k cut")
-    stop: tuple[str, ...] = Field((), description="stop strings (not included in the output)")
-    stop_token_ids: tuple[int, ...] = ()
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1: no top-k cut")
+    stop: tuple[NonEmptyText, ...] = Field((), description="stop strings (not included in the output)")
+    stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
 
 
@@ -28,7 +97,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     role: Literal["system", "user", "assistant"]
-    content: str
+    content: Text
 
 
 # The service's own curves have at most window x max_per_version + 64 steps (321 at the defaults).
@@ -39,15 +108,16 @@ class GroupRequest(BaseModel):
     """One prompt, `n` samples: the unit an RL trainer asks for. Exactly one of `prompt_token_ids`, `prompt`
     (text) and `messages` (chat; the model's template is applied)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    problem_id: str = Field(min_length=1, max_length=512)
+    problem_id: Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_unicode)]
     n: int = Field(1, ge=1, le=4096)
-    prompt_token_ids: tuple[int, ...] | None = None
-    prompt: str | None = None
+    prompt_token_ids: tuple[TokenId, ...] | None = None
+    prompt: NonEmptyText | None = None
     messages: tuple[ChatMessage, ...] | None = None
     sampling: SamplingSpec = SamplingSpec()
-    predicted_tokens: float | None = Field(None, gt=0, description="the scheduler's predicted output length")
+    predicted_tokens: float | None = Field(None, gt=0, le=INT32_MAX,
+                                           description="the scheduler's predicted output length")
     length_curve: LengthCurve | None = Field(
         None, description="the scheduler's predicted output length as a function of the tokens a sample has "
                           "generated (what the draft budget reads every step); the service fills it in when neither "
@@ -64,11 +134,17 @@ class GroupRequest(BaseModel):
             raise ValueError("messages is empty")
         return self
 
-    @field_validator("length_curve")
+    @field_validator("length_curve", mode="wrap")
     @classmethod
-    def _bounded_curve(cls, curve: LengthCurve | None) -> LengthCurve | None:
+    def _bounded_curve(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> LengthCurve | None:
+        try:
+            curve: LengthCurve | None = handler(value)
+        except OverflowError:  # the curve's int64 array refuses a larger start
+            raise ValueError("starts: integers must fit an int64") from None
         if curve is not None and len(curve.starts) > MAX_CURVE_POINTS:
             raise ValueError(f"{len(curve.starts)} steps, at most {MAX_CURVE_POINTS}")
+        if curve is not None and curve.tail_from > INT64_MAX:
+            raise ValueError("tail_from: integers must fit an int64")
         return curve
 
 
@@ -116,8 +192,8 @@ class RolloutRequest(BaseModel):
     logprobs: bool = False
     return_prompt_token_ids: bool = Field(False, description="each sample carries its prompt's token ids (what "
                                                              "a history file needs)")
-    resume_from: int = Field(0, ge=0, description="when attaching to an existing batch, skip its first records "
-                                                  "(the number the client already has)")
+    resume_from: int = Field(0, ge=0, le=INT64_MAX, description="when attaching to an existing batch, skip its "
+                                                               "first records (the number the client already has)")
 
 
 class SampleRecord(BaseModel):
@@ -168,8 +244,9 @@ class BatchSummary(BaseModel):
 class WeightsRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    path: str = Field(min_length=1, description="checkpoint directory, inside the weights root")
-    version: int = Field(ge=0, description="policy version of these weights; must be newer than the served one")
+    path: CheckpointPath = Field(description="checkpoint directory, inside the weights root")
+    version: int = Field(ge=0, le=INT64_MAX, description="policy version of these weights; must be newer than "
+                                                         "the served one")
 
 
 class WeightsResponse(BaseModel):
@@ -182,6 +259,16 @@ class HistoryRequest(BaseModel):
 
     records: list[dict[str, Any]] = Field(description="history-file records (problem_id, policy_version, "
                                                       "sample_index, prompt_token_ids, output_token_ids, ...)")
+
+    @field_validator("records")
+    @classmethod
+    def _storable(cls, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # The format's own checks come later (the backend); these are the ones a snapshot or a msgpack frame needs.
+        for i, record in enumerate(records):
+            problem = wire_problem(record, f"record {i}")
+            if problem:
+                raise ValueError(problem)
+        return records
 
 
 class HistoryResponse(BaseModel):

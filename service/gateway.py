@@ -22,13 +22,19 @@ Batches run as their own tasks, not tied to a connection: a client that drops it
 request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
 instead of running it again. Results are held msgpack-encoded (a few bytes a token); ended batches stay
 replayable within `retained_batches` / `retained_bytes`; a repeated id older than that gets 410, never a second
-run (in this process: the registry is in memory).
+run (in this process: the registry is in memory). A batch always ends: whatever goes wrong in its task ends it
+`failed` with the error in its summary and a log line, and a batch in which no sample finished for
+`batch_stall_timeout_s` is failed and its running samples aborted, so a reload never waits on a batch that cannot
+finish.
 
 Errors: 401 bad or missing token; 403 weights path outside the root; 404 unknown batch; 409 a batch id reused for
 a different batch, or a weights version not newer than the served one; 410 batch results no longer retained;
-413 a batch over `max_batch_samples` samples or a history import over `max_history_records`; 422 invalid input,
-naming the field (request validation, or the backend refusing a group before anything runs: `loc` names the
-group); 429 too many batches in flight; 503 backend not ready.
+413 a request body over `max_body_bytes` (refused before it is parsed), a batch over `max_batch_samples` samples
+or a history import over `max_history_records`; 422 invalid input, naming the field (request validation, or the
+backend refusing a group before anything runs, e.g. sampling the engine would refuse: `loc` names the group);
+429 too many batches in flight (`max_batches_in_flight`, never exceeded however many requests arrive at once);
+503 backend not ready. Every error body is JSON: a refused value JSON cannot carry (NaN, a lone surrogate) is
+echoed as text. What requests may carry (integers within int64, finite floats, valid Unicode) is in service/api.py.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
 from collections import OrderedDict
@@ -49,9 +56,12 @@ from typing import Any
 
 import msgpack
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from das.service.api import (
     MSGPACK,
@@ -70,6 +80,7 @@ from das.service.api import (
 )
 from das.service.engine.async_engine import EngineInputError
 from das.service.metrics import CONTENT_TYPE, GatewayMetrics
+from das.service.openai_api import openai_router
 from das.service.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 
 log = logging.getLogger(__name__)
@@ -87,10 +98,20 @@ class GatewaySettings(BaseModel):
     weights_root: Path | None = Field(None, description="weights paths must lie under it; None: reloads refused")
     max_batch_samples: int = Field(65536, ge=1, description="samples (sum of n) one batch may ask for")
     max_batches_in_flight: int = Field(64, ge=1, description="batches queued or running at once")
+    batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample finished "
+                                         "for this long is failed and its running samples aborted; set it above "
+                                         "the longest a single sample may take")
+    max_body_bytes: int = Field(64 << 20, ge=1, description="request bodies over this are refused (413) before "
+                                                            "they are parsed; split larger history imports")
     max_history_records: int = Field(1_000_000, ge=1, description="records one history import may carry")
     retained_batches: int = Field(256, ge=0, description="ended batches whose results are kept for replay")
     retained_bytes: int = Field(1 << 30, ge=0, description="results kept over all retained ended batches, in "
                                                            "bytes of msgpack (about 3 a token, 12 with logprobs)")
+    served_model_name: str | None = Field(None, min_length=1, description="the model name of the OpenAI-compatible "
+                                          "routes; None: the backend's served_model_name if it has one, else 'das'")
+    openai_coalesce_s: float = Field(0.02, ge=0, le=10, description="OpenAI-compatible requests for one problem "
+                                     "with equal prompt and sampling arriving within this many seconds run as one "
+                                     "group (their n summed); 0: every request its own group")
     freeze_gc: bool = Field(False, description="at startup, move every object alive to the garbage collector's "
                                                "permanent generation (gc.freeze); process-wide, so for the "
                                                "process that serves (das serve, the load test), not a library "
@@ -262,9 +283,54 @@ def _encoder(wire: str) -> Callable[[list[bytes]], bytes]:
     return lambda frames: "".join(_json(msgpack.unpackb(f)) + "\n" for f in frames).encode()
 
 
+def _json_safe(value: Any) -> Any:
+    """`value` with what JSON cannot carry (NaN and infinite floats, lone UTF-16 surrogates) turned into text, so
+    an error that echoes a refused input is still a JSON body and not a 500."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode()
+    if isinstance(value, dict):
+        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
 def _engine_error(exc: EngineInputError, loc: list[str | int]) -> HTTPException:
     """A backend refusal in the shape of FastAPI's own validation errors, so clients parse one format."""
-    return HTTPException(422, [{"loc": loc, "msg": str(exc), "type": "value_error"}])
+    return HTTPException(422, [{"loc": loc, "msg": _json_safe(str(exc)), "type": "value_error"}])
+
+
+class _BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is refused with 413 before anything parses it, at once
+    when its Content-Length says so, else (a chunked body) as soon as the bytes received pass the limit, so an
+    oversized body is never held whole."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        refusal = f"the request body is over {self.limit} bytes (max_body_bytes)"
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
+        if declared.isdigit() and int(declared) > self.limit:
+            await JSONResponse({"detail": refusal}, 413)(scope, receive, send)
+            return
+        received = 0
+
+        async def counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.limit:
+                raise HTTPException(413, refusal)  # FastAPI's body reading passes an HTTPException on as is
+            return message
+
+        await self.app(scope, counted, send)
 
 
 class _Gateway:
@@ -278,6 +344,7 @@ class _Gateway:
         self.batches = _BatchRegistry(settings)
         self.gate = _ReloadGate()
         self._current: _Batch | None = None  # the most recently started batch
+        self._admitting = 0  # requests between the in-flight check and their batch's registration
 
     # ---- rollouts ----
 
@@ -305,22 +372,29 @@ class _Gateway:
                                      f"{self.settings.max_batch_samples} (max_batch_samples)")
         if not await self.backend.ready():
             raise HTTPException(503, "the backend is not ready", headers={"Retry-After": "5"})
-        if len(self.batches.live) >= self.settings.max_batches_in_flight:
-            raise HTTPException(429, f"{len(self.batches.live)} batches in flight; the limit is "
+        # Requests still being checked hold a slot too: counting registered batches only, every request checked at
+        # the same time would pass.
+        in_flight = len(self.batches.live) + self._admitting
+        if in_flight >= self.settings.max_batches_in_flight:
+            raise HTTPException(429, f"{in_flight} batches in flight; the limit is "
                                      f"{self.settings.max_batches_in_flight}", headers={"Retry-After": "1"})
+        self._admitting += 1
         try:
-            await self.backend.check(body.groups)
-        except GroupInputError as exc:
-            raise _engine_error(exc, ["body", "groups", exc.group_index]) from None
-        except EngineInputError as exc:
-            raise _engine_error(exc, ["body", "groups"]) from None
-        # A concurrent request with the same id may have started the batch while the checks awaited.
-        batch = self._existing(body, fingerprint)
-        if batch is not None:
-            return batch, body.resume_from
-        batch = _Batch(body.batch_id or uuid.uuid4().hex, body.groups, body.logprobs, body.return_prompt_token_ids,
-                       fingerprint)
-        self.batches.add(batch)
+            try:
+                await self.backend.check(body.groups)
+            except GroupInputError as exc:
+                raise _engine_error(exc, ["body", "groups", exc.group_index]) from None
+            except EngineInputError as exc:
+                raise _engine_error(exc, ["body", "groups"]) from None
+            # A concurrent request with the same id may have started the batch while the checks awaited.
+            batch = self._existing(body, fingerprint)
+            if batch is not None:
+                return batch, body.resume_from
+            batch = _Batch(body.batch_id or uuid.uuid4().hex, body.groups, body.logprobs,
+                           body.return_prompt_token_ids, fingerprint)
+            self.batches.add(batch)
+        finally:
+            self._admitting -= 1
         self.metrics.batches_in_flight += 1
         batch.task = asyncio.create_task(self._run(batch), name=f"batch-{batch.batch_id}")
         return batch, 0
@@ -328,13 +402,19 @@ class _Gateway:
     async def _run(self, batch: _Batch) -> None:
         status: BatchStatus = "failed"
         error: str | None = None
+        stall_s = self.settings.batch_stall_timeout_s
+        stalled: asyncio.Timeout | None = None
         try:
             async with self.gate.batch():
                 batch.start()
                 self._current = batch
                 self.metrics.current_batch_longest = 0
-                async with contextlib.aclosing(self.backend.generate(batch.groups)) as stream:
+                loop = asyncio.get_running_loop()
+                # Started here, not before the gate: a batch held behind a reload is waiting, not stalled.
+                stalled = asyncio.timeout(stall_s)
+                async with stalled, contextlib.aclosing(self.backend.generate(batch.groups)) as stream:
                     async for group_index, sample in stream:
+                        stalled.reschedule(loop.time() + stall_s)
                         self.metrics.observe_sample(sample, batch.groups[group_index].sampling.max_tokens)
                         if batch is self._current:
                             self.metrics.current_batch_longest = max(self.metrics.current_batch_longest,
@@ -345,8 +425,13 @@ class _Gateway:
             # DELETE or shutdown. Not re-raised: this task is the batch's own and ends here.
             status = "aborted"
         except Exception as exc:
-            log.exception("batch %s failed", batch.batch_id)
-            error = f"{type(exc).__name__}: {exc}"
+            if stalled is not None and stalled.expired():
+                error = (f"no sample finished for {stall_s:g} s (batch_stall_timeout_s); the samples still running "
+                         f"were aborted")
+                log.error("batch %s failed: %s", batch.batch_id, error)
+            else:
+                log.exception("batch %s failed", batch.batch_id)
+                error = f"{type(exc).__name__}: {exc}"
         finally:
             self._finish(batch, status, error)
 
@@ -396,7 +481,13 @@ class _Gateway:
             raise HTTPException(403, "weight reloads are disabled: no weights root is configured")
         root = root.resolve()
         path = Path(given)
-        path = (path if path.is_absolute() else root / path).resolve()
+        try:
+            path = (path if path.is_absolute() else root / path).resolve()
+        except (OSError, RuntimeError) as exc:  # a symlink loop, a directory it may not enter: nothing to load
+            # The reason only: the message would show where the weights root lies on the server.
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "a symlink loop"
+            raise HTTPException(422, [{"loc": ["body", "path"], "msg": f"cannot be resolved: {reason}",
+                                       "type": "value_error"}]) from None
         if not path.is_relative_to(root):
             raise HTTPException(403, "path: the weights must lie under the configured weights root")
         return path
@@ -447,6 +538,13 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         await gateway.shutdown()
 
     app = FastAPI(title="DAS rollout service", version="1", lifespan=lifespan, description=__doc__)
+    app.add_middleware(_BodyLimit, limit=gateway.settings.max_body_bytes)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's own 422, with the echoed input made JSON-safe."""
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, 422)
+
     token = gateway.settings.token
     api = APIRouter(dependencies=[Depends(_token_dependency(token))] if token is not None else [])
 
@@ -517,6 +615,7 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         """Prometheus text exposition."""
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
 
+    api.include_router(openai_router(gateway))  # under the same auth
     app.include_router(api)
 
     @app.get("/healthz")

@@ -34,9 +34,9 @@ from typing import Any
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.drafter.records import RolloutRecord
+from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, dump_difficulty, load_difficulty
-from das.service.api import ProblemSummary
+from das.service.api import ProblemSummary, wire_problem
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +55,13 @@ class HistoryConfig(BaseModel):
     max_records_per_problem: int = Field(64, ge=1, description="rollouts kept per problem (newest)")
     max_tokens: int = Field(50_000_000, ge=1, description="output tokens kept per shard (~4 bytes each)")
     snapshot_interval_s: float = Field(60.0, gt=0, description="seconds between snapshots of changed shards")
+
+
+def unstorable(record: RolloutRecord, where: str = "record") -> str | None:
+    """Why a valid history record cannot be stored (the format bounds its token ids and reward, not its other
+    fields, and a snapshot's msgpack holds no integer beyond int64 and no lone surrogate), or None."""
+    return wire_problem({"problem_id": record.problem_id, "policy_version": record.policy_version,
+                         "sample_index": record.sample_index, "finish_reason": record.finish_reason}, where)
 
 
 def shard_of(problem_id: str, shards: int) -> int:
@@ -115,9 +122,14 @@ class HistoryShard:
     # ---- writes ----
 
     def put(self, origin: str, records: list[dict[str, Any]]) -> int:
-        """Stores history-format records (validated here; a bad one raises RecordError and stores nothing) in the
-        given order. Returns how many were stored (a record older than the window is dropped)."""
+        """Stores history-format records (validated here; a bad one, or one a snapshot could not hold, raises
+        RecordError and stores nothing) in the given order. Returns how many were stored (a record older than the
+        window is dropped)."""
         parsed = [RolloutRecord.from_dict(r) for r in records]
+        for i, rec in enumerate(parsed):
+            problem = unstorable(rec, f"record {i}")
+            if problem:
+                raise RecordError(problem)
         return sum(self._add(origin, rec) for rec in parsed)
 
     def _add(self, origin: str, rec: RolloutRecord, seq: int | None = None) -> bool:

@@ -199,7 +199,9 @@ class StubBackend:
     sample at the moment it is yielded, so a load test can measure the latency added downstream.
 
     `max_prompt_tokens` refuses longer prompts like an engine with that context (prompt_token_ids count tokens;
-    text counts whitespace-separated words). `runs` counts `generate` calls.
+    text counts whitespace-separated words), and stop token ids outside `vocab_size` are refused like the engine
+    does; everything else an engine refuses the API's own bounds refuse (service/api.py). `runs` counts `generate`
+    calls.
     """
 
     def __init__(self, *, output_tokens: int = 16, first_delay_s: float = 0.0, interval_s: float = 0.0,
@@ -214,6 +216,7 @@ class StubBackend:
         self.emissions: list[tuple[int, int, float]] | None = [] if log_emissions else None
         self._ready = ready
         self._version = 0
+        self._vocab_size = vocab_size
         self._tokens = [(7 * i + 3) % vocab_size for i in range(output_tokens)]
         self._logprobs = [-0.5] * output_tokens
 
@@ -228,9 +231,13 @@ class StubBackend:
         return self._ready
 
     async def check(self, groups: Sequence[GroupRequest]) -> None:
-        if self.max_prompt_tokens is None:
-            return
         for i, group in enumerate(groups):
+            outside = [t for t in group.sampling.stop_token_ids if t >= self._vocab_size]
+            if outside:
+                raise GroupInputError(i, f"sampling.stop_token_ids: {outside[0]} is outside the vocabulary "
+                                         f"[0, {self._vocab_size})")
+            if self.max_prompt_tokens is None:
+                continue
             if group.prompt_token_ids is not None:
                 length = len(group.prompt_token_ids)
             elif group.prompt is not None:

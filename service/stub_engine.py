@@ -2,7 +2,9 @@
 
 Each sample is `tokens` tokens long (capped by max_tokens) of a fixed pattern, produced at `token_s` seconds a
 token. It drafts nothing: `draft_tokens` and `accepted_tokens` are 0, so no figure from it can pass for a
-speedup. It counts the history it was given (`history_records`), which is what service tests check.
+speedup. It counts the history it was given (`history_records`), which is what service tests check. It refuses
+what the engine refuses without needing vLLM: the API's bounds (service/api.py, vLLM's own sampling limits) and the
+model's (prompt and stop token ids within the vocabulary, the prompt within the context).
 """
 
 from __future__ import annotations
@@ -54,6 +56,10 @@ class StubEngine:
         if len(ids) >= self.config.max_model_len:
             raise EngineInputError(f"prompt is {len(ids)} tokens; the context holds {self.config.max_model_len} "
                                    f"and at least one output token must fit")
+        outside = [t for t in group.sampling.stop_token_ids if not 0 <= t < self.config.vocab_size]
+        if outside:
+            raise EngineInputError(f"sampling.stop_token_ids: {outside[0]} is outside the vocabulary "
+                                   f"[0, {self.config.vocab_size})")
         return ids
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[SampleResult]:

@@ -8,10 +8,12 @@ Lifecycle: `await Engine.create(config)`; `generate(group)` streams each sample 
 `reload_weights(path)` loads a new checkpoint and bumps the policy version (the drafter keeps its history,
 tagged by version); `await close()`.
 
-Errors: a bad group (prompt longer than the context, token ids outside the vocabulary, n < 1, max_tokens < 1,
-unknown sampling keys) raises `EngineInputError` (a ValueError) before anything is scheduled. A failure inside
+Errors: a bad group (an empty prompt or one longer than the context, token ids outside the vocabulary, given or
+from the tokenizer, n < 1, unknown sampling keys, sampling that vLLM's `SamplingParams` refuses:
+service/engine/sampling.py) raises `EngineInputError` (a ValueError) before anything is scheduled. A failure inside
 vLLM for one sample ends that sample with finish_reason "error" and the message; the other samples and groups go
-on.
+on. Anything else that goes wrong in a sample's task ends its group's stream with that error (RuntimeError), never
+a stream that waits forever.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -33,7 +35,12 @@ from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
 from das.service.api import GroupRequest, SampleResult
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
+from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.step_profile import StepProfile
+from das.service.history_store import unstorable
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +58,6 @@ def budget_settings(config: EngineConfig) -> dict[str, Any]:
     if not {"prior", "c_base_s", "c_tok_s", "c_spec_s"} & settings.keys():
         settings["prior"] = dataclasses.asdict(prior_cost_model(config.model))
     return settings
-
-
-class EngineInputError(ValueError):
-    """A group the engine refuses before scheduling anything; the message says which field and why."""
 
 
 class EngineConfig(BaseModel):
@@ -199,27 +202,35 @@ class Engine:
     # ---- generation ----
 
     def prompt_token_ids(self, group: GroupRequest) -> list[int]:
-        """The group's prompt as token ids, checked against the vocabulary and the context length."""
+        """The group's prompt as token ids, once the whole group is checked as the engine will run it (what the
+        service's admission calls): the prompt against the vocabulary and the context length, the sampling as
+        vLLM's `SamplingParams`. EngineInputError names the field."""
         if group.prompt_token_ids is not None:
-            ids = list(group.prompt_token_ids)
-            bad = [t for t in ids if not 0 <= t < self._vocab_size]
-            if bad:
-                raise EngineInputError(f"prompt_token_ids: {len(bad)} token id(s) outside the vocabulary "
-                                       f"[0, {self._vocab_size}), first {bad[0]}")
+            field, ids = "prompt_token_ids", list(group.prompt_token_ids)
         elif group.prompt is not None:
-            ids = list(self._tokenizer.encode(group.prompt))
+            field, ids = "prompt", list(self._tokenizer.encode(group.prompt))
         else:
             assert group.messages is not None
             messages = [m.model_dump() for m in group.messages]
             text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+            field, ids = "messages", list(self._tokenizer.encode(text, add_special_tokens=False))
+        # Tokenized text too: a tokenizer with more tokens than the model's embedding (added tokens, a mismatched
+        # checkpoint) gives ids the engine core cannot embed, and that error kills the engine, not the request.
+        bad = [t for t in ids if not 0 <= t < self._vocab_size]
+        if bad:
+            raise EngineInputError(f"{field}: {len(bad)} token id(s) outside the vocabulary [0, {self._vocab_size}), "
+                                   f"first {bad[0]}")
+        if not ids:
+            raise EngineInputError("prompt: no tokens (vLLM refuses an empty prompt)")
         if len(ids) >= self.config.max_model_len:
             raise EngineInputError(f"prompt is {len(ids)} tokens; the context holds {self.config.max_model_len} "
                                    f"and at least one output token must fit")
-        stops = [t for t in group.sampling.stop_token_ids if not 0 <= t < self._vocab_size]
-        if stops:
-            raise EngineInputError(f"sampling.stop_token_ids: {stops[0]} is outside the vocabulary")
+        self._sampling_params(group, "check", 0)
         return ids
+
+    def _sampling_params(self, group: GroupRequest, key: str, index: int) -> SamplingParams:
+        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
+        return sampling_params(group.sampling, self._vocab_size, tags.to_extra_args())
 
     async def generate(self, group: GroupRequest | dict[str, Any]) -> AsyncIterator[SampleResult]:
         """Schedules the group's n samples and yields each one as it finishes (in finishing order).
@@ -238,12 +249,26 @@ class Engine:
             self._drained.clear()
         try:
             group_id = uuid.uuid4().hex[:12]
-            results: asyncio.Queue[SampleResult] = asyncio.Queue()
+            results: asyncio.Queue[SampleResult | BaseException] = asyncio.Queue()
+
+            def surface(task: asyncio.Task[None]) -> None:
+                # A task that raised never puts its sample: without its error the reader below would wait forever.
+                error = None if task.cancelled() else task.exception()
+                if error is not None:
+                    results.put_nowait(error)
+
             tasks = [asyncio.create_task(self._sample(group, prompt, f"{group_id}-{i}", i, results))
                      for i in range(group.n)]
+            for task in tasks:
+                task.add_done_callback(surface)
             try:
                 for _ in range(group.n):
-                    yield await results.get()
+                    result = await results.get()
+                    if isinstance(result, SampleResult):
+                        yield result
+                        continue
+                    raise RuntimeError(f"a sample of problem {group.problem_id} failed: "
+                                       f"{_describe(result)}") from result
             finally:
                 for task in tasks:
                     task.cancel()
@@ -254,16 +279,8 @@ class Engine:
                 self._drained.set()
 
     async def _sample(self, group: GroupRequest, prompt: list[int], key: str, index: int,
-                      results: asyncio.Queue[SampleResult]) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
-        s = group.sampling
-        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
-        params = SamplingParams(
-            n=1, max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
-            stop=list(s.stop), stop_token_ids=list(s.stop_token_ids), ignore_eos=s.ignore_eos, logprobs=0,
-            output_kind=RequestOutputKind.DELTA, extra_args=tags.to_extra_args())
+                      results: asyncio.Queue[SampleResult | BaseException]) -> None:
+        params = self._sampling_params(group, key, index)
         version = self.policy_version
         start = time.perf_counter()
         first: float | None = None
@@ -367,12 +384,16 @@ class Engine:
 
 
 def validate_rollouts(rollouts: list[dict[str, Any]]) -> None:
-    """Checks history-format dicts; EngineInputError names the first bad one by index and field."""
+    """Checks history-format dicts, and that the history store could hold them; EngineInputError names the first
+    bad one by index and field."""
     for i, rollout in enumerate(rollouts):
         try:
-            RolloutRecord.from_dict(rollout)
+            record = RolloutRecord.from_dict(rollout)
         except RecordError as exc:
             raise EngineInputError(f"rollout {i}: {exc}") from None
+        problem = unstorable(record, f"rollout {i}")
+        if problem:
+            raise EngineInputError(problem)
 
 
 def _describe(exc: BaseException) -> str:

@@ -200,8 +200,8 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
     "k": K}` (default K: K_max), or `{"policy": "classes", "long": 16, "medium": 8, "short": 4}`; for every
     policy, the step cost settings `"prior": {CostModel fields}` (default: `GENERIC_PRIOR`; or its coefficients
     alone as `"c_base_s"`, `"c_tok_s"`, `"c_spec_s"`), `"online": true`
-    (fit the cost model from this engine's steps; false: keep the prior), `"guard": true` (the never-a-loss
-    guard), and `"capacity"`, `"efficiency"`; for das also `"per_token": false` (true: up to K_max tokens per
+    (fit the cost model from this engine's steps; false: keep the prior), `"guard"` (the never-a-loss guard;
+    default true for das, false for the uniform and classes baselines), and `"capacity"`, `"efficiency"`; for das also `"per_token": false` (true: up to K_max tokens per
     request above a per-token probability floor instead of the model's K_i). A prior that is not a valid cost
     model raises ValueError."""
     config = dict(config)
@@ -233,4 +233,5 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
         raise ValueError(f"unknown budget policy {name!r}; expected das, uniform or classes")
     if config:
         raise ValueError(f"unknown budget settings for policy {name!r}: {sorted(config)}")
+    options.setdefault("guard", name == "das")  # uniform and classes are the fixed baselines: never adjusted
     return PolicyBudget(policy, k_max, prior, **options, **drafter)

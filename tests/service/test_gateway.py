@@ -400,3 +400,133 @@ def test_engine_backend_through_the_gateway(serve, tmp_path):
     assert http.post("/v1/weights", json={"path": str(tmp_path), "version": 3}).json()["policy_version"] == 3
     stale = http.post("/v1/weights", json={"path": str(tmp_path), "version": 2})
     assert stale.status_code == 409  # the gateway refuses an older version before asking the backend
+
+
+# --- hostile input and batches that cannot finish (issue 21) ---------------------------------------------------
+
+@pytest.mark.parametrize("sampling, loc", [
+    ({"temperature": 3}, ["body", "groups", 0, "sampling", "temperature"]),
+    ({"stop": [""]}, ["body", "groups", 0, "sampling", "stop", 0]),
+    ({"top_k": 10**30}, ["body", "groups", 0, "sampling", "top_k"]),
+    ({"stop_token_ids": [32000]}, ["body", "groups", 0]),  # outside the stub's vocabulary: the backend refuses
+])
+def test_what_the_engine_would_refuse_is_422_at_admission(serve, sampling, loc):
+    """These once passed admission and hung the batch forever (vLLM refused them inside the sample's task)."""
+    backend = StubBackend()
+    _, http = serve(backend)
+    bad = {"problem_id": "h", "n": 2, "prompt": "Hi", "sampling": {"max_tokens": 4, **sampling}}
+    response = http.post("/v1/rollouts", json={"groups": [bad]})
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == loc
+    assert backend.runs == 0
+    assert read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2)}))[-1]["summary"]["status"] == "done"
+
+
+class StalledBackend(StubBackend):
+    """Its batches never produce a sample, like a group whose sample task died: `generate` waits forever."""
+
+    async def generate(self, groups):  # type: ignore[override]
+        self.runs += 1
+        await asyncio.Event().wait()
+        yield  # an async generator that never gets here
+
+
+def test_a_stalled_batch_fails_and_a_reload_waiting_on_it_goes_through(serve, tmp_path, caplog):
+    server, http = serve(StalledBackend(), weights_root=tmp_path, batch_stall_timeout_s=0.5)
+
+    async def scenario() -> tuple[list[dict[str, Any]], httpx.Response, float]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            async def batch() -> list[dict[str, Any]]:
+                response = await client.post("/v1/rollouts", json={"batch_id": "stuck", "groups": groups(1, 2)})
+                return [json.loads(line) for line in response.text.splitlines()]
+
+            async def reload() -> tuple[httpx.Response, float]:
+                await asyncio.sleep(0.1)  # the batch is running: the reload must wait for it
+                start = time.monotonic()
+                response = await client.post("/v1/weights", json={"path": str(tmp_path), "version": 1})
+                return response, time.monotonic() - start
+
+            records, (reloaded, waited) = await asyncio.gather(batch(), reload())
+            return records, reloaded, waited
+
+    with caplog.at_level("ERROR", logger="das.service.gateway"):
+        records, reloaded, waited = asyncio.run(scenario())
+    (summary,) = [r["summary"] for r in records]
+    assert summary["status"] == "failed" and summary["samples"] == 0
+    assert "batch_stall_timeout_s" in summary["error"]
+    assert any("stuck" in r.getMessage() and "no sample finished" in r.getMessage() for r in caplog.records)
+    assert reloaded.status_code == 200 and reloaded.json()["policy_version"] == 1 and waited < 5
+    assert http.get("/v1/rollouts/stuck").json()["status"] == "failed"
+    assert "das_batches_in_flight 0.0" in http.get("/metrics").text
+
+
+def test_a_weights_version_beyond_int64_is_422_and_batches_keep_working(serve, tmp_path):
+    """A version of 10**30 was once accepted, and from then on every batch failed in msgpack."""
+    _, http = serve(StubBackend(), weights_root=tmp_path)
+    response = http.post("/v1/weights", json={"path": str(tmp_path), "version": 10**30})
+    assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "version"]
+    record = {"problem_id": "p", "policy_version": 10**30, "sample_index": 0, "prompt_token_ids": [1],
+              "output_token_ids": [2]}
+    assert http.post("/v1/history", json={"records": [record]}).status_code == 422
+    assert http.post("/v1/weights", json={"path": str(tmp_path), "version": 2**63 - 1}).status_code == 200
+    with http.stream("POST", "/v1/rollouts", json={"groups": groups(1, 2)},
+                     headers={"Accept": "application/msgpack"}) as streamed:
+        *samples, last = read_msgpack(streamed)
+    assert last["summary"]["status"] == "done" and {s["policy_version"] for s in samples} == {2**63 - 1}
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/rollouts", '{"groups": [{"problem_id": "p", "prompt": "x", "sampling": {"temperature": NaN}}]}'),
+    ("/v1/rollouts", '{"groups": [{"problem_id": "p", "prompt": "x", "predicted_tokens": Infinity}]}'),
+    ("/v1/rollouts", '{"groups": [{"problem_id": "\\ud800", "prompt": "x"}]}'),
+    ("/v1/rollouts", '{"groups": [{"problem_id": "p", "prompt": "x", "sampling": {"stop": ["\\udc80"]}}]}'),
+    ("/v1/history", ('{"records": [{"problem_id": "p", "policy_version": 0, "sample_index": 0, '
+                     '"prompt_token_ids": [1], "output_token_ids": [2], "reward": -Infinity}]}')),
+    ("/v1/weights", '{"path": "w\\u0000", "version": 1}'),
+    ("/v1/weights", '{"path": "\\ud800", "version": 1}'),
+    ("/v1/weights", '{"path": "loop/x", "version": 1}'),  # a symlink loop under the weights root
+])
+def test_values_json_or_the_system_cannot_carry_are_4xx_with_a_json_body(serve, tmp_path, path, body):
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    _, http = serve(StubBackend(), weights_root=tmp_path)
+    response = http.post(path, content=body, headers={"Content-Type": "application/json"})
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"][0]["loc"][0] == "body"
+
+
+def test_an_oversize_body_is_413_before_it_is_parsed(serve):
+    backend = StubBackend()
+    _, http = serve(backend, max_body_bytes=4096)
+    body = json.dumps({"groups": groups(1, 1)}).encode()
+    padded = body[:-1] + b" " * 5000 + b"}"
+    response = http.post("/v1/rollouts", content=padded, headers={"Content-Type": "application/json"})
+    assert response.status_code == 413 and "max_body_bytes" in response.json()["detail"]
+    chunked = http.post("/v1/rollouts", content=(padded[i:i + 1000] for i in range(0, len(padded), 1000)),
+                        headers={"Content-Type": "application/json"})  # no Content-Length: counted as it arrives
+    assert chunked.status_code == 413
+    assert backend.runs == 0
+    assert http.post("/v1/rollouts", content=body, headers={"Content-Type": "application/json"}).status_code == 200
+
+
+class SlowCheck(StubBackend):
+    """Its admission check takes a while, as a remote engine's does: concurrent requests overlap in it."""
+
+    async def check(self, groups):  # type: ignore[override]
+        await asyncio.sleep(0.1)
+        await super().check(groups)
+
+
+def test_concurrent_submissions_never_exceed_max_batches_in_flight(serve):
+    backend = SlowCheck(interval_s=0.05)
+    server, http = serve(backend, max_batches_in_flight=3)
+
+    async def submit_all() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+            responses = await asyncio.gather(*(client.post("/v1/rollouts", json={"groups": groups(1, 2)})
+                                               for _ in range(12)))
+        return [r.status_code for r in responses]
+
+    statuses = asyncio.run(submit_all())
+    assert statuses.count(200) == 3 and statuses.count(429) == 9
+    assert backend.runs == 3
+    assert http.post("/v1/rollouts", json={"groups": groups(1, 1)}).status_code == 200  # slots come back

@@ -43,6 +43,23 @@ def test_bad_records_store_nothing():
     assert shard.stats().rollouts == 0
 
 
+@pytest.mark.parametrize("bad, message", [
+    (record(version=10**30), "record 1.policy_version: integer beyond int64"),
+    (record(index=2**64), "record 1.sample_index: integer beyond int64"),
+    (record(pid="\ud800"), "record 1.problem_id: not valid Unicode"),
+    ({**record(), "finish_reason": "\udc80"}, "record 1.finish_reason: not valid Unicode"),
+])
+def test_records_a_snapshot_could_not_hold_store_nothing(tmp_path: Path, bad: dict, message: str):
+    """A policy_version of 10**30 was once stored, and from then on every snapshot (the shutdown one too) failed."""
+    shard = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    with pytest.raises(RecordError, match=message):
+        shard.put("x", [record(index=0), bad])
+    shard.put("x", [record(version=2**63 - 1)])
+    assert shard.snapshot() is not None
+    restored = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    assert restored.summary("p").policy_versions == [2**63 - 1]
+
+
 def test_window_of_versions_and_per_problem_cap():
     shard = HistoryShard(0, HistoryConfig(shards=1, window_versions=2, max_records_per_problem=3))
     shard.put("x", [record(version=0, index=i) for i in range(2)])

@@ -4,16 +4,20 @@ output distribution at temperature > 0 on a tiny model), history across epochs, 
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 from collections import Counter
 from pathlib import Path
 
+import httpx
 import pytest
 
-from das.service.api import GroupRequest, SampleResult
+from das.service.api import GroupRequest, SampleResult, SamplingSpec
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
 from das.service.engine.models import prepare_model
+from das.service.gateway import create_app
+from das.service.rollout_backend import EngineBackend
 from tests.tiny_models import build_tiny_model
 
 TINY_VOCAB = 32
@@ -113,8 +117,10 @@ def chi_square_p_value(a: Counter, b: Counter) -> float:
 
 @pytest.fixture(scope="module")
 def tiny_das(loop, tiny_models):
+    # Uniform drafting: these tests check the drafter and exact verification, which need drafts on every step;
+    # the default length-aware budget is tested in test_budget_hook.py and, end to end, in tests/service/test_serve.py.
     engine = start(loop, model=str(tiny_models[0]), speculation="das", dtype="float32", max_model_len=256,
-                   num_speculative_tokens=4)
+                   num_speculative_tokens=4, budget={"policy": "uniform"})
     yield engine
     loop.run_until_complete(engine.close())
 
@@ -171,6 +177,40 @@ def test_bad_groups_fail_before_anything_is_scheduled(loop, tiny_das, group, mes
     assert tiny_das._inflight == 0
 
 
+def test_what_vllm_would_refuse_is_a_422_at_the_gateways_admission(loop, tiny_das):
+    """The issue's hang: temperature 3 or stop [""] passed admission, vLLM refused them inside the sample's task and
+    the batch stayed running forever. Now the API's bounds refuse them, and behind those the engine builds vLLM's
+    SamplingParams at admission. A text prompt the tokenizer turns into ids beyond the model's vocabulary (this
+    model has SmolLM2's tokenizer and 32 tokens) once killed the engine core; it is refused too."""
+    app = create_app(EngineBackend(tiny_das))
+    sent = [{"temperature": 3}, {"stop": [""]}, {"top_k": 10**30}, {"stop_token_ids": [TINY_VOCAB]},
+            {"prompt": "Hi"}]
+
+    async def scenario() -> tuple[list[httpx.Response], httpx.Response]:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
+                                     timeout=60) as http:
+            def body(change: dict) -> dict:
+                prompt = {"prompt": change["prompt"]} if "prompt" in change else {"prompt_token_ids": [5, 6]}
+                sampling = {"max_tokens": 4, **{k: v for k, v in change.items() if k != "prompt"}}
+                return {"groups": [{"problem_id": "h", "n": 2, **prompt, "sampling": sampling}]}
+
+            refused = [await http.post("/v1/rollouts", json=body(s)) for s in sent]
+            return refused, await http.post("/v1/rollouts", json=body({"temperature": 0.7}))
+
+    refused, ok = loop.run_until_complete(asyncio.wait_for(scenario(), 120))
+    assert [r.status_code for r in refused] == [422] * len(sent)
+    assert [r.json()["detail"][0]["loc"][-1] for r in refused] == ["temperature", 0, "top_k", 0, 0]
+    assert "stop_token_ids" in refused[3].json()["detail"][0]["msg"]
+    assert refused[4].json()["detail"][0]["msg"].startswith("prompt: ")  # outside the vocabulary
+    summary = json.loads(ok.text.splitlines()[-1])["summary"]
+    assert summary["status"] == "done" and summary["samples"] == 2 and summary["errors"] == 0
+    unchecked = SamplingSpec.model_construct(**{**SamplingSpec().model_dump(), "temperature": 3.0})
+    with pytest.raises(EngineInputError, match="sampling.temperature"):
+        tiny_das.prompt_token_ids(GroupRequest(problem_id="h", prompt_token_ids=[5]).model_copy(
+            update={"sampling": unchecked}))
+    assert tiny_das._inflight == 0
+
+
 def test_imported_history_drafts_a_problems_first_sample(loop, tiny_das):
     sampling = {"max_tokens": 24, "temperature": 0.0, "ignore_eos": True}
     prompt = [9, 10, 11, 12]
@@ -183,6 +223,8 @@ def test_imported_history_drafts_a_problems_first_sample(loop, tiny_das):
                                                         sampling=sampling)])
     assert first[0].token_ids == probe[0].token_ids
     assert first[0].accepted_tokens >= 12 and first[0].decode_steps < probe[0].decode_steps
+    cost = loop.run_until_complete(tiny_das.drafter_stats())["cost"]  # the engine fits its step costs as it serves
+    assert cost["steps"] > 0 and cost["c_base_s"] > 0 and cost["prior"] == "generic"
     with pytest.raises(EngineInputError, match="rollout 1: .*problem_id"):
         loop.run_until_complete(tiny_das.add_history([record, {**record, "problem_id": ""}]))
 

@@ -23,7 +23,7 @@ def test_default_is_the_length_aware_budget_on_an_online_fit_from_the_generic_pr
 
 def test_uniform_k_max():
     hook = budget_hook_from_config({"policy": "uniform"}, k_max=6)
-    assert hook.name == "uniform-6"
+    assert hook.name == "uniform-6" and hook.guard is None  # a fixed baseline: the guard never adjusts it
     plan = hook.plan(views(10, 500))
     assert plan.lengths.tolist() == [6, 6] and plan.min_prob.tolist() == [0.0, 0.0]  # no floor: all proposed
 
