@@ -171,7 +171,8 @@ def bench_e2e(
     arms: Annotated[str, typer.Option(help="Comma-separated arms: none, ngram, suffix, suffix-t, das-uniform, das, "
                                            "das-service.")] = "none,ngram,suffix,suffix-t,das-uniform,das,das-service",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens of every arm.")] = 8,
-    dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
+                                            "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
     budget: Annotated[Optional[str], typer.Option(

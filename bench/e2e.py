@@ -104,7 +104,7 @@ class E2EConfig:
     temperature: float = 0.8
     arms: tuple[str, ...] = ARMS
     num_speculative_tokens: int = 8
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     max_model_len: int = 2048
     seed: int = 0
     enforce_eager: bool = False
@@ -124,8 +124,8 @@ class E2EConfig:
         for name in ("samples", "epochs", "max_tokens", "num_speculative_tokens", "repeats", "kv_cache_gib"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise ValueError(f"dtype must be bfloat16, float32 or float16, got {self.dtype!r}")
+        if self.dtype not in ("auto", "bfloat16", "float32", "float16"):
+            raise ValueError(f"dtype must be auto, bfloat16, float32 or float16, got {self.dtype!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if "suffix-t" in self.arms and not self.suffix_tuned:

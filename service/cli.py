@@ -101,7 +101,8 @@ def serve(
                                                       "written on a timer and at shutdown.")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
-    dtype: Annotated[str, typer.Option(help="bfloat16 or float32.")] = "bfloat16",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
+                                            "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
     history_shards: Annotated[int, typer.Option("--history-shards", min=1, help="HistoryStore actors.")] = 2,

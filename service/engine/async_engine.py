@@ -50,6 +50,32 @@ PROPOSER_CLASS = "das.service.engine.proposer.DasProposer"
 WORKER_EXTENSION = "das.service.engine.step_profile.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
 
 
+_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def serving_dtype(requested: str, *, cpu: bool, cpu_flags: frozenset[str] | None = None) -> str:
+    """The dtype an engine serves in: `requested` unless it is "auto", which means bfloat16 on a GPU or on a CPU
+    with native bfloat16 arithmetic, else float32. Without it vLLM's CPU kernels emulate bfloat16: SmolLM2-135M
+    decoded 5.4x slower in bfloat16 than in float32 on a 2-core AVX2 machine (docs/results/2026-11-23-dtype.md).
+    `cpu_flags`: the CPU's feature flags (default: read from /proc/cpuinfo; none where it cannot be read)."""
+    if requested != "auto":
+        return requested
+    if not cpu:
+        return "bfloat16"
+    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
+    return "bfloat16" if flags & _NATIVE_BF16_FLAGS else "float32"
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
 def budget_settings(config: EngineConfig) -> dict[str, Any]:
     """The proposer's budget settings: `config.budget` with, unless it names its own cost model, the prior the
     engine's online cost fit starts from (a stored `das calibrate` result for this model, a shipped calibration,
@@ -72,7 +98,9 @@ class EngineConfig(BaseModel):
                                    "(service/engine/budget_hook.py); empty: the length-aware budget (das) on an "
                                    "online cost model")
     drafter: dict[str, Any] = Field(default_factory=dict, description="DrafterConfig fields (drafter/history)")
-    dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto", description="auto: bfloat16 on a GPU or a CPU with native bfloat16 (avx512_bf16 / amx_bf16), else "
+                            "float32 (`serving_dtype`)")
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(256, ge=1)
     seed: int = 0
@@ -174,8 +202,9 @@ class Engine:
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
         das = config.speculation == "das"
+        dtype = serving_dtype(config.dtype, cpu=current_platform.is_cpu())
         args = AsyncEngineArgs(
-            model=config.model, dtype=config.dtype, max_model_len=config.max_model_len, seed=config.seed,
+            model=config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
             speculative_config=config.speculative_config(),

@@ -94,7 +94,7 @@ def test_arms_differ_only_in_speculation() -> None:
     config = E2EConfig(model="m", prompts="p", budget=budget, suffix_tuned=tuned, seed=5)
     engines = {arm: config.engine_config(arm, repeat=2) for arm in ARMS}
     assert {e.seed for e in engines.values()} == {7}  # seed + repeat
-    assert {(e.num_speculative_tokens, e.dtype, e.max_model_len) for e in engines.values()} == {(8, "bfloat16", 2048)}
+    assert {(e.num_speculative_tokens, e.dtype, e.max_model_len) for e in engines.values()} == {(8, "auto", 2048)}
     assert engines["none"].speculative_config() is None
     assert engines["suffix"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8}
     assert engines["suffix-t"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8, **tuned}
