@@ -19,7 +19,7 @@ from pathlib import Path
 
 from das.scheduler.cost_model import CostModel, fit_cost_model
 
-StepTimer = Callable[[int], float]  # batch size -> seconds per decode step
+DecodeStepProbe = Callable[[int], float]  # batch size -> seconds per decode step
 
 
 @dataclass(frozen=True)
@@ -28,7 +28,7 @@ class Calibration:
     points: list[tuple[int, float]]  # (tokens per step, median seconds per step)
 
 
-def calibrate(name: str, timer: StepTimer, batch_sizes: Sequence[int], repeats: int, source: str,
+def calibrate(name: str, timer: DecodeStepProbe, batch_sizes: Sequence[int], repeats: int, source: str,
               on_point: Callable[[int, float], None] | None = None) -> Calibration:
     """Median of `repeats` timings per batch size, then a least-squares fit of c_base + c_tok * n."""
     if len(set(batch_sizes)) < 2 or min(batch_sizes) < 1:
@@ -45,8 +45,8 @@ def calibrate(name: str, timer: StepTimer, batch_sizes: Sequence[int], repeats: 
     return Calibration(model, points)
 
 
-def vllm_step_timer(model_dir: Path, max_batch: int, decode_tokens: int = 16, prompt_tokens: int = 16) -> StepTimer:
-    """A StepTimer over an in-process vLLM engine (CPU here). Loads the model once (tens of seconds)."""
+def vllm_step_timer(model_dir: Path, max_batch: int, decode_tokens: int = 16, prompt_tokens: int = 16) -> DecodeStepProbe:
+    """A DecodeStepProbe over an in-process vLLM engine (CPU here). Loads the model once (tens of seconds)."""
     from das.service.engine.models import hide_broken_torch_extensions
 
     hide_broken_torch_extensions()

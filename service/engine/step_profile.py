@@ -4,7 +4,7 @@ vLLM's engine loop, once per step: the scheduler picks the requests and their dr
 `execute_model` prepares the inputs and runs the forward pass over every scheduled token (drafts included);
 `sample_tokens` samples (or, when the step carries drafts, runs the rejection sampler over every draft position),
 updates the request states and asks the drafter for the next step's drafts (`propose_draft_token_ids`); the
-engine core then turns the sampled tokens into outputs. `StepTimer` wraps the three runner methods on one runner
+engine core then turns the sampled tokens into outputs. `RunnerStepTimer` wraps the three runner methods on one runner
 instance (instance attributes shadow the class's methods, vLLM's code is untouched) and keeps, per step:
 
 - forward_s: `execute_model` (input preparation and the forward pass);
@@ -39,7 +39,7 @@ FIELDS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s", "requests", "
 _GAP = FIELDS.index("gap_s")  # filled in when the next step starts
 
 
-class StepTimer:
+class RunnerStepTimer:
     """Times one model runner's steps until `take()`; see the module docstring for the fields."""
 
     def __init__(self, runner: Any) -> None:
@@ -103,12 +103,12 @@ class StepProfileExtension:
     """Worker methods (vLLM `worker_extension_cls`): `self.model_runner` is the worker's model runner."""
 
     model_runner: Any
-    _das_step_timer: StepTimer | None = None
+    _das_step_timer: RunnerStepTimer | None = None
 
     def das_profile_start(self) -> bool:
         """Starts timing steps (once; later calls only clear what was recorded)."""
         if self._das_step_timer is None:
-            self._das_step_timer = StepTimer(self.model_runner)
+            self._das_step_timer = RunnerStepTimer(self.model_runner)
         self._das_step_timer.take()
         return True
 

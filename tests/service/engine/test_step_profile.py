@@ -1,4 +1,4 @@
-"""StepTimer against a stand-in model runner that calls its parts the way vLLM's does, and StepProfile's sums."""
+"""RunnerStepTimer against a stand-in model runner that calls its parts the way vLLM's does, and StepProfile's sums."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from das.service.engine.step_profile import IDLE_S, StepProfile, StepProfileExtension, StepTimer
+from das.service.engine.step_profile import IDLE_S, StepProfile, StepProfileExtension, RunnerStepTimer
 
 
 @dataclass
@@ -55,7 +55,7 @@ def step(runner: Runner, output: SchedulerOutput, gap_s: float = 0.0) -> None:
 
 def test_each_part_of_a_step_is_timed_with_its_shape() -> None:
     runner = Runner(forward_s=0.03, sample_s=0.01, propose_s=0.005)
-    timer = StepTimer(runner)
+    timer = RunnerStepTimer(runner)
     step(runner, SchedulerOutput({"a": 3, "b": 1}, {"a": [7, 8]}), gap_s=0.02)
     step(runner, SchedulerOutput({"a": 1}), gap_s=0.0)
     cols = timer.take()
@@ -69,7 +69,7 @@ def test_each_part_of_a_step_is_timed_with_its_shape() -> None:
 
 def test_an_idle_engine_is_not_loop_overhead() -> None:
     runner = Runner(forward_s=0.0, sample_s=0.0, propose_s=None)
-    timer = StepTimer(runner)
+    timer = RunnerStepTimer(runner)
     step(runner, SchedulerOutput({"a": 1}), gap_s=IDLE_S + 0.05)
     step(runner, SchedulerOutput({"a": 1}))
     cols = timer.take()
