@@ -313,7 +313,7 @@ def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:
         "--profile", "--json"])
     assert out.exit_code == 0, out.output
     doc = json.loads(out.stdout)
-    assert doc["config"]["budget"]["policy"] == "das" and doc["config"]["budget"]["c_base_s"] == 0.02
+    assert doc["config"]["budget"]["policy"] == "das" and doc["config"]["budget"]["prior"]["c_base_s"] == 0.02
     (run,) = doc["runs"]
     assert [e["epoch"] for e in run["epochs"]] == [1, 2]
     for epoch in run["epochs"]:
