@@ -47,7 +47,7 @@ def calibrate(name: str, timer: DecodeStepProbe, batch_sizes: Sequence[int], rep
 
 def vllm_step_timer(model_dir: Path, max_batch: int, decode_tokens: int = 16, prompt_tokens: int = 16) -> DecodeStepProbe:
     """A DecodeStepProbe over an in-process vLLM engine (CPU here). Loads the model once (tens of seconds)."""
-    from das.service.engine.models import hide_broken_torch_extensions
+    from das.service.engine.cpu_fixes.torch_extensions import hide_broken_torch_extensions
 
     hide_broken_torch_extensions()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")

@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
-
 import logging
 
 import numpy as np
+import pytest
 
-from das.scheduler.cost_model import (GENERIC_PRIOR, SHIPPED, CostModel, OnlineCostModel, fit_cost_model, load_cost_model,
-                                      prior_cost_model, save_cost_model)
+from das.scheduler.cost_model import (
+    GENERIC_PRIOR,
+    SHIPPED,
+    CostModel,
+    OnlineCostModel,
+    fit_cost_model,
+    load_cost_model,
+    prior_cost_model,
+    save_cost_model,
+)
 
 
 def test_h100_7b_is_memory_bound_at_small_batch():

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from das.scheduler.budget import DrafterParams
-from das.scheduler.length import LengthCurve
 from das.scheduler.cost_model import GENERIC_PRIOR
+from das.scheduler.length import LengthCurve
 from das.service.engine.budget_hook import GUARD_FLOORS, RequestView, StepSample, budget_hook_from_config
 
 

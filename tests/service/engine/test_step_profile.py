@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from das.service.engine.step_profile import IDLE_S, StepProfile, StepProfileExtension, RunnerStepTimer
+from das.service.engine.step_profile import IDLE_S, RunnerStepTimer, StepProfile, StepProfileExtension
 
 
 @dataclass
