@@ -101,6 +101,9 @@ def serve(
                                                       "written on a timer and at shutdown.")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
+    budget: Annotated[str, typer.Option(help="Draft budget of --speculation das: das (length-aware, on each "
+                                             "engine's online step-cost fit), uniform (K every step) or classes "
+                                             "(16/8/4 by predicted length).")] = "das",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
                                             "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
@@ -125,10 +128,12 @@ def serve(
     from das.service.gateway import GatewaySettings, create_app
 
     try:
+        if budget not in ("das", "uniform", "classes"):
+            raise ValueError(f"--budget {budget!r}: expected das, uniform or classes")
         settings = GatewaySettings(token=token, weights_root=weights_root, freeze_gc=True)
         engine = ({"stub_engine": {}} if stub_engine else {"engine": {
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
-            "max_model_len": max_model_len, "enforce_eager": eager}})
+            "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget}}})
         config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
                                                "history": {"shards": history_shards}})
         if not stub_engine:
