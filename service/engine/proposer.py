@@ -197,10 +197,12 @@ class DasProposer:
             views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens, room,
                                      run.tags.length_curve))
             rows.append(run)
+        drafted = accepted = 0
         if verified:
             slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*verified))
             self.acceptance.record(slots, drafted_counts, accepted_counts)
-        self._observe_step(t0, prefill, len(rows), verified)
+            drafted, accepted = int(drafted_counts.sum()), int(accepted_counts.sum())
+        self._observe_step(t0, prefill, len(rows), drafted, accepted)
         if views:
             slots = np.fromiter((run.slot for run in rows), np.int64, len(rows))
             plan = self.budget.plan(views, self.acceptance.params(slots))
@@ -217,16 +219,14 @@ class DasProposer:
         self._step_batch.append(len(req_ids))
         return drafts
 
-    def _observe_step(self, now: float, prefill: bool, requests: int, verified: list[tuple[int, int, int]]) -> None:
-        """Hands the budget the step that just ran: from the previous proposal to this one is one whole engine
-        step. A step with a prefill in it (a request seen for the first time) or after an idle gap is not a decode
-        step of this shape and is skipped."""
+    def _observe_step(self, now: float, prefill: bool, requests: int, drafted: int, accepted: int) -> None:
+        """Hands the budget the step that just ran (`drafted` draft tokens verified in it, `accepted` of them):
+        from the previous proposal to this one is one whole engine step. A step with a prefill in it (a request
+        seen for the first time) or after an idle gap is not a decode step of this shape and is skipped."""
         last, self._last_propose = self._last_propose, now
         if last is None or prefill or not requests or now - last > IDLE_GAP_S:
             return
-        drafted = sum(d for _, d, _ in verified)
-        self.budget.observe(StepSample(now - last, requests + drafted, requests, drafted,
-                                       sum(a for _, _, a in verified)))
+        self.budget.observe(StepSample(now - last, requests + drafted, requests, drafted, accepted))
 
     # ---- worker-extension API ----
 
