@@ -107,8 +107,6 @@ class BatchState:
         both >= 0 and not both 0.
     c_spec_s: the fixed price of a step that verifies drafts (seconds, >= 0; 0: drafted steps cost no more).
     k_max: the most draft tokens one request may get in one step (>= 0).
-    explore: None, or a bool per request: its acceptance is not measured yet, so `OptimalPolicy` gives it at least
-        one draft token (see `DrafterParams.unmeasured`).
     The arrays are copied to read-only float64 arrays of one shape (1-D); invalid input raises ValueError.
     """
 
@@ -118,7 +116,6 @@ class BatchState:
     c_base_s: float
     c_tok_s: float
     k_max: int
-    explore: np.ndarray | None = None
     c_spec_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -157,14 +154,8 @@ class BatchState:
             raise ValueError(f"BatchState.k_max must be an integer >= 0, got {self.k_max!r}") from None
         if k_max < 0:
             raise ValueError(f"BatchState.k_max must be >= 0, got {k_max}")
-        explore = self.explore
-        if explore is not None:
-            explore = np.array(explore, dtype=bool)
-            if explore.shape != rem.shape:
-                raise ValueError(f"BatchState.explore must be one bool per request, got shape {explore.shape}")
-            explore.setflags(write=False)
         for name, value in (*arrays.items(), ("c_base_s", c_base), ("c_tok_s", c_tok), ("c_spec_s", c_spec),
-                            ("k_max", k_max), ("explore", explore)):
+                            ("k_max", k_max)):
             object.__setattr__(self, name, value)
 
     def __len__(self) -> int:
@@ -297,8 +288,8 @@ class OptimalPolicy:
     while the drafter's own estimate of its acceptance stays at least the request's marginal
     (BudgetSolution.marginal): the model's average acceptance curve decides who drafts and how cheap a token must
     be, the drafter's per-token estimate which tokens clear that bar. It depends on those estimates being
-    calibrated; on the bundled traces they run low and the floor cuts good drafts (docs/results/2026-11-23-simulated-makespan.md),
-    so it is not the default.
+    calibrated; on the bundled traces they run low and the floor cuts good drafts
+    (docs/results/2026-11-23-simulated-makespan.md), so it is not the default.
     """
 
     def __init__(self, per_token: bool = False) -> None:
@@ -311,25 +302,9 @@ class OptimalPolicy:
     def plan(self, batch: BatchState) -> DraftPlan:
         solution = solve_budget(batch)
         if not self.per_token:
-            plan = DraftPlan(solution.draft_lengths, np.zeros(len(batch)))
-        else:
-            lengths = np.where(solution.proposed > 0.0, batch.k_max, 0).astype(np.int32)
-            plan = DraftPlan(lengths, solution.marginal)
-        return _explore(plan, batch)
-
-
-def _explore(plan: DraftPlan, batch: BatchState) -> DraftPlan:
-    """At least one draft token, verified whatever its estimate, for each request in `batch.explore` the optimum
-    left without: the optimum trusts the measured acceptance, and a budget that stops drafting stops measuring, so
-    an estimate that collapsed early (a batch's first drafts all rejected, say) would keep drafting off for good."""
-    if batch.explore is None or batch.k_max == 0:
-        return plan
-    if batch.c_spec_s > 0.0 and not plan.lengths.any():
-        return plan  # exploring would make a step the optimum left plain pay the drafted-step price
-    idle = batch.explore & (plan.lengths < 1)
-    if not idle.any():
-        return plan
-    return DraftPlan(np.where(idle, 1, plan.lengths).astype(np.int32), np.where(idle, 0.0, plan.min_prob))
+            return DraftPlan(solution.draft_lengths, np.zeros(len(batch)))
+        lengths = np.where(solution.proposed > 0.0, batch.k_max, 0).astype(np.int32)
+        return DraftPlan(lengths, solution.marginal)
 
 
 def solve_budget(batch: BatchState) -> BudgetSolution:
@@ -511,8 +486,8 @@ def _cap_forward_count(x: float, batch: BatchState, b: np.ndarray, kl: np.ndarra
 @dataclass(frozen=True)
 class DrafterParams:
     """Per-request drafter parameters for the budget model: capacity k_i in (0, 1), efficiency a_i > 0; and
-    `unmeasured` (None, or a bool each): requests whose estimate rests on too few drafts of their own, which the
-    optimum drafts at least one token for (BatchState.explore)."""
+    `unmeasured` (None, or a bool each): requests whose estimate rests on too few drafts of their own, which
+    bounded exploration may give a draft token the optimum did not (scheduler/exploration.py)."""
 
     capacity: np.ndarray
     efficiency: np.ndarray

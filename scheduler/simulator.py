@@ -35,6 +35,7 @@ from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget import BatchState, BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
+from das.scheduler.exploration import Exploration
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import Placement, place_groups, round_robin
 
@@ -116,6 +117,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     acceptance = AcceptanceCounts(k_max)
     slot = np.array([acceptance.start(i) for i in ids], dtype=np.int64)
     clock = [(0.0, e) for e in range(engines) if len(engine_requests[e])]
+    exploration = [Exploration() for _ in range(engines)]  # each engine explores on its own credit
     heapq.heapify(clock)
     passes = verified = accepted_total = 0
     while clock:
@@ -133,8 +135,10 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             drafter = acceptance.params(slot[active])
             state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), capacity=drafter.capacity,
                                efficiency=drafter.efficiency, c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s,
-                               k_max=k_max, explore=drafter.unmeasured, c_spec_s=cost.c_spec_s)
+                               k_max=k_max, c_spec_s=cost.c_spec_s)
             plan = policy.plan(state)
+            if isinstance(policy, OptimalPolicy):
+                plan = exploration[e].apply(plan, state, drafter.unmeasured)
             k, floor = plan.lengths.astype(np.int64), plan.min_prob
         drafted = np.zeros(len(active), dtype=np.int64)
         advanced = np.ones(len(active), dtype=np.int64)

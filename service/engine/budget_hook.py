@@ -27,6 +27,7 @@ from das.scheduler.budget import (
     UniformPolicy,
 )
 from das.scheduler.cost_model import GENERIC_PRIOR, CostModel, OnlineCostModel
+from das.scheduler.exploration import Exploration
 from das.scheduler.length import LengthCurve
 
 
@@ -91,9 +92,6 @@ class BudgetHook(Protocol):
 # The guard's probability floors, least to most demanding: a draft token is verified only if the drafter's own
 # estimate that it (and every token before it) is accepted reaches the floor.
 GUARD_FLOORS = (0.0, 0.3, 0.5, 0.7, 0.85)
-# One planned step in this many ignores the drafted-step price (see PolicyBudget.plan): at most 1/32 of the steps
-# pay c_spec for exploring.
-EXPLORE_EVERY = 32
 
 
 class SpeculationGuard:
@@ -145,8 +143,10 @@ class PolicyBudget:
     without measured ones (the proposer passes measured ones, scheduler/acceptance.py). The step cost model is
     `cost`, fitted online from the engine's own steps (`observe`) unless `online` is False, and read every step.
     `guard`: the never-a-loss guard (`SpeculationGuard`), which only ever raises the policy's probability floors.
+    Requests with unmeasured acceptance get exploration tokens on a credit of ~2% of the engine's time
+    (scheduler/exploration.py; the fixed baselines draft everyone anyway).
     Cost per step: one BatchState (three small numpy arrays) plus the policy, about 30-90 us for 256 requests
-    (scheduler/budget.py), plus the fit's ~50 us (scheduler/cost_model.py).
+    (scheduler/budget.py), plus the fit's ~50 us (scheduler/cost_model.py) and exploration's ~10 us.
     """
 
     def __init__(self, policy: BudgetPolicy, k_max: int, cost: CostModel, *, online: bool = True,
@@ -158,21 +158,18 @@ class PolicyBudget:
         self.cost = cost
         self.guard = SpeculationGuard() if guard else None
         self.capacity, self.efficiency = capacity, efficiency
-        self._steps = 0
+        self.exploration = Exploration()
 
     def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
         n = len(batch)
         capacity = drafter.capacity if drafter is not None else np.full(n, self.capacity)
         efficiency = drafter.efficiency if drafter is not None else np.full(n, self.efficiency)
         cost = self.cost
-        self._steps += 1
-        # bounded exploration: one step in EXPLORE_EVERY plans as if drafted steps cost nothing extra, so requests
-        # still measure their acceptance and the fit still sees drafted steps where the price keeps steps plain
-        c_spec = 0.0 if self._steps % EXPLORE_EVERY == 0 else cost.c_spec_s
         state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), capacity, efficiency,
-                           cost.c_base_s, cost.c_tok_s, self.k_max, drafter.unmeasured if drafter is not None else None,
-                           c_spec_s=c_spec)
+                           cost.c_base_s, cost.c_tok_s, self.k_max, c_spec_s=cost.c_spec_s)
         plan = self.policy.plan(state)
+        if isinstance(self.policy, OptimalPolicy):
+            plan = self.exploration.apply(plan, state, drafter.unmeasured if drafter is not None else None)
         if self.guard is not None and self.guard.level:
             plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))
         return plan
@@ -192,6 +189,7 @@ class PolicyBudget:
             out.update(dataclasses.asdict(self.fit.stats()))
         if self.guard is not None:
             out.update(guard_floor=self.guard.floor, guard_gain=self.guard.gain, guard_raised=self.guard.raised)
+        out["explore_tokens"] = self.exploration.tokens
         return out
 
 
@@ -201,9 +199,9 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
     policy, the step cost settings `"prior": {CostModel fields}` (default: `GENERIC_PRIOR`; or its coefficients
     alone as `"c_base_s"`, `"c_tok_s"`, `"c_spec_s"`), `"online": true`
     (fit the cost model from this engine's steps; false: keep the prior), `"guard"` (the never-a-loss guard;
-    default true for das, false for the uniform and classes baselines), and `"capacity"`, `"efficiency"`; for das also `"per_token": false` (true: up to K_max tokens per
-    request above a per-token probability floor instead of the model's K_i). A prior that is not a valid cost
-    model raises ValueError."""
+    default true for das, false for the uniform and classes baselines), and `"capacity"`, `"efficiency"`; for das
+    also `"per_token": false` (true: up to K_max tokens per request above a per-token probability floor instead of
+    the model's K_i). A prior that is not a valid cost model raises ValueError."""
     config = dict(config)
     name = config.pop("policy", "das")
     prior = GENERIC_PRIOR

@@ -440,29 +440,6 @@ def test_plan_per_token_and_by_lengths():
         assert plan.min_prob.tolist() == [0.0] * 16
 
 
-def test_unmeasured_requests_get_one_draft_token_the_optimum_would_not_give():
-    """Acceptance measured near zero: the optimum drafts nothing, which would also stop measuring it. Requests
-    marked for exploration get one token with no probability floor; the others and the uniform policy are as
-    before."""
-    args = dict(remaining=np.full(4, 300.0), capacity=np.full(4, 0.05), efficiency=np.full(4, 0.2),
-                c_base_s=44e-3, c_tok_s=0.49e-3, k_max=8)
-    explore = np.array([True, False, True, False])
-    for per_token in (False, True):
-        policy = OptimalPolicy(per_token=per_token)
-        plain = policy.plan(BatchState(**args))
-        assert plain.lengths.tolist() == [0, 0, 0, 0]
-        plan = policy.plan(BatchState(**args, explore=explore))
-        assert plan.lengths.tolist() == [1, 0, 1, 0] and plan.min_prob[explore].tolist() == [0.0, 0.0]
-        assert plan.min_prob[~explore].tolist() == plain.min_prob[~explore].tolist()
-    drafting = dict(args, capacity=np.full(4, 0.9), efficiency=np.full(4, 1.0))
-    assert (OptimalPolicy().plan(BatchState(**drafting, explore=explore)).lengths
-            == OptimalPolicy().plan(BatchState(**drafting)).lengths).all()  # already drafting: unchanged
-    assert OptimalPolicy().plan(BatchState(**dict(args, k_max=0), explore=explore)).lengths.tolist() == [0] * 4
-    assert UniformPolicy(3).plan(BatchState(**args, explore=explore)).lengths.tolist() == [3] * 4
-    with pytest.raises(ValueError, match="explore"):
-        BatchState(**args, explore=np.array([True]))
-
-
 # --- the price of a drafted step ------------------------------------------------------------------------------
 
 
@@ -484,12 +461,3 @@ def test_with_a_drafted_step_price_the_optimum_drafts_only_when_it_beats_no_draf
         assert priced.n_forward == pytest.approx(rem.max())
         drafted_cost = (c_base + c_spec) * as_base.n_forward + c_tok * as_base.proposed.sum()
         assert not as_base.draft_lengths.any() or drafted_cost >= c_base * rem.max()
-
-
-def test_no_exploration_on_a_step_the_price_keeps_plain():
-    rem = np.full(32, 200.0)
-    state = BatchState(rem, np.full(32, 0.3), np.full(32, 1.0), 40e-3, 0.5e-3, 8, explore=np.ones(32, bool),
-                       c_spec_s=500e-3)
-    assert not OptimalPolicy().plan(state).lengths.any()
-    cheap = BatchState(rem, np.full(32, 0.3), np.full(32, 1.0), 40e-3, 0.5e-3, 8, explore=np.ones(32, bool))
-    assert OptimalPolicy().plan(cheap).lengths.min() >= 1  # without the price, unmeasured requests explore

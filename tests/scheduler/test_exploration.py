@@ -1,0 +1,95 @@
+import numpy as np
+import pytest
+
+from das.scheduler.budget import BatchState, DraftPlan, OptimalPolicy
+from das.scheduler.exploration import EXPLORE_SHARE, Exploration
+
+
+def _state(remaining, c_base=44e-3, c_tok=0.49e-3, c_spec=0.0, k_max=8):
+    """A batch whose acceptance measured near zero: the optimum drafts nothing, which would also stop measuring."""
+    n = len(remaining)
+    return BatchState(np.asarray(remaining, float), np.full(n, 0.05), np.full(n, 0.2), c_base, c_tok, k_max,
+                      c_spec_s=c_spec)
+
+
+def test_unmeasured_requests_get_one_token_with_no_floor_the_others_keep_their_plan():
+    state = _state(np.full(4, 300.0))
+    for per_token in (False, True):
+        plain = OptimalPolicy(per_token=per_token).plan(state)
+        assert plain.lengths.tolist() == [0, 0, 0, 0]
+        unmeasured = np.array([True, False, True, False])
+        exploration = Exploration(share=0.5)  # credit for everyone at once
+        plan = exploration.apply(plain, state, unmeasured)
+        assert plan.lengths.tolist() == [1, 0, 1, 0] and plan.lengths.dtype == np.int32
+        assert plan.min_prob[unmeasured].tolist() == [0.0, 0.0]
+        assert plan.min_prob[~unmeasured].tolist() == plain.min_prob[~unmeasured].tolist()
+        assert exploration.tokens == 2
+
+
+def test_requests_already_drafting_nothing_to_measure_or_no_drafts_possible_leave_the_plan_alone():
+    state = _state(np.full(4, 300.0))
+    drafting = DraftPlan(np.array([2, 3, 1, 4], np.int32), np.zeros(4))
+    assert Exploration(share=0.5).apply(drafting, state, np.ones(4, bool)) is drafting
+    plain = DraftPlan(np.zeros(4, np.int32), np.zeros(4))
+    assert Exploration(share=0.5).apply(plain, state, None) is plain
+    assert Exploration(share=0.5).apply(plain, _state(np.full(4, 300.0), k_max=0), np.ones(4, bool)) is plain
+    assert Exploration(share=0.0).apply(plain, state, np.ones(4, bool)) is plain
+
+
+def test_the_longest_remaining_explore_first_and_the_others_follow_once_measured():
+    remaining = np.array([100.0, 900.0, 300.0, 700.0, 500.0])
+    # a compute-bound engine: one token is ~1/13 of a step, so the credit pays about one token every few steps
+    state = _state(remaining, c_base=75e-3, c_tok=5.85e-3)
+    plain = DraftPlan(np.zeros(5, np.int32), np.zeros(5))
+    unmeasured = np.ones(5, bool)
+    exploration = Exploration()
+    order = []
+    for _ in range(400):
+        plan = exploration.apply(plain, state, unmeasured)
+        for i in np.flatnonzero(plan.lengths):
+            order.append(int(i))
+            unmeasured[i] = False  # measured: leaves the pool
+    assert order == [1, 3, 4, 2, 0]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_exploration_spends_at_most_its_share_of_the_estimated_time(seed):
+    rng = np.random.default_rng(seed)
+    exploration = Exploration()
+    c_base, c_tok, c_spec = 75e-3 * rng.uniform(0.2, 2), 5.85e-3 * rng.uniform(0.01, 2), float(rng.uniform(0, 0.05))
+    total_s = spent_s = 0.0
+    for _ in range(500):
+        n = int(rng.integers(1, 64))
+        state = _state(rng.lognormal(5, 1, n), c_base=c_base, c_tok=c_tok, c_spec=c_spec)
+        lengths = np.where(rng.random(n) < 0.1, rng.integers(1, 4, n), 0).astype(np.int32)
+        plain = DraftPlan(lengths, np.zeros(n))
+        plan = exploration.apply(plain, state, rng.random(n) < 0.5)
+        extra = int(plan.lengths.sum() - lengths.sum())
+        step_s = c_base + c_tok * (n + lengths.sum()) + (c_spec if lengths.any() else 0.0)
+        total_s += step_s
+        if extra:
+            spent_s += c_tok * extra + (0.0 if lengths.any() else c_spec)
+    assert exploration.tokens > 0
+    # the credit never goes negative, and it is capped at one entry plus a token or a few steps' share
+    assert spent_s <= EXPLORE_SHARE * total_s + 1e-12
+
+
+def test_a_plain_step_explores_only_once_the_credit_also_pays_the_drafted_step_price():
+    state = _state(np.full(32, 200.0), c_base=40e-3, c_tok=0.5e-3, c_spec=0.2)
+    plain = DraftPlan(np.zeros(32, np.int32), np.zeros(32))
+    exploration = Exploration()
+    steps_until = next(i for i in range(2000) if exploration.apply(plain, state, np.ones(32, bool)).lengths.any())
+    # share 2% of a 56 ms step a step: the 200.5 ms entry price takes ~180 steps of credit
+    assert 150 <= steps_until <= 200
+    # in a tail step whose share is below one token's cost, exploration still comes (never stops for good)
+    tail = _state(np.array([50.0]), c_base=75e-3, c_tok=5.85e-3)
+    exploration = Exploration()
+    assert any(exploration.apply(DraftPlan(np.zeros(1, np.int32), np.zeros(1)), tail, np.ones(1, bool)).lengths.any()
+               for _ in range(10))
+
+
+def test_invalid_settings_are_refused():
+    with pytest.raises(ValueError, match="share"):
+        Exploration(share=1.5)
+    with pytest.raises(ValueError, match="burst"):
+        Exploration(burst=0.5)
