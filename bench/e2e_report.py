@@ -143,8 +143,27 @@ def print_tables(result: E2EResult, console: Any) -> None:
         p = result.proposer
         console.print(f"das proposer per decode step: p50 {p['step_us_p50']:.0f} us, p99 {p['step_us_p99']:.0f} us "
                       f"at {p['mean_batch']:.1f} requests on average; history {p['stored_tokens']} tokens")
+        if "cost" in p:
+            console.print(cost_fit_line(p["cost"]))
     for line in _source_lines(result):
         console.print(line)
+
+
+def cost_fit_line(cost: dict[str, Any]) -> str:
+    """The das engine's live step-cost fit, its never-a-loss guard and exploration, as the budget hook reports
+    them (`PolicyBudget.stats`), in one line."""
+    fit = (f"das live cost fit (last repeat): c_base {cost['c_base_s'] * 1e3:.1f} ms, "
+           f"c_tok {cost['c_tok_s'] * 1e3:.3f} ms/token, c_spec {cost['c_spec_s'] * 1e3:.1f} ms "
+           f"from prior {cost['prior']}")
+    if cost.get("fit_error") is not None:
+        fit += f", {cost['steps']} steps, fit error {cost['fit_error']:.1%}"
+    if "guard_floor" in cost:
+        gain = cost.get("guard_gain")
+        fit += (f"; guard floor {cost['guard_floor']:.2f} (raised {cost['guard_raised']}x"
+                f"{f', gain {gain:.3f}' if gain is not None else ''})")
+    if "explore_tokens" in cost:
+        fit += f"; {cost['explore_tokens']} exploration tokens"
+    return fit
 
 
 def _source_lines(result: E2EResult) -> list[str]:

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
 from das.service.api import GroupRequest, SampleResult
+from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.step_profile import StepProfile
@@ -98,6 +99,9 @@ class EngineConfig(BaseModel):
                                    "(service/engine/budget_hook.py); empty: the length-aware budget (das) on an "
                                    "online cost model")
     drafter: dict[str, Any] = Field(default_factory=dict, description="DrafterConfig fields (drafter/history)")
+    cost_warmup_requests: int = Field(16, ge=0, le=256, description="the das budget only: requests of the start-up "
+                                      "decode that shows the online cost fit every batch size from this many down to 1 "
+                                      "(service/engine/cost_warmup.py); 0: none")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
         "auto", description="auto: bfloat16 on a GPU or a CPU with native bfloat16 (avx512_bf16 / amx_bf16), else "
                             "float32 (`serving_dtype`)")
@@ -214,10 +218,12 @@ class Engine:
         tally = SpecDecodeTally()
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
         try:
-            if das:
-                await llm.collective_rpc("das_attach")
             tokenizer = llm.tokenizer
             vocab_size = llm.model_config.get_vocab_size()
+            if das:
+                await llm.collective_rpc("das_attach")
+                if config.cost_warmup_requests and config.budget.get("policy", "das") == "das":
+                    await warm_up_cost_fit(llm, min(config.cost_warmup_requests, config.max_num_seqs), vocab_size)
         except BaseException:
             llm.shutdown()
             raise

@@ -330,3 +330,22 @@ def test_engine_core_starts_without_vllms_aot_compile_cache_on_cpu(loop, monkeyp
     with pytest.raises(Spawned):
         loop.run_until_complete(Engine.create(EngineConfig(model=str(smollm2), speculation="none")))
     assert seen["aot"] == "1"
+
+
+
+def test_the_length_aware_budget_starts_with_its_cost_fit_fed_by_the_warmup(loop, tiny_models):
+    """Before any caller's request, the online fit has timed the warm-up's decode steps (8 requests: ~15 decode
+    steps with batch sizes 8 down to 1); the uniform baseline does no warm-up."""
+    engine = start(loop, model=str(tiny_models[0]), speculation="das", dtype="float32", max_model_len=256,
+                   num_speculative_tokens=4, cost_warmup_requests=8)
+    try:
+        cost = loop.run_until_complete(engine.drafter_stats())["cost"]
+        assert cost["steps"] >= 8 and cost["c_tok_s"] > 0 and cost["c_base_s"] > 0
+    finally:
+        loop.run_until_complete(engine.close())
+    uniform = start(loop, model=str(tiny_models[0]), speculation="das", dtype="float32", max_model_len=256,
+                    num_speculative_tokens=4, cost_warmup_requests=8, budget={"policy": "uniform"})
+    try:
+        assert loop.run_until_complete(uniform.drafter_stats())["cost"]["steps"] == 0
+    finally:
+        loop.run_until_complete(uniform.close())
