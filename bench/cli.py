@@ -27,6 +27,9 @@ def bench_drafter(
     arms: Annotated[str, typer.Option(help="Comma-separated arms: das, arctic-d24, arctic-d64, ngram.")] =
         "das,arctic-d24,arctic-d64,ngram",
     repeats: Annotated[int, typer.Option(min=1, help="Repeat every arm; figures are medians over repeats.")] = 3,
+    frontier: Annotated[bool, typer.Option(help="Also replay das over a grid of draft caps and probability floors "
+                                                "and compare it with each peer at the peer's draft tokens per step.")]
+        = True,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Replay a history file through each drafter and compare acceptance, latency and memory."""
@@ -36,7 +39,7 @@ def bench_drafter(
     path = traces or default_trace_path()
     try:
         result = run_drafter_bench(path, max_draft=max_draft, arms=[a.strip() for a in arms.split(",") if a.strip()],
-                                   repeats=repeats, progress=not as_json)
+                                   repeats=repeats, progress=not as_json, frontier=frontier)
     except (RecordError, OSError, ValueError) as exc:
         fail(str(exc))
     emit(result, as_json)

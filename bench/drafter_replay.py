@@ -6,6 +6,12 @@ advancing once per step, so siblings feed each other's live history. Each step a
 given the true context; accepted = longest prefix of the draft equal to the true continuation; the sample advances
 by accepted + 1 tokens (exactly what exact speculative sampling accepts along a sampled path), or to its end.
 Every arm sees the same traces, the same order, the same K.
+
+Drafting more tokens per step buys tokens per step at a price (every draft token is verified), so arms are compared
+at equal draft tokens per step too: `das`'s frontier replays it over a grid of its draft-length knobs (the cap K per
+step, and a probability floor on its tokens at the full cap), keeps the upper envelope of (draft tokens per step,
+tokens per step), anchored at (0, 1) (no drafts: one token per step), and reads it at each peer's draft tokens per
+step by linear interpolation (`das_vs_peer[...]["tokens_per_step_at_equal_drafts"]`).
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class ArmStats:
     """Figures of one arm over the measured versions. Times in microseconds, memory in bytes."""
 
     tokens_per_step: float
+    draft_tokens_per_step: float  # draft tokens proposed (all verified) / steps
     draft_share: float        # steps with a non-empty draft / steps
     mean_draft_len: float     # mean draft length over steps with a draft
     acceptance_rate: float    # accepted draft tokens / proposed draft tokens
@@ -96,14 +103,60 @@ class ArmStats:
     wall_s: float
 
 
+# The das frontier's grid: caps K (draft tokens per step, at most --max-draft) with no floor, and probability floors
+# (DrafterConfig.min_prob) at the full cap.
+FRONTIER_CAPS = (1, 2, 3, 4, 6, 8, 12, 16)
+FRONTIER_FLOORS = (0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+@dataclass(frozen=True)
+class FrontierPoint:
+    """One das replay: its knobs and what it reached."""
+
+    max_draft: int
+    min_prob: float
+    draft_tokens_per_step: float
+    tokens_per_step: float
+
+
+def frontier_grid(max_draft: int) -> list[tuple[int, float]]:
+    """(cap, floor) pairs of the frontier: every FRONTIER_CAPS entry below max_draft and max_draft itself at floor 0,
+    then every FRONTIER_FLOORS entry at max_draft."""
+    caps = sorted({k for k in FRONTIER_CAPS if k < max_draft} | {max_draft})
+    return [(k, 0.0) for k in caps] + [(max_draft, p) for p in FRONTIER_FLOORS]
+
+
+def upper_envelope(points: Sequence[FrontierPoint]) -> list[FrontierPoint]:
+    """The points no other point beats with fewer or equal draft tokens per step, by draft tokens per step."""
+    best = -np.inf
+    envelope = []
+    for p in sorted(points, key=lambda p: (p.draft_tokens_per_step, -p.tokens_per_step)):
+        if p.tokens_per_step > best:
+            envelope.append(p)
+            best = p.tokens_per_step
+    return envelope
+
+
+def tokens_per_step_at(envelope: Sequence[FrontierPoint], draft_tokens_per_step: float) -> float:
+    """The envelope's tokens per step at `draft_tokens_per_step`, linear between its points and from (0, 1) (no
+    drafts, one token a step); beyond its last point, the last point's (fewer drafts than offered are a choice)."""
+    xs = [0.0] + [p.draft_tokens_per_step for p in envelope]
+    ys = [1.0] + [p.tokens_per_step for p in envelope]
+    return float(np.interp(draft_tokens_per_step, xs, ys))
+
+
 @dataclass
 class DrafterBenchResult:
     config: dict[str, object]
     arms: dict[str, ArmStats] = field(default_factory=dict)
+    frontier: list[FrontierPoint] = field(default_factory=list)  # das over frontier_grid, every point
 
     def to_dict(self) -> dict[str, object]:
-        return {"config": self.config, "arms": {k: asdict(v) for k, v in self.arms.items()},
-                "das_vs_peer": self.ratios()}
+        arms: dict[str, dict[str, object]] = {k: asdict(v) for k, v in self.arms.items()}
+        if self.frontier and "das" in arms:
+            arms["das"]["frontier"] = [asdict(p) for p in upper_envelope(self.frontier)]
+            arms["das"]["frontier_points"] = [asdict(p) for p in self.frontier]
+        return {"config": self.config, "arms": arms, "das_vs_peer": self.ratios()}
 
     def print(self, console: Console) -> None:
         table = Table(title=f"drafter replay: {self.config['traces']} (K={self.config['max_draft']}, "
@@ -119,6 +172,10 @@ class DrafterBenchResult:
             table.add_row(name, *[f"{getattr(s, c):.3g}" if isinstance(getattr(s, c), float) else str(getattr(s, c))
                                   for c in cols])
         console.print(table)
+        if self.frontier:
+            console.print("das frontier (draft tokens/step -> tokens/step): " + ", ".join(
+                f"K={p.max_draft}{f' p>={p.min_prob:g}' if p.min_prob else ''}: {p.draft_tokens_per_step:.2f} -> "
+                f"{p.tokens_per_step:.3f}" for p in upper_envelope(self.frontier)))
         for name, ratios in self.ratios().items():
             console.print(f"das / {name}: " + ", ".join(f"{k} x{v:.3f}" for k, v in ratios.items()))
 
@@ -128,8 +185,15 @@ class DrafterBenchResult:
             return {}
         d = self.arms["das"]
         keys = ("tokens_per_step", "speculate_us_p50", "speculate_us_p99", "append_us_per_token", "bytes_per_token")
-        return {name: {k: getattr(d, k) / getattr(a, k) for k in keys if getattr(a, k)}
-                for name, a in self.arms.items() if name.startswith("arctic")}
+        out = {name: {k: getattr(d, k) / getattr(a, k) for k in keys if getattr(a, k)}
+               for name, a in self.arms.items() if name.startswith("arctic")}
+        if self.frontier:
+            envelope = upper_envelope(self.frontier)
+            for name, ratios in out.items():
+                peer = self.arms[name]
+                ratios["tokens_per_step_at_equal_drafts"] = (
+                    tokens_per_step_at(envelope, peer.draft_tokens_per_step) / peer.tokens_per_step)
+        return out
 
 
 def replay_arm(drafter: ReplayDrafter, records: Sequence[RolloutRecord], max_draft: int,
@@ -192,6 +256,7 @@ def replay_arm(drafter: ReplayDrafter, records: Sequence[RolloutRecord], max_dra
     spec = np.asarray(spec_ns, np.float64) / 1e3
     return ArmStats(
         tokens_per_step=tokens / steps if steps else 0.0,
+        draft_tokens_per_step=drafted / steps if steps else 0.0,
         draft_share=with_draft / steps if steps else 0.0,
         mean_draft_len=drafted / with_draft if with_draft else 0.0,
         acceptance_rate=accepted_total / drafted if drafted else 0.0,
@@ -210,7 +275,9 @@ def _median_stats(runs: list[ArmStats]) -> ArmStats:
 
 
 def run_drafter_bench(traces: Path, max_draft: int = 16, arms: Sequence[str] = ("das",), repeats: int = 1,
-                      progress: bool = True) -> DrafterBenchResult:
+                      progress: bool = True, frontier: bool = False) -> DrafterBenchResult:
+    """Every arm `repeats` times (medians); with `frontier` and the das arm, das once more per frontier_grid point
+    (tokens per step do not depend on timing, so once is enough)."""
     factories = _arm_factories()
     unknown = [a for a in arms if a not in factories]
     if unknown:
@@ -226,12 +293,18 @@ def run_drafter_bench(traces: Path, max_draft: int = 16, arms: Sequence[str] = (
     result = DrafterBenchResult(config={"traces": str(traces), "max_draft": max_draft, "rollouts": len(records),
                                         "measured_versions": versions[1:], "repeats": repeats})
     runs: dict[str, list[ArmStats]] = {name: [] for name in arms}
+    grid = frontier_grid(max_draft) if frontier and "das" in arms else []
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("replaying", total=repeats * len(arms) * len(versions))
+        task = bar.add_task("replaying", total=(repeats * len(arms) + len(grid)) * len(versions))
         for rep in range(repeats):
             for name in arms:  # arms interleaved, so a noisy spell on the machine hits them alike
                 bar.update(task, description=f"replaying {name} ({rep + 1}/{repeats})")
                 runs[name].append(replay_arm(factories[name](), records, max_draft,
                                              on_version=lambda _v: bar.advance(task)))
+        for cap, floor in grid:
+            bar.update(task, description=f"das frontier: K={cap}, floor {floor:g}")
+            stats = replay_arm(DasDrafter(DrafterConfig(min_prob=floor)), records, cap,
+                               on_version=lambda _v: bar.advance(task))
+            result.frontier.append(FrontierPoint(cap, floor, stats.draft_tokens_per_step, stats.tokens_per_step))
     result.arms = {name: _median_stats(r) for name, r in runs.items()}
     return result

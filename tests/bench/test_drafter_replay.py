@@ -9,7 +9,15 @@ import pytest
 from typer.testing import CliRunner
 
 from das.bench.cli import app
-from das.bench.drafter_replay import DasDrafter, replay_arm, run_drafter_bench
+from das.bench.drafter_replay import (
+    DasDrafter,
+    FrontierPoint,
+    frontier_grid,
+    replay_arm,
+    run_drafter_bench,
+    tokens_per_step_at,
+    upper_envelope,
+)
 from das.drafter.history import DrafterConfig
 from das.drafter.records import RolloutRecord, write_rollouts
 
@@ -75,3 +83,35 @@ def test_bench_rejects_bad_arguments(tmp_path):
         run_drafter_bench(path, arms=["nope"], progress=False)
     result = CliRunner().invoke(app, ["bench", "drafter", "--traces", str(tmp_path / "missing.jsonl")])
     assert result.exit_code == 2
+
+
+def test_the_frontier_compares_das_with_a_peer_at_the_peers_draft_tokens_per_step(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    write_rollouts(path, synthetic_traces(problems=2, samples=2))
+    result = run_drafter_bench(path, max_draft=4, arms=["das", "arctic-d24"], progress=False, frontier=True)
+    assert [(p.max_draft, p.min_prob) for p in result.frontier] == frontier_grid(4)
+    assert frontier_grid(4) == [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0), (4, 0.05), (4, 0.1), (4, 0.2), (4, 0.3),
+                                (4, 0.5)]
+    envelope = upper_envelope(result.frontier)
+    xs = [p.draft_tokens_per_step for p in envelope]
+    ys = [p.tokens_per_step for p in envelope]
+    assert xs == sorted(xs) and all(b > a for a, b in zip(ys, ys[1:]))  # more drafts only where they buy more
+    assert all(any(q.draft_tokens_per_step <= p.draft_tokens_per_step and q.tokens_per_step >= p.tokens_per_step
+                   for q in envelope) for p in result.frontier)  # every point is dominated by the envelope
+    peer = result.arms["arctic-d24"]
+    at_peer = tokens_per_step_at(envelope, peer.draft_tokens_per_step)
+    assert result.ratios()["arctic-d24"]["tokens_per_step_at_equal_drafts"] == pytest.approx(
+        at_peer / peer.tokens_per_step)
+    doc = result.to_dict()
+    assert [p["draft_tokens_per_step"] for p in doc["arms"]["das"]["frontier"]] == xs
+    assert doc["arms"]["arctic-d24"]["draft_tokens_per_step"] == pytest.approx(peer.draft_tokens_per_step)
+
+
+def test_reading_the_envelope_between_beyond_and_below_its_points():
+    envelope = [FrontierPoint(2, 0.0, 1.0, 1.5), FrontierPoint(4, 0.0, 3.0, 2.0)]
+    assert tokens_per_step_at(envelope, 0.0) == 1.0  # no drafts: one token a step
+    assert tokens_per_step_at(envelope, 0.5) == pytest.approx(1.25)
+    assert tokens_per_step_at(envelope, 2.0) == pytest.approx(1.75)
+    assert tokens_per_step_at(envelope, 10.0) == 2.0
+    dominated = FrontierPoint(8, 0.0, 5.0, 1.9)
+    assert upper_envelope([*envelope, dominated]) == envelope
