@@ -67,3 +67,20 @@ def test_a_request_is_unmeasured_until_enough_of_its_drafts_were_verified():
     counts.record(np.array([old]), np.array([3]), np.array([1]))
     counts.record(np.array([new]), np.array([0]), np.array([0]))  # no draft, nothing measured
     assert counts.params(np.array([old, new])).unmeasured.tolist() == [False, True]
+
+
+def test_positions_never_drafted_are_expected_to_hold_up_as_the_first_one_does():
+    """High first-position acceptance measured with one-token drafts only: the untried positions follow it (so the
+    budget may try long drafts), where a fixed prior kept them at 0.5^j; low acceptance keeps them low."""
+    for rate, least_capacity, most_capacity in ((0.95, 0.8, 1.0), (0.2, 0.0, 0.3)):
+        book = AcceptanceCounts(k_max=8)
+        slot = book.start("a")
+        rng = np.random.default_rng(0)
+        for _ in range(400):
+            book.record(np.array([slot]), np.array([1]), np.array([int(rng.random() < rate)]))
+        q = book.pooled_acceptance()
+        assert q[0] == pytest.approx(rate, abs=0.05)
+        assert q[7] == pytest.approx(q[0] ** 8, rel=0.2)
+        assert np.all(np.diff(q) < 0)
+        newcomer = book.params(np.array([book.start("b")]))
+        assert least_capacity <= newcomer.capacity[0] <= most_capacity
