@@ -91,14 +91,18 @@ def cost_model_dir(data_dir: Path | None = None) -> Path:
 
 
 def load_cost_model(name_or_path: str, data_dir: Path | None = None) -> CostModel:
-    """A named model, a JSON file written by `das calibrate`, or the name of one in the data directory."""
+    """A named model, a JSON file written by `das calibrate`, the name of one in the data directory, or the name of
+    a shipped calibration (`SHIPPED`, e.g. cpu-smollm2; one stored under the same name wins)."""
     if name_or_path in NAMED:
         return NAMED[name_or_path]()
     path = Path(name_or_path)
     if not path.exists():
         path = cost_model_dir(data_dir) / f"{name_or_path}.json"
+    shipped = {m.name: m for m in SHIPPED.values()}
+    if not path.exists() and name_or_path in shipped:
+        return shipped[name_or_path]
     if not path.exists():
-        known = sorted(NAMED) + sorted(p.stem for p in cost_model_dir(data_dir).glob("*.json"))
+        known = sorted(NAMED) + sorted(shipped) + sorted(p.stem for p in cost_model_dir(data_dir).glob("*.json"))
         raise ValueError(f"unknown cost model {name_or_path!r}; known: {known}")
     try:
         doc = json.loads(path.read_text())

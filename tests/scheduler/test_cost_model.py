@@ -37,6 +37,7 @@ def test_fit_recovers_known_constants_and_reports_error():
 
 
 def test_saved_models_load_by_name_and_bad_files_are_clear_errors(tmp_path):
+    assert load_cost_model("cpu-smollm2", tmp_path) == SHIPPED["smollm2"]  # nothing stored: the shipped one
     m = CostModel(name="cpu-smollm2", c_base_s=0.02, c_tok_s=0.001, source="measured", fit_error=0.05)
     path = save_cost_model(m, tmp_path)
     assert load_cost_model("cpu-smollm2", tmp_path) == m
