@@ -155,12 +155,17 @@ class SampleResult(BaseModel):
     """One finished sample. logprobs[i] is the log-probability of token_ids[i] under the distribution it was
     sampled from (vLLM's processed logprobs: after temperature, top-p and top-k). `text`: the detokenized output
     (special tokens skipped), None where no tokenizer ran. `engine`: which engine produced it; `prompt_token_ids`:
-    the prompt it continued, where the engine reports it. Times in seconds."""
+    the prompt it continued, where the engine reports it. Times in seconds.
+
+    Every sample index of a group arrives exactly once. A sample whose engine died before it arrived is drawn
+    again on another engine (or the restarted one) under the same index: at temperature > 0 that is a fresh draw
+    from the same policy, not the continuation the dead engine had begun; `engine` names the engine that drew it."""
 
     model_config = ConfigDict(extra="forbid")
 
     problem_id: str
-    sample_index: int
+    sample_index: int = Field(description="0 .. n-1 within its group, each exactly once; a sample re-run after its "
+                                          "engine died keeps its index (a fresh draw at temperature > 0)")
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
@@ -174,6 +179,11 @@ class SampleResult(BaseModel):
     text: str | None = None
     engine: str | None = None
     prompt_token_ids: list[int] | None = Field(None, description="the prompt as the engine tokenized it")
+    policy_spans: list[tuple[int, int]] | None = Field(
+        None, description="the weights the tokens came from, when they changed while the sample ran (a weight "
+                          "update under POST /pause?mode=keep): [policy version, index of its first token in "
+                          "token_ids] pairs, first index 0, both increasing; None: every token is of "
+                          "policy_version. policy_version is always the version of the first token")
 
 
 # --- the HTTP batch API ----------------------------------------------------------------------------------------
@@ -205,7 +215,8 @@ class SampleRecord(BaseModel):
 
     group_index: int
     problem_id: str
-    sample_index: int
+    sample_index: int = Field(description="0 .. n-1 within its group, each exactly once; a sample re-run after its "
+                                          "engine died keeps its index (a fresh draw at temperature > 0)")
     output_token_ids: list[int]
     text: str | None
     logprobs: list[float] | None = None
@@ -217,6 +228,9 @@ class SampleRecord(BaseModel):
     latency_s: float
     error: str | None = None
     engine: str | None = Field(None, description="the engine that produced the sample")
+    policy_spans: list[tuple[int, int]] | None = Field(None, description="as SampleResult.policy_spans: "
+                                                       "[version, first token index] pairs where the weights "
+                                                       "changed during the sample, else absent")
 
 
 BatchStatus = Literal["queued", "running", "done", "aborted", "failed"]
@@ -286,3 +300,52 @@ class ProblemSummary(BaseModel):
     length_p50: float | None = Field(description="median output length (tokens) of the held rollouts")
     length_max: int | None
     finish_reasons: dict[str, int] = Field(description="counts over the versions the difficulty record holds")
+
+
+# --- vLLM's RL control routes (service/rl_control.py) -----------------------------------------------------------
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""vLLM's `PauseMode`: abort the samples in flight (they end with finish_reason "abort"), wait for them to finish,
+or keep them frozen until resume. In every mode new samples are held until resume, not refused."""
+
+
+class CheckpointUpdateRequest(BaseModel):
+    """POST /update_weights from a checkpoint directory (this service's body; vLLM's names `update_info`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: CheckpointPath = Field(description="checkpoint directory, inside the weights root")
+    version: int | None = Field(None, ge=0, le=INT64_MAX, description="policy version of these weights, newer "
+                                                                      "than the served one; None: served + 1")
+
+
+class PauseResponse(BaseModel):
+    status: Literal["paused"] = "paused"
+
+
+class ResumeResponse(BaseModel):
+    status: Literal["resumed"] = "resumed"
+
+
+class IsPausedResponse(BaseModel):
+    is_paused: bool
+
+
+class AbortRequestsBody(BaseModel):
+    """vLLM's body of POST /abort_requests. Here a request id names a batch (the batch_id of /v1/rollouts, the
+    X-Batch-Id of an OpenAI-compatible response); none or empty: every sample in flight."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    request_ids: list[Text] | None = None
+
+
+class AbortResponse(BaseModel):
+    status: Literal["aborted"] = "aborted"
+    aborted: int = Field(description="batches aborted (request_ids given), else samples aborted")
+
+
+class CheckpointUpdateResponse(BaseModel):
+    message: Literal["Weights updated"] = "Weights updated"
+    policy_version: int
+    reload_s: float = Field(description="seconds, including any wait for running batches")

@@ -109,6 +109,16 @@ def serve(
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
     history_shards: Annotated[int, typer.Option("--history-shards", min=1, help="HistoryStore actors.")] = 2,
+    snapshot_interval: Annotated[float, typer.Option("--snapshot-interval", min=0.1, help="Seconds between history "
+                                                     "snapshots (of shards that changed) with --state-dir.")] = 60.0,
+    engines_per_node: Annotated[int, typer.Option("--engines-per-node", min=1, help="Engines on each node without "
+                                                  "a GPU, each in an actor of its own (a GPU node runs one per "
+                                                  "GPU).")] = 1,
+    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Restarts an engine may have within "
+                                              "--restart-window; the death after that fails its batches and it "
+                                              "stays down.")] = 5,
+    restart_window: Annotated[float, typer.Option("--restart-window", min=1.0, help="Seconds over which "
+                                                  "--max-restarts counts.")] = 600.0,
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
@@ -116,10 +126,12 @@ def serve(
     """Serve the rollout API: the gateway, the history store and one engine actor per node, over Ray.
 
     The port opens at once; /readyz answers 503 until every engine has loaded (about 3 minutes with
-    torch.compile on the CPU, seconds with --eager). Ctrl-C (or SIGTERM) stops it and snapshots the history.
+    torch.compile on the CPU, seconds with --eager). Ctrl-C (or SIGTERM, to this process or its whole process
+    group) snapshots the history at once, then stops.
     """
     import asyncio
     import signal
+    from types import FrameType
 
     import uvicorn
     from pydantic import ValidationError
@@ -135,7 +147,11 @@ def serve(
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget}}})
         config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
-                                               "history": {"shards": history_shards}})
+                                               "engines_per_node": engines_per_node,
+                                               "failure": {"max_restarts": max_restarts,
+                                                           "restart_window_s": restart_window},
+                                               "history": {"shards": history_shards,
+                                                           "snapshot_interval_s": snapshot_interval}})
         if not stub_engine:
             from das.service.engine.models import prepare_model
 
@@ -154,16 +170,39 @@ def serve(
             os._exit(128 + sig)
 
     async def run() -> None:
-        backend = await RayBackend.start(config, progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+        # The processes of an embedded Ray cluster (GCS, raylet, the workers it starts) inherit the signal mask: with
+        # SIGTERM blocked, a SIGTERM sent to the whole process group (a container stop) reaches only this process,
+        # which snapshots the history and then stops Ray (whose shutdown kills what does not exit). Ray shields its
+        # processes from the group's SIGINT (Ctrl-C) the same way.
+        shielded = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if address is None else None
+        try:
+            backend = await RayBackend.start(config, progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+        finally:
+            if shielded is not None:
+                signal.pthread_sigmask(signal.SIG_SETMASK, shielded)
+        loop = asyncio.get_running_loop()
+        snapshots: list[asyncio.Future[None]] = []
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+                # The first signal snapshots the history now: the graceful stop waits for open streams, and
+                # whatever sent the signal may follow it with SIGKILL before that is done.
+                if not self.should_exit:
+                    loop.call_soon_threadsafe(lambda: snapshots.append(asyncio.ensure_future(backend.snapshot())))
+                super().handle_exit(sig, frame)
+
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, while_stopping)  # uvicorn puts these back when it stops
         try:
             app = create_app(backend, settings)
             console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if token else 'off'}; "
                           f"/readyz turns 200 once the engines have loaded)")
-            await uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
+            await Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
         finally:
             console.print("[cyan]stopping: snapshotting the history, stopping the engines[/cyan]")
+            for done in await asyncio.gather(*snapshots, return_exceptions=True):
+                if isinstance(done, BaseException):
+                    console.print(f"[red]history snapshot at the signal failed: {escape(str(done))}[/red]")
             await backend.close()
 
     asyncio.run(run())

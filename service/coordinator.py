@@ -16,9 +16,16 @@ engine's groups longest first, and merges the engines' streams as samples finish
 Locally `RayBackend.start(config)` starts an embedded single-node cluster; with `address` it joins a running one
 (`ray start --head` on the head node, `ray start --address=...` on the others, or KubeRay).
 
-A NodeEngine that dies fails the batches running on it with an error naming it (their finished samples are
-delivered; the gateway reports the batch as failed) and leaves the service not ready; Ray does not restart it,
-because a half-loaded engine serving silently is worse than a loud failure.
+An engine that dies loses nothing (docs/design.md "Failure behaviour"). The NodeEngine actors are created with
+unbounded Ray restarts and no task retries (nothing runs twice behind our back); the coordinator counts the
+restarts itself, `FailureConfig.max_restarts` per `restart_window_s`, and kills an actor for good past that. A
+death is noticed by the stream that breaks or by a call the coordinator keeps pending on every actor
+(`NodeEngine.watch`); the engine stops serving, the coordinator calls `start()` on the restarted actor (which
+reloads the model and pulls its drafter history from the store with fresh cursors) and reloads the weights last
+served, then it serves again. The samples the dead engine owed that had not arrived are sent to a serving engine
+(or the restarted one) as a group with n = their count, and renumbered back to the missing indices
+(service/engine_failure.py `Share`), so every sample index reaches the client exactly once. `ready()` while at
+least one engine serves; `live()` False once no engine can ever serve again.
 """
 
 from __future__ import annotations
@@ -27,9 +34,12 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+import time
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -38,11 +48,12 @@ from das.drafter.records import RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
-from das.service.api import GroupRequest, ProblemSummary, SampleResult
+from das.service.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
 from das.service.engine.async_engine import EngineConfig, validate_rollouts
-from das.service.history_store import HistoryConfig, HistoryShard, shard_of
+from das.service.engine_failure import FailureConfig, RestartWindow, Share
+from das.service.history_store import HistoryConfig, HistoryShardActor, shard_of
 from das.service.node_engine import NodeEngine
-from das.service.rollout_backend import BackendStats, GroupInputError, merge_streams
+from das.service.rollout_backend import BackendStats, GroupInputError
 from das.service.stub_engine import StubEngineConfig
 
 log = logging.getLogger(__name__)
@@ -50,6 +61,12 @@ log = logging.getLogger(__name__)
 # Passed on to the engine actors' processes, which do not inherit the driver's environment when joining a cluster.
 _FORWARDED_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "VLLM_PLUGINS", "DAS_DATA_DIR",
                   "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def _describe(exc: BaseException) -> str:
+    """The first line of `exc` with its type (Ray's death messages run to many lines)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
 
 
 def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRequest]) -> list[GroupRequest]:
@@ -77,12 +94,45 @@ class ServiceConfig(BaseModel):
     history: HistoryConfig = HistoryConfig()
     stats_interval_s: float = Field(2.0, gt=0, description="seconds between engine and store figure refreshes")
     object_store_mib: int = Field(256, ge=64, description="object store of an embedded cluster, MiB")
+    engines_per_node: int = Field(1, ge=1, description="engines on each node without a GPU, each in a NodeEngine "
+                                  "actor of its own so that one dying leaves the others serving (a GPU node runs "
+                                  "one engine per GPU in one actor)")
+    failure: FailureConfig = FailureConfig()
 
     @model_validator(mode="after")
     def _one_engine(self) -> ServiceConfig:
         if (self.engine is None) == (self.stub_engine is None):
             raise ValueError("give exactly one of engine and stub_engine")
         return self
+
+
+# Seconds of calls refused with ActorDiedError after which an actor is taken to be dead for good.
+_DEAD_FOR_GOOD_S = 30.0
+
+
+# A stream or call that raises one of these lost its engine actor (or the object holding its samples): what it
+# owed is re-dispatched. Anything else an engine raises fails the batch.
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    import ray
+
+    return ray.exceptions.RayActorError, ray.exceptions.ObjectLostError
+
+
+@dataclass(eq=False)
+class _Actor:
+    """One NodeEngine actor as the coordinator sees it. `incarnation` counts the deaths noticed, so the many
+    streams that see one death count it once; `names`: its engines, the same after every restart."""
+
+    handle: Any
+    restarts: RestartWindow
+    names: list[str] = field(default_factory=list)
+    state: Literal["loading", "serving", "recovering", "failed"] = "loading"
+    incarnation: int = 0
+    error: str | None = None  # why it failed for good
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # its watcher and recovery
+
+
+_Engine = tuple[_Actor, int, str]  # (actor, engine index in the actor, engine name)
 
 
 class RayBackend:
@@ -92,15 +142,24 @@ class RayBackend:
         self.config = config
         self._shards = shards
         self._nodes = nodes
+        self._actors = [_Actor(node, RestartWindow(config.failure)) for node in nodes]
         self._started_ray = started_ray
-        self._engines: list[tuple[Any, int, str]] = []  # (node actor, engine index on the node, name)
+        self._engines: list[_Engine] = []  # every engine, serving or not, once the first load is done
         self._version = 0
+        self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
+        self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
         self._book = DifficultyBook()
         self._predictor = LengthPredictor(self._book)
         self._stats = BackendStats()
         self._loading: asyncio.Task[None] | None = None
         self._background: list[asyncio.Task[None]] = []
-        self.load_error: str | None = None  # why the service is not ready: an engine failed to load or died
+        self._closing = False
+        self._changed = asyncio.Event()  # replaced at every change of an actor's state
+        self._outstanding: Counter[str] = Counter()  # per engine, samples dispatched and not yet arrived
+        self._restarts: Counter[str] = Counter()  # per engine
+        self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
+        self._redispatched = 0
+        self.load_error: str | None = None  # why the service is not ready: an engine failed its first load
 
     # ---- lifecycle ----
 
@@ -123,8 +182,10 @@ class RayBackend:
             started = True
         here = ray.get_runtime_context().get_node_id()
         state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
-        shard_actor = ray.remote(HistoryShard)
-        shards = [shard_actor.options(num_cpus=0, name=None, scheduling_strategy=NodeAffinitySchedulingStrategy(
+        # Restarted by Ray when it dies, from its last snapshot; no task retries: engines re-send their pushes.
+        shard_actor = ray.remote(HistoryShardActor)
+        shards = [shard_actor.options(num_cpus=0, name=None, max_restarts=config.history.max_restarts,
+                                      max_task_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
             here, soft=True)).remote(i, config.history, state_dir) for i in range(config.history.shards)]
 
         alive = [n for n in ray.nodes() if n["Alive"]]
@@ -136,13 +197,20 @@ class RayBackend:
             name = n["NodeManagerAddress"] if len(alive) == 1 else f"{n['NodeManagerAddress']}:{n['NodeID'][:6]}"
             engine = config.engine or config.stub_engine
             assert engine is not None
-            nodes.append(node_actor.options(
-                num_cpus=0, num_gpus=gpus, max_concurrency=1000,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False),
-            ).remote(name, engine, shards, max(gpus, 1)))
+            # Restarted by Ray on the same node (the hard affinity holds for every incarnation) as often as it
+            # dies: the coordinator applies the cap per window. No task retries: what a dead actor owed is
+            # re-dispatched by the coordinator, so nothing runs twice.
+            options = node_actor.options(
+                num_cpus=0, num_gpus=gpus, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
+            if gpus:
+                nodes.append(options.remote(name, engine, shards, gpus, history_push=config.history.push))
+            else:
+                nodes.extend(options.remote(name, engine, shards, 1, first_index=g, history_push=config.history.push)
+                             for g in range(config.engines_per_node))
         backend = cls(config, shards, nodes, started)
         await backend._load_difficulty()
-        progress(f"{len(shards)} history shards, {len(nodes)} node engine actors; loading engines")
+        progress(f"{len(shards)} history shards, {len(nodes)} engine actors; loading engines")
         backend._loading = asyncio.create_task(backend._load_engines(progress))
         backend._background = [asyncio.create_task(backend._every(config.stats_interval_s, backend.refresh_stats)),
                                asyncio.create_task(backend._every(config.history.snapshot_interval_s,
@@ -156,8 +224,11 @@ class RayBackend:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("an engine failed to load: %s", self.load_error)
             return
-        self._engines = [(node, i, name) for node, node_names in zip(self._nodes, names)
-                         for i, name in enumerate(node_names)]
+        for actor, actor_names in zip(self._actors, names):
+            actor.names = list(actor_names)
+        self._engines = [(actor, i, name) for actor in self._actors for i, name in enumerate(actor.names)]
+        for actor in self._actors:
+            self._serve(actor)
         await self.refresh_stats()
         progress(f"{len(self._engines)} engines ready: {', '.join(n for _, _, n in self._engines)}")
 
@@ -181,15 +252,19 @@ class RayBackend:
         """Snapshots the history, stops the engines and the actors (and Ray, if this backend started it)."""
         import ray
 
-        for task in (*self._background, *([self._loading] if self._loading else [])):
+        self._closing = True
+        actor_tasks = [task for actor in self._actors for task in actor.tasks]
+        for task in (*self._background, *actor_tasks, *([self._loading] if self._loading else [])):
             task.cancel()
-        await asyncio.gather(*self._background, return_exceptions=True)
+        await asyncio.gather(*self._background, *actor_tasks, return_exceptions=True)
         try:
             written = await asyncio.gather(*(s.snapshot.remote(True) for s in self._shards))
             log.info("history snapshots: %s", [w for w in written if w])
         except Exception:
             log.exception("history snapshot at shutdown failed")
-        await asyncio.gather(*(node.close.remote() for node in self._nodes), return_exceptions=True)
+        # Not those restarting: a call would wait for their model to load.
+        await asyncio.gather(*(actor.handle.close.remote() for actor in self._actors
+                               if actor.state in ("loading", "serving")), return_exceptions=True)
         for actor in (*self._nodes, *self._shards):
             ray.kill(actor)
         if self._started_ray:
@@ -203,57 +278,133 @@ class RayBackend:
 
     @property
     def engine_names(self) -> list[str]:
+        """Every engine, serving or not (`serving_engines` for those that serve now)."""
         return [name for _, _, name in self._engines]
 
+    @property
+    def serving_engines(self) -> list[str]:
+        return [name for _, _, name in self._serving()]
+
     async def ready(self) -> bool:
-        return bool(self._engines) and self._loading is not None and self._loading.done() \
-            and self.load_error is None
+        """True once the first load is done and while at least one engine serves."""
+        return self._loading is not None and self._loading.done() and self.load_error is None \
+            and bool(self._serving())
+
+    async def live(self) -> bool:
+        """False once no engine can serve again: every actor past its restart cap or its recovery timeout."""
+        return not all(actor.state == "failed" for actor in self._actors)
 
     async def check(self, groups: Sequence[GroupRequest]) -> None:
-        node = self._engines[0][0]
-        refused = await node.check.remote(list(groups))
-        if refused is not None:
-            raise GroupInputError(*refused)
+        lost = _lost_errors()
+        for actor in dict.fromkeys(actor for actor, _, _ in self._serving()):
+            try:
+                refused = await actor.handle.check.remote(list(groups))
+            except lost:  # its watcher takes care of it; another engine checks
+                continue
+            if refused is not None:
+                raise GroupInputError(*refused)
+            return
+        raise RuntimeError("no engine serves: the groups cannot be checked")
 
     def place(self, groups: Sequence[GroupRequest]) -> list[list[tuple[int, GroupRequest]]]:
-        """Per engine, the (batch index, group) pairs it runs, longest predicted first (`with_length_predictions`
-        tags the groups)."""
+        """Per serving engine (in `serving_engines` order), the (batch index, group) pairs it runs, longest
+        predicted first (`with_length_predictions` tags the groups)."""
+        return self._place(groups, len(self._serving()))
+
+    def _place(self, groups: Sequence[GroupRequest], engines: int) -> list[list[tuple[int, GroupRequest]]]:
         tagged = with_length_predictions(self._predictor, groups)
-        placement = place_groups([g.n * float(g.predicted_tokens) for g in tagged], len(self._engines))
+        placement = place_groups([g.n * float(g.predicted_tokens) for g in tagged], engines)
         return [[(int(i), tagged[int(i)]) for i in order] for order in placement.order]
 
     async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+        serving = self._serving() or [await self._wait_serving()]
+        placed = [(engine, [(Share(i, tuple(range(g.n))), g) for i, g in items])
+                  for engine, items in zip(serving, self._place(groups, len(serving))) if items]
+        # Each job puts (group index, sample) pairs, then None at its end, or the exception that ended it.
+        out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None] = asyncio.Queue()
+        jobs = [asyncio.create_task(self._job(engine, work, out)) for engine, work in placed]
+        try:
+            running = len(jobs)
+            while running:
+                item = await out.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                index, sample = item
+                if sample.finish_reason in ("stop", "length"):
+                    self._book.history(sample.problem_id).add_length(sample.policy_version, len(sample.token_ids),
+                                                                     sample.finish_reason)
+                yield index, sample
+        finally:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
+                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+        """Runs `work` on `engine` and puts its samples on `out` as they arrive, renumbered as the batch's; when
+        the engine dies, runs what had not arrived on a serving engine (the restarted one, if it is the first
+        to serve again). Ends with None on `out`, or the exception that failed the batch."""
         import ray
 
-        placed = [(engine, items) for engine, items in zip(self._engines, self.place(groups)) if items]
-        generators = [node.run.remote(local, items) for (node, local, _), items in placed]
-        names = [name for (_, _, name), _ in placed]
-
-        async def relay(generator: Any, engine: str) -> AsyncIterator[tuple[int, SampleResult]]:
-            try:
-                async for ref in generator:
-                    for item in await ref:
-                        yield item
-            except ray.exceptions.RayActorError as exc:
-                self.load_error = f"engine {engine} died"
-                log.error("engine %s died; the service is no longer ready: %s", engine, exc)
-                raise RuntimeError(f"engine {engine} died: {exc}") from None
-
+        lost = _lost_errors()
         try:
-            async with contextlib.aclosing(merge_streams([relay(g, n) for g, n in zip(generators, names)])) as merged:
-                async for index, sample in merged:
-                    if sample.finish_reason in ("stop", "length"):
-                        self._book.history(sample.problem_id).add_length(sample.policy_version,
-                                                                         len(sample.token_ids),
-                                                                         sample.finish_reason)
-                    yield index, sample
-        finally:
-            for generator in generators:
-                ray.cancel(generator)
+            while work:
+                actor, local, name = engine
+                incarnation = actor.incarnation
+                owed = sum(len(share.indices) for share, _ in work)
+                self._outstanding[name] += owed
+                generator = actor.handle.run.remote(local, [(k, share.request(group))
+                                                            for k, (share, group) in enumerate(work)])
+                try:
+                    async for ref in generator:
+                        for k, sample in await ref:
+                            taken = work[k][0].take(sample)
+                            if taken is not None:
+                                owed -= 1
+                                self._outstanding[name] -= 1
+                                out.put_nowait((work[k][0].group_index, taken))
+                except lost as exc:
+                    self._engine_died(actor, incarnation, exc)
+                    if actor.state == "failed":
+                        raise RuntimeError(actor.error) from None
+                    work = [(rest, group) for share, group in work if (rest := share.remainder()) is not None]
+                    count = sum(len(share.indices) for share, _ in work)
+                    self._redispatched += count
+                    log.warning("engine %s died; %d of its samples in this batch are run again elsewhere",
+                                name, count)
+                    engine = await self._wait_serving()
+                    continue
+                finally:
+                    self._outstanding[name] -= owed
+                    with contextlib.suppress(Exception):
+                        ray.cancel(generator)
+                missing = sum(len(share.missing()) for share, _ in work)
+                if missing:
+                    raise RuntimeError(f"engine {name} ended its stream with {missing} samples missing")
+                work = []
+            out.put_nowait(None)
+        except Exception as exc:  # handed to the batch, which owns the error
+            out.put_nowait(exc)
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
-        versions = await asyncio.gather(*(node.reload_weights.remote(str(path), version) for node in self._nodes))
-        self._version = int(versions[0])
+        """Reloads every serving engine; an engine that is restarting loads these weights before it serves."""
+        await self._wait_serving()  # someone must check the path and version before they are kept for restarts
+        async with self._weights_lock:
+            actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
+            incarnations = [actor.incarnation for actor in actors]
+            replies = await asyncio.gather(*(a.handle.reload_weights.remote(str(path), version) for a in actors),
+                                           return_exceptions=True)
+            lost = _lost_errors()
+            for actor, incarnation, reply in zip(actors, incarnations, replies):
+                if isinstance(reply, lost):
+                    self._engine_died(actor, incarnation, reply)
+                elif isinstance(reply, BaseException):
+                    raise reply
+            self._weights = (str(path), version)
+            self._version = version
         return self._version
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
@@ -272,7 +423,146 @@ class RayBackend:
         return summary
 
     def stats(self) -> BackendStats:
-        return self._stats
+        return replace(self._stats, engines_ready=len(self._serving()), engine_restarts=dict(self._restarts),
+                       samples_redispatched=self._redispatched, engine_recovery_s=dict(self._recovery_s))
+
+    # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self._on_serving(lambda node: node.pause.remote(mode, clear_cache))
+
+    async def resume(self) -> None:
+        await self._on_serving(lambda node: node.resume.remote())
+
+    async def is_paused(self) -> bool:
+        return any(await self._on_serving(lambda node: node.is_paused.remote()))
+
+    async def abort_samples(self) -> int:
+        return int(sum(await self._on_serving(lambda node: node.abort_samples.remote())))
+
+    async def _on_serving(self, call: Callable[[Any], Any]) -> list[Any]:
+        """`call(actor handle)` on every serving NodeEngine at once; their replies. An actor lost meanwhile is
+        left to its watcher (its restart serves unpaused); any other error is raised."""
+        actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
+        incarnations = [actor.incarnation for actor in actors]
+        replies = await asyncio.gather(*(call(actor.handle) for actor in actors), return_exceptions=True)
+        lost = _lost_errors()
+        for actor, incarnation, reply in zip(actors, incarnations, replies):
+            if isinstance(reply, lost):
+                self._engine_died(actor, incarnation, reply)
+            elif isinstance(reply, BaseException):
+                raise reply
+        return [reply for reply in replies if not isinstance(reply, BaseException)]
+
+    # ---- engine failures ----
+
+    def _serving(self) -> list[_Engine]:
+        return [engine for engine in self._engines if engine[0].state == "serving"]
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_serving(self) -> _Engine:
+        """The serving engine with the fewest samples outstanding, once one serves. RuntimeError once none ever
+        will."""
+        while True:
+            serving = self._serving()
+            if serving:
+                return min(serving, key=lambda engine: self._outstanding[engine[2]])
+            if all(actor.state == "failed" for actor in self._actors):
+                raise RuntimeError("no engine can serve: " + "; ".join(str(a.error) for a in self._actors))
+            await self._changed.wait()
+
+    def _spawn(self, actor: _Actor, job: Any) -> None:
+        task = asyncio.create_task(job)
+        actor.tasks.add(task)
+        task.add_done_callback(actor.tasks.discard)
+
+    def _serve(self, actor: _Actor) -> None:
+        """Marks `actor` serving and keeps a call pending on it, so its death is noticed at once even when idle."""
+        actor.state = "serving"
+        self._spawn(actor, self._watch(actor, actor.incarnation))
+        self._notify()
+
+    async def _watch(self, actor: _Actor, incarnation: int) -> None:
+        try:
+            await actor.handle.watch.remote()
+        except _lost_errors() as exc:
+            self._engine_died(actor, incarnation, exc)
+
+    def _engine_died(self, actor: _Actor, incarnation: int, exc: BaseException) -> None:
+        """`actor` (as of `incarnation`) was seen dead: it stops serving, and is restarted unless its cap is spent.
+        Idempotent per incarnation: every stream that breaks on one death calls it."""
+        if self._closing or actor.incarnation != incarnation or actor.state != "serving":
+            return
+        import ray
+
+        actor.incarnation += 1
+        names = ", ".join(actor.names)
+        failure = self.config.failure
+        if actor.restarts.allow(time.monotonic()):
+            actor.state = "recovering"
+            for name in actor.names:
+                self._restarts[name] += 1
+            log.warning("engine %s died (%s); restarting it", names, _describe(exc))
+            self._spawn(actor, self._recover(actor, time.monotonic()))
+        else:
+            self._fail(actor, f"engine {names} died again after {failure.max_restarts} restart(s) within "
+                              f"{failure.restart_window_s:g} s (the restart cap, FailureConfig.max_restarts); it "
+                              f"stays down and the batches running on it fail: {_describe(exc)}")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
+        self._notify()
+
+    def _fail(self, actor: _Actor, error: str) -> None:
+        actor.state, actor.error = "failed", error
+        log.error("%s", error)
+        self._notify()
+
+    async def _recover(self, actor: _Actor, died: float) -> None:
+        """Waits for Ray to restart `actor`, loads its engines and the weights last served; then it serves."""
+        import ray
+
+        timeout = self.config.failure.recovery_timeout_s
+        refused_since: float | None = None  # the first of an unbroken run of ActorDiedError answers
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        await actor.handle.start.remote()
+                        async with self._weights_lock:
+                            # An actor that only seemed dead (unreachable for a moment) kept its weights.
+                            if self._weights is not None and \
+                                    await actor.handle.policy_version.remote() != self._weights[1]:
+                                await actor.handle.reload_weights.remote(*self._weights)
+                            elapsed = time.monotonic() - died
+                            for name in actor.names:
+                                self._recovery_s[name] = elapsed
+                            log.warning("engine %s serves again after %.1f s", ", ".join(actor.names), elapsed)
+                            self._serve(actor)
+                            return
+                    except ray.exceptions.ActorDiedError as exc:
+                        # A restarting actor holds calls until it is back; one Ray will not restart (killed with
+                        # no_restart, its node gone) refuses every call at once. A refusal or two right after the
+                        # death comes from calls sent before the driver learned of it.
+                        now = time.monotonic()
+                        refused_since = refused_since if refused_since is not None else now
+                        if now - refused_since > _DEAD_FOR_GOOD_S:
+                            raise RuntimeError(f"Ray does not restart it ({_describe(exc)})") from None
+                        await asyncio.sleep(0.5)
+                    except ray.exceptions.RayActorError:  # unavailable for now, or died while loading: try again
+                        refused_since = None
+                        await asyncio.sleep(0.5)
+        except TimeoutError:
+            self._fail(actor, f"engine {', '.join(actor.names)} did not come back within {timeout:g} s "
+                              f"(FailureConfig.recovery_timeout_s); it stays down")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
+        except Exception as exc:
+            self._fail(actor, f"engine {', '.join(actor.names)} failed to restart: {_describe(exc)}")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
 
     # ---- background ----
 
@@ -286,15 +576,27 @@ class RayBackend:
                 log.exception("background job %s failed", getattr(job, "__name__", job))
 
     async def refresh_stats(self) -> None:
-        """Reads every node's and shard's figures now (the background job does it every stats_interval_s)."""
-        nodes = await asyncio.gather(*(node.stats.remote() for node in self._nodes)) if self._engines else []
+        """Reads every serving node's and every shard's figures now (the background job does it every
+        stats_interval_s). An actor that dies meanwhile is left out: its watcher deals with it."""
+        actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
+        replies = await asyncio.gather(*(actor.handle.stats.remote() for actor in actors), return_exceptions=True)
+        lost = _lost_errors()
+        nodes = [r for r in replies if not isinstance(r, lost)]
+        for reply in nodes:
+            if isinstance(reply, BaseException):
+                raise reply
         shards = await asyncio.gather(*(s.stats.remote() for s in self._shards))
         self._stats = BackendStats(
-            engines=tuple(load for n in nodes for load in n.engines), engines_ready=len(self._engines),
+            engines=tuple(load for n in nodes for load in n.engines),
             history_problems=sum(s.problems for s in shards), history_tokens=sum(s.output_tokens for s in shards),
+            history_shards=tuple(shards),
             resident_bytes={"history_store": sum(s.resident_bytes for s in shards),
                             "node_engine": sum(n.resident_bytes for n in nodes)})
 
     async def _snapshot(self) -> None:
         await asyncio.gather(*(s.snapshot.remote() for s in self._shards))
+
+    async def snapshot(self) -> None:
+        """Snapshots, now, every history shard that changed since its last snapshot (`das serve` on a signal)."""
+        await self._snapshot()
 

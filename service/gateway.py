@@ -14,9 +14,12 @@ Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.toke
   response comes once the new weights serve. `path` must resolve (symlinks followed) inside
   `settings.weights_root`, 403 otherwise; relative paths are taken from that root.
 - `POST /v1/history` `{records: [...]}`: imports finished rollouts (history-file records) for drafting.
+- vLLM's RL control routes (`/pause`, `/resume`, `/is_paused`, `/abort_requests`, `/update_weights`, ...):
+  service/rl_control.py. While paused, reloads do not wait for running batches and stall timeouts are off.
 - `GET /v1/history/{problem_id}`: what the history store holds for a problem (404 none, 501 no store).
-- `GET /metrics` (Prometheus text), `GET /healthz` (the process answers), `GET /readyz` (503 until the backend is
-  ready).
+- `GET /metrics` (Prometheus text), `GET /healthz` (liveness: 503 once the backend cannot serve again without a
+  restart of the process, e.g. every engine past its restart cap), `GET /readyz` (503 until the backend is ready,
+  and while no engine serves).
 
 Batches run as their own tasks, not tied to a connection: a client that drops its connection loses nothing, and a
 request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
@@ -81,6 +84,7 @@ from das.service.api import (
 from das.service.engine.async_engine import EngineInputError
 from das.service.metrics import CONTENT_TYPE, GatewayMetrics
 from das.service.openai_api import openai_router
+from das.service.rl_control import rl_control_router
 from das.service.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 
 log = logging.getLogger(__name__)
@@ -136,6 +140,7 @@ class _Batch:
         self.status: BatchStatus = "queued"
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
+        self.stall: asyncio.Timeout | None = None  # its stall timer, once running (suspended while paused)
         self.finish_times: list[float] = []  # seconds after start, per record
         self.lengths: list[int] = []
         self.tokens = self.draft_tokens = self.accepted_tokens = self.errors = 0
@@ -163,6 +168,8 @@ class _Batch:
             record["logprobs"] = sample.logprobs
         if self.prompts:
             record["prompt_token_ids"] = sample.prompt_token_ids
+        if sample.policy_spans is not None:
+            record["policy_spans"] = sample.policy_spans
         frame = _pack(record)
         self.frames.append(frame)
         self.size += len(frame)
@@ -254,12 +261,15 @@ class _ReloadGate:
                 self._cond.notify_all()
 
     @contextlib.asynccontextmanager
-    async def reload(self) -> AsyncIterator[None]:
+    async def reload(self, drain: bool = True) -> AsyncIterator[None]:
+        """`drain` False: without waiting for the running batches (the engines are paused, docs/design.md
+        "vLLM's RL control plane")."""
         async with self._cond:
             await self._cond.wait_for(lambda: not self._reloading)
             self._reloading = True
             try:
-                await self._cond.wait_for(lambda: self._running == 0)
+                if drain:
+                    await self._cond.wait_for(lambda: self._running == 0)
             except BaseException:
                 self._reloading = False
                 self._cond.notify_all()
@@ -344,6 +354,7 @@ class _Gateway:
         self.batches = _BatchRegistry(settings)
         self.gate = _ReloadGate()
         self._current: _Batch | None = None  # the most recently started batch
+        self.paused = False  # by POST /pause, until POST /resume (service/rl_control.py)
         self._admitting = 0  # requests between the in-flight check and their batch's registration
 
     # ---- rollouts ----
@@ -411,10 +422,10 @@ class _Gateway:
                 self.metrics.current_batch_longest = 0
                 loop = asyncio.get_running_loop()
                 # Started here, not before the gate: a batch held behind a reload is waiting, not stalled.
-                stalled = asyncio.timeout(stall_s)
+                stalled = batch.stall = asyncio.timeout(None if self.paused else stall_s)
                 async with stalled, contextlib.aclosing(self.backend.generate(batch.groups)) as stream:
                     async for group_index, sample in stream:
-                        stalled.reschedule(loop.time() + stall_s)
+                        stalled.reschedule(None if self.paused else loop.time() + stall_s)
                         self.metrics.observe_sample(sample, batch.groups[group_index].sampling.max_tokens)
                         if batch is self._current:
                             self.metrics.current_batch_longest = max(self.metrics.current_batch_longest,
@@ -493,21 +504,39 @@ class _Gateway:
         return path
 
     async def reload(self, body: WeightsRequest) -> WeightsResponse:
-        path = self.weights_path(body.path)
+        version, seconds = await self.load_weights(body.path, body.version)
+        return WeightsResponse(policy_version=version, reload_s=seconds)
+
+    async def load_weights(self, given: str, version: int | None) -> tuple[int, float]:
+        """Loads the checkpoint `given` (confined to the weights root) as policy `version` (None: the served one
+        + 1) on every engine; returns the version served and the seconds it took. Waits for the running batches
+        first unless the service is paused (their samples then span the update: SampleResult.policy_spans)."""
+        path = self.weights_path(given)
         start = time.perf_counter()
-        async with self.gate.reload():
+        async with self.gate.reload(drain=not self.paused):
             # Checked inside the gate: a concurrent reload may have moved the version while this one waited.
-            if body.version <= self.backend.policy_version:
-                raise HTTPException(409, f"version: {body.version} is not newer than the served "
-                                         f"{self.backend.policy_version}")
+            served = self.backend.policy_version
+            version = served + 1 if version is None else version
+            if version <= served:
+                raise HTTPException(409, f"version: {version} is not newer than the served {served}")
             try:
-                version = await self.backend.reload_weights(path, body.version)
+                version = await self.backend.reload_weights(path, version)
             except EngineInputError as exc:
                 raise _engine_error(exc, ["body"]) from None
         seconds = time.perf_counter() - start
         self.metrics.reload_duration.observe(seconds)
         self.metrics.policy_version = version
-        return WeightsResponse(policy_version=version, reload_s=seconds)
+        return version, seconds
+
+    def set_paused(self, paused: bool) -> None:
+        """Marks the service paused or not; a paused batch's stall timer is off (no sample may finish while the
+        engines are paused), and starts afresh on resume."""
+        self.paused = paused
+        deadline = None if paused else asyncio.get_running_loop().time() + self.settings.batch_stall_timeout_s
+        for batch in self.batches.all_live():
+            if batch.stall is not None and not batch.ended:
+                with contextlib.suppress(RuntimeError):  # its timer has already been left (the batch is ending)
+                    batch.stall.reschedule(deadline)
 
 
 def _token_dependency(token: SecretStr) -> Callable[..., Any]:
@@ -616,11 +645,16 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
 
     api.include_router(openai_router(gateway))  # under the same auth
+    api.include_router(rl_control_router(gateway))
     app.include_router(api)
 
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        """The process answers."""
+    @app.get("/healthz", responses={503: {"description": "the backend cannot serve again without a restart"}})
+    async def healthz(response: Response) -> dict[str, str]:
+        """200 while the process answers and the backend can serve or is recovering; 503 once it cannot recover
+        (every engine past its restart cap), so an orchestrator restarts the process."""
+        if not await backend.live():
+            response.status_code = 503
+            return {"status": "failed"}
         return {"status": "ok"}
 
     @app.get("/readyz", responses={503: {"description": "the backend is not ready"}})

@@ -207,10 +207,23 @@ class GatewayMetrics:
                     speculate.add_metric([load.engine, q], value)
         yield from (running, waiting, speculate, proposed, accepted, *cost.values(), rejected)
         yield GaugeMetricFamily("das_engines_ready", "Engines loaded and serving.", value=stats.engines_ready)
+        restarts = CounterMetricFamily("das_engine_restarts", "Restarts of an engine after it died (its actor "
+                                       "process or its vLLM engine core).", labels=["engine"])
+        recovery = GaugeMetricFamily("das_engine_last_recovery_seconds", "The engine's latest recovery: its death "
+                                     "noticed to serving again (restart, model load, weights).", labels=["engine"])
+        for engine, count in sorted(stats.engine_restarts.items()):
+            restarts.add_metric([engine], count)
+        for engine, seconds in sorted(stats.engine_recovery_s.items()):
+            recovery.add_metric([engine], seconds)
+        yield restarts
+        yield recovery
+        yield CounterMetricFamily("das_samples_redispatched", "Samples a dead engine owed that had not reached the "
+                                  "client, run again on a serving engine.", value=stats.samples_redispatched)
         yield GaugeMetricFamily("das_history_problems_stored", "Problems with rollouts in the history store.",
                                 value=stats.history_problems)
         yield GaugeMetricFamily("das_history_tokens_stored", "Output tokens of the rollouts in the history store.",
                                 value=stats.history_tokens)
+        yield from _history_snapshot_families(stats)
         memory = GaugeMetricFamily("das_memory_resident_bytes", "Resident memory by component (summed over its "
                                    "processes).", labels=["component"])
         for component, value in sorted({**stats.resident_bytes, "gateway": resident_bytes()}.items()):
@@ -220,6 +233,26 @@ class GatewayMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+def _history_snapshot_families(stats: BackendStats) -> Iterator[Metric]:
+    """Snapshot health of the history shards: counters summed over the shards' current processes (a restarted
+    shard starts its own from zero), the snapshot time per shard."""
+    shards = stats.history_shards
+    yield CounterMetricFamily("das_history_snapshot_fallbacks", "Shard starts that restored the previous snapshot "
+                              "generation because the newest was missing or unreadable.",
+                              value=sum(s.snapshot_fallbacks for s in shards))
+    yield CounterMetricFamily("das_history_snapshot_quarantined", "Unreadable snapshot files set aside (renamed "
+                              ".bad-<reason>-<time>) at shard start.",
+                              value=sum(s.snapshot_quarantined for s in shards))
+    yield CounterMetricFamily("das_history_snapshot_failures", "History snapshots that could not be written.",
+                              value=sum(s.snapshot_failures for s in shards))
+    last = GaugeMetricFamily("das_history_last_snapshot_timestamp_seconds", "Unix time the shard's snapshot on disk "
+                             "was written (absent: none yet).", labels=["shard"])
+    for index, shard in enumerate(shards):
+        if shard.last_snapshot_unix_s is not None:
+            last.add_metric([str(index)], shard.last_snapshot_unix_s)
+    yield last
 
 
 def _labelled(name: str, documentation: str, label: str, counts: Mapping[str, int]) -> CounterMetricFamily:

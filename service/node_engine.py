@@ -22,9 +22,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from das.service.api import GroupRequest, SampleResult
+from das.service.api import GroupRequest, PauseMode, SampleResult
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
-from das.service.history_store import resident_bytes, shard_of
+from das.service.history_client import HistoryClient
+from das.service.history_store import HistoryPushConfig, resident_bytes, shard_of
 from das.service.rollout_backend import EngineLoad, merge_batches
 from das.service.stub_engine import StubEngine, StubEngineConfig
 
@@ -41,24 +42,34 @@ class NodeStats:
 
 
 class NodeEngine:
-    """The `engines` engines of one node. `shards`: the HistoryStore actor handles, in shard order. With several
+    """The `engines` engines of one node (named `node/i`, i counted from `first_index`, so several actors on one
+    node name their engines apart). `shards`: the HistoryStore actor handles, in shard order. With several
     engines, the GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES) are dealt out evenly, one slice per engine.
-    A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/models.py)."""
+    A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/models.py).
+
+    A vLLM engine core that dies (EngineDeadError) ends this actor's process: Ray restarts the actor and the
+    coordinator recovers it like any actor that died (service/coordinator.py), re-dispatching what it owed. Why not
+    recreate the engine here: that one path then covers both deaths (restart cap, weights catch-up, history
+    re-pull, re-dispatch), and nothing of the dead engine (its processes, its memory) lingers in a live one; the
+    cost is that an actor's other engines restart with it, which is why on a node without a GPU each engine has an
+    actor of its own."""
 
     def __init__(self, node: str, config: EngineConfig | StubEngineConfig, shards: Sequence[Any],
-                 engines: int = 1) -> None:
+                 engines: int = 1, history_push: HistoryPushConfig | None = None, first_index: int = 0
+                 ) -> None:
         if engines < 1:
             raise ValueError(f"engines must be >= 1, got {engines}")
         self.node = node
         self.config = config
         self.shards = list(shards)
         self.engines: list[Engine | StubEngine] = []
-        self.names = [f"{node}/{i}" for i in range(engines)]
+        self.names = [f"{node}/{first_index + i}" for i in range(engines)]
         # What this actor pushes is tagged with a name of this incarnation: after a restart the same engine name
         # must still pull the rollouts its predecessor pushed (its fresh drafter never saw them).
         self._origins = [f"{name}#{uuid.uuid4().hex[:8]}" for name in self.names]
         # Per engine: problem id -> the store sequence number its drafter has seen up to.
         self._cursors: list[dict[str, int]] = [{} for _ in range(engines)]
+        self._history = HistoryClient(self.shards, history_push or HistoryPushConfig())
 
     def _engine_envs(self) -> list[dict[str, str]]:
         count = len(self.names)
@@ -69,7 +80,10 @@ class NodeEngine:
         return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])} for i in range(count)]
 
     async def start(self) -> list[str]:
-        """Loads every engine (minutes with torch.compile); returns the engine names."""
+        """Loads every engine (minutes with torch.compile); returns the engine names. Once they have loaded, a
+        second call only returns the names (the coordinator calls it after every death it noticed)."""
+        if self.engines:
+            return self.names
         config = self.config
         if isinstance(config, EngineConfig):
             from das.service.engine.models import prepare_model
@@ -107,11 +121,18 @@ class NodeEngine:
         (batch index, sample) as samples finish. Cancelling the Ray task aborts the samples still running."""
         target = self.engines[engine]
         name, origin = self.names[engine], self._origins[engine]
-        await self._pull(engine, [g.problem_id for _, g in groups])
+        try:
+            await self._pull(engine, [g.problem_id for _, g in groups])
+        except Exception:
+            if target.dead:
+                self._engine_died(engine)
+            raise
 
         async def one(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
             records: list[dict[str, Any]] = []
             async for sample in target.generate(group):
+                if sample.finish_reason == "error" and target.dead:
+                    self._engine_died(engine)  # the sample is owed, not failed: it is drawn again elsewhere
                 sample.engine = name
                 if sample.finish_reason in ("stop", "length") and sample.prompt_token_ids:
                     records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
@@ -125,10 +146,38 @@ class NodeEngine:
             async for items in merged:
                 yield items
 
+    def _engine_died(self, engine: int) -> None:
+        """Ends this process: Ray restarts the actor, and the coordinator re-dispatches what it had not received."""
+        log.error("%s: the vLLM engine core died; ending this actor so that Ray restarts it", self.names[engine])
+        logging.shutdown()
+        os._exit(1)
+
+    async def policy_version(self) -> int:
+        """The policy version the engines serve (0 before any reload)."""
+        return self.engines[0].policy_version
+
+    async def watch(self) -> None:
+        """Never returns: the coordinator keeps this call pending to learn of this actor's death at once."""
+        await asyncio.Event().wait()
+
     async def reload_weights(self, path: str, version: int) -> int:
         """Reloads every engine of the node (they drain their running samples first)."""
         versions = await asyncio.gather(*(e.reload_weights(path, version) for e in self.engines))
         return int(versions[0])
+
+    # ---- vLLM's RL control plane: every engine of the node at once (rollout_backend.RolloutBackend says what) ----
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await asyncio.gather(*(e.pause(mode, clear_cache) for e in self.engines))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(e.resume() for e in self.engines))
+
+    async def is_paused(self) -> bool:
+        return any(await asyncio.gather(*(e.is_paused() for e in self.engines)))
+
+    async def abort_samples(self) -> int:
+        return sum(await asyncio.gather(*(e.abort_samples() for e in self.engines)))
 
     async def stats(self) -> NodeStats:
         loads = []
@@ -156,8 +205,7 @@ class NodeEngine:
             by_shard[shard_of(pid, len(self.shards))][pid] = cursors.get(pid, 0)
         if not by_shard:
             return
-        replies = await asyncio.gather(*(self.shards[s].pull.remote(c, self._origins[engine])
-                                         for s, c in by_shard.items()))
+        replies = await asyncio.gather(*(self._history.pull(s, c, self._origins[engine]) for s, c in by_shard.items()))
         records = []
         for reply in replies:
             for pid, (new, cursor) in reply.items():
@@ -168,10 +216,6 @@ class NodeEngine:
             log.info("%s: installed %d of %d pulled rollouts", self.names[engine], added, len(records))
 
     async def _push(self, origin: str, records: list[dict[str, Any]]) -> None:
-        by_shard: dict[int, list[dict[str, Any]]] = defaultdict(list)
-        for record in records:
-            by_shard[shard_of(record["problem_id"], len(self.shards))].append(record)
-        try:
-            await asyncio.gather(*(self.shards[s].put.remote(origin, rs) for s, rs in by_shard.items()))
-        except Exception:  # the samples are delivered; only future drafting loses them, so say so and go on
-            log.exception("%s: pushing %d rollouts to the history store failed", origin, len(records))
+        """Hands the records to the store; kept and re-sent until a snapshot holds them (service/history_client.py
+        says what is guaranteed)."""
+        await self._history.push(origin, records)

@@ -144,7 +144,8 @@ def _from_http(exc: HTTPException, status: int | None = None, param: str | None 
     return OpenAIError(status, message, param=param, code=code, headers=exc.headers)
 
 
-def _invalid(errors: Sequence[Any], rename: dict[str, str] | None = None, default: str | None = None) -> OpenAIError:
+def invalid_request(errors: Sequence[Any], rename: dict[str, str] | None = None,
+                    default: str | None = None) -> OpenAIError:
     """Pydantic's (or FastAPI's) validation errors as one 400 naming each field's path in the request's terms
     (`rename` maps our field names to OpenAI's; `default` names the field of an error of a whole model). `param`
     is the first error's top-level field: deeper parts of a path may be pydantic's union tags."""
@@ -159,7 +160,7 @@ def _invalid(errors: Sequence[Any], rename: dict[str, str] | None = None, defaul
     return OpenAIError(400, message, param=first[0] if first else default)
 
 
-class _OpenAIRoute(APIRoute):
+class OpenAIErrorRoute(APIRoute):
     """Answers every error of its routes in OpenAI's shape: ours, the gateway's HTTPExceptions (the bearer-token
     dependency included) and FastAPI's body validation, which app-wide handlers would answer in FastAPI's."""
 
@@ -174,7 +175,7 @@ class _OpenAIRoute(APIRoute):
             except HTTPException as exc:
                 return _from_http(exc).response()
             except RequestValidationError as exc:
-                return _invalid(exc.errors()).response()
+                return invalid_request(exc.errors()).response()
 
         return openai_errors
 
@@ -232,8 +233,8 @@ def _group(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max
         problem_id = body.problem_id if body.problem_id is not None else _prompt_problem_id(prompt)
         return GroupRequest(problem_id=problem_id, n=body.n, sampling=sampling, **prompt)
     except ValidationError as exc:
-        raise _invalid(exc.errors(), rename={"prompt": prompt_param, "prompt_token_ids": prompt_param},
-                       default=prompt_param) from None
+        raise invalid_request(exc.errors(), rename={"prompt": prompt_param, "prompt_token_ids": prompt_param},
+                              default=prompt_param) from None
 
 
 # --- coalescing and delivery ------------------------------------------------------------------------------------
@@ -437,7 +438,7 @@ class _Reply:
 
 def openai_router(gateway: _Gateway) -> APIRouter:
     """The OpenAI-compatible routes over `gateway`'s batch machinery (include it where auth applies)."""
-    router = APIRouter(route_class=_OpenAIRoute, tags=["openai"])
+    router = APIRouter(route_class=OpenAIErrorRoute, tags=["openai"])
     served = gateway.settings.served_model_name or getattr(gateway.backend, "served_model_name", None) or "das"
     created = int(time.time())
     coalescer = _Coalescer(gateway)

@@ -16,8 +16,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from das.service.api import GroupRequest, ProblemSummary, SampleResult
+from das.service.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
 from das.service.engine.async_engine import Engine, EngineInputError, validate_rollouts
+from das.service.history_store import ShardStats
 
 
 class GroupInputError(EngineInputError):
@@ -49,14 +50,22 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class BackendStats:
-    """What /metrics shows of the backend, as of its latest refresh (a few seconds old at most).
-    `resident_bytes`: memory by component (history_store, node_engine), summed over that component's processes."""
+    """What /metrics shows of the backend, as of its latest refresh (a few seconds old at most; the engine
+    failure figures are current). `engines_ready`: engines serving now. `resident_bytes`: memory by component
+    (history_store, node_engine), summed over that component's processes. `engine_restarts`: per engine, restarts
+    after a death since the service started; `samples_redispatched`: samples a dead engine owed that were run again
+    on another (or the restarted) engine; `engine_recovery_s`: per engine, seconds from its latest death noticed
+    to serving again."""
 
     engines: tuple[EngineLoad, ...] = ()
     engines_ready: int = 0
     history_problems: int = 0
     history_tokens: int = 0
+    history_shards: tuple[ShardStats, ...] = ()  # in shard order: snapshot health (fallbacks, age)
     resident_bytes: dict[str, int] = field(default_factory=dict)
+    engine_restarts: dict[str, int] = field(default_factory=dict)
+    samples_redispatched: int = 0
+    engine_recovery_s: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutBackend(Protocol):
@@ -68,7 +77,11 @@ class RolloutBackend(Protocol):
         ...
 
     async def ready(self) -> bool:
-        """True once every engine has loaded and batches can run."""
+        """True once the engines have loaded and while batches can run (at least one engine serves)."""
+        ...
+
+    async def live(self) -> bool:
+        """False once the backend cannot serve again without a restart of the process (/healthz fails)."""
         ...
 
     async def check(self, groups: Sequence[GroupRequest]) -> None:
@@ -96,6 +109,26 @@ class RolloutBackend(Protocol):
 
     def stats(self) -> BackendStats:
         """The latest engine and history figures; cheap (no I/O), called at every scrape."""
+        ...
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        """Pauses every engine (vLLM's `pause_generation`): "abort" ends the samples in flight with finish_reason
+        "abort" (delivered with the tokens they had), "wait" returns once they have finished, "keep" freezes them
+        until `resume`. In every mode samples that start meanwhile are held until `resume`. `clear_cache`: vLLM's
+        (reset the prefix cache once drained)."""
+        ...
+
+    async def resume(self) -> None:
+        """Resumes every engine; held and frozen samples go on."""
+        ...
+
+    async def is_paused(self) -> bool:
+        """True while any engine is paused."""
+        ...
+
+    async def abort_samples(self) -> int:
+        """Ends every sample in flight on every engine with finish_reason "abort" (delivered with the tokens it
+        had; its batch goes on), without pausing; returns how many."""
         ...
 
 
@@ -158,6 +191,10 @@ class EngineBackend:
         # An Engine exists only once `Engine.create` has loaded the model.
         return True
 
+    async def live(self) -> bool:
+        # One in-process engine is not restarted: once its core has died, only a restart of the process helps.
+        return not self.engine.dead
+
     async def check(self, groups: Sequence[GroupRequest]) -> None:
         for i, group in enumerate(groups):
             try:
@@ -188,6 +225,18 @@ class EngineBackend:
         load = EngineLoad("local", tally.running, tally.waiting) if tally is not None else EngineLoad("local", 0, 0)
         return BackendStats(engines=(load,), engines_ready=1)
 
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self.engine.pause(mode, clear_cache)
+
+    async def resume(self) -> None:
+        await self.engine.resume()
+
+    async def is_paused(self) -> bool:
+        return await self.engine.is_paused()
+
+    async def abort_samples(self) -> int:
+        return await self.engine.abort_samples()
+
 
 class StubBackend:
     """Precomputed samples, no model. Each group yields its n samples of `output_tokens` tokens (capped by the
@@ -202,6 +251,10 @@ class StubBackend:
     text counts whitespace-separated words), and stop token ids outside `vocab_size` are refused like the engine
     does; everything else an engine refuses the API's own bounds refuse (service/api.py). `runs` counts `generate`
     calls.
+
+    Pause as an engine does (`RolloutBackend.pause`), per emission: a batch that starts while paused waits for
+    `resume`; under "keep" no sample is emitted until `resume`; "abort" ends the samples not yet emitted with
+    finish_reason "abort" and no tokens; "wait" returns once the batches running have ended.
     """
 
     def __init__(self, *, output_tokens: int = 16, first_delay_s: float = 0.0, interval_s: float = 0.0,
@@ -219,6 +272,11 @@ class StubBackend:
         self._vocab_size = vocab_size
         self._tokens = [(7 * i + 3) % vocab_size for i in range(output_tokens)]
         self._logprobs = [-0.5] * output_tokens
+        self._mode: PauseMode | None = None  # None: not paused
+        self._abort_epoch = 0  # bumped by every abort: batches started before it end their samples "abort"
+        self._running = 0
+        self._unemitted = 0  # samples of running batches not emitted yet
+        self._changed = asyncio.Event()  # replaced on every pause state change; waiters wait on the one they saw
 
     @property
     def policy_version(self) -> int:
@@ -229,6 +287,9 @@ class StubBackend:
 
     async def ready(self) -> bool:
         return self._ready
+
+    async def live(self) -> bool:
+        return True
 
     async def check(self, groups: Sequence[GroupRequest]) -> None:
         for i, group in enumerate(groups):
@@ -250,22 +311,41 @@ class StubBackend:
 
     async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
         self.runs += 1
+        epoch = self._abort_epoch
+        while self._mode is not None and self._abort_epoch == epoch:  # held while paused
+            await self._changed.wait()
         order = [(gi, j) for j in range(max((g.n for g in groups), default=0))
                  for gi, g in enumerate(groups) if j < g.n]
         templates = [self._template(g) for g in groups]
         paced = self.first_delay_s > 0 or self.interval_s > 0
         start = time.perf_counter()
-        for k, (gi, j) in enumerate(order):
-            if paced:
-                wait = start + self.first_delay_s + k * self.interval_s - time.perf_counter()
-                if wait > 0:
-                    await asyncio.sleep(wait)
-            elif k % 64 == 63:
-                await asyncio.sleep(0)  # unpaced: still let the loop write what is ready to the sockets
-            sample = templates[gi].model_copy(update={"sample_index": j, "total_s": time.perf_counter() - start})
-            if self.emissions is not None:
-                self.emissions.append((gi, j, time.perf_counter()))
-            yield gi, sample
+        self._running += 1
+        self._unemitted += len(order)
+        emitted = 0
+        try:
+            for k, (gi, j) in enumerate(order):
+                if paced:
+                    wait = start + self.first_delay_s + k * self.interval_s - time.perf_counter()
+                    if wait > 0:
+                        await asyncio.sleep(wait)
+                elif k % 64 == 63:
+                    await asyncio.sleep(0)  # unpaced: still let the loop write what is ready to the sockets
+                while self._mode == "keep" and self._abort_epoch == epoch:
+                    await self._changed.wait()
+                update: dict[str, Any] = {"sample_index": j, "total_s": time.perf_counter() - start}
+                if self._abort_epoch != epoch:
+                    update.update(token_ids=[], logprobs=[], finish_reason="abort", accepted_tokens=0,
+                                  draft_tokens=0, decode_steps=0)
+                sample = templates[gi].model_copy(update=update)
+                if self.emissions is not None:
+                    self.emissions.append((gi, j, time.perf_counter()))
+                self._unemitted -= 1
+                emitted += 1
+                yield gi, sample
+        finally:
+            self._unemitted -= len(order) - emitted
+            self._running -= 1
+            self._notify()
 
     def _template(self, group: GroupRequest) -> SampleResult:
         """The group's samples differ only in index and time: each is a shallow copy of this one (they share
@@ -299,3 +379,29 @@ class StubBackend:
         return BackendStats(engines=(EngineLoad("stub-0", running=0, waiting=0, speculate_p50_s=0.0,
                                                 speculate_p99_s=0.0, drafts_by_source={"live": (0, 0)}),),
                             engines_ready=1 if self._ready else 0, resident_bytes={"node_engine": 0})
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._mode = mode
+        if mode == "abort":
+            self._abort_epoch += 1
+        self._notify()
+        if mode == "wait":
+            while self._running:
+                await self._changed.wait()
+
+    async def resume(self) -> None:
+        self._mode = None
+        self._notify()
+
+    async def is_paused(self) -> bool:
+        return self._mode is not None
+
+    async def abort_samples(self) -> int:
+        aborted = self._unemitted
+        self._abort_epoch += 1
+        self._notify()
+        return aborted
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()

@@ -5,6 +5,13 @@ token. It drafts nothing: `draft_tokens` and `accepted_tokens` are 0, so no figu
 speedup. It counts the history it was given (`history_records`), which is what service tests check. It refuses
 what the engine refuses without needing vLLM: the API's bounds (service/api.py, vLLM's own sampling limits) and the
 model's (prompt and stop token ids within the vocabulary, the prompt within the context).
+
+Pause and resume as vLLM's engine does them (`pause`, docs/design.md "vLLM's RL control plane"): a group's n
+samples are all in flight from the moment `generate` is called (they are produced one after another, as if the
+engine's steps served them in that order). Groups that arrive while paused are held until `resume`. "keep" freezes
+the samples in flight between two tokens; each token carries the policy version served when its step began, so a
+sample spanning a weight update says so (`SampleResult.policy_spans`). "abort" ends every sample in flight, held
+groups included, with finish_reason "abort" and the tokens it had. "wait" returns once the groups in flight ended.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.service.api import GroupRequest, SampleResult
+from das.service.api import GroupRequest, PauseMode, SampleResult
 from das.service.engine.async_engine import EngineInputError, SpecDecodeTally, validate_rollouts
 
 
@@ -38,6 +45,12 @@ class StubEngine:
         self.policy_version = 0
         self.spec_tally = SpecDecodeTally()
         self.history_records = 0
+        self._mode: PauseMode | None = None  # None: not paused
+        self._abort_epoch = 0  # bumped by every abort: samples in flight before it end "abort"
+        self._groups = 0  # groups in flight (held ones excluded)
+        self._unfinished = 0  # samples of the groups in flight not yet yielded
+        self._changed = asyncio.Event()  # replaced on every state change; waiters wait on the one they saw
+        self.dead = False  # no engine core that could die
 
     @classmethod
     async def create(cls, config: StubEngineConfig) -> StubEngine:
@@ -65,20 +78,79 @@ class StubEngine:
     async def generate(self, group: GroupRequest) -> AsyncIterator[SampleResult]:
         prompt = self.prompt_token_ids(group)
         length = min(self.config.tokens, group.sampling.max_tokens)
+        epoch = self._abort_epoch
+        while self._mode is not None and self._abort_epoch == epoch:  # held while paused, as vLLM queues them
+            await self._changed.wait()
         start = time.perf_counter()
+        pace = self.config.token_s / group.n  # the group's samples share the engine's steps
         self.spec_tally.running += group.n  # the group's samples, until the group ends
+        self._groups += 1
+        self._unfinished += group.n
+        yielded = 0
         try:
             for index in range(group.n):
-                if self.config.token_s:
-                    await asyncio.sleep(length * self.config.token_s / group.n)
+                tokens: list[int] = []
+                spans: list[tuple[int, int]] = []
+                while len(tokens) < length and self._abort_epoch == epoch:
+                    if self._mode == "keep":
+                        await self._changed.wait()
+                        continue
+                    version = self.policy_version  # the weights of this token's step
+                    if pace:
+                        await asyncio.sleep(pace)
+                    if self._abort_epoch != epoch:
+                        break
+                    if not spans or spans[-1][0] != version:
+                        spans.append((version, len(tokens)))
+                    tokens.append((7 * len(tokens) + index) % self.config.vocab_size)
+                if len(tokens) < length:
+                    finish = "abort"
+                else:
+                    finish = "length" if length == group.sampling.max_tokens else "stop"
+                self._unfinished -= 1
+                yielded += 1
                 yield SampleResult(
-                    problem_id=group.problem_id, sample_index=index,
-                    token_ids=[(7 * i + index) % self.config.vocab_size for i in range(length)],
-                    logprobs=[-1.0] * length, finish_reason="length" if length == group.sampling.max_tokens else
-                    "stop", policy_version=self.policy_version, decode_steps=length,
+                    problem_id=group.problem_id, sample_index=index, token_ids=tokens,
+                    logprobs=[-1.0] * len(tokens), finish_reason=finish,
+                    policy_version=spans[0][0] if spans else self.policy_version,
+                    policy_spans=spans if len(spans) > 1 else None, decode_steps=len(tokens),
                     total_s=time.perf_counter() - start, prompt_token_ids=prompt)
         finally:
             self.spec_tally.running -= group.n
+            self._groups -= 1
+            self._unfinished -= group.n - yielded
+            self._notify()
+
+    # ---- pause (vLLM's RL control plane) ----
+
+    async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """As `Engine.pause`; `clear_cache` has nothing to clear here."""
+        self._mode = mode
+        if mode == "abort":
+            self._abort_epoch += 1
+        self._notify()
+        if mode == "wait":
+            while self._groups:
+                await self._changed.wait()
+
+    async def resume(self) -> None:
+        self._mode = None
+        self._notify()
+
+    async def is_paused(self) -> bool:
+        return self._mode is not None
+
+    async def abort_samples(self) -> int:
+        """Ends the samples in flight (held groups included) with finish_reason "abort"; returns how many of the
+        groups in flight were unfinished (held groups' samples are not counted)."""
+        aborted = self._unfinished
+        self._abort_epoch += 1
+        self._notify()
+        return aborted
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     async def reload_weights(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int:
         new = self.policy_version + 1 if version is None else version

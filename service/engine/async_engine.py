@@ -8,6 +8,12 @@ Lifecycle: `await Engine.create(config)`; `generate(group)` streams each sample 
 `reload_weights(path)` loads a new checkpoint and bumps the policy version (the drafter keeps its history,
 tagged by version); `await close()`.
 
+vLLM's RL control plane: `pause(mode)`, `resume()`, `is_paused()` wrap AsyncLLM's pause_generation,
+resume_generation and is_paused; `abort_samples()` aborts every sample in flight. A reload while paused does not
+wait for the samples in flight (under "keep" they are frozen and would never finish): their KV cache is recomputed
+with the new weights when they resume, and each records from which token on it was drawn from which weights
+(`SampleResult.policy_spans`).
+
 Errors: a bad group (an empty prompt or one longer than the context, token ids outside the vocabulary, given or
 from the tokenizer, n < 1, unknown sampling keys, sampling that vLLM's `SamplingParams` refuses:
 service/engine/sampling.py) raises `EngineInputError` (a ValueError) before anything is scheduled. A failure inside
@@ -33,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
-from das.service.api import GroupRequest, SampleResult
+from das.service.api import GroupRequest, PauseMode, SampleResult
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.sampling import EngineInputError, sampling_params
@@ -190,6 +196,7 @@ class Engine:
         self._drained = asyncio.Event()
         self._drained.set()
         self._reloading = asyncio.Lock()
+        self._live: dict[str, _Spans] = {}  # samples in flight by request key
 
     @classmethod
     async def create(cls, config: EngineConfig) -> Engine:
@@ -228,6 +235,12 @@ class Engine:
             llm.shutdown()
             raise
         return cls(config, llm, tokenizer, vocab_size, tally)
+
+    @property
+    def dead(self) -> bool:
+        """True once vLLM's engine core has died (its requests fail with EngineDeadError): this engine serves
+        nothing more."""
+        return bool(self._llm.errored)
 
     @property
     def tokenizer(self) -> Any:
@@ -316,7 +329,7 @@ class Engine:
     async def _sample(self, group: GroupRequest, prompt: list[int], key: str, index: int,
                       results: asyncio.Queue[SampleResult | BaseException]) -> None:
         params = self._sampling_params(group, key, index)
-        version = self.policy_version
+        live = self._live[key] = _Spans([(self.policy_version, 0)])
         start = time.perf_counter()
         first: float | None = None
         tokens: list[int] = []
@@ -332,6 +345,7 @@ class Engine:
                 for tok, lp in zip(completion.token_ids, completion.logprobs or ()):
                     logprobs.append(float(lp[tok].logprob))
                 tokens.extend(completion.token_ids)
+                live.received = len(tokens)
                 text.append(completion.text)
                 finish = completion.finish_reason
         except Exception as exc:  # one sample's failure must not take its siblings down (cancellation passes)
@@ -346,11 +360,15 @@ class Engine:
             else:
                 log.warning("sample %s of problem %s failed", key, group.problem_id, exc_info=True)
             error, finish = _describe(exc), "error"
+        finally:
+            del self._live[key]
+        spans = live.of(len(tokens))
         counts = await self._draft_counts(key) if not self._llm.errored else {}
         results.put_nowait(SampleResult(
             problem_id=group.problem_id, sample_index=index, token_ids=tokens, logprobs=logprobs,
             finish_reason=finish if finish in ("stop", "length", "abort", "error") else "stop",
-            policy_version=version, draft_tokens=counts.get("proposed", 0),
+            policy_version=spans[0][0], policy_spans=spans if len(spans) > 1 else None,
+            draft_tokens=counts.get("proposed", 0),
             accepted_tokens=counts.get("accepted", 0), decode_steps=counts.get("steps", 0),
             first_token_s=first, total_s=time.perf_counter() - start, error=error, text="".join(text),
             prompt_token_ids=prompt))
@@ -379,13 +397,46 @@ class Engine:
             raise EngineInputError(f"version: must be newer than the served version {self.policy_version}, "
                                    f"got {new}")
         async with self._reloading:
-            await self._drained.wait()
+            paused = await self._llm.is_paused()
+            if paused:
+                # The samples held by the pause (frozen under "keep", or queued) go on under the new weights from
+                # the tokens they have now: the worker's count, since outputs may still be on their way here.
+                (produced,) = await self._llm.collective_rpc("das_output_counts")
+            else:
+                await self._drained.wait()
             await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-            await self._llm.reset_prefix_cache()
+            # Held samples' KV was computed by the old weights: preempted, it is recomputed on resume.
+            await self._llm.reset_prefix_cache(reset_running_requests=paused)
             self.policy_version = new
+            if paused:
+                for key, live in self._live.items():
+                    live.update(new, produced.get(key))
             if self.config.speculation == "das":
                 await self._llm.collective_rpc("das_set_policy_version", args=(new,))
         return self.policy_version
+
+    # ---- vLLM's RL control plane ----
+
+    async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """vLLM's `AsyncLLM.pause_generation`: "abort" ends the samples in flight with finish_reason "abort" (with
+        the tokens they had), "wait" returns once they have finished, "keep" freezes them until `resume`; in
+        every mode new samples are queued until `resume`. `clear_cache`: reset the prefix cache once drained.
+        ValueError for a mode vLLM does not know."""
+        await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def is_paused(self) -> bool:
+        return bool(await self._llm.is_paused())
+
+    async def abort_samples(self) -> int:
+        """Aborts every sample in flight without pausing: each ends with finish_reason "abort" and the tokens it
+        had. Returns how many."""
+        keys = list(self._live)
+        if keys:
+            await self._llm.abort(keys)
+        return len(keys)
 
     async def add_history(self, rollouts: list[dict[str, Any]]) -> int:
         """Imports finished rollouts (history-format dicts) into the drafter as sealed history. All are validated
@@ -416,6 +467,30 @@ class Engine:
         event loop can be closed cleanly afterwards."""
         self._llm.shutdown()
         await asyncio.sleep(0)
+
+
+@dataclass
+class _Spans:
+    """One sample in flight: [policy version, index of its first token] pairs (SampleResult.policy_spans), and the
+    tokens received so far."""
+
+    spans: list[tuple[int, int]]
+    received: int = 0
+
+    def update(self, version: int, produced: int | None) -> None:
+        """New weights serve from token `produced` on (None: the engine no longer holds the sample: finished,
+        its last tokens still on their way, or not started if none came)."""
+        if produced is None and self.received:
+            return  # finished under the old weights
+        at = produced or 0
+        if at == self.spans[-1][1]:
+            self.spans[-1] = (version, at)  # no token of the old weights since its span began
+        else:
+            self.spans.append((version, at))
+
+    def of(self, tokens: int) -> list[tuple[int, int]]:
+        """The spans of a sample that ended with `tokens` tokens: a span that starts past them holds none."""
+        return [span for span in self.spans if span[1] < tokens] or self.spans[:1]
 
 
 def validate_rollouts(rollouts: list[dict[str, Any]]) -> None:

@@ -45,7 +45,8 @@ def calibrate(name: str, timer: DecodeStepProbe, batch_sizes: Sequence[int], rep
     return Calibration(model, points)
 
 
-def vllm_step_timer(model_dir: Path, max_batch: int, decode_tokens: int = 16, prompt_tokens: int = 16) -> DecodeStepProbe:
+def vllm_step_timer(model_dir: Path, max_batch: int, decode_tokens: int = 16,
+                    prompt_tokens: int = 16) -> DecodeStepProbe:
     """A DecodeStepProbe over an in-process vLLM engine (CPU here). Loads the model once (tens of seconds)."""
     from das.service.engine.cpu_fixes.torch_extensions import hide_broken_torch_extensions
 

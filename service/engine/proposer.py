@@ -231,12 +231,25 @@ class DasProposer:
     # ---- worker-extension API ----
 
     def set_policy_version(self, version: int) -> None:
-        """Seals every live segment older than `version`; new requests feed `version`."""
+        """Seals every live segment older than `version`; new requests feed `version`, and so do the requests
+        still running (held by a pause across a weight update): the rest of their output feeds the new version's
+        live segment, what came before stays sealed with the old one."""
         if version < self.policy_version:
             raise ValueError(f"policy version {version} is older than the current {self.policy_version}")
+        changed = version != self.policy_version
         if version > 0:
             self.bank.seal(version - 1)
         self.policy_version = version
+        if not changed or self._runner is None:
+            return
+        for rid, run in self._running.items():
+            # Sealing dropped the request from the bank: registered again, it feeds the new live segment.
+            self.bank.finish_request(rid)
+            state = self._runner.requests.get(rid)
+            if state is not None:  # else it finished and leaves at the next step
+                prompt = np.asarray(state.prompt_token_ids or [], np.int32)
+                self.bank.start_request(rid, run.tags.problem_id, prompt, version)
+            run.draft, run.draft_source = np.zeros(0, np.int32), ""  # dropped by the preemption, never verified
 
     def pop_counts(self, keys: list[str]) -> dict[str, DraftCounts]:
         """Draft counts of finished requests by their tag key (forgotten once returned). A request still

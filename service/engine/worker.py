@@ -11,7 +11,7 @@ import dataclasses
 from typing import Any
 
 from das.drafter.records import RolloutRecord
-from das.service.engine.proposer import DasProposer
+from das.service.engine.proposer import EXTRA_ARGS_KEY, DasProposer
 
 
 class DasWorkerExtension:
@@ -47,3 +47,14 @@ class DasWorkerExtension:
 
     def das_stats(self) -> dict[str, Any]:
         return self._das_proposer().stats()
+
+    def das_output_counts(self) -> dict[str, int]:
+        """Output tokens committed so far by every request the model runner holds (running, or preempted and
+        waiting), by the key of its tags (proposer.RequestTags); any speculative method. What a weight update
+        under a paused engine reads to know where each held sample's new weights begin."""
+        counts: dict[str, int] = {}
+        for state in self.model_runner.requests.values():
+            tags = (getattr(state.sampling_params, "extra_args", None) or {}).get(EXTRA_ARGS_KEY) or {}
+            if tags.get("key") is not None:
+                counts[str(tags["key"])] = len(state.output_token_ids)
+        return counts

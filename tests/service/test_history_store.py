@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import array
+import hashlib
+import struct
 from pathlib import Path
 
+import msgpack
 import pytest
 
 from das.drafter.records import RecordError
@@ -123,10 +127,142 @@ def test_a_different_shard_count_is_refused(tmp_path: Path):
         HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
     with pytest.raises(ValueError, match="store of 2 shards, this one has 3"):
         HistoryShard(1, HistoryConfig(shards=3), str(tmp_path))
+    (tmp_path / "history-shard-1.msgpack").rename(tmp_path / "history-shard-1.msgpack.prev")
+    with pytest.raises(ValueError, match="more shards than 1"):  # the previous generation counts too
+        HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
 
 
-def test_a_corrupt_snapshot_is_set_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture):
-    (tmp_path / "history-shard-0.msgpack").write_bytes(b"\x93not msgpack")
+def quarantined(state: Path) -> list[str]:
+    return sorted(p.name for p in state.iterdir() if ".bad-" in p.name)
+
+
+def two_generations(state: Path) -> HistoryShard:
+    """A shard whose directory holds two snapshots: 2 rollouts in the previous one, 3 in the newest."""
+    shard = HistoryShard(0, HistoryConfig(shards=1), str(state))
+    shard.put("e", [record(index=0), record(index=1)])
+    shard.snapshot()
+    shard.put("e", [record(index=2)])
+    shard.snapshot()
+    assert sorted(p.name for p in state.iterdir()) == ["history-shard-0.msgpack", "history-shard-0.msgpack.prev"]
+    return shard
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda data: data[:len(data) // 2], "truncated"),  # a torn write
+    (lambda data: data[:20], "truncated"),  # torn inside the header
+    (lambda data: data[:-7] + bytes([data[-7] ^ 0x01]) + data[-6:], "checksum"),  # one flipped bit in the body
+    (lambda data: b"\x89NOTDASH" + data[8:], "format"),
+    (lambda data: b"", "format"),
+])
+def test_a_damaged_newest_snapshot_falls_back_to_the_previous(tmp_path: Path, damage, reason: str,
+                                                               caplog: pytest.LogCaptureFixture):
+    two_generations(tmp_path)
+    newest = tmp_path / "history-shard-0.msgpack"
+    newest.write_bytes(damage(newest.read_bytes()))
+    restored = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    assert restored.summary("p").rollouts == 2  # the previous generation, not an empty shard
+    stats = restored.stats()
+    assert (stats.snapshot_fallbacks, stats.snapshot_quarantined) == (1, 1)
+    assert stats.last_snapshot_unix_s is not None
+    assert [n.split(".bad-")[1].rsplit("-", 1)[0] for n in quarantined(tmp_path)] == [reason]
+    assert "restored the previous snapshot" in caplog.text
+    # the fallback is written again as the newest at the next snapshot
+    assert restored.snapshot() is not None
+    assert HistoryShard(0, HistoryConfig(shards=1), str(tmp_path)).summary("p").rollouts == 2
+
+
+def test_the_newest_snapshot_missing_uses_the_previous(tmp_path: Path):
+    """A crash between the two renames of a snapshot leaves only the previous generation."""
+    two_generations(tmp_path)
+    (tmp_path / "history-shard-0.msgpack").unlink()
+    restored = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    assert restored.summary("p").rollouts == 2 and restored.stats().snapshot_fallbacks == 1
+    assert quarantined(tmp_path) == []
+
+
+def packed_snapshot(body: object) -> bytes:
+    """A well-formed container (correct length and checksum) around any msgpack value."""
+    data = msgpack.packb(body, use_bin_type=True)
+    return struct.pack("<8sIQ32s", b"\x89DASHIST", 1, len(data), hashlib.sha256(data).digest()) + data
+
+
+GOOD_DOC = {"format": "das-history-shard", "version": 2, "shards": 1, "seq": 3, "received": {}, "problems": []}
+
+
+@pytest.mark.parametrize("data", [
+    msgpack.packb([1, 2, 3]),  # a top-level list, pre-container style (once a crash loop)
+    msgpack.packb(7),  # a top-level int
+    b"\x93not msgpack",
+    packed_snapshot([1, 2, 3]),
+    packed_snapshot(12),
+    packed_snapshot({**GOOD_DOC, "problems": 5}),
+    packed_snapshot({**GOOD_DOC, "received": [1]}),
+    packed_snapshot({**GOOD_DOC, "received": {"e": [1, "x"]}}),
+    packed_snapshot({**GOOD_DOC, "problems": [{"problem_id": "p", "prompt": b"\0" * 5, "rollouts": []}]}),
+    packed_snapshot({**GOOD_DOC, "problems": [{"problem_id": "p", "prompt": b"\0" * 4, "rollouts": [[1, "e"]]}]}),
+    packed_snapshot({**GOOD_DOC, "problems": [{"problem_id": "p", "prompt": b"\0" * 4, "difficulty": b"junk",
+                                               "rollouts": [[1, "e", 0, 0, b"\0" * 4, "stop", None]]}]}),
+    packed_snapshot({**GOOD_DOC, "problems": [{"problem_id": "p", "prompt": b"\0" * 4, "difficulty": None,
+                                               "rollouts": [[1, "e", -1, 0, b"\0" * 4, "stop", None]]}]}),
+    packed_snapshot({**GOOD_DOC, "version": 9}),
+])
+def test_an_unreadable_snapshot_is_quarantined_and_startup_goes_on(tmp_path: Path, data: bytes):
+    (tmp_path / "history-shard-0.msgpack").write_bytes(data)
     shard = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
-    assert shard.stats().rollouts == 0
-    assert (tmp_path / "history-shard-0.corrupt").exists() and "skipped" in caplog.text
+    assert shard.stats().rollouts == 0 and shard.stats().snapshot_quarantined == 1
+    assert len(quarantined(tmp_path)) == 1 and not (tmp_path / "history-shard-0.msgpack").exists()
+    shard.put("e", [record()])
+    assert shard.snapshot() is not None  # and the shard works on
+
+
+def test_a_snapshot_from_before_the_checksum_still_loads(tmp_path: Path):
+    legacy = {"format": "das-history-shard", "version": 1, "shards": 1, "seq": 4, "problems": [
+        {"problem_id": "p", "prompt": array.array("i", [1, 2]).tobytes(), "difficulty": None,
+         "rollouts": [[4, "e", 0, 0, array.array("i", [5, 6]).tobytes(), "stop", None]]}]}
+    (tmp_path / "history-shard-0.msgpack").write_bytes(msgpack.packb(legacy, use_bin_type=True))
+    shard = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    assert shard.summary("p").rollouts == 1 and shard.stats().snapshot_quarantined == 0
+    (records, _), = shard.pull({"p": 0}, "x").values()
+    assert records[0]["output_token_ids"] == [5, 6]
+
+
+def test_push_stores_a_rollout_identity_once(tmp_path: Path):
+    shard = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    first = shard.push("e#1", [record(index=0), record(index=1)], [1, 2])
+    assert first.stored == 2 and first.durable == 0  # nothing snapshotted yet
+    # a re-send of id 2 (its first send landed, the reply was lost) with the new id 3
+    again = shard.push("e#1", [record(index=1), record(index=2)], [2, 3])
+    assert again.stored == 1 and again.epoch == first.epoch
+    assert shard.push("e#2", [record(index=1)], [2]).stored == 1  # another origin's id 2 is another rollout
+    assert shard.summary("p").rollouts == 4
+    shard.snapshot()
+    assert shard.push("e#1", [record(index=3)], [4]).durable == 3  # the snapshot holds ids 1-3
+    with pytest.raises(RecordError, match="one positive integer per record"):
+        shard.push("e#1", [record()], [0])
+    with pytest.raises(RecordError, match="one positive integer per record"):
+        shard.push("e#1", [record(), record()], [5])
+
+    # a new process restores what the snapshot received: ids 1-3 are not stored again, the lost id 4 is
+    restarted = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    assert restarted.epoch != first.epoch
+    reply = restarted.push("e#1", [record(index=1), record(index=2), record(index=3)], [2, 3, 4])
+    assert reply.stored == 1 and reply.durable == 3
+    assert restarted.summary("p").rollouts == 5
+
+
+def test_push_without_a_state_directory_is_durable_once_received():
+    shard = HistoryShard(0, HistoryConfig(shards=1))
+    assert shard.push("e", [record(index=0)], [2]).durable == 0  # id 1 not here yet
+    assert shard.push("e", [record(index=1)], [1]).durable == 2
+    assert shard.push("e", [record(index=2)], [7], settled=6).durable == 7  # 3-6 given up by the pusher
+
+
+def test_a_cursor_from_a_previous_shard_process_hides_nothing_new():
+    """A shard that restarts without a snapshot starts empty; an engine's cursor from before must still see what
+    the new process stores (sequence numbers never go backwards)."""
+    old = HistoryShard(0, HistoryConfig(shards=1))
+    old.put("e", [record(index=i) for i in range(50)])
+    _, cursor = old.pull({"p": 0}, "x")["p"]
+    new = HistoryShard(0, HistoryConfig(shards=1))
+    new.put("e", [record(index=0)])
+    assert len(new.pull({"p": cursor}, "x")["p"][0]) == 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from das.service.history_store import ShardStats
 from das.service.metrics import GatewayMetrics
 from das.service.rollout_backend import BackendStats, EngineLoad
 
@@ -30,3 +31,14 @@ def test_each_engines_cost_fit_and_guard_are_exported():
     # an engine without a fit (speculation none) has no cost samples, but its queues are there
     assert ("das_engine_step_base_seconds", (("engine", "n0/1"),)) not in got
     assert got[("das_engine_requests_waiting", (("engine", "n0/1"),))] == 1
+
+
+def test_history_snapshot_health_is_exported():
+    shards = (ShardStats(1, 2, 3, 4, snapshot_fallbacks=1, snapshot_quarantined=2, last_snapshot_unix_s=1.7e9),
+              ShardStats(1, 2, 3, 4, snapshot_failures=3))
+    got = samples(GatewayMetrics(lambda: BackendStats(history_shards=shards)))
+    assert got[("das_history_snapshot_fallbacks_total", ())] == 1
+    assert got[("das_history_snapshot_quarantined_total", ())] == 2
+    assert got[("das_history_snapshot_failures_total", ())] == 3
+    assert got[("das_history_last_snapshot_timestamp_seconds", (("shard", "0"),))] == 1.7e9
+    assert ("das_history_last_snapshot_timestamp_seconds", (("shard", "1"),)) not in got  # none on disk yet

@@ -84,7 +84,9 @@ def test_das_serve_two_epochs_then_a_restart_drafts_from_the_saved_history(tmp_p
     model = build_tiny_model(tmp_path / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
                              sharpness=12.0)
     state = tmp_path / "state"
-    server = Server(model, state)
+    # Uniform drafting first: how much the default budget drafts depends on the step times it measures (a loaded
+    # CI machine drafted 7 accepted tokens, an idle one over 119), while these checks need drafts every step.
+    server = Server(model, state, "--budget", "uniform")
     try:
         server.wait_ready()
         assert httpx.post(f"{server.url}/v1/rollouts", json={"groups": []}).status_code == 401
@@ -118,20 +120,28 @@ def test_das_serve_two_epochs_then_a_restart_drafts_from_the_saved_history(tmp_p
         assert metric(text, "das_source_draft_tokens_accepted") == metric(text, "das_draft_tokens_accepted")
     finally:
         out = server.stop()
-    assert sorted(p.name for p in state.iterdir()) == ["history-shard-0.msgpack", "history-shard-1.msgpack"], out
+    # the snapshots at the signal and at shutdown: two generations per shard, nothing quarantined
+    assert sorted(p.name for p in state.iterdir()) == [f"history-shard-{i}.msgpack{g}" for i in range(2)
+                                                       for g in ("", ".prev")], out
 
-    # Uniform drafting after the restart: how much the default budget drafts depends on the step times it
-    # measures (a loaded CI machine drafted 7 accepted tokens, an idle one over 119), while this checks the history.
-    restarted = Server(model, state, "--budget", "uniform")
+    # The restart runs the defaults (the length-aware budget on the engine's live cost fit): what it drafts depends
+    # on measured step times, so only what cannot depend on them is checked.
+    restarted = Server(model, state)
     try:
         restarted.wait_ready()
         with RolloutClient(restarted.url, TOKEN) as client:
             assert client.history("p0").rollouts == 8  # restored before the first batch
             again = run_epoch(client)
-        # The first batch after the restart drafts from the restored history: more accepted than the cold epoch,
-        # and greedy outputs identical to before (same weights, lossless verification).
-        assert sum(s.accepted_tokens for s in again) > accepted[0]
+        # greedy outputs identical to before (same weights, lossless verification whatever the budget drafted)
         before = {(s.problem_id, s.sample_index): s.output_token_ids for s in epochs[0]}
         assert {(s.problem_id, s.sample_index): s.output_token_ids for s in again} == before
+        # the live cost fit is exported, fed from the start-up warm-up and the batch
+        deadline = time.monotonic() + 20
+        while True:
+            text = httpx.get(f"{restarted.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+            if metric(text, "das_engine_step_token_seconds") > 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert metric(text, "das_engine_step_token_seconds") > 0 and metric(text, "das_engine_step_base_seconds") > 0
     finally:
         restarted.stop()

@@ -332,7 +332,6 @@ def test_engine_core_starts_without_vllms_aot_compile_cache_on_cpu(loop, monkeyp
     assert seen["aot"] == "1"
 
 
-
 def test_the_length_aware_budget_starts_with_its_cost_fit_fed_by_the_warmup(loop, tiny_models):
     """Before any caller's request, the online fit has timed the warm-up's decode steps (8 requests: ~15 decode
     steps with batch sizes 8 down to 1); the uniform baseline does no warm-up."""

@@ -1,0 +1,85 @@
+"""What the coordinator keeps to survive an engine that dies (docs/design.md "Failure behaviour"). Pure
+bookkeeping, no Ray, so it is tested without processes.
+
+- `FailureConfig`: how many restarts an engine actor may have within a window, and how long a restart may take.
+- `RestartWindow`: one engine actor's recent restarts; says whether one more is allowed.
+- `Share`: the samples of one group that one engine owes a batch, and how the engine's sample indices map back to
+  the batch's. When the engine dies, `remainder()` is the share of the samples that never arrived, which the
+  coordinator sends to another engine (or the restarted one) as a group with n = their count.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from das.service.api import GroupRequest, SampleResult
+
+
+class FailureConfig(BaseModel):
+    """How the service treats an engine actor that dies (its process, or the vLLM engine core inside it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_restarts: int = Field(5, ge=0, description="restarts an engine actor may have within restart_window_s; "
+                              "the death after that fails the batches running on it, and it stays down")
+    restart_window_s: float = Field(600.0, gt=0, description="seconds over which max_restarts counts")
+    recovery_timeout_s: float = Field(1800.0, gt=0, description="seconds a restarted engine may take to load the "
+                                      "model and the served weights; longer fails it like an exhausted cap")
+
+
+class RestartWindow:
+    """The restarts of one engine actor within the last `restart_window_s` seconds (monotonic clock)."""
+
+    def __init__(self, config: FailureConfig) -> None:
+        self._config = config
+        self._times: deque[float] = deque()
+
+    def allow(self, now: float) -> bool:
+        """Whether a death at `now` may be followed by a restart; records the restart if so."""
+        while self._times and self._times[0] <= now - self._config.restart_window_s:
+            self._times.popleft()
+        if len(self._times) >= self._config.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+
+@dataclass
+class Share:
+    """The samples of the batch's group `group_index` that one engine was asked for. The engine draws
+    len(indices) samples numbered 0.. by itself; its sample j is the batch's sample `indices[j]`. `received`: the
+    batch's sample indices that have arrived (each is delivered once: a repeat is dropped)."""
+
+    group_index: int
+    indices: tuple[int, ...]
+    received: set[int] = field(default_factory=set)
+
+    def request(self, group: GroupRequest) -> GroupRequest:
+        """What the engine is sent: the group, with n = the samples of this share."""
+        return group if len(self.indices) == group.n else group.model_copy(update={"n": len(self.indices)})
+
+    def take(self, sample: SampleResult) -> SampleResult | None:
+        """The engine's sample renumbered as the batch's sample (in place), or None if that sample has already
+        arrived. ValueError for an index the engine was not asked for."""
+        j = sample.sample_index
+        if not 0 <= j < len(self.indices):
+            raise ValueError(f"sample index {j} of group {self.group_index}: the engine was asked for "
+                             f"{len(self.indices)} samples")
+        index = self.indices[j]
+        if index in self.received:
+            return None
+        self.received.add(index)
+        sample.sample_index = index
+        return sample
+
+    def missing(self) -> tuple[int, ...]:
+        """The batch's sample indices of this share that have not arrived, increasing."""
+        return tuple(i for i in self.indices if i not in self.received)
+
+    def remainder(self) -> Share | None:
+        """A share of the missing samples (None: nothing is missing)."""
+        missing = self.missing()
+        return Share(self.group_index, missing) if missing else None
