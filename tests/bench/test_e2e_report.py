@@ -1,14 +1,13 @@
 from das.bench.e2e_report import cost_fit_line
-from das.service.engine.budget_hook import StepSample, budget_hook_from_config
+from das.service.engine.budget_hook import budget_hook_from_config
 
 
 def test_the_cost_fit_line_reads_what_the_budget_hook_reports():
-    hook = budget_hook_from_config({"policy": "das", "prior": {"name": "p", "c_base_s": 0.05, "c_tok_s": 0.001,
-                                                                 "source": "test"}}, 8)
-    for n in (8, 16, 32, 64) * 10:
-        hook.observe(StepSample(0.0756 + 0.00585 * n, n, n, 0, 0))
-    line = cost_fit_line(hook.stats())
-    assert "c_base 75.6 ms" in line and "c_tok 5.850 ms/token" in line and "prior p" in line
-    assert "guard floor 0.00" in line and "0 exploration tokens" in line
+    prior = {"name": "p", "c_base_s": 0.0756, "c_tok_s": 0.00585, "c_spec_s": 0.002, "source": "test"}
+    line = cost_fit_line(budget_hook_from_config({"policy": "das", "prior": prior, "online": False}, 8).stats())
+    assert "c_base 75.6 ms" in line and "c_tok 5.850 ms/token" in line and "c_spec 2.0 ms" in line
+    assert "prior p" in line and "guard floor 0.00 (raised 0x)" in line and "0 exploration tokens" in line
+    online = cost_fit_line(budget_hook_from_config({"policy": "das", "prior": prior}, 8).stats())
+    assert "0 steps" not in online and "fit error" not in online  # no step measured yet: no fit error to show
     plain = cost_fit_line(budget_hook_from_config({"policy": "uniform"}, 8).stats())
-    assert "guard" not in plain and "fit error" not in plain
+    assert "guard" not in plain
