@@ -9,8 +9,8 @@ steps put c_base at 2-4x its value for the first ~100 steps, so the first batch 
 So an engine with the length-aware budget decodes `requests` requests once at start, request i (1-based) stopping
 after 2i tokens: the running batch shrinks from `requests` to 1, two steps per size, and the proposer times those
 steps like any other (prefill excluded). ~2 x requests decode steps: ~4 s for 16 on the 2-core CPU with SmolLM2,
-well under a second on a GPU. The samples feed one throwaway problem's history (`WARMUP_PROBLEM`), never a
-caller's.
+well under a second on a GPU. The probes draft nothing (`RequestTags.draft`), so no draft count or acceptance
+estimate sees them, and their text goes to one throwaway problem's history (`WARMUP_PROBLEM`), never a caller's.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ async def warm_up_cost_fit(llm: Any, requests: int, vocab_size: int) -> int:
 
     async def one(i: int) -> int:
         prompt = [(1000 + i * _PROMPT_TOKENS + j) % vocab_size for j in range(_PROMPT_TOKENS)]
-        tags = RequestTags(WARMUP_PROBLEM, key=f"{WARMUP_PROBLEM}-{i}", sample_index=i)
+        tags = RequestTags(WARMUP_PROBLEM, key=f"{WARMUP_PROBLEM}-{i}", sample_index=i, draft=False)
         params = sampling_params(SamplingSpec(max_tokens=2 * i, temperature=1.0, ignore_eos=True), vocab_size,
                                  tags.to_extra_args())
         tokens = 0

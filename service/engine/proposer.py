@@ -68,6 +68,8 @@ class RequestTags:
     predicted_tokens: the scheduler's predicted total output length (tokens), or None when unknown;
     length_curve: the same forecast as a function of the tokens generated so far, or None. The budget hook uses
     the curve where there is one, else predicted_tokens, to tell long samples from short ones.
+    draft: False for a probe that must decode plainly (the cost warm-up, service/engine/cost_warmup.py): nothing
+    is drafted for it, so it moves no draft count, while its steps are timed like any other.
     """
 
     problem_id: str
@@ -75,11 +77,13 @@ class RequestTags:
     sample_index: int = 0
     predicted_tokens: float | None = None
     length_curve: LengthCurve | None = None
+    draft: bool = True
 
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
         return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
-                                 "predicted_tokens": self.predicted_tokens, "length_curve": curve}}
+                                 "predicted_tokens": self.predicted_tokens, "length_curve": curve,
+                                 "draft": self.draft}}
 
     @staticmethod
     def from_extra_args(extra_args: dict[str, Any] | None, prompt: list[int]) -> RequestTags:
@@ -96,7 +100,7 @@ class RequestTags:
             except ValueError as exc:  # the sample still runs; only its budget falls back to predicted_tokens
                 log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
-                           None if predicted is None else float(predicted), curve)
+                           None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)))
 
 
 @dataclass
@@ -193,7 +197,7 @@ class DasProposer:
                     verified.append((run.slot, drafted, accepted))
                 run.fed = n
             generated = n - run.prompt_len
-            room = max(0, min(run.max_tokens - generated, self.max_model_len - n) - 1)
+            room = max(0, min(run.max_tokens - generated, self.max_model_len - n) - 1) if run.tags.draft else 0
             views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens, room,
                                      run.tags.length_curve))
             rows.append(run)

@@ -100,6 +100,18 @@ def test_a_second_sample_of_a_problem_drafts_the_first_and_counts_what_was_accep
     assert proposer.pop_counts(["b"]) == {}  # returned once
 
 
+def test_a_probe_tagged_not_to_draft_decodes_plainly_beside_a_sibling_that_drafts():
+    proposer, runner = attached()
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    run_sample(proposer, runner, "probe", RequestTags("p", key="probe", draft=False), RESPONSE)
+    probe = proposer.pop_counts(["probe"])["probe"]
+    assert probe.proposed == 0 and probe.accepted == 0 and probe.steps > 0
+    run_sample(proposer, runner, "b", RequestTags("p", key="b"), RESPONSE)
+    assert proposer.pop_counts(["b"])["b"].accepted >= 8  # the same history drafts for an ordinary sample
+    tags = RequestTags("p", key="probe", draft=False)
+    assert RequestTags.from_extra_args(tags.to_extra_args(), PROMPT) == tags
+
+
 def test_counts_are_claimed_by_the_callers_key_while_still_registered():
     proposer, runner = attached()
     runner.add("internal-1", PROMPT, tags=RequestTags("p", key="mine"))
