@@ -97,7 +97,8 @@ class AcceptanceCounts:
         proposed = self._proposed[slots]
         estimate = estimate_drafter_params(proposed, self._accepted[slots], prior_steps=prior_steps,
                                            prior_q=self.pooled_acceptance())
-        return DrafterParams(estimate.capacity, estimate.efficiency, proposed[:, 0] < EXPLORE_DRAFTS)
+        return DrafterParams(estimate.capacity, estimate.efficiency, proposed[:, 0] < EXPLORE_DRAFTS,
+                             float(self.pool_proposed[0]))
 
     def _grow(self) -> None:
         old = len(self._proposed)

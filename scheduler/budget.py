@@ -492,6 +492,7 @@ class DrafterParams:
     capacity: np.ndarray
     efficiency: np.ndarray
     unmeasured: np.ndarray | None = None
+    measured: float = np.inf  # first-position drafts the engine has verified (pooled); inf: not tracked
 
 
 def estimate_drafter_params(proposed: np.ndarray, accepted: np.ndarray, *, prior_capacity: float = 0.5,

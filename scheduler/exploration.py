@@ -11,7 +11,8 @@ exploration runs on a credit: every step adds `share` of the step's estimated ti
 the plan left plain also the drafted-step price c_spec; unspent credit is capped at `burst` steps' worth (but
 always enough for one token on a plain step, so exploration never stops for good). At the default 2% share
 exploration takes at most ~2% of the engine's time. The longest-remaining unmeasured requests go first: their
-acceptance is what the makespan turns on, and once measured they leave the pool, so the others follow.
+acceptance is what the makespan turns on, and once measured they leave the pool, so the others follow. Only an
+engine's first 64 measured drafts are explored unrationed (`EXPLORE_UNRATIONED_DRAFTS`).
 
 Cost per step: a few numpy calls on the batch's arrays (~10 us for 256 requests); a partial sort only on steps
 with credit for some but not all of the unmeasured requests.
@@ -27,6 +28,11 @@ from das.scheduler.budget import BatchState, DraftPlan
 EXPLORE_SHARE = 0.02
 # Unspent credit is capped at this many steps' worth of share.
 EXPLORE_BURST = 4.0
+# Until the engine has verified this many first-position drafts (pooled), exploration is not rationed: with
+# nothing measured, the optimum's prior (capacity ~0.5) keeps short or cheap samples from ever drafting, and a
+# 2% credit would take a whole short batch to buy one token (a tiny model's greedy repeats then drafted nothing).
+# Once per engine: ~64 draft tokens, under half a step of the 2-core CPU at 64 requests.
+EXPLORE_UNRATIONED_DRAFTS = 64
 
 
 class Exploration:
@@ -39,12 +45,21 @@ class Exploration:
         self.credit_s = 0.0
         self.tokens = 0  # exploration tokens granted so far
 
-    def apply(self, plan: DraftPlan, batch: BatchState, unmeasured: np.ndarray | None) -> DraftPlan:
+    def apply(self, plan: DraftPlan, batch: BatchState, unmeasured: np.ndarray | None,
+              measured_drafts: float = np.inf) -> DraftPlan:
         """`plan` with one draft token (probability floor 0) for as many of the `unmeasured` requests it left
-        without drafts as the credit pays for. `unmeasured`: one bool per request, or None (nothing to explore)."""
+        without drafts as the credit pays for; for all of them while the engine has verified fewer than
+        EXPLORE_UNRATIONED_DRAFTS first-position drafts (`measured_drafts`, pooled). `unmeasured`: one bool per
+        request, or None (nothing to explore)."""
         if unmeasured is None or batch.k_max == 0 or self.share == 0.0:
             return plan
         lengths = plan.lengths
+        if measured_drafts < EXPLORE_UNRATIONED_DRAFTS:
+            idle = np.asarray(unmeasured, dtype=bool) & (lengths < 1)
+            if not idle.any():
+                return plan
+            self.tokens += int(idle.sum())
+            return DraftPlan(np.where(idle, 1, lengths).astype(np.int32), np.where(idle, 0.0, plan.min_prob))
         drafting = bool(lengths.any())
         c_tok = batch.c_tok_s
         entry = 0.0 if drafting else batch.c_spec_s  # a plain step that explores becomes a drafted one

@@ -138,7 +138,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
                                k_max=k_max, c_spec_s=cost.c_spec_s)
             plan = policy.plan(state)
             if isinstance(policy, OptimalPolicy):
-                plan = exploration[e].apply(plan, state, drafter.unmeasured)
+                plan = exploration[e].apply(plan, state, drafter.unmeasured, drafter.measured)
             k, floor = plan.lengths.astype(np.int64), plan.min_prob
         drafted = np.zeros(len(active), dtype=np.int64)
         advanced = np.ones(len(active), dtype=np.int64)

@@ -169,7 +169,8 @@ class PolicyBudget:
                            cost.c_base_s, cost.c_tok_s, self.k_max, c_spec_s=cost.c_spec_s)
         plan = self.policy.plan(state)
         if isinstance(self.policy, OptimalPolicy):
-            plan = self.exploration.apply(plan, state, drafter.unmeasured if drafter is not None else None)
+            plan = self.exploration.apply(plan, state, drafter.unmeasured if drafter is not None else None,
+                                          drafter.measured if drafter is not None else np.inf)
         if self.guard is not None and self.guard.level:
             plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))
         return plan

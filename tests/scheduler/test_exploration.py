@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from das.scheduler.budget import BatchState, DraftPlan, OptimalPolicy
-from das.scheduler.exploration import EXPLORE_SHARE, Exploration
+from das.scheduler.exploration import EXPLORE_SHARE, EXPLORE_UNRATIONED_DRAFTS, Exploration
 
 
 def _state(remaining, c_base=44e-3, c_tok=0.49e-3, c_spec=0.0, k_max=8):
@@ -93,3 +93,15 @@ def test_invalid_settings_are_refused():
         Exploration(share=1.5)
     with pytest.raises(ValueError, match="burst"):
         Exploration(burst=0.5)
+
+
+def test_until_the_engine_has_measured_enough_drafts_every_unmeasured_request_explores():
+    state = _state(np.full(6, 300.0), c_base=75e-3, c_tok=5.85e-3)
+    plain = DraftPlan(np.zeros(6, np.int32), np.full(6, 0.4))
+    unmeasured = np.array([True, True, False, True, True, True])
+    exploration = Exploration()
+    plan = exploration.apply(plain, state, unmeasured, measured_drafts=10)
+    assert plan.lengths.tolist() == [1, 1, 0, 1, 1, 1] and plan.min_prob.tolist() == [0.0, 0.0, 0.4, 0.0, 0.0, 0.0]
+    assert exploration.credit_s == 0.0  # unrationed exploring neither earns nor spends credit
+    rationed = exploration.apply(plain, state, unmeasured, measured_drafts=EXPLORE_UNRATIONED_DRAFTS)
+    assert rationed.lengths.sum() <= 1  # one step's 2% of ~110 ms buys no 5.85 ms token yet

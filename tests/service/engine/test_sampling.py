@@ -66,8 +66,11 @@ class FakeLLM:
     async def collective_rpc(self, method: str, *args: Any, **kwargs: Any) -> list[None]:
         return [None]
 
-    async def reset_prefix_cache(self) -> None:
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> None:
         return None
+
+    async def is_paused(self) -> bool:
+        return False
 
 
 class SpaceTokenizer:
