@@ -393,16 +393,7 @@ class RayBackend:
         """Reloads every serving engine; an engine that is restarting loads these weights before it serves."""
         await self._wait_serving()  # someone must check the path and version before they are kept for restarts
         async with self._weights_lock:
-            actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
-            incarnations = [actor.incarnation for actor in actors]
-            replies = await asyncio.gather(*(a.handle.reload_weights.remote(str(path), version) for a in actors),
-                                           return_exceptions=True)
-            lost = _lost_errors()
-            for actor, incarnation, reply in zip(actors, incarnations, replies):
-                if isinstance(reply, lost):
-                    self._engine_died(actor, incarnation, reply)
-                elif isinstance(reply, BaseException):
-                    raise reply
+            await self._on_serving(lambda node: node.reload_weights.remote(str(path), version))
             self._weights = (str(path), version)
             self._version = version
         return self._version
