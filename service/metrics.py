@@ -176,7 +176,8 @@ class GatewayMetrics:
                                       "batch), over the engine's recent steps.", labels=["engine", "quantile"])
         proposed = CounterMetricFamily("das_source_draft_tokens_proposed", "Draft tokens proposed by our drafter "
                                        "since the engine started, by the source they came from (live, prompt, "
-                                       "sealed, global).", labels=["engine", "source"])
+                                       "global, sealed-age-<a>: the rollouts of the policy a versions back).",
+                                       labels=["engine", "source"])
         accepted = CounterMetricFamily("das_source_draft_tokens_accepted", "Draft tokens accepted, by source.",
                                        labels=["engine", "source"])
         cost = {key: GaugeMetricFamily(name, doc, labels=["engine"]) for key, name, doc in (

@@ -120,13 +120,8 @@ class _Running:
     fed: int                                   # tokens of prompt + output already fed to the bank
     slot: int                                  # its row in the proposer's AcceptanceCounts
     draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    draft_source: str = ""                     # source kind of `draft` (see `source_kind`)
+    draft_source: str = ""                     # source of `draft` (HistoryBank's `Proposal.source`)
     counts: DraftCounts = field(default_factory=DraftCounts)
-
-
-def source_kind(source: str) -> str:
-    """The metric label of a draft's source: live, prompt, sealed (any age) or global."""
-    return "sealed" if source.startswith("sealed") else source
 
 
 class DasProposer:
@@ -311,14 +306,14 @@ class DasProposer:
 
     def _draft(self, rid: str, context: np.ndarray, k: int, min_prob: float) -> tuple[np.ndarray, str]:
         """Up to k draft tokens, cut before the first whose estimated probability is under min_prob, and their
-        source kind."""
+        source: live, prompt, global or sealed-age-<a> (a <= the history window, so a bounded metric label)."""
         if k <= 0:
             return np.zeros(0, np.int32), ""
         proposal = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k, min_prob)
         tokens = proposal.tokens
         if tokens.size and tokens.max() >= self.vocab_size:
             tokens = tokens[: np.argmax(tokens >= self.vocab_size)]
-        return tokens, source_kind(proposal.source)
+        return tokens, proposal.source
 
     def _retire(self, live: set[str]) -> None:
         """Finishes requests that left the runner (finished or aborted), keeping preempted ones."""

@@ -3,6 +3,7 @@ engine tests in tests/service/engine/test_async_engine.py run it inside real vLL
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -214,9 +215,20 @@ def test_drafts_are_counted_by_source_kind():
         run_sample(proposer, runner, key, RequestTags("p", key=key), RESPONSE)
     per_request = proposer.pop_counts(["a", "b"])
     by_source = proposer.stats()["by_source"]
-    assert set(by_source) <= {"live", "prompt", "sealed", "global"} and by_source
+    assert by_source and all(kind in {"live", "prompt", "global"} or re.fullmatch(r"sealed-age-[1-4]", kind)
+                             for kind in by_source)
     assert sum(c["proposed"] for c in by_source.values()) == sum(c.proposed for c in per_request.values()) > 0
     assert sum(c["accepted"] for c in by_source.values()) == sum(c.accepted for c in per_request.values()) > 0
+
+
+def test_drafts_from_an_earlier_policy_are_counted_by_its_age():
+    proposer, runner = attached()
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
+    proposer.set_policy_version(1)  # seals "a" as version 0: one version back from what now samples
+    before = proposer.stats()["by_source"].get("sealed-age-1", {"accepted": 0})["accepted"]
+    run_sample(proposer, runner, "b", RequestTags("p", key="b"), RESPONSE)
+    assert proposer.stats()["by_source"]["sealed-age-1"]["accepted"] > before
+    assert not any(kind == "sealed" for kind in proposer.stats()["by_source"])
 
 
 def test_measured_acceptance_by_position_is_recorded_per_request_and_pooled():
