@@ -229,6 +229,26 @@ def test_imported_history_drafts_a_problems_first_sample(loop, tiny_das):
         loop.run_until_complete(tiny_das.add_history([record, {**record, "problem_id": ""}]))
 
 
+def test_an_idle_engine_answers_stats_polls_without_waking_its_worker(loop, tiny_das, monkeypatch):
+    rpc = tiny_das._llm.collective_rpc
+    calls: list[str] = []
+
+    async def counting(method: str, *args, **kwargs):
+        calls.append(method)
+        return await rpc(method, *args, **kwargs)
+
+    monkeypatch.setattr(tiny_das._llm, "collective_rpc", counting)
+    first = loop.run_until_complete(tiny_das.drafter_stats())
+    polled = calls.count("das_stats")
+    assert loop.run_until_complete(tiny_das.drafter_stats()) == first and calls.count("das_stats") == polled
+    run_groups(loop, tiny_das, [GroupRequest(problem_id="poll", n=2, prompt_token_ids=[3, 4, 5],
+                                             sampling={"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})])
+    after = loop.run_until_complete(tiny_das.drafter_stats())  # samples ran: read from the worker again
+    assert calls.count("das_stats") == polled + 1 and after["steps"] > first["steps"]
+    loop.run_until_complete(tiny_das.drafter_stats())
+    assert calls.count("das_stats") == polled + 1
+
+
 class FailingOn:
     """Stands in for AsyncLLM: fails the requests whose id ends with `suffix`, passes the rest through."""
 
