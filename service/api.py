@@ -192,6 +192,13 @@ MSGPACK = "application/msgpack"
 NDJSON = "application/x-ndjson"
 
 
+def error_responses(described: dict[int, str],
+                    model: type[BaseModel] | None = None) -> dict[int | str, dict[str, Any]]:
+    """FastAPI's `responses=` for {status: when}: every status a route may answer goes in the OpenAPI schema
+    (tests/service/test_schema_fuzz.py fuzzes it and refuses any other); `model`: the error body's shape."""
+    return {status: {"description": when, **({"model": model} if model else {})} for status, when in described.items()}
+
+
 class RolloutRequest(BaseModel):
     """A batch of groups. `batch_id` is the idempotency key: repeat it to resume the same batch."""
 
@@ -317,6 +324,28 @@ class CheckpointUpdateRequest(BaseModel):
     path: CheckpointPath = Field(description="checkpoint directory, inside the weights root")
     version: int | None = Field(None, ge=0, le=INT64_MAX, description="policy version of these weights, newer "
                                                                       "than the served one; None: served + 1")
+
+
+EndStatus = Literal["done", "failed", "aborted", "interrupted"]
+
+
+class BatchFromPreviousRun(BaseModel):
+    """The `detail` of the gateway's 409 for a batch id that an earlier run of the service accepted. The batch is not
+    run again: resubmit the samples still wanted under a new batch id."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    code: Literal["batch_from_previous_run"] = "batch_from_previous_run"
+    message: str
+    batch_id: str
+    status: EndStatus = Field(description="how the earlier run's batch ended: done, failed, aborted (DELETE or "
+                                          "/abort_requests), interrupted (cut off by the service stopping)")
+    samples_delivered: int | None = Field(description="samples it produced (streamed to its readers) before it "
+                                                      "ended; None when the process died before recording it")
+    samples_expected: int
+    same_request: bool = Field(description="whether this request's groups and options match the earlier one's")
+    accepted_unix_s: float
+    ended_unix_s: float | None
 
 
 class PauseResponse(BaseModel):

@@ -97,8 +97,10 @@ def serve(
         = None,
     weights_root: Annotated[Optional[Path], typer.Option("--weights-root",
                                                          help="POST /v1/weights paths must lie under it.")] = None,
-    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="History snapshots: restored at start, "
-                                                      "written on a timer and at shutdown.")] = None,
+    state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="History snapshots (restored at start, "
+                                                      "written on a timer and at shutdown) and the journal of "
+                                                      "accepted batches (an id an earlier run accepted gets "
+                                                      "409, not a second run).")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
     budget: Annotated[str, typer.Option(help="Draft budget of --speculation das: das (length-aware, on each "
@@ -136,13 +138,15 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
+    from das.service.batch_journal import BatchJournalConfig
     from das.service.coordinator import RayBackend, ServiceConfig
     from das.service.gateway import GatewaySettings, create_app
 
     try:
         if budget not in ("das", "uniform", "classes"):
             raise ValueError(f"--budget {budget!r}: expected das, uniform or classes")
-        settings = GatewaySettings(token=token, weights_root=weights_root, freeze_gc=True)
+        journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
+        settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True)
         engine = ({"stub_engine": {}} if stub_engine else {"engine": {
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget}}})

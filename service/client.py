@@ -7,6 +7,12 @@ Safe retries: every batch carries a batch_id (generated when not given) that is 
 retry after a dropped connection, a 429/502/503/504 or a stream cut short attaches to the batch the server is
 already running instead of running it again. The retry asks the server to skip the records already received,
 and records are also de-duplicated by (group_index, sample_index), so none is yielded twice.
+
+Across a restart of the service: a server with a state directory remembers the batch ids it accepted, and a retry
+of a batch that the previous run of the service accepted raises `BatchFromPreviousRunError` (how that batch ended,
+how many samples it produced, how many this client received) instead of running the batch again: resubmit the
+samples still needed under a new batch id. A server without a state directory runs the batch again from the start;
+the de-duplication above still yields each sample once.
 """
 
 from __future__ import annotations
@@ -22,7 +28,17 @@ from urllib.parse import quote
 import httpx
 import msgpack
 
-from das.service.api import MSGPACK, NDJSON, BatchSummary, GroupRequest, ProblemSummary, SampleRecord
+from das.service.api import (
+    MSGPACK,
+    NDJSON,
+    BatchFromPreviousRun,
+    BatchSummary,
+    EndStatus,
+    GroupRequest,
+    PauseMode,
+    ProblemSummary,
+    SampleRecord,
+)
 
 Wire = Literal["msgpack", "ndjson"]
 
@@ -41,6 +57,27 @@ class RolloutError(RuntimeError):
         self.status_code = status_code
         self.detail = detail
         self.summary = summary
+
+
+class BatchFromPreviousRunError(RolloutError):
+    """The server refused the batch id (409) because an earlier run of the service accepted it: the batch is not
+    run again, and its results are gone with that run. `status`: how it ended there (done, failed, aborted, or
+    interrupted: cut off by the restart); `samples_delivered`: samples it produced before it ended (None: unknown,
+    the process died first); `records_received`: the distinct samples this client yielded for it (across attempts,
+    so before the restart too); `same_request`: whether the server saw the same groups and options under that id.
+    To go on, resubmit the samples still needed under a new batch id."""
+
+    def __init__(self, previous: BatchFromPreviousRun, records_received: int) -> None:
+        super().__init__(f"HTTP 409: {previous.message} (this client received {records_received})",
+                         status_code=409, detail=previous.model_dump())
+        self.batch_id: str = previous.batch_id
+        self.status: EndStatus = previous.status
+        self.samples_delivered: int | None = previous.samples_delivered
+        self.samples_expected: int = previous.samples_expected
+        self.records_received = records_received
+        self.same_request: bool = previous.same_request
+        self.accepted_unix_s: float = previous.accepted_unix_s
+        self.ended_unix_s: float | None = previous.ended_unix_s
 
 
 class _Retryable(Exception):
@@ -67,14 +104,18 @@ def _groups_json(groups: Sequence[GroupRequest | Mapping[str, Any]]) -> list[dic
         mode="json", exclude_none=True) for g in groups]
 
 
-def _raise_for(response: httpx.Response, body: bytes) -> None:
-    """Nothing for a 2xx; _Retryable for a status worth retrying; RolloutError otherwise."""
+def _raise_for(response: httpx.Response, body: bytes, received: int = 0) -> None:
+    """Nothing for a 2xx; _Retryable for a status worth retrying; BatchFromPreviousRunError for a batch id an
+    earlier run of the server accepted (`received`: records of it this client has); RolloutError otherwise."""
     if response.is_success:
         return
     try:
-        detail = json.loads(body).get("detail")
+        parsed = json.loads(body)
+        detail = parsed.get("detail", parsed.get("error"))  # our routes' shape, or vLLM's (OpenAI's) on the RL routes
     except (ValueError, AttributeError):
         detail = body.decode(errors="replace")
+    if response.status_code == 409 and isinstance(detail, dict) and detail.get("code") == "batch_from_previous_run":
+        raise BatchFromPreviousRunError(BatchFromPreviousRun.model_validate(detail), received)
     if response.status_code in _RETRY_STATUS:
         raise _Retryable(f"HTTP {response.status_code}: {detail}", response.status_code)
     raise RolloutError(f"HTTP {response.status_code}: {detail}", status_code=response.status_code, detail=detail)
@@ -95,6 +136,11 @@ class _BatchProgress:
         self._seen: set[tuple[int, int]] = set()
         self._received = 0  # records of this batch in server order: what a retry asks the server to skip
         self._reset(0)
+
+    @property
+    def yielded(self) -> int:
+        """Distinct records handed to the caller so far, over every attempt."""
+        return len(self._seen)
 
     @property
     def accept(self) -> str:
@@ -186,7 +232,7 @@ class RolloutStream:
             try:
                 with client.http.stream("POST", "/v1/rollouts", json=progress.body(),
                                         headers={"Accept": progress.accept}) as response:
-                    _raise_for(response, b"" if response.is_success else response.read())
+                    _raise_for(response, b"" if response.is_success else response.read(), progress.yielded)
                     progress.begin(response)
                     for chunk in response.iter_bytes():
                         yield from progress.feed(chunk)
@@ -216,11 +262,11 @@ class RolloutClient(_ClientBase):
         the batch, gives up retrying, or the batch ends aborted or failed."""
         return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids))
 
-    def _call(self, method: str, path: str, json_body: Any = None) -> Any:
+    def _call(self, method: str, path: str, json_body: Any = None, params: Mapping[str, Any] | None = None) -> Any:
         idempotent = method in ("GET", "DELETE")
         for attempt in range(self.retries + 1):
             try:
-                response = self.http.request(method, path, json=json_body)
+                response = self.http.request(method, path, json=json_body, params=params)
                 _raise_for(response, response.content)
                 return response.json()
             except (httpx.TransportError, _Retryable) as exc:
@@ -241,6 +287,24 @@ class RolloutClient(_ClientBase):
 
     def add_history(self, records: list[dict[str, Any]]) -> int:
         return int(self._call("POST", "/v1/history", {"records": records})["added"])
+
+    def pause(self, mode: PauseMode = "abort") -> None:
+        """vLLM's /pause on every engine: "abort" ends the samples in flight (delivered with finish_reason
+        "abort"), "wait" returns once they finished, "keep" freezes them until `resume`; new batches are held."""
+        self._call("POST", "/pause", params={"mode": mode})
+
+    def resume(self) -> None:
+        self._call("POST", "/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._call("GET", "/is_paused")["is_paused"])
+
+    def update_weights(self, path: str, version: int | None = None) -> int:
+        """/update_weights: `reload_weights` without waiting for running batches while paused (samples frozen by
+        "keep" go on under the new weights and list both versions in `policy_spans`); version default: served
+        + 1. Returns the version now served."""
+        body = {"path": path} if version is None else {"path": path, "version": version}
+        return int(self._call("POST", "/update_weights", body)["policy_version"])
 
     def history(self, problem_id: str) -> ProblemSummary:
         """What the server's history store holds for a problem; RolloutError (404) when nothing."""
@@ -274,7 +338,8 @@ class AsyncRolloutStream:
             try:
                 async with client.http.stream("POST", "/v1/rollouts", json=progress.body(),
                                               headers={"Accept": progress.accept}) as response:
-                    _raise_for(response, b"" if response.is_success else await response.aread())
+                    _raise_for(response, b"" if response.is_success else await response.aread(),
+                               progress.yielded)
                     progress.begin(response)
                     async for chunk in response.aiter_bytes():
                         for record in progress.feed(chunk):
@@ -303,11 +368,12 @@ class AsyncRolloutClient(_ClientBase):
         """The batch's samples as they finish (`async for` the result); errors as `RolloutClient.generate`."""
         return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids))
 
-    async def _call(self, method: str, path: str, json_body: Any = None) -> Any:
+    async def _call(self, method: str, path: str, json_body: Any = None,
+                    params: Mapping[str, Any] | None = None) -> Any:
         idempotent = method in ("GET", "DELETE")
         for attempt in range(self.retries + 1):
             try:
-                response = await self.http.request(method, path, json=json_body)
+                response = await self.http.request(method, path, json=json_body, params=params)
                 _raise_for(response, response.content)
                 return response.json()
             except (httpx.TransportError, _Retryable) as exc:
@@ -329,6 +395,21 @@ class AsyncRolloutClient(_ClientBase):
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
         return int((await self._call("POST", "/v1/history", {"records": records}))["added"])
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """See RolloutClient.pause."""
+        await self._call("POST", "/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._call("POST", "/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self._call("GET", "/is_paused"))["is_paused"])
+
+    async def update_weights(self, path: str, version: int | None = None) -> int:
+        """See RolloutClient.update_weights."""
+        body = {"path": path} if version is None else {"path": path, "version": version}
+        return int((await self._call("POST", "/update_weights", body))["policy_version"])
 
     async def history(self, problem_id: str) -> ProblemSummary:
         """What the server's history store holds for a problem; RolloutError (404) when nothing."""

@@ -25,13 +25,25 @@ Batches run as their own tasks, not tied to a connection: a client that drops it
 request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
 instead of running it again. Results are held msgpack-encoded (a few bytes a token); ended batches stay
 replayable within `retained_batches` / `retained_bytes`; a repeated id older than that gets 410, never a second
-run (in this process: the registry is in memory). A batch always ends: whatever goes wrong in its task ends it
+run. A batch always ends: whatever goes wrong in its task ends it
 `failed` with the error in its summary and a log line, and a batch in which no sample finished for
 `batch_stall_timeout_s` is failed and its running samples aborted, so a reload never waits on a batch that cannot
 finish.
 
+Across restarts (`settings.batch_journal`, on with `das serve --state-dir`): every batch a request names (batch_id
+given) is journaled before it runs and when it ends (service/batch_journal.py: id, request digest, status, sample
+counts, times; no prompts). A request repeating the id of a batch that an *earlier run* of the service accepted is
+not run again: 409 with `detail` = `BatchFromPreviousRun`: `{"code": "batch_from_previous_run", "message",
+"batch_id", "status": done|failed|aborted|interrupted (cut off by the restart), "samples_delivered" (samples it
+produced before it ended; null if the process died before recording that), "samples_expected", "same_request"
+(whether the groups and options match), "accepted_unix_s", "ended_unix_s"}`; its results are gone with the old
+process, so the trainer resubmits what it still needs under a new batch_id (`das.service.client` raises
+`BatchFromPreviousRunError`). Without a journal (no state directory) the registry is in memory only: after a
+restart a retried id is unknown and runs again from the start.
+
 Errors: 401 bad or missing token; 403 weights path outside the root; 404 unknown batch; 409 a batch id reused for
-a different batch, or a weights version not newer than the served one; 410 batch results no longer retained;
+a different batch or accepted by an earlier run (`batch_from_previous_run`, above), or a weights version not newer
+than the served one; 410 batch results no longer retained;
 413 a request body over `max_body_bytes` (refused before it is parsed), a batch over `max_batch_samples` samples
 or a history import over `max_history_records`; 422 invalid input, naming the field (request validation, or the
 backend refusing a group before anything runs, e.g. sampling the engine would refuse: `loc` names the group);
@@ -60,10 +72,12 @@ from typing import Any
 import msgpack
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
 from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from das.service.api import (
@@ -71,6 +85,7 @@ from das.service.api import (
     NDJSON,
     BatchStatus,
     BatchSummary,
+    EndStatus,
     GroupRequest,
     HistoryRequest,
     HistoryResponse,
@@ -80,7 +95,9 @@ from das.service.api import (
     SampleResult,
     WeightsRequest,
     WeightsResponse,
+    error_responses,
 )
+from das.service.batch_journal import BatchJournal, BatchJournalConfig
 from das.service.engine.async_engine import EngineInputError
 from das.service.metrics import CONTENT_TYPE, GatewayMetrics
 from das.service.openai_api import openai_router
@@ -116,6 +133,9 @@ class GatewaySettings(BaseModel):
     openai_coalesce_s: float = Field(0.02, ge=0, le=10, description="OpenAI-compatible requests for one problem "
                                      "with equal prompt and sampling arriving within this many seconds run as one "
                                      "group (their n summed); 0: every request its own group")
+    batch_journal: BatchJournalConfig | None = Field(None, description="where accepted batches are journaled, so "
+                                                     "a batch id an earlier run accepted is refused (409), not "
+                                                     "run again; None (no --state-dir): in memory only")
     freeze_gc: bool = Field(False, description="at startup, move every object alive to the garbage collector's "
                                                "permanent generation (gc.freeze); process-wide, so for the "
                                                "process that serves (das serve, the load test), not a library "
@@ -356,6 +376,9 @@ class _Gateway:
         self._current: _Batch | None = None  # the most recently started batch
         self.paused = False  # by POST /pause, until POST /resume (service/rl_control.py)
         self._admitting = 0  # requests between the in-flight check and their batch's registration
+        self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
+        self.metrics.batch_journal = self.journal
+        self._stopping = False  # batches aborted from now on were cut off by the shutdown
 
     # ---- rollouts ----
 
@@ -367,6 +390,9 @@ class _Gateway:
         batch = self.batches.get(body.batch_id)
         if batch is not None and batch.fingerprint != fingerprint:
             raise HTTPException(409, f"batch_id {body.batch_id} is already used by a different batch")
+        if batch is None and self.journal is not None and (old := self.journal.previous(body.batch_id)):
+            self.metrics.previous_run_refusals += 1
+            raise HTTPException(409, old.refusal(fingerprint).model_dump())
         return batch
 
     async def admit(self, body: RolloutRequest) -> tuple[_Batch, int]:
@@ -404,6 +430,8 @@ class _Gateway:
             batch = _Batch(body.batch_id or uuid.uuid4().hex, body.groups, body.logprobs,
                            body.return_prompt_token_ids, fingerprint)
             self.batches.add(batch)
+            if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id
+                self.journal.accepted(batch.batch_id, fingerprint, batch.expected)
         finally:
             self._admitting -= 1
         self.metrics.batches_in_flight += 1
@@ -452,6 +480,9 @@ class _Gateway:
             return
         batch.end(status, error)
         self.batches.ended(batch)
+        if self.journal is not None:
+            ended: EndStatus = "interrupted" if self._stopping and status == "aborted" else status
+            self.journal.ended(batch.batch_id, ended, len(batch.frames))
         self.metrics.batches_in_flight -= 1
         makespan = batch.finish_times[-1] if batch.finish_times else 0.0
         self.metrics.observe_batch(status, makespan, batch.finish_times, batch.lengths)
@@ -481,8 +512,11 @@ class _Gateway:
             self._finish(batch, "aborted", None)
 
     async def shutdown(self) -> None:
+        self._stopping = True
         for batch in self.batches.all_live():
             await self.abort(batch)
+        if self.journal is not None:
+            self.journal.close()
 
     # ---- weights ----
 
@@ -566,7 +600,10 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         yield
         await gateway.shutdown()
 
-    app = FastAPI(title="DAS rollout service", version="1", lifespan=lifespan, description=__doc__)
+    # Every route: _BodyLimit answers before any route runs.
+    too_large = error_responses({413: "the request body is over max_body_bytes (refused before it is parsed)"})
+    app = FastAPI(title="DAS rollout service", version="1", lifespan=lifespan, description=__doc__,
+                  responses=too_large)
     app.add_middleware(_BodyLimit, limit=gateway.settings.max_body_bytes)
 
     @app.exception_handler(RequestValidationError)
@@ -574,8 +611,18 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         """FastAPI's own 422, with the echoed input made JSON-safe."""
         return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, 422)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """FastAPI's own answers, except a body that is not UTF-8: FastAPI gives it a bare 400, where a body that is
+        not JSON is 422; both are invalid input, 422 here."""
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            return JSONResponse({"detail": [{"loc": ["body"], "msg": "JSON decode error: the body is not UTF-8",
+                                             "type": "json_invalid"}]}, 422)
+        return await http_exception_handler(request, exc)
+
     token = gateway.settings.token
-    api = APIRouter(dependencies=[Depends(_token_dependency(token))] if token is not None else [])
+    api = APIRouter(dependencies=[Depends(_token_dependency(token))] if token is not None else [],
+                    responses=error_responses({401: "missing or wrong bearer token"}) if token is not None else None)
 
     def known(batch_id: str) -> _Batch:
         batch = gateway.batches.get(batch_id)
@@ -589,7 +636,12 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         "model": SampleRecord,
         "description": "a stream of SampleRecord objects, then {\"summary\": BatchSummary}: NDJSON, or a msgpack "
                        "stream (concatenated maps, no length prefix) with Accept: application/msgpack",
-        "content": {NDJSON: {}, MSGPACK: {}}}})
+        "content": {NDJSON: {}, MSGPACK: {}}}, **error_responses({
+            409: "batch_id already used by a different batch (or accepted by an earlier run)",
+            410: "the batch with this batch_id ended and its results are no longer retained",
+            413: "the body is over max_body_bytes, or the batch asks for more than max_batch_samples samples",
+            429: "max_batches_in_flight batches are queued or running (Retry-After)",
+            503: "the backend is not ready (Retry-After)"})})
     async def post_rollouts(body: RolloutRequest, request: Request) -> StreamingResponse:
         """Run a batch (or attach to the batch with this batch_id) and stream its samples as they finish."""
         batch, start = await gateway.admit(body)
@@ -597,24 +649,30 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         return StreamingResponse(gateway.stream(batch, start, wire), media_type=wire,
                                  headers={"X-Batch-Id": batch.batch_id, "X-Stream-Offset": str(start)})
 
-    @api.get("/v1/rollouts/{batch_id}")
+    unknown_batch = error_responses({404: "no batch has this id",
+                                     410: "the batch ended and its results are no longer retained"})
+
+    @api.get("/v1/rollouts/{batch_id}", responses=unknown_batch)
     async def get_rollout(batch_id: str) -> BatchSummary:
         """Status and progress of a batch."""
         return known(batch_id).summary()
 
-    @api.delete("/v1/rollouts/{batch_id}")
+    @api.delete("/v1/rollouts/{batch_id}", responses=unknown_batch)
     async def delete_rollout(batch_id: str) -> BatchSummary:
         """Abort a batch (its samples so far stay replayable); an ended batch is left as it is."""
         batch = known(batch_id)
         await gateway.abort(batch)
         return batch.summary()
 
-    @api.post("/v1/weights", responses={403: {"description": "path outside the weights root"}})
+    @api.post("/v1/weights", responses=error_responses({
+        403: "path outside the weights root, or no weights root configured",
+        409: "version not newer than the served one"}))
     async def post_weights(body: WeightsRequest) -> WeightsResponse:
         """Reload the policy; waits for running batches, holds new ones until done."""
         return await gateway.reload(body)
 
-    @api.post("/v1/history")
+    @api.post("/v1/history", responses=error_responses({
+        413: "the body is over max_body_bytes, or it carries more than max_history_records records"}))
     async def post_history(body: HistoryRequest) -> HistoryResponse:
         """Import finished rollouts for drafting; all are validated first, so a bad one imports nothing."""
         limit = gateway.settings.max_history_records
@@ -627,8 +685,8 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         gateway.metrics.history_imported += added
         return HistoryResponse(added=added)
 
-    @api.get("/v1/history/{problem_id}", responses={404: {"description": "no rollouts of this problem are held"},
-                                                     501: {"description": "the backend keeps no history store"}})
+    @api.get("/v1/history/{problem_id}", responses=error_responses({404: "no rollouts of this problem are held",
+                                                                     501: "the backend keeps no history store"}))
     async def get_history(problem_id: str) -> ProblemSummary:
         """What the history store holds for a problem: rollouts, tokens, policy versions, lengths."""
         try:
@@ -648,7 +706,7 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
     api.include_router(rl_control_router(gateway))
     app.include_router(api)
 
-    @app.get("/healthz", responses={503: {"description": "the backend cannot serve again without a restart"}})
+    @app.get("/healthz", responses=error_responses({503: "the backend cannot serve again without a restart"}))
     async def healthz(response: Response) -> dict[str, str]:
         """200 while the process answers and the backend can serve or is recovering; 503 once it cannot recover
         (every engine past its restart cap), so an orchestrator restarts the process."""
@@ -657,7 +715,7 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
             return {"status": "failed"}
         return {"status": "ok"}
 
-    @app.get("/readyz", responses={503: {"description": "the backend is not ready"}})
+    @app.get("/readyz", responses=error_responses({503: "the backend is not ready"}))
     async def readyz(response: Response) -> dict[str, bool]:
         """200 once the backend can run batches, 503 before."""
         ready = await backend.ready()

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.utils import floatToGoString
 
 from das.service.api import SampleResult
+from das.service.batch_journal import BatchJournal
 from das.service.history_store import resident_bytes
 from das.service.rollout_backend import BackendStats
 
@@ -100,6 +101,8 @@ class GatewayMetrics:
         self.batches_in_flight = 0
         self.policy_version = 0
         self.history_imported = 0
+        self.previous_run_refusals = 0  # requests for a batch id an earlier run of the service accepted
+        self.batch_journal: BatchJournal | None = None  # the gateway's, when it has a state directory
         self.acceptance_length = _LabelledHistogram(
             "das_acceptance_length_tokens", "Output tokens per decode step of a sample (1 = no draft accepted), "
             "by length class.", _ACCEPT_BUCKETS, "length_class")
@@ -161,6 +164,18 @@ class GatewayMetrics:
                                   value=self.history_imported)
         yield GaugeMetricFamily("das_current_batch_longest_tokens", "Longest output among the samples finished "
                                 "so far in the most recently started batch.", value=self.current_batch_longest)
+        yield CounterMetricFamily("das_batches_from_previous_run_refused", "Requests refused (409) because an "
+                                  "earlier run of the service accepted their batch id.",
+                                  value=self.previous_run_refusals)
+        if self.batch_journal is not None:
+            journal = self.batch_journal.counters()
+            yield CounterMetricFamily("das_batch_journal_torn_records", "Torn records dropped from the end of the "
+                                      "batch journal at start.", value=journal.torn_records)
+            yield CounterMetricFamily("das_batch_journal_quarantined", "Damaged batch journal files set aside "
+                                      "(renamed .bad-<reason>-<time>) at start.", value=journal.quarantined_files)
+            yield CounterMetricFamily("das_batch_journal_write_failures", "Batch journal records or compactions "
+                                      "that could not be written (those batches are not protected against a "
+                                      "second run after a restart).", value=journal.write_failures)
         yield from self._backend_families()
         for histogram in (self.acceptance_length, self.generated_length, self.makespan, self.tail_share,
                           self.straggler, self.reload_duration):

@@ -71,8 +71,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from das.service.api import MSGPACK, GroupRequest, RolloutRequest, SamplingSpec
+from das.service.api import MSGPACK, GroupRequest, RolloutRequest, SamplingSpec, error_responses
 from das.service.openai_protocol import (
     AssistantMessage,
     ChatChoice,
@@ -133,9 +134,11 @@ class OpenAIError(Exception):
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
 
 
-def _from_http(exc: HTTPException, status: int | None = None, param: str | None = None) -> OpenAIError:
-    """The gateway's own refusals (auth, body size, limits, readiness, the backend refusing a group) in OpenAI's
-    shape, with `status` in place of the gateway's where given."""
+def _from_http(exc: StarletteHTTPException, status: int | None = None, param: str | None = None) -> OpenAIError:
+    """The gateway's own refusals (auth, body size, limits, readiness, the backend refusing a group) and FastAPI's
+    (a body it cannot read) in OpenAI's shape, with `status` in place of the gateway's where given."""
+    if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's words for it: "There was an error parsing the body"
+        return OpenAIError(400, "the body is not valid JSON: it is not UTF-8")
     detail = exc.detail
     # A backend refusal comes in FastAPI's validation shape (gateway._engine_error): a list of {loc, msg, type}.
     message = "; ".join(str(d["msg"]) for d in detail) if isinstance(detail, list) else str(detail)
@@ -172,7 +175,7 @@ class OpenAIErrorRoute(APIRoute):
                 return await handler(request)
             except OpenAIError as exc:
                 return exc.response()
-            except HTTPException as exc:
+            except StarletteHTTPException as exc:  # FastAPI raises Starlette's own for a body it cannot read
                 return _from_http(exc).response()
             except RequestValidationError as exc:
                 return invalid_request(exc.errors()).response()
@@ -219,7 +222,8 @@ def _chat_prompt(messages: list[ChatMessageParam]) -> dict[str, Any]:
 def _prompt_problem_id(prompt: dict[str, Any]) -> str:
     """A stable name for a prompt without a problem_id: the same prompt names the same problem in any process."""
     canonical = json.dumps(prompt, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return "sha256:" + hashlib.sha256(canonical.encode()).hexdigest()
+    # surrogatepass: a lone surrogate must not fail the hash; GroupRequest then refuses the prompt with a 400.
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _group(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max_tokens: int | None) -> GroupRequest:
@@ -467,9 +471,15 @@ def openai_router(gateway: _Gateway) -> APIRouter:
         """The served model (OpenAI's model list)."""
         return ModelList(data=[ModelCard(id=served, created=created)])
 
+    # What a completion may answer besides 200 (and 401, 413: create_app documents those for every route).
+    errors = error_responses({400: "invalid input", 404: "unknown model",
+                              429: "max_batches_in_flight batches are queued or running (Retry-After)",
+                              500: "the batch or a sample failed in the engine",
+                              503: "the backend is not ready (Retry-After), or the batch was aborted"}, ErrorResponse)
+
     @router.post("/v1/completions", response_model=None, responses={200: {
-        "model": CompletionResponse,
-        "description": "a CompletionResponse, or with stream server-sent CompletionResponse chunks"}})
+        "model": CompletionResponse, "content": {"text/event-stream": {}},
+        "description": "a CompletionResponse, or with stream server-sent CompletionResponse chunks"}, **errors})
     async def completions(body: CompletionRequest) -> Response:
         """OpenAI's text completions: n samples of one prompt, run as one group of a batch."""
         check(body, "/v1/completions")
@@ -486,8 +496,8 @@ def openai_router(gateway: _Gateway) -> APIRouter:
             das=reply.das(records)))
 
     @router.post("/v1/chat/completions", response_model=None, responses={200: {
-        "model": ChatCompletionResponse,
-        "description": "a ChatCompletionResponse, or with stream server-sent ChatCompletionChunk events"}})
+        "model": ChatCompletionResponse, "content": {"text/event-stream": {}},
+        "description": "a ChatCompletionResponse, or with stream server-sent ChatCompletionChunk events"}, **errors})
     async def chat_completions(body: ChatCompletionRequest) -> Response:
         """OpenAI's chat completions: n samples of one conversation, run as one group of a batch."""
         check(body, "/v1/chat/completions")

@@ -5,7 +5,7 @@ the vLLM extensions RL trainers send (`top_k`, `stop_token_ids`, `ignore_eos`, `
 
 Kept apart from service/api.py, our own batch API, because these follow someone else's contract: unknown request
 keys are accepted and ignored (OpenAI's API does the same; the router logs them at debug), where ours are
-refused. Requests check shapes only, plus the few ranges that exist only here (`logprobs`, `top_logprobs`); the
+refused. Requests check shapes only, plus the few ranges that exist only here (`logprobs`, `top_logprobs`, `seed`); the
 sampling ranges (`n`, `max_tokens`, `temperature`, ...) are checked by building our `GroupRequest` and
 `SamplingSpec` from them, so the two APIs cannot disagree on what is valid.
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from das.service.api import INT64_MAX
 
 # --- requests ---------------------------------------------------------------------------------------------------
 
@@ -37,7 +39,8 @@ class SamplingRequest(BaseModel):
     top_k: int | None = Field(None, description="vLLM's extension; -1 or 0: no top-k cut")
     max_tokens: int | None = None
     stop: str | list[str] | None = None
-    seed: int | None = Field(None, description="accepted, not applied per request (see service/openai_api.py)")
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX,  # vLLM's bounds: a torch.long
+                             description="accepted, not applied per request (see service/openai_api.py)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop_token_ids: list[int] | None = Field(None, description="vLLM's extension")
@@ -64,7 +67,9 @@ class ContentPart(BaseModel):
 class ChatMessageParam(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: str
+    # A str, not a Literal: the router refuses another role itself, naming the message (param messages.<i>.role).
+    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant"]},
+                      description="developer is taken as system; tool and function turns are not supported")
     content: str | list[ContentPart] | None = None
 
 

@@ -49,8 +49,10 @@ from das.service.api import (
     PauseMode,
     PauseResponse,
     ResumeResponse,
+    error_responses,
 )
 from das.service.openai_api import OpenAIError, OpenAIErrorRoute, invalid_request
+from das.service.openai_protocol import ErrorResponse
 
 if TYPE_CHECKING:
     from das.service.gateway import _Gateway
@@ -72,6 +74,13 @@ async def _json_object(request: Request) -> dict[str, Any]:
     return body
 
 
+def _json_body(*schemas: dict[str, Any]) -> dict[str, Any]:
+    """OpenAPI's requestBody for a route that reads its JSON itself (vLLM's handling of a bad body, 400), so the
+    schema still says what the route takes."""
+    schema = schemas[0] if len(schemas) == 1 else {"anyOf": list(schemas)}
+    return {"requestBody": {"required": False, "content": {"application/json": {"schema": schema}}}}
+
+
 def _transfer_unavailable() -> OpenAIError:
     return OpenAIError(501, WEIGHT_TRANSFER_UNAVAILABLE, code="weight_transfer_unavailable")
 
@@ -81,7 +90,8 @@ def rl_control_router(gateway: _Gateway) -> APIRouter:
     router = APIRouter(route_class=OpenAIErrorRoute, tags=["rl"])
     backend = gateway.backend
 
-    @router.post("/pause")
+    @router.post("/pause", responses=error_responses({400: "a mode vLLM does not know",
+                                                      500: "an engine failed to pause"}, ErrorResponse))
     async def pause(mode: Annotated[PauseMode, Query()] = "abort",
                     clear_cache: Annotated[bool, Query()] = True) -> PauseResponse:
         """Pause generation (vLLM's pause_generation on every engine); new work is held until /resume."""
@@ -96,7 +106,7 @@ def rl_control_router(gateway: _Gateway) -> APIRouter:
             raise OpenAIError(500, f"Failed to pause generation: {exc}") from None
         return PauseResponse()
 
-    @router.post("/resume")
+    @router.post("/resume", responses=error_responses({500: "an engine failed to resume"}, ErrorResponse))
     async def resume() -> ResumeResponse:
         """Resume generation on every engine: held and frozen samples go on."""
         try:
@@ -111,7 +121,9 @@ def rl_control_router(gateway: _Gateway) -> APIRouter:
         """Whether generation is paused (on any engine)."""
         return IsPausedResponse(is_paused=await backend.is_paused())
 
-    @router.post("/abort_requests")
+    @router.post("/abort_requests", responses=error_responses({400: "the body is not a JSON object, or request_ids "
+                                                                    "is not a list of strings"}, ErrorResponse),
+                 openapi_extra=_json_body(AbortRequestsBody.model_json_schema()))
     async def abort_requests(request: Request) -> AbortResponse:
         """Abort the named batches, or with no ids every sample in flight (they end with finish_reason abort)."""
         try:
@@ -128,8 +140,12 @@ def rl_control_router(gateway: _Gateway) -> APIRouter:
                 aborted += 1
         return AbortResponse(aborted=aborted)
 
-    @router.post("/update_weights", responses={403: {"description": "path outside the weights root"},
-                                               501: {"description": "vLLM's weight transfer body (update_info)"}})
+    @router.post("/update_weights", responses=error_responses({
+        400: "invalid input", 403: "path outside the weights root, or no weights root configured",
+        409: "version not newer than the served one", 422: "a checkpoint the engines refuse",
+        501: "vLLM's weight transfer body (update_info)"}, ErrorResponse),
+        openapi_extra=_json_body(CheckpointUpdateRequest.model_json_schema(), {
+            "type": "object", "properties": {"update_info": {"type": "object"}}, "required": ["update_info"]}))
     async def update_weights(request: Request) -> CheckpointUpdateResponse:
         """Load a checkpoint directory on every engine ({path, version}); vLLM's weight-transfer body is 501."""
         body = await _json_object(request)
@@ -148,6 +164,7 @@ def rl_control_router(gateway: _Gateway) -> APIRouter:
     for path in ("/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
                  "/start_draft_weight_update", "/finish_weight_update"):
         router.add_api_route(path, transfer_unavailable, methods=["POST"], status_code=501,
+                             responses=error_responses({501: "weight transfer is not available"}, ErrorResponse),
                              summary=f"vLLM's {path[1:]}: 501 here (weight transfer needs CUDA)")
 
     return router

@@ -1,10 +1,15 @@
 """loadtests/soak.py, briefly: 3 trainers for a few seconds against a stub gateway in a child process finish with
 no error and every sample exactly once, as the gateway's own counters confirm; failures are counted, not hidden;
-the memory verdict tells a flat series from a growing one."""
+the memory verdict tells a flat series from a growing one. loadtests/history_scale.py at a tiny size reports every
+figure."""
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -65,3 +70,25 @@ def test_only_loopback_targets(url: str) -> None:
     require_loopback("http://127.0.0.1:8000")
     require_loopback("http://[::1]:8000")
     require_loopback("http://localhost:8000")
+
+
+def test_history_scale_smoke(tmp_path: Path) -> None:
+    """loadtests/history_scale.py end to end at a tiny size, in-process (no Ray start): every figure it reports and
+    the shard count it derives are there and positive."""
+    out = tmp_path / "scale.json"
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "loadtests/history_scale.py", "--mode", "in-process", "--problems", "12",
+                           "--samples", "4", "--steps", "2", "--median-tokens", "200", "--max-tokens", "1000",
+                           "--engines", "6", "--out", str(out)], cwd=root, capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "shards needed" in done.stdout
+    result = json.loads(out.read_text())
+    figures, cluster = result["figures"], result["cluster"]
+    for name in ("push_tokens_per_s", "pull_tokens_per_s", "memory_bytes_per_token", "snapshot_s", "snapshot_bytes",
+                 "stored_tokens", "mean_tokens"):
+        assert figures[name] > 0, name
+    assert 0 < figures["pull_ms"]["p50"] <= figures["pull_ms"]["p99"]
+    assert figures["stored_rollouts"] == 12 * 4 * 2 and figures["push_calls"] == 12 * 2
+    assert set(cluster["shards_by"]) == {"push", "dispatch", "memory", "snapshot"}
+    assert cluster["shards"] == max(cluster["shards_by"].values()) >= 1

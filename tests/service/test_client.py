@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from das.service.client import AsyncRolloutClient, RolloutClient, RolloutError
 from das.service.gateway import create_app
-from das.service.rollout_backend import StubBackend
+from das.service.rollout_backend import EngineBackend, StubBackend
+from das.service.stub_engine import StubEngine, StubEngineConfig
 from tests.service.test_gateway import TOKEN, LiveServer, gateway_settings, groups
 
 
@@ -219,3 +220,39 @@ def test_weights_and_history_calls(live, tmp_path):
             client.reload_weights("/", 4)
     assert {r.policy_version for r in records} == {3}
     assert err.value.status_code == 403
+
+
+def test_pause_keep_update_weights_and_resume_through_the_client(live, tmp_path):
+    (tmp_path / "step1").mkdir()
+    engine = StubEngine(StubEngineConfig(tokens=20, token_s=0.05))  # a sample of 20 tokens: 1 s
+    server = live(EngineBackend(engine), token=TOKEN, weights_root=tmp_path)
+
+    async def run() -> tuple[list[Any], int, bool, RolloutError]:
+        async with AsyncRolloutClient(server.url, token=TOKEN) as client:
+            async def collect() -> list[Any]:
+                return [record async for record in client.generate(groups(1, 1))]
+
+            batch = asyncio.create_task(collect())
+            async with asyncio.timeout(10):
+                while engine._unfinished < 1:
+                    await asyncio.sleep(0.005)
+            await asyncio.sleep(0.2)
+            await client.pause("keep")
+            paused = await client.is_paused()
+            version = await client.update_weights(str(tmp_path / "step1"))  # no wait for the frozen samples
+            try:
+                await client.update_weights(str(tmp_path / "step1"), version)
+            except RolloutError as exc:
+                stale = exc
+            await client.resume()
+            assert not await client.is_paused()
+            return await batch, version, paused, stale
+
+    records, version, paused, stale = asyncio.run(run())
+    assert paused and version == 1
+    assert stale.status_code == 409 and "not newer" in stale.detail["message"]  # vLLM's error shape, unwrapped
+    (record,) = records
+    assert record.policy_version == 0 and [v for v, _ in record.policy_spans] == [0, 1]  # frozen across the update
+    with RolloutClient(server.url, token=TOKEN) as client, pytest.raises(RolloutError) as bad:
+        client.pause("nap")  # type: ignore[arg-type]
+    assert bad.value.status_code == 400 and "query.mode" in bad.value.detail["message"]
