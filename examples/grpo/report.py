@@ -1,0 +1,161 @@
+"""The comparison of the GRPO example's arms: OUT/summary.json, OUT/grpo.png and a printed table.
+
+The tests are stated here so the figures can be read without the code:
+- Curves agree: a paired sign-flip permutation test on the per-step mean reward, das - none, step by step (same
+  seeds, same problems each step). Under "the arms train alike" each step's difference is as likely + as -; the
+  p-value is the share of the 2^n sign assignments (all of them up to n = 16, else 20,000 drawn) whose |mean| is
+  at least the observed one. Agreement within noise: p >= 0.05.
+- The reward moves: per arm, the least-squares slope of mean reward on step, with a permutation p-value (20,000
+  shuffles of the step order): the share of shuffles with a slope at least as large (one-sided, reward rising).
+- Rollout cost: each arm's rollout seconds summed over steps and their ratio das / none, the median of the per-step
+  ratios, tokens per second, and seconds per token of the step's longest sample (a step's rollout ends with its
+  longest sample, which differs between arms at T = 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+DRAWS = 20_000
+
+
+def read_steps(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def paired_sign_flip_p(differences: np.ndarray, seed: int = 0) -> float:
+    """Two-sided p-value of a paired sign-flip permutation test of mean(differences) = 0 (module docstring)."""
+    n = len(differences)
+    observed = abs(differences.mean())
+    if n <= 16:
+        signs = np.array(list(itertools.product((1.0, -1.0), repeat=n)))
+    else:
+        signs = np.random.default_rng(seed).choice((1.0, -1.0), size=(DRAWS, n))
+    return float(np.mean(np.abs(signs @ differences / n) >= observed - 1e-12))
+
+
+def slope_permutation_p(values: np.ndarray, seed: int = 0) -> tuple[float, float]:
+    """(least-squares slope of values on 0..n-1, one-sided permutation p-value of a slope that large)."""
+    x = np.arange(len(values), dtype=float)
+    x -= x.mean()
+    slope = float(x @ (values - values.mean()) / (x @ x))
+    rng = np.random.default_rng(seed)
+    shuffled = np.array([x @ rng.permutation(values) for _ in range(DRAWS)]) / (x @ x)
+    return slope, float(np.mean(shuffled >= slope - 1e-12))
+
+
+def _arm_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
+    rollouts = [s["rollout"] for s in steps]
+    rewards = np.array([s["reward"] for s in steps])
+    slope, slope_p = slope_permutation_p(rewards)
+    versions = [r["policy_versions"] for r in rollouts]
+    by_source: dict[str, dict[str, int]] = {}
+    for r in rollouts:
+        for source, counts in r["drafts_by_source"].items():
+            total = by_source.setdefault(source, {"proposed": 0, "accepted": 0})
+            for kind in total:
+                total[kind] += counts.get(kind, 0)
+    seconds = sum(r["seconds"] for r in rollouts)
+    tokens = sum(r["completion_tokens"] for r in rollouts)
+    return {
+        "steps": len(steps),
+        "reward": rewards.tolist(),
+        "reward_first_half": float(rewards[: len(rewards) // 2].mean()),
+        "reward_second_half": float(rewards[len(rewards) // 2:].mean()),
+        "reward_slope_per_step": slope, "reward_slope_p": slope_p,
+        "policy_versions": versions,
+        "policy_version_advances_every_step": all(
+            len(v) == 1 and v[0] == i for i, v in enumerate(versions)),
+        "rollout_seconds": [r["seconds"] for r in rollouts], "rollout_seconds_total": seconds,
+        "tokens_per_s": tokens / seconds,
+        "seconds_per_longest_token": float(np.median([r["seconds"] / r["longest_tokens"] for r in rollouts])),
+        "draft_tokens": sum(r["draft_tokens"] for r in rollouts),
+        "accepted_tokens": sum(r["accepted_tokens"] for r in rollouts),
+        "drafts_by_source": by_source,
+        "accepted_from_earlier_policies": sum(c["accepted"] for s, c in by_source.items()
+                                              if s.startswith("sealed-age-")),
+        "weight_push_seconds": [s["sync"]["reload_s"] for s in steps],
+    }
+
+
+def compare(out: Path, arms: list[str], console: Console) -> dict[str, Any]:
+    """Reads OUT/<arm>/steps.jsonl for each arm; writes OUT/summary.json and OUT/grpo.png; returns the summary."""
+    steps = {arm: read_steps(out / arm / "steps.jsonl") for arm in arms}
+    summary: dict[str, Any] = {"arms": {arm: _arm_summary(s) for arm, s in steps.items()}}
+    if "das" in steps and "none" in steps:
+        n = min(len(steps["das"]), len(steps["none"]))
+        das, none = summary["arms"]["das"], summary["arms"]["none"]
+        differences = np.array(das["reward"][:n]) - np.array(none["reward"][:n])
+        per_step = np.array(das["rollout_seconds"][:n]) / np.array(none["rollout_seconds"][:n])
+        summary["paired"] = {
+            "steps": n, "reward_difference_mean": float(differences.mean()),
+            "reward_difference_sd": float(differences.std(ddof=1)) if n > 1 else 0.0,
+            "sign_flip_p": paired_sign_flip_p(differences),
+            "rollout_seconds_ratio": das["rollout_seconds_total"] / none["rollout_seconds_total"],
+            "rollout_seconds_ratio_median_per_step": float(np.median(per_step)),
+            "tokens_per_s_ratio": das["tokens_per_s"] / none["tokens_per_s"],
+            "seconds_per_longest_token_ratio": das["seconds_per_longest_token"] / none["seconds_per_longest_token"],
+        }
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    plot(summary, out / "grpo.png")
+    _print(summary, console)
+    return summary
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (reward, seconds, sources) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for arm, s in summary["arms"].items():
+        x = np.arange(1, s["steps"] + 1)
+        reward.plot(x, s["reward"], marker="o", label=arm)
+        seconds.plot(x, s["rollout_seconds"], marker="o", label=arm)
+    reward.set(title="mean reward per step", xlabel="optimizer step", ylabel="reward")
+    seconds.set(title="rollout seconds per step", xlabel="optimizer step", ylabel="s")
+    reward.legend()
+    seconds.legend()
+    das = summary["arms"].get("das")
+    if das and das["drafts_by_source"]:
+        names = sorted(das["drafts_by_source"])
+        proposed = [das["drafts_by_source"][k]["proposed"] for k in names]
+        accepted = [das["drafts_by_source"][k]["accepted"] for k in names]
+        at = np.arange(len(names))
+        sources.bar(at - 0.2, proposed, 0.4, label="proposed")
+        sources.bar(at + 0.2, accepted, 0.4, label="accepted")
+        sources.set_xticks(at, names, rotation=30)
+        sources.legend()
+    sources.set(title="das: draft tokens by source", ylabel="tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _print(summary: dict[str, Any], console: Console) -> None:
+    table = Table(title="GRPO through the rollout service")
+    for column in ("arm", "reward 1st / 2nd half", "slope (p)", "versions advance", "rollout s", "tok/s",
+                   "accepted / drafted", "from earlier policies"):
+        table.add_column(column, justify="right")
+    for arm, s in summary["arms"].items():
+        table.add_row(arm, f"{s['reward_first_half']:.3f} / {s['reward_second_half']:.3f}",
+                      f"{s['reward_slope_per_step']:+.4f} ({s['reward_slope_p']:.3f})",
+                      str(s["policy_version_advances_every_step"]), f"{s['rollout_seconds_total']:.1f}",
+                      f"{s['tokens_per_s']:.1f}", f"{s['accepted_tokens']} / {s['draft_tokens']}",
+                      str(s["accepted_from_earlier_policies"]))
+    console.print(table)
+    if "paired" in summary:
+        p = summary["paired"]
+        console.print(f"paired over {p['steps']} steps: reward das - none {p['reward_difference_mean']:+.3f} "
+                      f"(sd {p['reward_difference_sd']:.3f}), sign-flip p = {p['sign_flip_p']:.3f}; rollout "
+                      f"seconds das / none {p['rollout_seconds_ratio']:.3f} (median per step "
+                      f"{p['rollout_seconds_ratio_median_per_step']:.3f}), tokens/s {p['tokens_per_s_ratio']:.3f}, "
+                      f"seconds per longest token {p['seconds_per_longest_token_ratio']:.3f}")

@@ -1,0 +1,174 @@
+"""The two hooks that put TRL's GRPOTrainer on the rollout service, with nothing of ours on the trainer's side
+but HTTP: the official `openai` client for rollouts and vLLM's `/update_weights` route for the weight sync.
+
+- `ServiceRollout` is GRPOTrainer's `rollout_func`. TRL hands it the step's prompts, each repeated
+  `num_generations` times in a row (its RepeatSampler); every run of one prompt becomes one chat completion with
+  `n` = the run's length, all sent at once, so the service runs them as one batch and the samples of a prompt as
+  siblings. The service names the problem by a hash of the prompt, so a prompt that comes back in a later step
+  drafts from its earlier rollouts with no id from the trainer. It returns TRL's `prompt_ids`, `completion_ids`
+  and `logprobs` (of the distribution sampled from) and records what the step's rollout cost (`RolloutStep`).
+- `WeightSync` is a TrainerCallback: after each optimizer step it saves the policy as safetensors under the
+  service's weights root and POSTs `/update_weights {path, version}` (version = the optimizer steps taken: the
+  service starts at 0), so the next rollout
+  samples from the new policy; the previous checkpoint is deleted once the service has loaded the new one.
+- `draft_counts_by_source` reads the service's Prometheus counters of draft tokens by source (`sealed-age-<a>`:
+  the rollouts of a policy `a` versions older than the one sampling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+from transformers import TrainerCallback
+
+DRAFT_METRICS = {"das_source_draft_tokens_proposed": "proposed", "das_source_draft_tokens_accepted": "accepted"}
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Where the service is and how to sample. `url`: the gateway's base URL (no /v1); `token`: its bearer token,
+    or None without auth; `max_tokens` and `temperature` must match the trainer's (its loss divides the logits
+    by the same temperature)."""
+
+    url: str
+    token: str | None
+    max_tokens: int
+    temperature: float
+    model: str = "das"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class RolloutStep:
+    """One step's rollout as the trainer saw it. `seconds`: wall time of the whole step's requests, first sent
+    to last answered; `longest_tokens`: the longest completion, which bounds the step's makespan."""
+
+    samples: int
+    seconds: float
+    completion_tokens: int
+    longest_tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    policy_versions: list[int]
+    drafts_by_source: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def prompt_runs(prompts: Sequence[Any]) -> list[tuple[Any, int]]:
+    """Consecutive equal prompts as (prompt, count), in order: TRL's layout of a step's groups."""
+    runs: list[tuple[Any, int]] = []
+    for prompt in prompts:
+        if runs and runs[-1][0] == prompt:
+            runs[-1] = (prompt, runs[-1][1] + 1)
+        else:
+            runs.append((prompt, 1))
+    return runs
+
+
+def draft_counts_by_source(metrics_text: str) -> dict[str, dict[str, int]]:
+    """`{source: {"proposed", "accepted"}}` summed over engines, from the service's /metrics text."""
+    counts: dict[str, dict[str, int]] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        for sample in family.samples:
+            kind = DRAFT_METRICS.get(sample.name.removesuffix("_total"))
+            if kind is not None:
+                by_kind = counts.setdefault(sample.labels["source"], {"proposed": 0, "accepted": 0})
+                by_kind[kind] += int(sample.value)
+    return counts
+
+
+def counts_delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    return {source: {kind: n - before.get(source, {}).get(kind, 0) for kind, n in by_kind.items()}
+            for source, by_kind in after.items()}
+
+
+class ServiceRollout:
+    """GRPOTrainer's `rollout_func` over the service (module docstring). `steps` grows by one per call."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        self.config = config
+        self.steps: list[RolloutStep] = []
+        self._headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
+
+    def __call__(self, prompts: list[Any], trainer: Any = None) -> dict[str, Any]:
+        before = self._draft_counts()
+        start = time.perf_counter()
+        responses = asyncio.run(self._complete(prompt_runs(prompts)))
+        seconds = time.perf_counter() - start
+        out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "policy_version": []}
+        draft = accepted = 0
+        for response in responses:
+            das = response.model_extra.get("das") or {}
+            draft += das.get("draft_tokens", 0)
+            accepted += das.get("accepted_tokens", 0)
+            prompt_ids = response.model_extra.get("prompt_token_ids")
+            if prompt_ids is None:  # TRL's loss needs the exact ids the samples were conditioned on
+                raise RuntimeError("the service answered without prompt_token_ids (return_token_ids ignored?)")
+            for choice in sorted(response.choices, key=lambda c: c.index):
+                out["prompt_ids"].append(list(prompt_ids))
+                out["completion_ids"].append(list(choice.model_extra["token_ids"]))
+                out["logprobs"].append([token.logprob for token in choice.logprobs.content])
+                out["policy_version"].append(das.get("policy_version", 0))
+        lengths = [len(ids) for ids in out["completion_ids"]]
+        self.steps.append(RolloutStep(
+            samples=len(lengths), seconds=seconds, completion_tokens=sum(lengths), longest_tokens=max(lengths),
+            draft_tokens=draft, accepted_tokens=accepted, policy_versions=sorted(set(out["policy_version"])),
+            drafts_by_source=counts_delta(self._draft_counts(), before)))
+        return out
+
+    async def _complete(self, runs: list[tuple[Any, int]]) -> list[Any]:
+        async with AsyncOpenAI(base_url=f"{self.config.url}/v1", api_key=self.config.token or "unused",
+                               timeout=self.config.timeout_s, max_retries=2) as client:
+            return await asyncio.gather(*(
+                client.chat.completions.create(
+                    model=self.config.model, messages=prompt, n=n, max_tokens=self.config.max_tokens,
+                    temperature=self.config.temperature, logprobs=True, extra_body={"return_token_ids": True})
+                for prompt, n in runs))
+
+    def _draft_counts(self) -> dict[str, dict[str, int]]:
+        response = httpx.get(f"{self.config.url}/metrics", headers=self._headers, timeout=30)
+        response.raise_for_status()
+        return draft_counts_by_source(response.text)
+
+
+class WeightSync(TrainerCallback):
+    """Pushes the policy to the service after every optimizer step (module docstring). `reloads`: the service's
+    answer to each push, `{"step", "policy_version", "reload_s", "save_s"}`."""
+
+    def __init__(self, config: ServiceConfig, weights_root: Path) -> None:
+        self.config = config
+        self.weights_root = weights_root
+        self.reloads: list[dict[str, Any]] = []
+        self._headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
+        self._previous: Path | None = None
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        step = int(state.global_step)
+        path = self.weights_root / f"step-{step:05d}"
+        start = time.perf_counter()
+        model.save_pretrained(path, safe_serialization=True)
+        saved = time.perf_counter() - start
+        self.reloads.append({"step": step, "save_s": saved, **self.push(path, step)})
+        if self._previous is not None:
+            shutil.rmtree(self._previous, ignore_errors=True)
+        self._previous = path
+
+    def push(self, path: Path, version: int) -> dict[str, Any]:
+        """POST /update_weights; the service's answer (`policy_version`, `reload_s`). Raises on a refusal."""
+        response = httpx.post(f"{self.config.url}/update_weights", json={"path": str(path), "version": version},
+                              headers=self._headers, timeout=self.config.timeout_s)
+        if response.status_code != 200:
+            raise RuntimeError(f"/update_weights {path}: {response.status_code} {response.text}")
+        answer = response.json()
+        return {"policy_version": answer["policy_version"], "reload_s": answer["reload_s"]}

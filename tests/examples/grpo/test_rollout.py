@@ -1,0 +1,107 @@
+"""The GRPO example's service hooks against the gateway on a StubBackend over real HTTP: the rollout function's
+answer in TRL's shape, the step record, and the weight push after an optimizer step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from das.service.api import GroupRequest, SampleResult
+from das.service.gateway import create_app
+from das.service.rollout_backend import StubBackend
+from examples.grpo.rollout import (
+    ServiceConfig,
+    ServiceRollout,
+    WeightSync,
+    counts_delta,
+    draft_counts_by_source,
+    prompt_runs,
+)
+from tests.service.test_gateway import LiveServer, gateway_settings
+from tests.service.test_openai_api import STUB_TOKENS
+
+TOKEN = "grpo-test-token"
+CHAT_A = [{"role": "user", "content": "What is 2 + 2?"}]
+CHAT_B = [{"role": "user", "content": "What is 13 + 5?"}]
+
+
+def test_prompt_runs_keep_trl_order():
+    assert prompt_runs([CHAT_A, CHAT_A, CHAT_B, CHAT_B, CHAT_B, CHAT_A]) == [(CHAT_A, 2), (CHAT_B, 3), (CHAT_A, 1)]
+    assert prompt_runs([]) == []
+
+
+def test_draft_counts_by_source_sum_engines_and_difference():
+    text = "\n".join([
+        "# TYPE das_source_draft_tokens_proposed counter",
+        'das_source_draft_tokens_proposed_total{engine="n0",source="live"} 10.0',
+        'das_source_draft_tokens_proposed_total{engine="n1",source="live"} 5.0',
+        'das_source_draft_tokens_proposed_total{engine="n0",source="sealed-age-1"} 7.0',
+        "# TYPE das_source_draft_tokens_accepted counter",
+        'das_source_draft_tokens_accepted_total{engine="n0",source="live"} 4.0',
+        'das_source_draft_tokens_accepted_total{engine="n0",source="sealed-age-1"} 3.0', ""])
+    counts = draft_counts_by_source(text)
+    assert counts == {"live": {"proposed": 15, "accepted": 4}, "sealed-age-1": {"proposed": 7, "accepted": 3}}
+    assert counts_delta(counts, {"live": {"proposed": 5, "accepted": 1}}) == {
+        "live": {"proposed": 10, "accepted": 3}, "sealed-age-1": {"proposed": 7, "accepted": 3}}
+
+
+class ChatStub(StubBackend):
+    """The stub with a prompt's token ids for chat groups too (a real engine has them from the chat template;
+    the stub has no tokenizer): each message's length in characters, as a stand-in that differs between prompts."""
+
+    def _template(self, group: GroupRequest) -> SampleResult:
+        template = super()._template(group)
+        if group.messages is not None:
+            template.prompt_token_ids = [len(m.content) for m in group.messages]
+        return template
+
+
+@pytest.fixture
+def service(tmp_path: Path):
+    backend = ChatStub(output_tokens=5)
+    with LiveServer(create_app(backend, gateway_settings(token=TOKEN, weights_root=tmp_path))) as server:
+        yield backend, ServiceConfig(url=server.url, token=TOKEN, max_tokens=5, temperature=1.0)
+
+
+def test_rollout_answers_in_trls_shape_one_request_per_prompt(service):
+    backend, config = service
+    rollout = ServiceRollout(config)
+    out = rollout([CHAT_A, CHAT_A, CHAT_A, CHAT_B, CHAT_B, CHAT_B])
+    assert backend.runs == 2  # one chat completion with n = 3 per prompt, not one per sample
+    assert len(out["prompt_ids"]) == len(out["completion_ids"]) == len(out["logprobs"]) == 6
+    assert all(ids == STUB_TOKENS for ids in out["completion_ids"])
+    assert all(lp == [-0.5] * len(STUB_TOKENS) for lp in out["logprobs"])
+    assert out["prompt_ids"] == [[14]] * 3 + [[15]] * 3
+    assert out["policy_version"] == [0] * 6
+    (step,) = rollout.steps
+    assert (step.samples, step.completion_tokens, step.longest_tokens) == (6, 30, 5)
+    assert step.draft_tokens == 6 * 2 and step.accepted_tokens == 6 * 1 and step.seconds > 0
+    assert step.policy_versions == [0]
+
+
+def test_rollout_refuses_an_answer_without_prompt_ids(tmp_path):
+    with LiveServer(create_app(StubBackend(output_tokens=5), gateway_settings(token=TOKEN))) as server:
+        rollout = ServiceRollout(ServiceConfig(url=server.url, token=TOKEN, max_tokens=5, temperature=1.0))
+        with pytest.raises(RuntimeError, match="prompt_token_ids"):
+            rollout([CHAT_A, CHAT_A])
+
+
+def test_weight_sync_saves_pushes_the_next_version_and_keeps_one_checkpoint(service, tmp_path):
+    backend, config = service
+
+    class Model:
+        def save_pretrained(self, path: Path, safe_serialization: bool) -> None:
+            assert safe_serialization
+            path.mkdir(parents=True)
+            (path / "model.safetensors").write_bytes(b"weights")
+
+    sync = WeightSync(config, tmp_path)
+    for step in (1, 2):
+        sync.on_step_end(None, SimpleNamespace(global_step=step), None, model=Model())
+    assert [r["policy_version"] for r in sync.reloads] == [1, 2] == [r["step"] for r in sync.reloads]
+    assert backend.policy_version == 2
+    assert not (tmp_path / "step-00001").exists() and (tmp_path / "step-00002").exists()
+    with pytest.raises(RuntimeError, match="409"):  # not newer than the served version: refused, said so
+        sync.push(tmp_path / "step-00002", 2)
