@@ -382,7 +382,8 @@ def _completion_choice(record: Record, body: CompletionRequest) -> CompletionCho
     return CompletionChoice(index=record["sample_index"], text=record["text"] or "", logprobs=logprobs,
                             finish_reason=record["finish_reason"],
                             token_ids=record["output_token_ids"] if ids else None,
-                            prompt_token_ids=record["prompt_token_ids"] if ids else None)
+                            prompt_token_ids=record["prompt_token_ids"] if ids else None,
+                            policy_spans=record.get("policy_spans"))
 
 
 def _chat_logprobs(record: Record, body: ChatCompletionRequest) -> ChatLogProbs | None:
@@ -511,7 +512,7 @@ def openai_router(gateway: _Gateway) -> APIRouter:
         def choice(r: Record) -> ChatChoice:
             return ChatChoice(index=r["sample_index"], message=AssistantMessage(content=r["text"] or ""),
                               logprobs=_chat_logprobs(r, body), finish_reason=r["finish_reason"],
-                              token_ids=r["output_token_ids"] if ids else None)
+                              token_ids=r["output_token_ids"] if ids else None, policy_spans=r.get("policy_spans"))
 
         def chunk(r: Record, first: bool) -> ChatCompletionChunk:
             delta = DeltaMessage(role="assistant", content=r["text"] or "")
@@ -520,7 +521,8 @@ def openai_router(gateway: _Gateway) -> APIRouter:
                 prompt_token_ids=r["prompt_token_ids"] if ids and first else None,
                 choices=[ChatStreamChoice(index=r["sample_index"], delta=delta, logprobs=_chat_logprobs(r, body),
                                           finish_reason=r["finish_reason"],
-                                          token_ids=r["output_token_ids"] if ids else None)])
+                                          token_ids=r["output_token_ids"] if ids else None,
+                                          policy_spans=r.get("policy_spans"))])
 
         if body.stream:
             return reply.stream(chunk, lambda usage: ChatCompletionChunk(**reply.header(), choices=[], usage=usage))

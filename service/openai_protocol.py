@@ -129,6 +129,9 @@ class CompletionChoice(BaseModel):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    policy_spans: list[tuple[int, int]] | None = Field(
+        None, description="DAS extension, only for a choice whose tokens span a weight update (/update_weights "
+                          "under /pause?mode=keep): [[policy version, first token index], ...]")
 
 
 class CompletionResponse(BaseModel):
@@ -167,6 +170,9 @@ class ChatChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    policy_spans: list[tuple[int, int]] | None = Field(
+        None, description="DAS extension, only for a choice whose tokens span a weight update (/update_weights "
+                          "under /pause?mode=keep): [[policy version, first token index], ...]")
 
 
 class ChatCompletionResponse(BaseModel):
@@ -192,6 +198,9 @@ class ChatStreamChoice(BaseModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    policy_spans: list[tuple[int, int]] | None = Field(
+        None, description="DAS extension, only for a choice whose tokens span a weight update (/update_weights "
+                          "under /pause?mode=keep): [[policy version, first token index], ...]")
 
 
 class ChatCompletionChunk(BaseModel):

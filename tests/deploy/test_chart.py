@@ -106,6 +106,10 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     if values["engine"]["maxModelLen"]:
         assert params["max_model_len"] == values["engine"]["maxModelLen"]
     assert params["eager"] == values["engine"]["eager"]
+    assert params["budget"] == values["engine"]["budget"]
+    assert params["max_restarts"] == values["engine"]["maxRestarts"]
+    assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
+    assert params["snapshot_interval"] == values["history"]["snapshotIntervalSeconds"]
     assert params["token"] is None  # never on the command line (visible in the pod spec): DAS_TOKEN from a Secret
 
     container = head_container(docs)

@@ -246,6 +246,27 @@ def test_abort_requests_without_ids_aborts_samples_without_pausing_and_with_ids_
     run(scenario, backend)
 
 
+def test_an_openai_choice_that_spans_an_update_says_so(tmp_path):
+    (tmp_path / "step1").mkdir()
+    backend, engine = stub(tokens=20, token_s=0.05)
+
+    async def scenario(http: httpx.AsyncClient) -> None:
+        body = {"model": "das", "prompt": [5, 6, 7], "max_tokens": 20, "temperature": 0.0, "ignore_eos": True}
+        spanning = asyncio.create_task(http.post("/v1/completions", json=body))
+        await until(lambda: engine._unfinished == 1)
+        await asyncio.sleep(0.3)
+        await http.post("/pause", params={"mode": "keep"})
+        assert (await http.post("/update_weights", json={"path": "step1"})).status_code == 200
+        await http.post("/resume")
+        (choice,) = (await spanning).json()["choices"]
+        (v0, s0), (v1, s1) = choice["policy_spans"]
+        assert (v0, s0, v1) == (0, 0, 1) and 0 < s1 < 20
+        (after,) = (await http.post("/v1/completions", json=body)).json()["choices"]
+        assert after["policy_spans"] is None  # one policy throughout
+
+    run(scenario, backend, weights_root=tmp_path)
+
+
 def test_weight_transfer_is_refused_with_501_saying_why(tmp_path):
     backend, _ = stub()
 
