@@ -66,6 +66,11 @@ _BOXED = re.compile(r"\\boxed\{\s*(-?\d[\d,]*(?:\.\d+)?)")
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
+def states_final_answer(text: str) -> bool:
+    """Whether the text gives a number after "final answer" (what SYSTEM_PROMPT asks for), in any wording."""
+    return _FINAL_ANSWER.search(text) is not None
+
+
 def extract_answer(text: str) -> str | None:
     """The number a model's text gives as its answer (commas dropped), or None: after the last "Final answer",
     else in the last \\boxed{}, else the last number in the text."""

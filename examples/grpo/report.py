@@ -7,6 +7,8 @@ The tests are stated here so the figures can be read without the code:
   at least the observed one. Agreement within noise: p >= 0.05.
 - The reward moves: per arm, the least-squares slope of mean reward on step, with a permutation p-value (20,000
   shuffles of the step order): the share of shuffles with a slope at least as large (one-sided, reward rising).
+  Both tests also per reward function (TRL's `rewards/<name>/mean`): a step's problems differ in difficulty, so
+  one function's curve can move while the total is dominated by which problems the step drew.
 - Rollout cost: each arm's rollout seconds summed over steps and their ratio das / none, the median of the per-step
   ratios, tokens per second, and seconds per token of the step's longest sample (a step's rollout ends with its
   longest sample, which differs between arms at T = 1).
@@ -64,9 +66,16 @@ def _arm_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
                 total[kind] += counts.get(kind, 0)
     seconds = sum(r["seconds"] for r in rollouts)
     tokens = sum(r["completion_tokens"] for r in rollouts)
+    components = sorted({k.split("/")[1] for s in steps for k in s if k.startswith("rewards/") and k.endswith("/mean")})
+    by_component = {}
+    for name in components:
+        values = np.array([s[f"rewards/{name}/mean"] for s in steps])
+        component_slope, component_p = slope_permutation_p(values)
+        by_component[name] = {"mean": values.tolist(), "slope_per_step": component_slope, "slope_p": component_p}
     return {
         "steps": len(steps),
         "reward": rewards.tolist(),
+        "rewards_by_function": by_component,
         "reward_first_half": float(rewards[: len(rewards) // 2].mean()),
         "reward_second_half": float(rewards[len(rewards) // 2:].mean()),
         "reward_slope_per_step": slope, "reward_slope_p": slope_p,
@@ -98,6 +107,10 @@ def compare(out: Path, arms: list[str], console: Console) -> dict[str, Any]:
             "steps": n, "reward_difference_mean": float(differences.mean()),
             "reward_difference_sd": float(differences.std(ddof=1)) if n > 1 else 0.0,
             "sign_flip_p": paired_sign_flip_p(differences),
+            "sign_flip_p_by_function": {
+                name: paired_sign_flip_p(np.array(das["rewards_by_function"][name]["mean"][:n])
+                                         - np.array(none["rewards_by_function"][name]["mean"][:n]))
+                for name in das["rewards_by_function"] if name in none["rewards_by_function"]},
             "rollout_seconds_ratio": das["rollout_seconds_total"] / none["rollout_seconds_total"],
             "rollout_seconds_ratio_median_per_step": float(np.median(per_step)),
             "tokens_per_s_ratio": das["tokens_per_s"] / none["tokens_per_s"],
@@ -152,10 +165,15 @@ def _print(summary: dict[str, Any], console: Console) -> None:
                       f"{s['tokens_per_s']:.1f}", f"{s['accepted_tokens']} / {s['draft_tokens']}",
                       str(s["accepted_from_earlier_policies"]))
     console.print(table)
+    for arm, s in summary["arms"].items():
+        for name, c in s["rewards_by_function"].items():
+            console.print(f"{arm} {name}: {c['mean'][0]:.3f} -> {c['mean'][-1]:.3f}, slope "
+                          f"{c['slope_per_step']:+.4f}/step (p = {c['slope_p']:.4f})")
     if "paired" in summary:
         p = summary["paired"]
         console.print(f"paired over {p['steps']} steps: reward das - none {p['reward_difference_mean']:+.3f} "
-                      f"(sd {p['reward_difference_sd']:.3f}), sign-flip p = {p['sign_flip_p']:.3f}; rollout "
+                      f"(sd {p['reward_difference_sd']:.3f}), sign-flip p = {p['sign_flip_p']:.3f} ("
+                      + ", ".join(f"{k} {v:.3f}" for k, v in p["sign_flip_p_by_function"].items()) + "); rollout "
                       f"seconds das / none {p['rollout_seconds_ratio']:.3f} (median per step "
                       f"{p['rollout_seconds_ratio_median_per_step']:.3f}), tokens/s {p['tokens_per_s_ratio']:.3f}, "
                       f"seconds per longest token {p['seconds_per_longest_token_ratio']:.3f}")

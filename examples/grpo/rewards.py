@@ -5,8 +5,9 @@ prompt asks for the answer on the last line as 'Final answer: <number>'.
 - `correct`: 1.0 when the answer the text gives is right by the dataset's own checker (`Problem.score`, lenient:
   the number after the last "Final answer", else the last number).
 - `formatted`: 1.0 when the last non-empty line is exactly 'Final answer: <number>', so the answer can be read
-  without guessing. A tiny model mostly rambles past its token budget at first, so this is the reward it can
-  learn within a few steps; `correct` is the one that matters.
+  without guessing; 0.5 when the text at least states a number after "final answer" somewhere ("so the final
+  answer is 7"); else 0. A tiny model mostly rambles past its token budget at first, so this graded reward is the
+  one it can learn within a few steps; `correct` is the one that matters.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from das.service.prompt_sets import Problem
+from das.service.prompt_sets import Problem, states_final_answer
 
 _FORMAT = re.compile(r"^\s*final answer:\s*-?\d[\d,]*(?:\.\d+)?\s*\.?\s*$", re.IGNORECASE)
 
@@ -33,6 +34,11 @@ def is_formatted(text: str) -> bool:
     return bool(lines) and _FORMAT.match(lines[-1]) is not None
 
 
+def format_score(text: str) -> float:
+    """1.0 in the asked form, 0.5 for a final answer stated some other way, else 0 (module docstring)."""
+    return 1.0 if is_formatted(text) else 0.5 if states_final_answer(text) else 0.0
+
+
 class Rewards:
     """The two reward functions over one problem set (TRL passes the dataset's `problem_id` column to each)."""
 
@@ -43,4 +49,4 @@ class Rewards:
         return [self._problems[pid].score(completion_text(c)) for c, pid in zip(completions, problem_id, strict=True)]
 
     def formatted(self, completions: Sequence[Any], **_: Any) -> list[float]:
-        return [float(is_formatted(completion_text(c))) for c in completions]
+        return [format_score(completion_text(c)) for c in completions]

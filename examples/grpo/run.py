@@ -146,7 +146,7 @@ def main(
     problems: Annotated[int, typer.Option(min=1, help="Distinct problems; each comes back every "
                                                       "problems/prompts steps.")] = 8,
     max_tokens: Annotated[int, typer.Option(min=8, help="Completion length cap.")] = 128,
-    learning_rate: Annotated[float, typer.Option(min=0.0)] = 3e-5,
+    learning_rate: Annotated[float, typer.Option(min=0.0)] = 5e-5,
     seed: Annotated[int, typer.Option(help="Trainer and data seed (the service's engines seed themselves "
                                            "alike in both arms).")] = 0,
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8011,

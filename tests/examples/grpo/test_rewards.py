@@ -25,4 +25,5 @@ def test_correct_uses_the_datasets_checker_per_problem():
     chat = [[{"role": "assistant", "content": text}] for text in right]  # TRL's conversational completions
     assert rewards.correct(chat, problem_id=ids) == [1.0, 1.0]
     assert rewards.formatted(chat) == [1.0, 1.0] and rewards.formatted(["no answer"]) == [0.0]
+    assert rewards.formatted(["so the final answer is 7, I think"]) == [0.5]
     assert completion_text([]) == ""
