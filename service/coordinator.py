@@ -148,6 +148,8 @@ class RayBackend:
         self._version = 0
         self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
         self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
+        self._paused: tuple[PauseMode, bool] | None = None  # the last /pause (mode, clear_cache) until /resume
+        self._control_lock = asyncio.Lock()  # a pause or resume and a recovered engine's catch-up never interleave
         self._book = DifficultyBook()
         self._predictor = LengthPredictor(self._book)
         self._stats = BackendStats()
@@ -420,10 +422,14 @@ class RayBackend:
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self._on_serving(lambda node: node.pause.remote(mode, clear_cache))
+        async with self._control_lock:
+            self._paused = (mode, clear_cache)
+            await self._on_serving(lambda node: node.pause.remote(mode, clear_cache))
 
     async def resume(self) -> None:
-        await self._on_serving(lambda node: node.resume.remote())
+        async with self._control_lock:
+            self._paused = None
+            await self._on_serving(lambda node: node.resume.remote())
 
     async def is_paused(self) -> bool:
         return any(await self._on_serving(lambda node: node.is_paused.remote()))
@@ -433,7 +439,7 @@ class RayBackend:
 
     async def _on_serving(self, call: Callable[[Any], Any]) -> list[Any]:
         """`call(actor handle)` on every serving NodeEngine at once; their replies. An actor lost meanwhile is
-        left to its watcher (its restart serves unpaused); any other error is raised."""
+        left to its watcher (its restart catches up on the weights and the pause); any other error is raised."""
         actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
         incarnations = [actor.incarnation for actor in actors]
         replies = await asyncio.gather(*(call(actor.handle) for actor in actors), return_exceptions=True)
@@ -522,11 +528,13 @@ class RayBackend:
                 while True:
                     try:
                         await actor.handle.start.remote()
-                        async with self._weights_lock:
+                        async with self._weights_lock, self._control_lock:
                             # An actor that only seemed dead (unreachable for a moment) kept its weights.
                             if self._weights is not None and \
                                     await actor.handle.policy_version.remote() != self._weights[1]:
                                 await actor.handle.reload_weights.remote(*self._weights)
+                            if self._paused is not None:  # it holds new work until /resume, as the others do
+                                await actor.handle.pause.remote(*self._paused)
                             elapsed = time.monotonic() - died
                             for name in actor.names:
                                 self._recovery_s[name] = elapsed

@@ -264,6 +264,28 @@ def test_an_engine_past_its_restart_cap_fails_its_batch_and_liveness(tmp_path: P
         service.stop()
 
 
+def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path) -> None:
+    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02}})
+    try:
+        service.wait_ready(engines=1)
+        assert httpx.post(f"{service.url}/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        os.kill(service.node_engines()[0], signal.SIGKILL)
+        wait_until(lambda: service.metric("das_engine_restarts") == 1, 60, "the engine was not restarted")
+        service.wait_ready(engines=1)
+        assert service.get("/is_paused").json() == {"is_paused": True}  # the restarted engine joined the pause
+        done: list[tuple[list[dict[str, Any]], dict[str, Any]]] = []
+        held = threading.Thread(target=lambda: done.append(run_batch(service.url, {"groups": stub_groups(1, 2)})))
+        held.start()
+        time.sleep(1.5)  # 8 tokens at 0.02 s: long done, were it not held
+        assert not done
+        assert httpx.post(f"{service.url}/resume", timeout=30).status_code == 200
+        held.join(30)
+        records, summary = done[0]
+        assert summary["status"] == "done" and sorted(r["sample_index"] for r in records) == [0, 1]
+    finally:
+        service.stop()
+
+
 # ---- the tiny real model ----
 
 
