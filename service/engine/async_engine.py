@@ -224,6 +224,8 @@ class Engine:
             model=config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
+            # No progress bar per checkpoint load: an RL run reloads every step, three log lines each time.
+            use_tqdm_on_load=False,
             speculative_config=config.speculative_config(),
             worker_extension_cls=WORKER_EXTENSION,
             additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
