@@ -100,6 +100,23 @@ def bench_simulate(
     emit(result, as_json)
 
 
+@bench_app.command("validate")
+def bench_validate(
+    rollouts: Annotated[Path, typer.Argument(help="A `das bench e2e --rollouts-out` file (its .runs.json beside it).")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The simulator against a measured run: every epoch of every arm it can model (none, das, das-uniform,
+    das-service) replayed on the run's engines under the run's own cost fit; SIMULATED against measured makespan."""
+    from das.bench.e2e_report import validate_rollouts
+    from das.drafter.records import RecordError
+
+    try:
+        result = validate_rollouts(rollouts)
+    except (RecordError, OSError, ValueError, KeyError, TypeError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
+
+
 def _budget_settings(spec: str, model: str) -> tuple[dict[str, Any], CostModel | None]:
     """`das` (the length-aware budget on the engine's online cost fit, from the model's prior), `das:COST_MODEL`
     (the same, from that cost model as prior), `uniform` or `classes` as budget-hook settings, with the cost
@@ -198,13 +215,17 @@ def bench_e2e(
     plot: Annotated[Optional[Path], typer.Option(help="Write a PNG: makespan per epoch, length distributions.")]
         = None,
     markdown: Annotated[Optional[Path], typer.Option(help="Write the tables as markdown.")] = None,
+    rollouts_out: Annotated[Optional[Path], typer.Option(
+        "--rollouts-out", help="Write every arm's samples as a history file (problem ids `<arm>/r<repeat>/<id>`, "
+                               "policy version = epoch) and FILE.runs.json (measured makespans, cost fits), for "
+                               "`das bench validate`.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Real engines, real model, several epochs: makespan, throughput, acceptance, rewards and output tests per
     arm and epoch (drafters keep their history)."""
     import asyncio
 
-    from das.bench.e2e import E2EConfig, E2EFailed, run_e2e, suffix_tuned_options
+    from das.bench.e2e import E2EConfig, E2EFailed, run_e2e, suffix_tuned_options, write_rollouts_file
     from das.bench.e2e_report import markdown as render_markdown
     from das.bench.e2e_report import plot as render_plot
     from das.scheduler.cost_model import prior_cost_model
@@ -241,6 +262,9 @@ def bench_e2e(
                       f"arm-epochs that finished are in the progress lines above"
                       f"{' and in the JSON' if as_json else ''}.{hint}")
         raise typer.Exit(code=1) from None
+    if rollouts_out is not None:
+        written = write_rollouts_file(result, rollouts_out)
+        console.print(f"[cyan]{written} samples written to {escape(str(rollouts_out))} (+ .runs.json)[/cyan]")
     if plot is not None:
         render_plot(result, plot)
     if markdown is not None:

@@ -46,6 +46,9 @@ milliseconds per step of the forward pass, sampling or verification, the drafter
 the engine loop between steps, the mean step shape (requests, scheduled tokens, draft tokens) and a line fitted
 through forward + sampling time against scheduled tokens (the engine's own cost model, measured on this run).
 
+`write_rollouts_file` (`--rollouts-out`) writes every arm's samples as one history file with a sidecar of measured
+makespans and cost fits, which `das bench validate` replays through the simulator (bench/e2e_report.py).
+
 At temperature 0: identical_outputs (all arms token-identical), divergence (per arm, the share of samples that
 differ from the baseline's) and noise_floor (the share of the baseline's own samples that differ between its
 epochs 1 and 2, without drift): in bf16, batch shapes alone make greedy samples diverge.
@@ -69,6 +72,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from das.bench.stats import LengthTest, RewardTest, length_test, reward_test
+from das.drafter.records import RolloutRecord, write_rollouts
 from das.service.api import GroupRequest, SamplingSpec
 from das.service.engine.async_engine import Engine, EngineConfig
 from das.service.engine.step_profile import StepProfile
@@ -171,7 +175,8 @@ def suffix_tuned_options(cost: CostModel, running: int) -> dict[str, Any]:
 @dataclass(frozen=True)
 class Outcome:
     """One finished sample as the benchmark keeps it. `group`: index of its problem in the prompt set; `done_s`:
-    seconds from the epoch's start to the sample reaching the benchmark."""
+    seconds from the epoch's start to the sample reaching the benchmark; `prompt_token_ids`: the prompt it
+    continued (empty where the arm does not report it)."""
 
     group: int
     sample_index: int
@@ -179,6 +184,7 @@ class Outcome:
     text: str | None
     finish_reason: str
     done_s: float
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,7 +249,7 @@ class EngineArm:
             out = []
             async for s in self.engine.generate(group):
                 out.append(Outcome(index, s.sample_index, s.token_ids, s.text, s.finish_reason,
-                                   time.perf_counter() - start))
+                                   time.perf_counter() - start, tuple(s.prompt_token_ids or ())))
                 if self._book is not None and s.finish_reason in ("stop", "length"):
                     self._book.history(group.problem_id).add_length(s.policy_version, len(s.token_ids),
                                                                     s.finish_reason)
@@ -313,9 +319,9 @@ class ServiceArm:
         start = time.perf_counter()
         outcomes = []
         drafted = accepted = 0
-        async for r in self._client.generate(groups):
+        async for r in self._client.generate(groups, return_prompt_token_ids=True):
             outcomes.append(Outcome(r.group_index, r.sample_index, r.output_token_ids, r.text, r.finish_reason,
-                                    time.perf_counter() - start))
+                                    time.perf_counter() - start, tuple(r.prompt_token_ids or ())))
             drafted += r.draft_tokens
             accepted += r.accepted_tokens
         makespan = time.perf_counter() - start
@@ -463,6 +469,9 @@ class E2EResult:
     drafts_by_source: dict[str, list[dict[str, dict[str, int]]]] = field(default_factory=dict)
     setup_s: list[dict[str, float]] = field(default_factory=list)  # per repeat: engine start seconds per arm
     wall_s: float = 0.0
+    # every finished sample, tagged by `rollout_tag` (not in to_dict: `write_rollouts_file` writes them)
+    rollouts: list[RolloutRecord] = field(default_factory=list, repr=False)
+    cost_fits: list[dict[str, dict[str, Any]]] = field(default_factory=list)  # per repeat: arm -> live cost fit
 
     @property
     def arms(self) -> tuple[str, ...]:
@@ -607,6 +616,7 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
     for repeat in range(config.repeats):
         where = f"repeat {repeat + 1}/{config.repeats}, " if config.repeats > 1 else ""
         setup: dict[str, float] = {}
+        fits: dict[str, dict[str, Any]] = {}
         run: list[dict[str, ArmEpoch]] = [{} for _ in range(config.epochs)]
         # Engines alive together: all arms (interleaved epochs), or one arm at a time (sequential).
         for together in ([[a] for a in config.arms] if config.sequential else [list(config.arms)]):
@@ -636,6 +646,7 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                         run[epoch][name] = stats = ArmEpoch.of(out, problems)
                         completed.append({"repeat": repeat + 1, "epoch": epoch + 1, "arm": name, **stats.figures()})
                         tokens[name].append([o.token_ids for o in out.outcomes])
+                        result.rollouts.extend(_records(name, repeat, epoch, out.outcomes, problems))
                         reward = f", reward {stats.reward_mean:.3f}" if stats.reward_mean is not None else ""
                         progress(f"{step}: {stats.makespan_s:.1f} s, "
                                  f"{stats.tokens} tokens, accepted {stats.accepted_tokens}/{stats.draft_tokens}"
@@ -644,6 +655,8 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                     if name in arms:
                         stats = await arms[name].proposer_stats()
                         result.drafts_by_source.setdefault(name, []).append(stats.get("by_source", {}))
+                        if stats.get("cost"):
+                            fits[name] = stats["cost"]
                         if name == "das":
                             result.proposer = stats
             except Exception as exc:
@@ -656,6 +669,7 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                         log.warning("closing the %s arm failed", name, exc_info=True)
         result.runs.append(run)
         result.setup_s.append(setup)
+        result.cost_fits.append(fits)
     result.wall_s = time.perf_counter() - began
     result.tests = compare_arms(result, problems)
     if config.temperature == 0:
@@ -700,3 +714,90 @@ def _greedy_identity(result: E2EResult, tokens: dict[str, list[list[list[int]]]]
     runs = tokens[first]
     if result.config.epochs > 1 and not result.config.drift:
         result.noise_floor = round(sum(a != b for a, b in zip(runs[0], runs[1])) / len(runs[0]), 4)
+
+
+# ---- the rollouts file (what `das bench validate` replays) ----
+
+
+def rollout_tag(arm: str, repeat: int, problem_id: str) -> str:
+    """The problem id a sample gets in the rollouts file: `<arm>/r<repeat>/<problem id>` (repeat 1-based), so one
+    history file holds every arm and repeat and each (arm, repeat) is a run of its own for the drafter."""
+    return f"{arm}/r{repeat + 1}/{problem_id}"
+
+
+def _records(arm: str, repeat: int, epoch: int, outcomes: Sequence[Outcome],
+             problems: Sequence[Problem]) -> list[RolloutRecord]:
+    """The finished samples of one arm-epoch as history records (policy_version = epoch, 0-based: the simulator
+    replays every version as one batch). Samples without a prompt (an arm that does not report it) or that did
+    not finish are left out."""
+    return [RolloutRecord(rollout_tag(arm, repeat, problems[o.group].problem_id), epoch, o.sample_index,
+                          o.prompt_token_ids, tuple(o.token_ids), o.finish_reason)
+            for o in outcomes if o.prompt_token_ids and o.finish_reason in ("stop", "length")]
+
+
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """Where the run description of a rollouts file lies: `<file>.runs.json` next to it."""
+    return Path(f"{os.fspath(path)}.runs.json")
+
+
+@dataclass(frozen=True)
+class RunFigures:
+    """One arm in one repeat as the rollouts file's sidecar keeps it: the measured makespan of every epoch and the
+    step cost the run is replayed under. `cost`: the live fit of the arm's own engine at the end of its epochs
+    (`cost_source` "own fit"), or, for an arm without our proposer (none, ngram, suffix), the das arm's fit from the
+    same repeat on the same machine ("das fit"); None when neither ran. `profile`: per epoch, the engine's step
+    profile (StepProfile fields) with `--profile`, else None. `draft_tokens` / `accepted_tokens`: the engine's
+    counters per epoch."""
+
+    arm: str
+    repeat: int  # 1-based, as in rollout_tag
+    makespan_s: list[float]
+    cost: dict[str, Any] | None
+    cost_source: str | None
+    profile: list[dict[str, Any]] | None = None
+    draft_tokens: list[int] = field(default_factory=list)
+    accepted_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class RolloutsSidecar:
+    """The sidecar of a rollouts file: the run's settings the replay needs and every arm's figures."""
+
+    engines: int
+    num_speculative_tokens: int
+    max_tokens: int
+    samples: int
+    machine: dict[str, Any]
+    runs: list[RunFigures]
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> RolloutsSidecar:
+        import json
+
+        raw = json.loads(sidecar_path(path).read_text(encoding="utf-8"))
+        return cls(**{**raw, "runs": [RunFigures(**r) for r in raw["runs"]]})
+
+
+def write_rollouts_file(result: E2EResult, path: str | os.PathLike[str]) -> int:
+    """Writes every finished sample of every arm, epoch and repeat as a history file at `path` (the format of
+    `das rollout --out`; problem ids tagged by `rollout_tag`, policy_version = epoch) and its sidecar
+    (`sidecar_path`, a `RolloutsSidecar`: measured makespans and cost fits). Returns the records written."""
+    import json
+
+    runs = []
+    for r, run in enumerate(result.runs):
+        fits = result.cost_fits[r] if r < len(result.cost_fits) else {}
+        for arm in result.arms:
+            own, das = fits.get(arm), fits.get("das")
+            profiles = [epoch[arm].profile for epoch in run]
+            runs.append(RunFigures(arm, r + 1, [epoch[arm].makespan_s for epoch in run], own or das,
+                                   "own fit" if own else "das fit" if das else None,
+                                   [dataclasses.asdict(p) for p in profiles if p] if all(profiles) else None,
+                                   [epoch[arm].draft_tokens for epoch in run],
+                                   [epoch[arm].accepted_tokens for epoch in run]))
+    written = write_rollouts(path, result.rollouts)
+    sidecar = RolloutsSidecar(engines=1, num_speculative_tokens=result.config.num_speculative_tokens,
+                              max_tokens=result.config.max_tokens, samples=result.config.samples,
+                              machine=machine_info(), runs=runs)
+    sidecar_path(path).write_text(json.dumps(dataclasses.asdict(sidecar), indent=2) + "\n", encoding="utf-8")
+    return written

@@ -209,6 +209,42 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
     return result
 
 
+@dataclass(frozen=True)
+class BatchReplay:
+    """One policy version replayed as one batch (simulated seconds): what `replay_versions` returns per version.
+    `prompt_tokens`: the batch's prompt tokens, which the replay does not charge (no prefill)."""
+
+    version: int
+    makespan_s: float
+    tail_share: float
+    forward_passes: int
+    tokens_verified: int
+    accepted_tokens: int
+    prompt_tokens: int
+
+
+def replay_versions(records: Sequence[RolloutRecord], cost: CostModel, policy_name: str, engines: int = 1,
+                    k_max: int = 16, window: int = 4, placement: str = "length-aware") -> list[BatchReplay]:
+    """Every policy version as one batch, the first included (with no history: the drafter and the length
+    predictor start empty, as a fresh engine does), each with the `window` versions before it as history. This is
+    `simulate` per batch for comparing with a measured run batch by batch (`das bench validate`)."""
+    if engines < 1:
+        raise ValueError("engines must be >= 1")
+    policy = make_policy(policy_name)
+    by_version: dict[int, list[RolloutRecord]] = {}
+    for r in records:
+        by_version.setdefault(r.policy_version, []).append(r)
+    out = []
+    for v in sorted(by_version):
+        history = [r for u in sorted(by_version) if v - window <= u < v for r in by_version[u]]
+        batch = sorted(by_version[v], key=lambda r: (r.problem_id, r.sample_index))
+        makespan, tail, passes, verified, accepted = simulate_batch(
+            batch, history, cost, engines, policy, placement, k_max, DrafterConfig(window=window))
+        out.append(BatchReplay(v, makespan, tail, passes, verified, accepted,
+                               sum(len(r.prompt_token_ids) for r in batch)))
+    return out
+
+
 REFERENCES = ("every_group_alone", "oracle_lengths", "drafts_free")
 
 
