@@ -18,8 +18,9 @@ Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.toke
   service/rl_control.py. While paused, reloads do not wait for running batches and stall timeouts are off.
 - `GET /v1/history/{problem_id}`: what the history store holds for a problem (404 none, 501 no store).
 - `GET /metrics` (Prometheus text), `GET /healthz` (liveness: 503 once the backend cannot serve again without a
-  restart of the process, e.g. every engine past its restart cap), `GET /readyz` (503 until the backend is ready,
-  and while no engine serves).
+  restart of the process, e.g. every engine past its restart cap, or makes no progress: `stalls_until_unlive`
+  batches in a row failed by the stall timeout with no sample finishing in between), `GET /readyz` (503 until
+  the backend is ready, and while no engine serves).
 
 Batches run as their own tasks, not tied to a connection: a client that drops its connection loses nothing, and a
 request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
@@ -122,6 +123,9 @@ class GatewaySettings(BaseModel):
     batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample finished "
                                          "for this long is failed and its running samples aborted; set it above "
                                          "the longest a single sample may take")
+    stalls_until_unlive: int = Field(2, ge=1, description="batches failed in a row by batch_stall_timeout_s, no "
+                                     "sample finishing anywhere in between, after which /healthz answers 503: the "
+                                     "engines make no progress and only a restart of the process can help")
     max_body_bytes: int = Field(64 << 20, ge=1, description="request bodies over this are refused (413) before "
                                                             "they are parsed; split larger history imports")
     max_history_records: int = Field(1_000_000, ge=1, description="records one history import may carry")
@@ -376,6 +380,7 @@ class _Gateway:
         self._current: _Batch | None = None  # the most recently started batch
         self.paused = False  # by POST /pause, until POST /resume (service/rl_control.py)
         self._admitting = 0  # requests between the in-flight check and their batch's registration
+        self.stalls_in_a_row = 0  # batches failed by the stall timeout since a sample last finished
         self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
         self.metrics.batch_journal = self.journal
         self._stopping = False  # batches aborted from now on were cut off by the shutdown
@@ -454,6 +459,7 @@ class _Gateway:
                 async with stalled, contextlib.aclosing(self.backend.generate(batch.groups)) as stream:
                     async for group_index, sample in stream:
                         stalled.reschedule(None if self.paused else loop.time() + stall_s)
+                        self.stalls_in_a_row = 0
                         self.metrics.observe_sample(sample, batch.groups[group_index].sampling.max_tokens)
                         if batch is self._current:
                             self.metrics.current_batch_longest = max(self.metrics.current_batch_longest,
@@ -467,6 +473,7 @@ class _Gateway:
             if stalled is not None and stalled.expired():
                 error = (f"no sample finished for {stall_s:g} s (batch_stall_timeout_s); the samples still running "
                          f"were aborted")
+                self.stalls_in_a_row += 1
                 log.error("batch %s failed: %s", batch.batch_id, error)
             else:
                 log.exception("batch %s failed", batch.batch_id)
@@ -706,13 +713,20 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
     api.include_router(rl_control_router(gateway))
     app.include_router(api)
 
-    @app.get("/healthz", responses=error_responses({503: "the backend cannot serve again without a restart"}))
+    @app.get("/healthz", responses=error_responses({503: "the backend cannot serve again without a restart, or "
+                                                          "makes no progress"}))
     async def healthz(response: Response) -> dict[str, str]:
         """200 while the process answers and the backend can serve or is recovering; 503 once it cannot recover
-        (every engine past its restart cap), so an orchestrator restarts the process."""
+        (every engine past its restart cap) or makes no progress (`stalls_until_unlive` batches in a row failed by
+        the stall timeout), so an orchestrator restarts the process."""
         if not await backend.live():
             response.status_code = 503
-            return {"status": "failed"}
+            return {"status": "failed", "reason": "no engine can serve again (restart cap)"}
+        stalls = gateway.stalls_in_a_row
+        if stalls >= gateway.settings.stalls_until_unlive:
+            response.status_code = 503
+            return {"status": "failed", "reason": f"{stalls} batches in a row finished no sample within "
+                                                  f"batch_stall_timeout_s"}
         return {"status": "ok"}
 
     @app.get("/readyz", responses=error_responses({503: "the backend is not ready"}))

@@ -488,6 +488,20 @@ def test_a_stalled_batch_fails_and_a_reload_waiting_on_it_goes_through(serve, tm
     assert "das_batches_in_flight 0.0" in http.get("/metrics").text
 
 
+def test_batches_stalling_in_a_row_fail_liveness_until_a_sample_finishes(serve):
+    backend = StalledBackend()
+    _, http = serve(backend, batch_stall_timeout_s=0.2, stalls_until_unlive=2)
+    for i in range(2):
+        assert http.get("/healthz").status_code == 200  # one stalled batch is transient: the group's fault
+        (end,) = read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2)}))
+        assert end["summary"]["status"] == "failed"
+    dead = http.get("/healthz")
+    assert dead.status_code == 503 and "2 batches in a row" in dead.json()["reason"]
+    backend.generate = StubBackend().generate  # progress again: a batch whose samples finish
+    assert read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2)}))[-1]["summary"]["status"] == "done"
+    assert http.get("/healthz").status_code == 200
+
+
 def test_a_weights_version_beyond_int64_is_422_and_batches_keep_working(serve, tmp_path):
     """A version of 10**30 was once accepted, and from then on every batch failed in msgpack."""
     _, http = serve(StubBackend(), weights_root=tmp_path)
