@@ -120,9 +120,10 @@ def test_das_serve_two_epochs_then_a_restart_drafts_from_the_saved_history(tmp_p
         assert metric(text, "das_source_draft_tokens_accepted") == metric(text, "das_draft_tokens_accepted")
     finally:
         out = server.stop()
-    # the snapshots at the signal and at shutdown: two generations per shard, nothing quarantined
-    assert sorted(p.name for p in state.iterdir()) == [f"history-shard-{i}.msgpack{g}" for i in range(2)
-                                                       for g in ("", ".prev")], out
+    # the snapshots at the signal and at shutdown: two generations per shard, nothing quarantined; and the journal
+    # of the batches the client named
+    assert sorted(p.name for p in state.iterdir()) == ["batch-journal.jsonl"] + [
+        f"history-shard-{i}.msgpack{g}" for i in range(2) for g in ("", ".prev")], out
 
     # The restart runs the defaults (the length-aware budget on the engine's live cost fit): what it drafts depends
     # on measured step times, so only what cannot depend on them is checked.
