@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from das.scheduler.length import LengthCurve
+from das.service.sample_keys import derive
 
 INT64_MAX = 2**63 - 1
 INT32_MAX = 2**31 - 1  # token ids and token counts (drafter.records.MAX_TOKEN_ID is the same bound)
@@ -91,6 +92,10 @@ class SamplingSpec(BaseModel):
     stop: tuple[NonEmptyText, ...] = Field((), description="stop strings (not included in the output)")
     stop_token_ids: tuple[TokenId, ...] = ()
     ignore_eos: bool = False
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description=(
+        "the group's randomness: sample i's token at position t is drawn with a key of (seed, i, t) "
+        "(service/sample_keys.py), so the same seed draws the same tokens with or without speculation, on any "
+        "engine, after a re-dispatch; None: derived from the batch's seed (RolloutRequest.seed)"))
 
 
 class ChatMessage(BaseModel):
@@ -158,14 +163,14 @@ class SampleResult(BaseModel):
     the prompt it continued, where the engine reports it. Times in seconds.
 
     Every sample index of a group arrives exactly once. A sample whose engine died before it arrived is drawn
-    again on another engine (or the restarted one) under the same index: at temperature > 0 that is a fresh draw
-    from the same policy, not the continuation the dead engine had begun; `engine` names the engine that drew it."""
+    again on another engine (or the restarted one) under the same index and keys (SamplingSpec.seed): the same
+    tokens, under the same weights; `engine` names the engine that drew it."""
 
     model_config = ConfigDict(extra="forbid")
 
     problem_id: str
     sample_index: int = Field(description="0 .. n-1 within its group, each exactly once; a sample re-run after its "
-                                          "engine died keeps its index (a fresh draw at temperature > 0)")
+                                          "engine died keeps its index and keys (the same draw)")
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
@@ -211,6 +216,15 @@ class RolloutRequest(BaseModel):
                                                              "a history file needs)")
     resume_from: int = Field(0, ge=0, le=INT64_MAX, description="when attaching to an existing batch, skip its "
                                                                "first records (the number the client already has)")
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description=(
+        "the batch's seed: group g without a sampling.seed of its own samples with seed derive(seed, g), so the "
+        "same batch with the same seed gives the same samples; None: a fresh one (BatchSummary.seed says which)"))
+
+    def seeded_groups(self, seed: int) -> list[GroupRequest]:
+        """The groups with every missing sampling.seed derived from the batch's `seed` and the group's index."""
+        return [g if g.sampling.seed is not None else
+                g.model_copy(update={"sampling": g.sampling.model_copy(update={"seed": derive(seed, i)})})
+                for i, g in enumerate(self.groups)]
 
 
 class SampleRecord(BaseModel):
@@ -223,7 +237,7 @@ class SampleRecord(BaseModel):
     group_index: int
     problem_id: str
     sample_index: int = Field(description="0 .. n-1 within its group, each exactly once; a sample re-run after its "
-                                          "engine died keeps its index (a fresh draw at temperature > 0)")
+                                          "engine died keeps its index and keys (the same draw)")
     output_token_ids: list[int]
     text: str | None
     logprobs: list[float] | None = None
@@ -260,6 +274,8 @@ class BatchSummary(BaseModel):
     errors: int
     makespan_s: float | None
     error: str | None = None
+    seed: int | None = Field(None, description="the batch's seed (RolloutRequest.seed, or the one drawn for it): "
+                                               "send it again to draw the same samples")
 
 
 class WeightsRequest(BaseModel):

@@ -104,6 +104,7 @@ from das.service.metrics import CONTENT_TYPE, GatewayMetrics
 from das.service.openai_api import openai_router
 from das.service.rl_control import rl_control_router
 from das.service.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
+from das.service.sample_keys import fresh_seed
 
 log = logging.getLogger(__name__)
 
@@ -152,8 +153,9 @@ class _Batch:
     they are, and results held for replay cost bytes per token rather than Python objects."""
 
     def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, prompts: bool,
-                 fingerprint: str) -> None:
+                 fingerprint: str, seed: int) -> None:
         self.batch_id = batch_id
+        self.seed = seed
         self.groups = groups
         self.logprobs = logprobs
         self.prompts = prompts
@@ -219,7 +221,7 @@ class _Batch:
             batch_id=self.batch_id, status=self.status, groups=len(self.groups), samples_expected=self.expected,
             samples=len(self.frames), tokens=self.tokens, draft_tokens=self.draft_tokens,
             accepted_tokens=self.accepted_tokens, errors=self.errors,
-            makespan_s=self.finish_times[-1] if self.finish_times else None, error=self.error)
+            makespan_s=self.finish_times[-1] if self.finish_times else None, error=self.error, seed=self.seed)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -403,7 +405,7 @@ class _Gateway:
     async def admit(self, body: RolloutRequest) -> tuple[_Batch, int]:
         """The batch this request streams (a new one, or the running/ended one with its id) and the record to
         start from."""
-        identity = body.model_dump_json(include={"groups", "logprobs", "return_prompt_token_ids"})
+        identity = body.model_dump_json(include={"groups", "logprobs", "return_prompt_token_ids", "seed"})
         fingerprint = hashlib.sha256(identity.encode()).hexdigest()
         batch = self._existing(body, fingerprint)
         if batch is not None:
@@ -432,8 +434,10 @@ class _Gateway:
             batch = self._existing(body, fingerprint)
             if batch is not None:
                 return batch, body.resume_from
-            batch = _Batch(body.batch_id or uuid.uuid4().hex, body.groups, body.logprobs,
-                           body.return_prompt_token_ids, fingerprint)
+            # Seeds are fixed here, once: a sample re-run after its engine died draws the same tokens.
+            seed = body.seed if body.seed is not None else fresh_seed()
+            batch = _Batch(body.batch_id or uuid.uuid4().hex, body.seeded_groups(seed), body.logprobs,
+                           body.return_prompt_token_ids, fingerprint, seed)
             self.batches.add(batch)
             if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id
                 self.journal.accepted(batch.batch_id, fingerprint, batch.expected)

@@ -27,8 +27,10 @@ What the responses carry:
   each choice whole when its sample finishes (samples finish whole), then a usage chunk when
   `stream_options.include_usage`. An error after the stream began goes out as an error event, which the official
   client raises.
-- `seed` is accepted and not applied: a group carries no per-request seed, and an engine's samples draw from its
-  generator seeded once at start (EngineConfig.seed), so runs are reproducible as a whole, not per request.
+- `seed` is the group's `sampling.seed`: choice i draws with keys of (seed, i, position) (service/sample_keys.py), so
+  the same request with the same seed gets the same choices, with or without speculation. A seeded request is
+  never coalesced with others (its choices would be renumbered, and so drawn differently); without a seed the
+  batch draws a fresh one.
 - logprobs: the sampled token's logprob under the distribution it was drawn from (the engines run vLLM's
   processed logprobs: after temperature, top-p and top-k). The engines return no alternatives, so `top_logprobs`
   holds the sampled token only (completions: always, as vLLM always includes it; chat: when top_logprobs >= 1).
@@ -231,7 +233,7 @@ def _group(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max
     given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
              "top_k": body.top_k,
              "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
-             "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos}
+             "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos, "seed": body.seed}
     try:
         sampling = SamplingSpec(**{k: v for k, v in given.items() if v is not None})
         problem_id = body.problem_id if body.problem_id is not None else _prompt_problem_id(prompt)
@@ -320,9 +322,9 @@ class _Coalescer:
         HTTPException as the gateway refused it."""
         key = group.model_dump_json(exclude={"n"})
         target = self._open.get(key)
-        if target is None or target.n + group.n > self._max_n:
+        if target is None or target.n + group.n > self._max_n or group.sampling.seed is not None:
             target = _Group(group)
-            if self._window_s > 0:
+            if self._window_s > 0 and group.sampling.seed is None:
                 self._open[key] = target
             self._spawn(self._launch(key, target))
         share = target.join(group.n)

@@ -41,10 +41,12 @@ from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
 from das.service.api import GroupRequest, PauseMode, SampleResult
 from das.service.engine.cost_warmup import warm_up_cost_fit
+from das.service.engine.keyed_sampler import SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.step_profile import StepProfile
 from das.service.history_store import unstorable
+from das.service.sample_keys import derive, fresh_seed
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -114,6 +116,9 @@ class EngineConfig(BaseModel):
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(256, ge=1)
     seed: int = 0
+    keyed_sampling: bool = Field(True, description="draw every sampled token with a key of (group seed, sample "
+                                 "index, position) (service/engine/keyed_sampler.py): the same tokens with or "
+                                 "without speculation; False: vLLM's own sampler (the distribution tests' reference)")
     kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
     enable_prefix_caching: bool = True
     enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
@@ -286,7 +291,10 @@ class Engine:
 
     def _sampling_params(self, group: GroupRequest, key: str, index: int) -> SamplingParams:
         tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
-        return sampling_params(group.sampling, self._vocab_size, tags.to_extra_args())
+        extra_args = tags.to_extra_args()
+        if self.config.keyed_sampling and group.sampling.seed is not None:
+            extra_args[SAMPLE_KEY] = derive(group.sampling.seed, index)
+        return sampling_params(group.sampling, self._vocab_size, extra_args)
 
     async def generate(self, group: GroupRequest | dict[str, Any]) -> AsyncIterator[SampleResult]:
         """Schedules the group's n samples and yields each one as it finishes (in finishing order).
@@ -300,6 +308,8 @@ class Engine:
             except ValidationError as exc:
                 raise EngineInputError(str(exc)) from None
         prompt = self.prompt_token_ids(group)
+        if group.sampling.seed is None:  # the gateway seeds every group; a direct caller may not
+            group = group.model_copy(update={"sampling": group.sampling.model_copy(update={"seed": fresh_seed()})})
         async with self._reloading:  # a reload waits for nothing new to start, then for the running to drain
             self._inflight += 1
             self._changes += 1

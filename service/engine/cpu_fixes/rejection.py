@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 import torch
 
+from das.service.engine.keyed_sampler import current_step, keyed_tokens
+
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID: a grid cell after a request's last emitted token
 GREEDY_TEMPERATURE = 0.0
 
@@ -60,21 +62,25 @@ def make_rejection_sample(vllm_rejection_sample: Callable[..., torch.Tensor]) ->
             return vllm_rejection_sample(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens,
                                          draft_probs, target_logits, bonus_token_ids, sampling_metadata,
                                          synthetic_mode, synthetic_conditional_rates, use_fp64_gumbel)
+        step = current_step()
         return sample_without_draft_probs(draft_token_ids, num_draft_tokens, max_spec_len, target_logits,
-                                          bonus_token_ids, sampling_metadata)
+                                          bonus_token_ids, sampling_metadata,
+                                          None if step is None else step.target_row_keys())
 
     rejection_sample.__wrapped__ = vllm_rejection_sample  # type: ignore[attr-defined]
     return rejection_sample
 
 
 def sample_without_draft_probs(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max_spec_len: int,
-                               target_logits: torch.Tensor, bonus_token_ids: torch.Tensor,
-                               sampling_metadata: Any) -> torch.Tensor:
+                               target_logits: torch.Tensor, bonus_token_ids: torch.Tensor, sampling_metadata: Any,
+                               row_keys: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The [requests, max_spec_len + 1] int32 grid of emitted tokens (PLACEHOLDER after each request's last).
 
     target_logits: [drafts, vocab] processed (temperature, top-k, top-p applied) logits of the rows the drafts are
     verified against, request by request; bonus_token_ids: [requests, 1] tokens already sampled from the row after
-    each request's last draft."""
+    each request's last draft. row_keys: (int64 keys, bool keyed) per target row; a keyed random row accepts its
+    draft iff the keyed sampler draws it there and is otherwise corrected to that draw (service/engine/
+    keyed_sampler.py), an unkeyed one follows the module docstring's rule."""
     batch = len(num_draft_tokens)
     out = torch.full((batch, max_spec_len + 1), PLACEHOLDER, dtype=torch.int32)
     if draft_token_ids.numel() == 0:
@@ -94,12 +100,18 @@ def sample_without_draft_probs(draft_token_ids: torch.Tensor, num_draft_tokens: 
     row_greedy = greedy[req]
 
     accept = torch.zeros(req.numel(), dtype=torch.bool)
-    argmax = torch.zeros(req.numel(), dtype=torch.int64)
+    correction = torch.zeros(req.numel(), dtype=torch.int64)  # the token a row emits if it is the first rejected
     g_rows = row_greedy.nonzero().squeeze(1)
     if g_rows.numel():
-        argmax[g_rows] = target_logits.index_select(0, g_rows).argmax(-1)
-        accept[g_rows] = argmax[g_rows] == draft[g_rows]
-    r_rows = (~row_greedy).nonzero().squeeze(1)
+        correction[g_rows] = target_logits.index_select(0, g_rows).argmax(-1)
+        accept[g_rows] = correction[g_rows] == draft[g_rows]
+    row_keyed = ~row_greedy & row_keys[1] if row_keys is not None else torch.zeros_like(row_greedy)
+    k_rows = row_keyed.nonzero().squeeze(1)
+    if k_rows.numel():
+        correction[k_rows] = keyed_tokens(target_logits.index_select(0, k_rows), row_keys[0][k_rows])
+        accept[k_rows] = correction[k_rows] == draft[k_rows]
+    known = row_greedy | row_keyed  # rows whose correction is already drawn
+    r_rows = (~known).nonzero().squeeze(1)
     weights = None
     if r_rows.numel():
         logits = target_logits.index_select(0, r_rows).to(torch.float32)
@@ -121,10 +133,10 @@ def sample_without_draft_probs(draft_token_ids: torch.Tensor, num_draft_tokens: 
     stopped = (accepted < counts).nonzero().squeeze(1)
     if stopped.numel():
         rows = starts[stopped] + accepted[stopped]
-        recovered = argmax[rows]
-        rand = (~row_greedy[rows]).nonzero().squeeze(1)
+        recovered = correction[rows]
+        rand = (~known[rows]).nonzero().squeeze(1)
         if rand.numel():
-            in_weights = torch.cumsum((~row_greedy).to(torch.int64), 0) - 1  # target row -> row of weights
+            in_weights = torch.cumsum((~known).to(torch.int64), 0) - 1  # target row -> row of weights
             recovered[rand] = _recovered(weights.index_select(0, in_weights[rows[rand]]), draft[rows[rand]],
                                          stopped[rand], sampling_metadata.generators)
         out[stopped, accepted[stopped]] = recovered.to(torch.int32)

@@ -1,0 +1,19 @@
+"""Our vLLM general plugin (the `vllm.general_plugins` entry point in pyproject.toml): vLLM calls `register()` in
+every engine process of this environment, so every arm (none, ours, `ngram`, `suffix`) samples and verifies the
+same way: the CPU fixes (cpu_fixes/plugin.py) first, then keyed sampling (keyed_sampler.py), which builds on them.
+Both are CPU-only today; elsewhere vLLM runs as shipped."""
+
+from __future__ import annotations
+
+
+def register() -> None:
+    """vLLM general-plugin hook; idempotent (vLLM may load plugins more than once in a process)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from das.service.engine import keyed_sampler
+    from das.service.engine.cpu_fixes import plugin as cpu_fixes
+
+    cpu_fixes.install()
+    keyed_sampler.install()
