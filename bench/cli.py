@@ -283,6 +283,8 @@ def bench_serve(
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 512,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
     repeats: Annotated[int, typer.Option(min=1, help="Fresh servers per arm; tables show medians.")] = 3,
+    seed: Annotated[int, typer.Option(help="Repeat r of every arm runs `das rollout --seed derive(seed, r)`: the "
+                                           "arms draw the same samples.")] = 0,
     port: Annotated[int, typer.Option(help="Port of the servers (one at a time).")] = 8123,
     serve_args: Annotated[str, typer.Option("--serve-args", help="More `das serve` flags for every arm, as one "
                                                                   "string (e.g. '--eager').")] = "",
@@ -301,7 +303,7 @@ def bench_serve(
         problem_set = load_prompt_set(problems)
         config = UserRunConfig(arms=tuple(a.strip() for a in arms.split(",") if a.strip()), repeats=repeats,
                                samples=samples, epochs=epochs, max_tokens=max_tokens, temperature=temperature,
-                               port=port, serve_args=tuple(shlex.split(serve_args)))
+                               port=port, serve_args=tuple(shlex.split(serve_args)), seed=seed)
         result = run_user_bench(config, problem_set, problems, log_dir,
                                 progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
     except (PromptSetError, OSError, ValueError, RuntimeError, TimeoutError) as exc:

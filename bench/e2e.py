@@ -49,9 +49,12 @@ through forward + sampling time against scheduled tokens (the engine's own cost 
 `write_rollouts_file` (`--rollouts-out`) writes every arm's samples as one history file with a sidecar of measured
 makespans and cost fits, which `das bench validate` replays through the simulator (bench/e2e_report.py).
 
-At temperature 0: identical_outputs (all arms token-identical), divergence (per arm, the share of samples that
-differ from the baseline's) and noise_floor (the share of the baseline's own samples that differ between its
-epochs 1 and 2, without drift): in bf16, batch shapes alone make greedy samples diverge.
+Every arm draws with the same keys (keyed sampling, service/engine/keyed_sampler.py): group g of epoch e in repeat r
+has seed derive(derive(seed + r, e), g), so at any temperature the arms draw the same samples unless drafting
+changes them, and the epochs draw fresh ones as RL steps do. identical_outputs (all arms token-identical),
+divergence (per arm, the share of samples that differ from the baseline's); at temperature 0 also noise_floor (the
+share of the baseline's own samples that differ between its epochs 1 and 2, without drift): in bf16, batch shapes
+alone make samples diverge.
 """
 
 from __future__ import annotations
@@ -73,10 +76,11 @@ import numpy as np
 
 from das.bench.stats import LengthTest, RewardTest, length_test, reward_test
 from das.drafter.records import RolloutRecord, write_rollouts
-from das.service.api import GroupRequest, SamplingSpec
+from das.service.api import GroupRequest, SamplingSpec, seeded_groups
 from das.service.engine.async_engine import Engine, EngineConfig
 from das.service.engine.step_profile import StepProfile
 from das.service.prompt_sets import Problem
+from das.service.sample_keys import derive
 
 if TYPE_CHECKING:
     import uvicorn
@@ -635,9 +639,10 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                         progress(step)
                         for arm in arms.values():
                             await arm.reload(config.drift[epoch - 1], epoch)
+                    seeded = epoch_groups(groups, config.seed + repeat, epoch)
                     for name, arm in arms.items():
                         step = f"{where}epoch {epoch + 1}/{config.epochs} {name}"
-                        out = await arm.run_epoch(groups)
+                        out = await arm.run_epoch(seeded)
                         if len(out.outcomes) != len(groups) * config.samples:  # the tests pair samples by position
                             raise RuntimeError(f"{len(out.outcomes)} samples came back, expected "
                                                f"{len(groups) * config.samples}")
@@ -672,9 +677,14 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
         result.cost_fits.append(fits)
     result.wall_s = time.perf_counter() - began
     result.tests = compare_arms(result, problems)
-    if config.temperature == 0:
-        _greedy_identity(result, tokens)
+    _identity(result, tokens)
     return result
+
+
+def epoch_groups(groups: Sequence[GroupRequest], seed: int, epoch: int) -> list[GroupRequest]:
+    """The groups of `epoch` (0-based) in a run seeded `seed`: group g samples with seed
+    derive(derive(seed, epoch), g), the same for every arm."""
+    return seeded_groups(groups, derive(seed, epoch))
 
 
 def compare_arms(result: E2EResult, problems: Sequence[Problem]) -> dict[str, ArmTests]:
@@ -704,7 +714,7 @@ def compare_arms(result: E2EResult, problems: Sequence[Problem]) -> dict[str, Ar
     return tests
 
 
-def _greedy_identity(result: E2EResult, tokens: dict[str, list[list[list[int]]]]) -> None:
+def _identity(result: E2EResult, tokens: dict[str, list[list[list[int]]]]) -> None:
     first = result.arms[0]
     reference = [s for run in tokens[first] for s in run]
     for arm in result.arms[1:]:
@@ -712,7 +722,7 @@ def _greedy_identity(result: E2EResult, tokens: dict[str, list[list[list[int]]]]
         result.divergence[arm] = round(sum(a != b for a, b in zip(reference, mine)) / len(reference), 4)
     result.identical_outputs = not any(result.divergence.values()) if result.divergence else None
     runs = tokens[first]
-    if result.config.epochs > 1 and not result.config.drift:
+    if result.config.temperature == 0 and result.config.epochs > 1 and not result.config.drift:
         result.noise_floor = round(sum(a != b for a, b in zip(runs[0], runs[1])) / len(runs[0]), 4)
 
 

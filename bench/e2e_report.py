@@ -226,7 +226,8 @@ def markdown(result: E2EResult, command: str | None = None) -> str:
         lines += [f"- {line}" for line in sources] + [""]
     if result.identical_outputs is not None:
         shares = ", ".join(f"{arm} {share:.1%}" for arm, share in result.divergence.items())
-        lines += [f"Greedy: identical outputs across arms: {result.identical_outputs}; samples that differ from "
+        lines += [f"Identical outputs across arms (keyed sampling, T = {result.config.temperature}): "
+                  f"{result.identical_outputs}; samples that differ from "
                   f"`{result.arms[0]}`: {shares}" + (f"; noise floor {result.noise_floor:.1%}"
                                                         if result.noise_floor is not None else ""), ""]
     return "\n".join(lines)

@@ -5,7 +5,9 @@ What a new user does, measured: start `das serve` (as the README says, plus `--s
 so that a drift of the machine's load falls on both. Each repeat starts a fresh server, so epoch 1 always meets
 an empty history. Reports, per arm and epoch, the median over repeats of the makespan, tokens/s and seconds per
 token of the longest sample (at T > 0 a makespan follows the longest sample drawn), and each arm's ratios to the
-first arm measured in the same run.
+first arm measured in the same run. Every arm of repeat r runs `das rollout --seed derive(seed, r)`: under keyed
+sampling the arms draw the same samples (speculation changes none), so their makespans differ by speed alone,
+while the repeats draw different ones.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from das.service.api import SamplingSpec
 from das.service.client import RolloutClient
 from das.service.prompt_sets import Problem
 from das.service.rollout_run import EpochFigures, run_rollouts
+from das.service.sample_keys import derive
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class UserRunConfig:
 
     arms: tuple[str, ...] = ("none", "das")
     repeats: int = 3
+    seed: int = 0
     samples: int = 8
     epochs: int = 3
     max_tokens: int = 512
@@ -170,7 +174,8 @@ def run_user_bench(config: UserRunConfig, problems: list[Problem], problems_spec
             try:
                 server.wait_ready(config.ready_timeout_s, progress)
                 with RolloutClient(server.url, None) as client:
-                    run = run_rollouts(client, problems, config.samples, config.epochs, sampling, None, quiet)
+                    run = run_rollouts(client, problems, config.samples, config.epochs, sampling, None, quiet,
+                                       derive(config.seed, repeat))
             finally:
                 server.stop()
             result.runs[arm].append(run.epochs)

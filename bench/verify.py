@@ -1,6 +1,7 @@
 """`das bench verify`: one verification step of vLLM's rejection sampler, vLLM's own CPU path against ours
-(service/engine/cpu_fixes/rejection.py), side by side in one process, with the plain sampler (what a step without
-speculation pays) as the floor.
+(service/engine/cpu_fixes/rejection.py), unkeyed and keyed (service/engine/keyed_sampler.py: the keyed draw per
+draft row), side by side in one process, with the plain sampler (what a step without speculation pays) as the
+floor, vLLM's and keyed.
 
 Each case is a batch of `requests` requests, each with `drafts` draft tokens, random logits over `vocab` entries
 (SmolLM2's 49,152 by default), temperature `temperature`, sampled-token logprobs requested (as the service does).
@@ -16,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import numpy as np
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
@@ -23,14 +25,17 @@ from rich.table import Table
 
 @dataclass(frozen=True)
 class VerifyCase:
-    """Medians (ms per step) for one batch shape: `vllm_ms` and `das_ms` verify its drafts, `plain_ms` samples one
-    token per request without speculation."""
+    """Medians (ms per step) for one batch shape: `vllm_ms`, `das_ms` and `keyed_ms` (ours with keyed sampling)
+    verify its drafts; `plain_ms` (vLLM's sampler) and `plain_keyed_ms` sample one token per request without
+    speculation."""
 
     requests: int
     drafts: int
     vllm_ms: float
     das_ms: float
     plain_ms: float
+    keyed_ms: float
+    plain_keyed_ms: float
 
     @property
     def speedup(self) -> float:
@@ -44,17 +49,21 @@ class VerifyBenchResult:
 
     def to_dict(self) -> dict[str, object]:
         return {"config": self.config,
-                "cases": [{**asdict(c), "vllm_over_das": round(c.speedup, 2)} for c in self.cases]}
+                "cases": [{**asdict(c), "vllm_over_das": round(c.speedup, 2),
+                           "keyed_over_das": round(c.keyed_ms / c.das_ms, 2),
+                           "plain_keyed_over_plain": round(c.plain_keyed_ms / c.plain_ms, 3)} for c in self.cases]}
 
     def print(self, console: Console) -> None:
         c = self.config
         table = Table(title=f"one verification step, vocab {c['vocab']}, T={c['temperature']}, logprobs, "
                             f"{c['threads']} threads, medians of {c['repeats']}")
-        for col in ("requests", "drafts each", "vLLM ms", "das ms", "vLLM / das", "plain sampler ms"):
+        for col in ("requests", "drafts each", "vLLM ms", "das ms", "das keyed ms", "vLLM / das", "plain ms",
+                    "plain keyed ms", "keyed / plain"):
             table.add_column(col, justify="right")
         for case in self.cases:
             table.add_row(str(case.requests), str(case.drafts), f"{case.vllm_ms:.1f}", f"{case.das_ms:.1f}",
-                          f"{case.speedup:.1f}x", f"{case.plain_ms:.1f}")
+                          f"{case.keyed_ms:.1f}", f"{case.speedup:.1f}x", f"{case.plain_ms:.1f}",
+                          f"{case.plain_keyed_ms:.1f}", f"{case.plain_keyed_ms / case.plain_ms:.3f}")
         console.print(table)
 
 
@@ -88,11 +97,13 @@ def run_verify_bench(requests: Sequence[int], drafts: Sequence[int], vocab: int 
     import torch
     from vllm.platforms import current_platform
     from vllm.v1.sample import rejection_sampler
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     from das.service.engine.cpu_fixes.plugin import expand_kernel_impl
     from das.service.engine.cpu_fixes.rejection import logprobs_of_kept_cells, make_rejection_sample
+    from das.service.engine.keyed_sampler import StepKeys, keyed_forward_cpu, keys_of_step
 
     if not current_platform.is_cpu():
         raise ValueError("das bench verify measures vLLM's CPU rejection sampler; this vLLM is not the CPU build")
@@ -106,6 +117,13 @@ def run_verify_bench(requests: Sequence[int], drafts: Sequence[int], vocab: int 
             "das": (make_rejection_sample(rejection_sampler.rejection_sample), logprobs_of_kept_cells)}
     sampler = Sampler(logprobs_mode="processed_logprobs")
     verifier = rejection_sampler.RejectionSampler(sampler)
+    vllm_forward = TopKTopPSampler.forward_cpu
+    TopKTopPSampler.forward_cpu = keyed_forward_cpu(vllm_forward)  # bound by the samplers built until restored
+    try:
+        keyed = Sampler(logprobs_mode="processed_logprobs")
+    finally:
+        TopKTopPSampler.forward_cpu = vllm_forward
+    keyed_verifier = rejection_sampler.RejectionSampler(keyed)
     cases = []
     shapes = [(r, d) for r in requests for d in drafts]
     with Progress(disable=not progress, transient=True) as bar:
@@ -119,18 +137,25 @@ def run_verify_bench(requests: Sequence[int], drafts: Sequence[int], vocab: int 
             meta.bonus_logits_indices = rows[:, k].contiguous()
             logits = torch.randn(batch * (k + 1), vocab)
             metadata = _sampling_metadata(batch, temperature)
+            keys = np.arange(batch, dtype=np.int64) * 7919 + 1
+            drafted = StepKeys(keys, np.ones(batch, bool), np.full(batch, 100, np.int64), np.full(batch, k, np.int64))
+            plain_step = StepKeys(keys, np.ones(batch, bool), np.full(batch, 100, np.int64), np.zeros(batch, np.int64))
             ms = {}
             try:
                 for name, (sample, logprobs) in arms.items():
                     rejection_sampler.rejection_sample = sample
                     rejection_sampler.RejectionSampler._get_logprobs_tensors = logprobs
                     ms[name] = _median_ms(lambda: verifier(meta, None, logits.clone(), metadata), repeats)
+                with keys_of_step(drafted):  # arms["das"] is still installed
+                    ms["keyed"] = _median_ms(lambda: keyed_verifier(meta, None, logits.clone(), metadata), repeats)
             finally:
                 rejection_sampler.rejection_sample, rejection_sampler.RejectionSampler._get_logprobs_tensors = \
                     arms["vllm"]
             bonus = logits[meta.bonus_logits_indices.long()]
             plain = _median_ms(lambda: sampler(bonus.clone(), metadata), repeats)
-            cases.append(VerifyCase(batch, k, ms["vllm"], ms["das"], plain))
+            with keys_of_step(plain_step):
+                plain_keyed = _median_ms(lambda: keyed(bonus.clone(), metadata), repeats)
+            cases.append(VerifyCase(batch, k, ms["vllm"], ms["das"], plain, ms["keyed"], plain_keyed))
             bar.advance(task)
     config = {"vocab": vocab, "temperature": temperature, "repeats": repeats, "threads": torch.get_num_threads()}
     return VerifyBenchResult(config, cases)

@@ -12,6 +12,7 @@ cut or a positive count, non-empty stop strings).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -123,6 +124,10 @@ class GroupRequest(BaseModel):
     sampling: SamplingSpec = SamplingSpec()
     predicted_tokens: float | None = Field(None, gt=0, le=INT32_MAX,
                                            description="the scheduler's predicted output length")
+    key_indices: tuple[Annotated[int, Field(ge=0, le=INT32_MAX)], ...] | None = Field(
+        None, description="sample j draws with the keys of sample key_indices[j] of the group's seed (default j); "
+                          "the service sets it when it re-draws the samples an engine lost, so they come out as "
+                          "first drawn. Results are still numbered 0..n-1")
     length_curve: LengthCurve | None = Field(
         None, description="the scheduler's predicted output length as a function of the tokens a sample has "
                           "generated (what the draft budget reads every step); the service fills it in when neither "
@@ -137,6 +142,9 @@ class GroupRequest(BaseModel):
             raise ValueError("prompt_token_ids is empty")
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages is empty")
+        if self.key_indices is not None and (len(self.key_indices) != self.n
+                                             or len(set(self.key_indices)) != self.n):
+            raise ValueError(f"key_indices must be n = {self.n} distinct indices")
         return self
 
     @field_validator("length_curve", mode="wrap")
@@ -220,11 +228,12 @@ class RolloutRequest(BaseModel):
         "the batch's seed: group g without a sampling.seed of its own samples with seed derive(seed, g), so the "
         "same batch with the same seed gives the same samples; None: a fresh one (BatchSummary.seed says which)"))
 
-    def seeded_groups(self, seed: int) -> list[GroupRequest]:
-        """The groups with every missing sampling.seed derived from the batch's `seed` and the group's index."""
-        return [g if g.sampling.seed is not None else
-                g.model_copy(update={"sampling": g.sampling.model_copy(update={"seed": derive(seed, i)})})
-                for i, g in enumerate(self.groups)]
+
+def seeded_groups(groups: Sequence[GroupRequest], batch_seed: int) -> list[GroupRequest]:
+    """The groups of a batch seeded `batch_seed`: group g without a sampling.seed gets derive(batch_seed, g)."""
+    return [g if g.sampling.seed is not None else
+            g.model_copy(update={"sampling": g.sampling.model_copy(update={"seed": derive(batch_seed, i)})})
+            for i, g in enumerate(groups)]
 
 
 class SampleRecord(BaseModel):

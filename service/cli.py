@@ -224,6 +224,9 @@ def rollout_cmd(
     token: Annotated[Optional[str], typer.Option(envvar="DAS_TOKEN", show_default=False,
                                                  help="The server's bearer token (or $DAS_TOKEN).")] = None,
     out: Annotated[Optional[Path], typer.Option(help="History file to write (.jsonl or .jsonl.gz).")] = None,
+    seed: Annotated[Optional[int], typer.Option(min=-(2**63), max=2**63 - 1, show_default=False,
+                                                help="Draw the same samples as another run with this seed (any "
+                                                     "server, any --speculation); default: fresh ones.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Multi-epoch rollouts against a server, like a trainer: makespan per epoch, results as a history file."""
@@ -236,7 +239,7 @@ def rollout_cmd(
         problem_set = load_prompt_set(problems)
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
         with RolloutClient(server, token) as client:
-            result = run_rollouts(client, problem_set, samples, epochs, sampling, out, console)
+            result = run_rollouts(client, problem_set, samples, epochs, sampling, out, console, seed)
     except (PromptSetError, RolloutError, OSError, ValueError) as exc:
         fail(str(exc))
     emit(result, as_json)

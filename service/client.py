@@ -126,8 +126,9 @@ class _BatchProgress:
     summary."""
 
     def __init__(self, groups: list[dict[str, Any]], batch_id: str, logprobs: bool, prompts: bool,
-                 wire: Wire) -> None:
+                 wire: Wire, seed: int | None) -> None:
         self.batch_id = batch_id
+        self.seed = seed
         self.wire = wire
         self.summary: BatchSummary | None = None
         self._groups = groups
@@ -147,8 +148,9 @@ class _BatchProgress:
         return MSGPACK if self.wire == "msgpack" else NDJSON
 
     def body(self) -> dict[str, Any]:
-        return {"batch_id": self.batch_id, "groups": self._groups, "logprobs": self._logprobs,
+        body = {"batch_id": self.batch_id, "groups": self._groups, "logprobs": self._logprobs,
                 "return_prompt_token_ids": self._prompts, "resume_from": self._received}
+        return body if self.seed is None else {**body, "seed": self.seed}
 
     def begin(self, response: httpx.Response) -> None:
         """A new attempt's stream starts; the server says at which of the batch's records (it starts from 0
@@ -206,8 +208,8 @@ class _ClientBase:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _progress(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None,
-                  logprobs: bool, prompts: bool) -> _BatchProgress:
-        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, prompts, self.wire)
+                  logprobs: bool, prompts: bool, seed: int | None) -> _BatchProgress:
+        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, prompts, self.wire, seed)
 
     def _delay(self, attempt: int) -> float:
         """Seconds before retry `attempt` (1-based): exponential, capped at 10 s."""
@@ -257,10 +259,12 @@ class RolloutClient(_ClientBase):
                                  transport=transport)
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
-                 logprobs: bool = False, return_prompt_token_ids: bool = False) -> RolloutStream:
-        """The batch's samples as they finish (iterate the result). Raises RolloutError when the server refuses
-        the batch, gives up retrying, or the batch ends aborted or failed."""
-        return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids))
+                 logprobs: bool = False, return_prompt_token_ids: bool = False,
+                 seed: int | None = None) -> RolloutStream:
+        """The batch's samples as they finish (iterate the result). `seed`: the batch's seed (the same seed draws
+        the same samples; None: the server draws one, in `summary.seed`). Raises RolloutError when the server
+        refuses the batch, gives up retrying, or the batch ends aborted or failed."""
+        return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed))
 
     def _call(self, method: str, path: str, json_body: Any = None, params: Mapping[str, Any] | None = None) -> Any:
         idempotent = method in ("GET", "DELETE")
@@ -364,9 +368,11 @@ class AsyncRolloutClient(_ClientBase):
                                       transport=transport)
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
-                 logprobs: bool = False, return_prompt_token_ids: bool = False) -> AsyncRolloutStream:
-        """The batch's samples as they finish (`async for` the result); errors as `RolloutClient.generate`."""
-        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids))
+                 logprobs: bool = False, return_prompt_token_ids: bool = False,
+                 seed: int | None = None) -> AsyncRolloutStream:
+        """The batch's samples as they finish (`async for` the result); `seed` and errors as
+        `RolloutClient.generate`."""
+        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed))
 
     async def _call(self, method: str, path: str, json_body: Any = None,
                     params: Mapping[str, Any] | None = None) -> Any:

@@ -58,8 +58,11 @@ class Share:
     received: set[int] = field(default_factory=set)
 
     def request(self, group: GroupRequest) -> GroupRequest:
-        """What the engine is sent: the group, with n = the samples of this share."""
-        return group if len(self.indices) == group.n else group.model_copy(update={"n": len(self.indices)})
+        """What the engine is sent: the group, with n = the samples of this share, drawn with their own keys."""
+        if len(self.indices) == group.n:
+            return group
+        keys = self.indices if group.key_indices is None else tuple(group.key_indices[i] for i in self.indices)
+        return group.model_copy(update={"n": len(self.indices), "key_indices": keys})
 
     def take(self, sample: SampleResult) -> SampleResult | None:
         """The engine's sample renumbered as the batch's sample (in place), or None if that sample has already

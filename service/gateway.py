@@ -97,6 +97,7 @@ from das.service.api import (
     WeightsRequest,
     WeightsResponse,
     error_responses,
+    seeded_groups,
 )
 from das.service.batch_journal import BatchJournal, BatchJournalConfig
 from das.service.engine.async_engine import EngineInputError
@@ -436,7 +437,7 @@ class _Gateway:
                 return batch, body.resume_from
             # Seeds are fixed here, once: a sample re-run after its engine died draws the same tokens.
             seed = body.seed if body.seed is not None else fresh_seed()
-            batch = _Batch(body.batch_id or uuid.uuid4().hex, body.seeded_groups(seed), body.logprobs,
+            batch = _Batch(body.batch_id or uuid.uuid4().hex, seeded_groups(body.groups, seed), body.logprobs,
                            body.return_prompt_token_ids, fingerprint, seed)
             self.batches.add(batch)
             if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id

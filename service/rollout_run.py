@@ -21,6 +21,7 @@ from das.drafter.records import RolloutRecord, write_rollouts
 from das.service.api import SamplingSpec
 from das.service.client import RolloutClient
 from das.service.prompt_sets import Problem
+from das.service.sample_keys import derive
 
 
 @dataclass(frozen=True)
@@ -71,8 +72,9 @@ class RolloutRun:
 
 
 def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, epochs: int, sampling: SamplingSpec,
-                 history_file: Path | None, console: Console | None = None) -> RolloutRun:
-    """Runs `epochs` batches of every problem x `samples`; see the module docstring."""
+                 history_file: Path | None, console: Console | None = None, seed: int | None = None) -> RolloutRun:
+    """Runs `epochs` batches of every problem x `samples`; see the module docstring. `seed`: epoch e's batch
+    seed is derive(seed, e - 1), so a run with the same seed draws the same samples; None: the server's choice."""
     groups = [p.group(samples, sampling).model_dump(exclude_none=True) for p in problems]
     expected = len(problems) * samples
     figures: list[EpochFigures] = []
@@ -84,7 +86,9 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
             start = time.perf_counter()
             received = tokens = drafted = accepted = errors = longest = 0
             versions: set[int] = set()
-            for sample in client.generate(groups, return_prompt_token_ids=history_file is not None):
+            batch_seed = None if seed is None else derive(seed, epoch - 1)
+            for sample in client.generate(groups, return_prompt_token_ids=history_file is not None,
+                                          seed=batch_seed):
                 bar.advance(task)
                 tokens += len(sample.output_token_ids)
                 longest = max(longest, len(sample.output_token_ids))

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from das.service.api import GroupRequest, PauseMode, SampleResult
 from das.service.engine.async_engine import EngineInputError, SpecDecodeTally, validate_rollouts
+from das.service.sample_keys import derive
 
 
 class StubEngineConfig(BaseModel):
@@ -89,6 +90,9 @@ class StubEngine:
         yielded = 0
         try:
             for index in range(group.n):
+                # the sample's tokens are a function of its key, as under keyed sampling: a re-drawn sample repeats
+                key = derive(group.sampling.seed or 0,
+                             index if group.key_indices is None else group.key_indices[index])
                 tokens: list[int] = []
                 spans: list[tuple[int, int]] = []
                 while len(tokens) < length and self._abort_epoch == epoch:
@@ -102,7 +106,7 @@ class StubEngine:
                         break
                     if not spans or spans[-1][0] != version:
                         spans.append((version, len(tokens)))
-                    tokens.append((7 * len(tokens) + index) % self.config.vocab_size)
+                    tokens.append((7 * len(tokens) + key) % self.config.vocab_size)
                 if len(tokens) < length:
                     finish = "abort"
                 else:

@@ -293,7 +293,8 @@ class Engine:
         tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
         extra_args = tags.to_extra_args()
         if self.config.keyed_sampling and group.sampling.seed is not None:
-            extra_args[SAMPLE_KEY] = derive(group.sampling.seed, index)
+            extra_args[SAMPLE_KEY] = derive(group.sampling.seed,
+                                            index if group.key_indices is None else group.key_indices[index])
         return sampling_params(group.sampling, self._vocab_size, extra_args)
 
     async def generate(self, group: GroupRequest | dict[str, Any]) -> AsyncIterator[SampleResult]:

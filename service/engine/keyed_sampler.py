@@ -21,6 +21,8 @@ variable that the sampler and the rejection sampler read; it is unset outside a 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -94,17 +96,24 @@ def step_keys(runner: Any, drafts: list[int] | None) -> StepKeys | None:
     return StepKeys(keys, keyed, positions, counts)
 
 
+@contextmanager
+def keys_of_step(step: StepKeys | None) -> Iterator[None]:
+    """Makes `step` the current step's keys for the block (what the sampler and the rejection sampler draw with)."""
+    token = _step.set(step)
+    try:
+        yield
+    finally:
+        _step.reset(token)
+
+
 def publish_step_keys(original: Any) -> Any:
     """Wraps the model runner's `_sample(logits, spec_decode_metadata)`: the step's keys are current while it
     samples."""
 
     def _sample(self: Any, logits: Any, spec_decode_metadata: Any) -> Any:
         drafts = None if spec_decode_metadata is None else spec_decode_metadata.num_draft_tokens
-        token = _step.set(step_keys(self, drafts))
-        try:
+        with keys_of_step(step_keys(self, drafts)):
             return original(self, logits, spec_decode_metadata)
-        finally:
-            _step.reset(token)
 
     _sample.__wrapped__ = original  # type: ignore[attr-defined]
     return _sample

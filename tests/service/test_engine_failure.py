@@ -47,11 +47,15 @@ def test_a_share_maps_the_engines_indices_back_and_its_remainder_is_what_never_a
     rest = first.remainder()
     assert rest is not None and rest.group_index == 3 and rest.indices == (0, 2, 3, 5)
     request = rest.request(group)
-    assert request.n == 4 and request.model_copy(update={"n": 6}) == group  # only n changes
+    # only n changes, and the samples draw with the keys of the indices they stand for (the same tokens again)
+    assert request.n == 4 and request.key_indices == (0, 2, 3, 5)
+    assert request.model_copy(update={"n": 6, "key_indices": None}) == group
+    keyed = group.model_copy(update={"key_indices": (10, 11, 12, 13, 14, 15)})  # a group naming its own keys
+    assert rest.request(keyed).key_indices == (10, 12, 13, 15)
     # the engine numbers the re-dispatched samples 0..3; they land on the missing indices
     assert [rest.take(sample(j)).sample_index for j in (2, 0)] == [3, 0]
     again = rest.remainder()
-    assert again is not None and again.indices == (2, 5)
+    assert again is not None and again.indices == (2, 5) and again.request(group).key_indices == (2, 5)
     assert again.take(sample(1)).sample_index == 5 and again.take(sample(0)).sample_index == 2
     assert again.remainder() is None and again.missing() == ()
     delivered = sorted([1, 4] + [3, 0] + [5, 2])

@@ -1,5 +1,6 @@
-"""The engine with real vLLM engine processes on the CPU: lossless drafting (greedy identity on SmolLM2, the
-output distribution at temperature > 0 on a tiny model), history across epochs, weight reload, bad input."""
+"""The engine with real vLLM engine processes on the CPU: lossless drafting (token identity with and without drafts
+on SmolLM2, greedy and sampled under keyed sampling, for our drafter and vLLM's suffix and ngram; keyed sampling's
+output distribution against vLLM's own sampler on a tiny model), history across epochs, weight reload, bad input."""
 
 from __future__ import annotations
 
@@ -66,27 +67,82 @@ def chat_groups(n: int, max_tokens: int) -> list[GroupRequest]:
                          sampling={"max_tokens": max_tokens, "temperature": 0.0}) for i, p in enumerate(PROMPTS)]
 
 
-def test_greedy_outputs_are_token_identical_with_and_without_das_drafts(loop, smollm2):
-    outputs = {}
-    for arm in ("none", "das"):
+SAMPLED = {"T0.8": {"temperature": 0.8, "top_p": 0.95, "top_k": 50}, "T1.0": {"temperature": 1.0}}
+
+
+def arm_groups(greedy: bool) -> dict[str, list[GroupRequest]]:
+    """Each workload of the identity runs: greedy chats (if `greedy`), sampled chats at two temperatures (seeded),
+    and one problem again under another seed."""
+    groups = {"greedy": chat_groups(n=2, max_tokens=96)} if greedy else {}
+    for name, sampling in SAMPLED.items():
+        groups[name] = [GroupRequest(problem_id=f"{name}-q{i}", n=2, messages=[{"role": "user", "content": p}],
+                                     sampling={"max_tokens": 32, "seed": 1000 + i, **sampling})
+                        for i, p in enumerate(PROMPTS)]
+    groups["other seed"] = [groups["T0.8"][0].model_copy(update={
+        "sampling": groups["T0.8"][0].sampling.model_copy(update={"seed": 99})})]
+    return groups
+
+
+@pytest.fixture(scope="module")
+def identity_runs(loop, smollm2) -> dict[str, dict]:
+    """Per arm (none, das, vLLM's suffix and ngram): two epochs of the same seeded workloads on SmolLM2 in float32
+    (greedy only for none and das: vLLM's methods share our greedy verification rule), the outputs by epoch and
+    workload, and the draft tokens vLLM counted accepted in each epoch."""
+    runs = {}
+    for arm in ("none", "das", "suffix", "ngram"):
         engine = start(loop, model=str(smollm2), speculation=arm, dtype="float32", max_model_len=1024,
-                       num_speculative_tokens=8)
+                       num_speculative_tokens=8, budget={"policy": "uniform"} if arm == "das" else {})
         try:
-            outputs[arm] = [run_groups(loop, engine, chat_groups(n=2, max_tokens=96)) for _ in range(2)]
+            epochs, accepted = [], []
+            for _ in range(2):
+                before = engine.spec_tally.accepted_tokens
+                workloads = arm_groups(greedy=arm in ("none", "das"))
+                outputs = run_groups(loop, engine, [g for groups in workloads.values() for g in groups])
+                at = iter(outputs)
+                epochs.append({name: [next(at) for _ in groups] for name, groups in workloads.items()})
+                accepted.append(engine.spec_tally.accepted_tokens - before)
+            runs[arm] = {"epochs": epochs, "accepted": accepted}
         finally:
             loop.run_until_complete(engine.close())
+    return runs
+
+
+def tokens(run: dict, epoch: int, workload: str) -> list[list[int]]:
+    return [r.token_ids for group in run["epochs"][epoch][workload] for r in group]
+
+
+@pytest.mark.parametrize("arm, workload", [("das", "greedy")] + [(arm, workload) for arm in ("das", "suffix", "ngram")
+                                                                   for workload in SAMPLED])
+def test_outputs_are_token_identical_with_and_without_drafts(identity_runs, arm, workload):
+    """Greedy, and sampled at T = 0.8 (top-p, top-k) and 1.0 under keyed sampling: every sample of every drafting
+    arm is the sample plain decoding draws, in both epochs, while drafts are accepted."""
     for epoch in range(2):
-        for g_none, g_das in zip(outputs["none"][epoch], outputs["das"][epoch]):
-            for a, b in zip(g_none, g_das):
-                assert a.token_ids == b.token_ids, f"epoch {epoch} problem {a.problem_id} sample {a.sample_index}"
-                assert len(b.logprobs) == len(b.token_ids)
+        plain, drafted = tokens(identity_runs["none"], epoch, workload), tokens(identity_runs[arm], epoch, workload)
+        for i, (a, b) in enumerate(zip(plain, drafted, strict=True)):
+            assert a == b, f"epoch {epoch} {workload} sample {i}: {arm} differs from none"
+        assert identity_runs[arm]["accepted"][epoch] > 0, f"{arm} epoch {epoch}: no draft accepted, proves nothing"
+        samples = [r for g in identity_runs[arm]["epochs"][epoch][workload] for r in g]
+        assert all(len(r.logprobs) == len(r.token_ids) > 0 for r in samples)
+
+
+def test_das_accepts_more_per_step_in_the_second_epoch(identity_runs):
     per_step = []
     for epoch in range(2):
-        samples = [r for g in outputs["das"][epoch] for r in g]
+        samples = [r for g in identity_runs["das"]["epochs"][epoch]["greedy"] for r in g]
         accepted, steps = sum(r.accepted_tokens for r in samples), sum(r.decode_steps for r in samples)
         assert accepted > 0 and steps > 0, f"epoch {epoch}: no draft accepted, the identity proves nothing"
         per_step.append(accepted / steps)
     assert per_step[1] > per_step[0], f"accepted tokens per step by epoch: {per_step}"
+
+
+def test_the_same_seeds_reproduce_a_batch_and_another_seed_draws_anew(identity_runs):
+    run = identity_runs["none"]
+    for workload in SAMPLED:  # epoch 2 re-ran epoch 1's seeded groups on the same engine, its history grown
+        assert tokens(run, 0, workload) == tokens(run, 1, workload)
+        samples = tokens(run, 0, workload)
+        assert all(samples[i] != samples[i + 1] for i in range(0, len(samples), 2)), "siblings drew alike"
+    first, other = tokens(run, 0, "T0.8")[:2], tokens(run, 0, "other seed")
+    assert first[0] != other[0] and first[1] != other[1]
 
 
 def chi_square_p_value(a: Counter, b: Counter) -> float:
@@ -133,11 +189,13 @@ def sampled_groups(problem: str, samples: int) -> list[GroupRequest]:
 
 
 def test_sampling_at_temperature_keeps_the_models_distribution(loop, tiny_models, tiny_das):
-    """Per position 1-5 (position 0 is never drafted), the das outputs' token histogram against the plain
-    engine's, 1,600 samples each. Each position is tested at alpha = 0.001, so a correct engine fails this test
-    with probability at most 0.5% (Bonferroni over 5 positions); a broken verification (the CPU expand bug made
-    the outputs garbage) fails it with p-values near 0."""
-    plain = start(loop, model=str(tiny_models[0]), speculation="none", dtype="float32", max_model_len=256)
+    """Per position 1-5 (position 0 is never drafted), the das outputs' token histogram (keyed sampling, the
+    default) against the plain engine's under vLLM's own sampler, 1,600 samples each. Each position is tested at
+    alpha = 0.001, so a correct engine fails this test with probability at most 0.5% (Bonferroni over 5
+    positions); a broken verification (the CPU expand bug made the outputs garbage) fails it with p-values near
+    0."""
+    plain = start(loop, model=str(tiny_models[0]), speculation="none", dtype="float32", max_model_len=256,
+                  keyed_sampling=False)
     try:
         reference = [r for g in run_groups(loop, plain, sampled_groups("t", 1600)) for r in g]
     finally:
