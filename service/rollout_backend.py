@@ -250,7 +250,7 @@ class StubBackend:
     `max_prompt_tokens` refuses longer prompts like an engine with that context (prompt_token_ids count tokens;
     text counts whitespace-separated words), and stop token ids outside `vocab_size` are refused like the engine
     does; everything else an engine refuses the API's own bounds refuse (service/api.py). `runs` counts `generate`
-    calls.
+    calls, `received` keeps the groups of each.
 
     Pause as an engine does (`RolloutBackend.pause`), per emission: a batch that starts while paused waits for
     `resume`; under "keep" no sample is emitted until `resume`; "abort" ends the samples not yet emitted with
@@ -265,6 +265,7 @@ class StubBackend:
         self.interval_s = interval_s
         self.max_prompt_tokens = max_prompt_tokens
         self.runs = 0
+        self.received: list[list[GroupRequest]] = []
         self.history_records = 0
         self.emissions: list[tuple[int, int, float]] | None = [] if log_emissions else None
         self._ready = ready
@@ -311,6 +312,7 @@ class StubBackend:
 
     async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
         self.runs += 1
+        self.received.append(list(groups))
         epoch = self._abort_epoch
         while self._mode is not None and self._abort_epoch == epoch:  # held while paused
             await self._changed.wait()

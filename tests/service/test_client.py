@@ -144,11 +144,12 @@ def test_a_dropped_connection_is_resumed_without_rerunning_or_repeating(live):
     server = live(backend)
     transport = DropFirstStream(limit=250)  # a few records, the last one cut mid-frame
     with RolloutClient(server.url, backoff_s=0.01, transport=transport) as client:
-        records = list(client.generate(groups(3, 4), batch_id="flaky"))
+        stream = client.generate(groups(3, 4), batch_id="flaky", seed=9)
+        records = list(stream)
     assert keys(records) == ALL_12  # every sample, none twice
-    assert backend.runs == 1
+    assert backend.runs == 1 and stream.summary is not None and stream.summary.seed == 9
     first, second = transport.bodies
-    assert first["batch_id"] == second["batch_id"] == "flaky"
+    assert first["batch_id"] == second["batch_id"] == "flaky" and first["seed"] == second["seed"] == 9
     assert first["resume_from"] == 0 and second["resume_from"] > 0
 
 
@@ -164,6 +165,7 @@ def test_the_async_client_resumes_a_dropped_connection_too(live):
     records = asyncio.run(run())
     assert keys(records) == ALL_12 and backend.runs == 1
     assert len(transport.bodies) == 2 and transport.bodies[1]["resume_from"] > 0
+    assert "seed" not in transport.bodies[0]  # no seed given: the server draws one
 
 
 def test_a_server_not_ready_yet_is_retried(live):

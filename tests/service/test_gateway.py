@@ -23,6 +23,7 @@ from das.service.api import GroupRequest, SampleRecord, SampleResult
 from das.service.engine.async_engine import EngineInputError
 from das.service.gateway import GatewaySettings, create_app
 from das.service.rollout_backend import EngineBackend, StubBackend
+from das.service.sample_keys import derive
 
 TOKEN = "s3cret-token"
 
@@ -183,6 +184,20 @@ def test_oversize_batch_is_413(serve):
     response = http.post("/v1/rollouts", json={"groups": groups(3, 4)})
     assert response.status_code == 413 and "max_batch_samples" in response.json()["detail"]
     assert backend.runs == 0
+
+
+def test_the_batch_seed_names_every_groups_seed_and_a_missing_one_is_drawn(serve):
+    backend = StubBackend(output_tokens=2)
+    _, http = serve(backend)
+    body = {"groups": groups(2, 2) + [{**groups(1, 2)[0], "problem_id": "own", "sampling": {"seed": -7}}]}
+    seeded = read_ndjson(http.post("/v1/rollouts", json={**body, "seed": 41}))[-1]["summary"]
+    assert seeded["seed"] == 41
+    assert [g.sampling.seed for g in backend.received[-1]] == [derive(41, 0), derive(41, 1), -7]
+    drawn = [read_ndjson(http.post("/v1/rollouts", json=body))[-1]["summary"]["seed"] for _ in range(2)]
+    assert None not in drawn and drawn[0] != drawn[1]  # fresh seeds, said in the summary
+    assert [g.sampling.seed for g in backend.received[-1]] == [derive(drawn[1], 0), derive(drawn[1], 1), -7]
+    again = http.post("/v1/rollouts", json={**body, "seed": 2**63})
+    assert again.status_code == 422 and again.json()["detail"][0]["loc"] == ["body", "seed"]
 
 
 def test_a_repeated_batch_id_replays_and_never_runs_twice(serve):

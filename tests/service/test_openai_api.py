@@ -305,6 +305,17 @@ def test_requests_for_one_problem_arriving_together_run_as_one_group(serve):
     assert backend.runs == 3
 
 
+def test_a_seeded_request_is_its_own_group_with_its_seed(serve):
+    """OpenAI's `seed` is the group's: its choices are samples 0..n-1 of that seed, so it never joins others."""
+    backend = StubBackend(output_tokens=4)
+    server, _ = serve(backend, openai_coalesce_s=0.2)
+    same = {"prompt": [1, 2], "n": 2, "max_tokens": 4, "extra_body": {"problem_id": "q"}}
+    _concurrent(server, [{**same, "seed": 5}, {**same, "seed": 5}, same, same])
+    assert backend.runs == 3  # each seeded request alone, the two unseeded ones together
+    seeds = sorted((groups[0].n, groups[0].sampling.seed) for groups in backend.received)
+    assert seeds[:2] == [(2, 5), (2, 5)] and seeds[2][0] == 4 and seeds[2][1] not in (None, 5)
+
+
 def test_a_dropped_stream_aborts_its_batch(serve):
     server, client = serve(StubBackend(first_delay_s=0.05, interval_s=0.2))
     stream = client.completions.create(model="das", prompt=[1], n=8, stream=True)
