@@ -20,6 +20,10 @@ rejected row (the recovered token by inverse CDF from one uniform), and uniforms
 vocabulary) arithmetic, no vocabulary-wide random numbers. Anything else (draft probabilities, synthetic
 acceptance) goes to vLLM's own function.
 
+Under keyed sampling (service/engine/keyed_sampler.py, the default for the service's requests) a random row
+instead accepts d_j iff d_j is the keyed draw from p_j at its position, and that draw is the correction at the
+first rejection: the same acceptance probability p_j(d_j), and the tokens plain decoding would have drawn.
+
 `logprobs_of_kept_cells` replaces `RejectionSampler._get_logprobs_tensors`: vLLM's figures for the cells
 `parse_output` keeps (accepted drafts, each request's last token), taken from the target row or the bonus row each
 cell was sampled from; the other cells are zero, as nothing reads them.
