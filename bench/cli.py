@@ -205,7 +205,12 @@ def bench_e2e(
         = 1,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Every sample runs to --max-tokens (the "
                                                                   "compute-bound check).")] = False,
-    seed: Annotated[int, typer.Option(help="Engine seed (repeat r uses seed + r).")] = 0,
+    seed: Annotated[int, typer.Option(help="Engine and sampling seed (repeat r uses seed + r; keyed sampling "
+                                           "draws group g of epoch e with derive(derive(seed + r, e), g)).")] = 0,
+    same_seeds: Annotated[bool, typer.Option("--same-seeds", help="Every epoch draws with epoch 1's seeds (then "
+                                                                  "noise_floor: the share of none's samples that "
+                                                                  "differ between its epochs 1 and 2, at any "
+                                                                  "temperature).")] = False,
     kv_cache_gib: Annotated[int, typer.Option("--kv-cache-gib", min=1, help="CPU KV cache of each engine.")] = 2,
     sequential: Annotated[bool, typer.Option("--sequential", help="One engine alive at a time: each arm runs all "
                                                                   "its epochs, then stops (less memory; arms "
@@ -246,7 +251,8 @@ def bench_e2e(
                            ignore_eos=ignore_eos, repeats=repeats,
                            drift=tuple(d.strip() for d in drift.split(",") if d.strip()) if drift else (),
                            budget=budget_settings, suffix_tuned=suffix_tuned if "suffix-t" in arm_names else {},
-                           kv_cache_gib=kv_cache_gib, sequential=sequential, profile=profile)
+                           kv_cache_gib=kv_cache_gib, sequential=sequential, profile=profile,
+                           same_seeds=same_seeds)
     except (PromptSetError, OSError, ValueError) as exc:
         fail(str(exc))
     console.print(f"[cyan]das budget {escape(spec)} (prior {escape(cost.name)}); suffix-t {suffix_tuned}[/cyan]")

@@ -52,9 +52,9 @@ makespans and cost fits, which `das bench validate` replays through the simulato
 Every arm draws with the same keys (keyed sampling, service/engine/keyed_sampler.py): group g of epoch e in repeat r
 has seed derive(derive(seed + r, e), g), so at any temperature the arms draw the same samples unless drafting
 changes them, and the epochs draw fresh ones as RL steps do. identical_outputs (all arms token-identical),
-divergence (per arm, the share of samples that differ from the baseline's); at temperature 0 also noise_floor (the
-share of the baseline's own samples that differ between its epochs 1 and 2, without drift): in bf16, batch shapes
-alone make samples diverge.
+divergence (per arm, the share of samples that differ from the baseline's); at temperature 0, or with
+`same_seeds` (every epoch draws with epoch 1's seeds), also noise_floor (the share of the baseline's own samples
+that differ between its epochs 1 and 2, without drift): in bf16, batch shapes alone make samples diverge.
 """
 
 from __future__ import annotations
@@ -102,7 +102,8 @@ NEVER_A_LOSS = 0.97  # with ignore_eos, das tokens/s must be at least this share
 class E2EConfig:
     """One benchmark. `budget`: the budget hook settings of `das` and `das-service` (service/engine/budget_hook.py);
     `suffix_tuned`: suffix-t's vLLM suffix_decoding_* settings; `drift`: checkpoint directories, one per epoch
-    after the first; `kv_cache_gib`: each engine's CPU KV cache; `sequential`: one engine alive at a time."""
+    after the first; `kv_cache_gib`: each engine's CPU KV cache; `sequential`: one engine alive at a time;
+    `same_seeds`: every epoch draws with epoch 1's seeds (a noise floor at any temperature)."""
 
     model: str
     prompts: str
@@ -124,6 +125,7 @@ class E2EConfig:
     kv_cache_gib: int = 2
     sequential: bool = False
     profile: bool = False
+    same_seeds: bool = False
 
     def __post_init__(self) -> None:
         unknown = [a for a in self.arms if a not in ARMS]
@@ -639,7 +641,7 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                         progress(step)
                         for arm in arms.values():
                             await arm.reload(config.drift[epoch - 1], epoch)
-                    seeded = epoch_groups(groups, config.seed + repeat, epoch)
+                    seeded = epoch_groups(groups, config.seed + repeat, 0 if config.same_seeds else epoch)
                     for name, arm in arms.items():
                         step = f"{where}epoch {epoch + 1}/{config.epochs} {name}"
                         out = await arm.run_epoch(seeded)
@@ -722,7 +724,8 @@ def _identity(result: E2EResult, tokens: dict[str, list[list[list[int]]]]) -> No
         result.divergence[arm] = round(sum(a != b for a, b in zip(reference, mine)) / len(reference), 4)
     result.identical_outputs = not any(result.divergence.values()) if result.divergence else None
     runs = tokens[first]
-    if result.config.temperature == 0 and result.config.epochs > 1 and not result.config.drift:
+    repeated = result.config.temperature == 0 or result.config.same_seeds  # epochs 1 and 2 draw the same samples
+    if repeated and result.config.epochs > 1 and not result.config.drift:
         result.noise_floor = round(sum(a != b for a, b in zip(runs[0], runs[1])) / len(runs[0]), 4)
 
 
