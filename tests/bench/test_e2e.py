@@ -351,3 +351,45 @@ def test_real_engines_and_the_service_with_drift(tmp_path: Path) -> None:
     report = (tmp_path / "e2e.md").read_text()
     assert "--drift" in report and "| 2 | das-service |" in report
     assert "Where an engine step's time goes" in report
+
+
+class SeedArm:
+    """Each sample's tokens are a function of its group's seed and index (as under keyed sampling); `drift` arms
+    change one sample. Records the seeds of every epoch."""
+
+    def __init__(self, name: str, seen: list) -> None:
+        self.name, self.seen = name, seen
+
+    async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
+        self.seen.append((self.name, [g.sampling.seed for g in groups]))
+        outcomes = [Outcome(g, j, [abs(group.sampling.seed) % 97, j, int(self.name == "ngram" and g == j == 0)],
+                            "", "stop", 0.01) for g, group in enumerate(groups) for j in range(group.n)]
+        return EpochOutput(outcomes, 1.0, draft_tokens=0, accepted_tokens=0, drafts=0)
+
+    async def reload(self, checkpoint: str, version: int) -> None: ...
+
+    async def proposer_stats(self) -> dict:
+        return {}
+
+    async def close(self) -> None: ...
+
+
+@pytest.mark.parametrize("same_seeds", [False, True])
+def test_every_arm_draws_an_epoch_with_the_same_seeds_and_identity_is_judged_at_any_temperature(same_seeds):
+    problems = reasoning_gym_problems(3)
+    config = E2EConfig(model="m", prompts="reasoning-gym:3", samples=2, epochs=2, repeats=2, temperature=0.8,
+                       arms=("none", "das", "ngram"), same_seeds=same_seeds)
+    seen: list = []
+
+    async def factory(name: str, cfg: E2EConfig, repeat: int) -> SeedArm:
+        return SeedArm(name, seen)
+
+    result = asyncio.run(run_e2e(config, problems, arm_factory=factory))
+    by_run = [seen[i:i + 3] for i in range(0, len(seen), 3)]  # (repeat, epoch): the three arms in turn
+    assert len(by_run) == 4 and all(len({tuple(s) for _, s in run}) == 1 for run in by_run)  # arms alike
+    seeds = [run[0][1] for run in by_run]
+    assert all(len(set(s)) == 3 and None not in s for s in seeds)  # every group its own seed
+    assert (seeds[0] == seeds[1]) is same_seeds and seeds[0] != seeds[2]  # epochs (unless same), repeats differ
+    # ngram changed one of the six samples of every epoch
+    assert result.identical_outputs is False and result.divergence == {"das": 0.0, "ngram": round(4 / 24, 4)}
+    assert result.noise_floor == (0.0 if same_seeds else None)
