@@ -5,8 +5,11 @@ but HTTP: the official `openai` client for rollouts and vLLM's `/update_weights`
   `num_generations` times in a row (its RepeatSampler); every run of one prompt becomes one chat completion with
   `n` = the run's length, all sent at once, so the service runs them as one batch and the samples of a prompt as
   siblings. The service names the problem by a hash of the prompt, so a prompt that comes back in a later step
-  drafts from its earlier rollouts with no id from the trainer. It returns TRL's `prompt_ids`, `completion_ids`
-  and `logprobs` (of the distribution sampled from) and records what the step's rollout cost (`RolloutStep`).
+  drafts from its earlier rollouts with no id from the trainer. With `ServiceConfig.seed` each request carries
+  OpenAI's `seed` (a function of the seed, the step and the request), so under the service's keyed sampling two
+  runs with one seed draw the same samples whatever the speculation. It returns TRL's `prompt_ids`,
+  `completion_ids` and `logprobs` (of the distribution sampled from) and records what the step's rollout cost
+  (`RolloutStep`).
 - `WeightSync` is a TrainerCallback: after each optimizer step it saves the policy as safetensors under the
   service's weights root and POSTs `/update_weights {path, version}` (version = the optimizer steps taken: the
   service starts at 0), so the next rollout
@@ -37,7 +40,7 @@ DRAFT_METRICS = {"das_source_draft_tokens_proposed": "proposed", "das_source_dra
 class ServiceConfig:
     """Where the service is and how to sample. `url`: the gateway's base URL (no /v1); `token`: its bearer token,
     or None without auth; `max_tokens` and `temperature` must match the trainer's (its loss divides the logits
-    by the same temperature)."""
+    by the same temperature); `seed`: the rollouts' seed (None: the service draws fresh ones)."""
 
     url: str
     token: str | None
@@ -45,6 +48,13 @@ class ServiceConfig:
     temperature: float
     model: str = "das"
     timeout_s: float = 600.0
+    seed: int | None = None
+
+    def request_seed(self, step: int, request: int) -> int | None:
+        """OpenAI's `seed` of the step's request (0-based both): distinct per (seed, step, request), in int64."""
+        if self.seed is None:
+            return None
+        return ((self.seed * 1_000_003 + step) * 1_000_033 + request) % 2**63
 
 
 @dataclass
@@ -133,8 +143,9 @@ class ServiceRollout:
             return await asyncio.gather(*(
                 client.chat.completions.create(
                     model=self.config.model, messages=prompt, n=n, max_tokens=self.config.max_tokens,
-                    temperature=self.config.temperature, logprobs=True, extra_body={"return_token_ids": True})
-                for prompt, n in runs))
+                    temperature=self.config.temperature, logprobs=True, extra_body={"return_token_ids": True},
+                    seed=self.config.request_seed(len(self.steps), i))
+                for i, (prompt, n) in enumerate(runs)))
 
     def _draft_counts(self) -> dict[str, dict[str, int]]:
         response = httpx.get(f"{self.config.url}/metrics", headers=self._headers, timeout=30)

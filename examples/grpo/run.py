@@ -85,7 +85,8 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
     problem_set = reasoning_gym_problems(problems)
     dataset = Dataset.from_list([{"prompt": list(p.messages), "problem_id": p.problem_id} for p in problem_set])
     model_dir = prepare_model("smollm2")
-    service = ServiceConfig(url=f"http://127.0.0.1:{port}", token=TOKEN, max_tokens=max_tokens, temperature=1.0)
+    service = ServiceConfig(url=f"http://127.0.0.1:{port}", token=TOKEN, max_tokens=max_tokens, temperature=1.0,
+                            seed=seed)
     rollout = ServiceRollout(service)
     sync = WeightSync(service, weights_root)
     steps_path = arm_dir / "steps.jsonl"
@@ -147,8 +148,9 @@ def main(
                                                       "problems/prompts steps.")] = 8,
     max_tokens: Annotated[int, typer.Option(min=8, help="Completion length cap.")] = 128,
     learning_rate: Annotated[float, typer.Option(min=0.0)] = 5e-5,
-    seed: Annotated[int, typer.Option(help="Trainer and data seed (the service's engines seed themselves "
-                                           "alike in both arms).")] = 0,
+    seed: Annotated[int, typer.Option(help="Trainer, data and rollout seed: every rollout request carries a "
+                                           "seed of (seed, step, request), so under keyed sampling both arms "
+                                           "draw the same samples from the same weights.")] = 0,
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8011,
 ) -> None:
     """Train both arms, then compare them (report.py)."""

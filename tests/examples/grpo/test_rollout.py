@@ -3,6 +3,7 @@ answer in TRL's shape, the step record, and the weight push after an optimizer s
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -79,6 +80,18 @@ def test_rollout_answers_in_trls_shape_one_request_per_prompt(service):
     assert (step.samples, step.completion_tokens, step.longest_tokens) == (6, 30, 5)
     assert step.draft_tokens == 6 * 2 and step.accepted_tokens == 6 * 1 and step.seconds > 0
     assert step.policy_versions == [0]
+    assert [g[0].sampling.seed is not None for g in backend.received] == [True, True]  # drawn by the service
+
+
+def test_a_seeded_rollout_sends_one_seed_per_step_and_request(service):
+    backend, config = service
+    seeded = dataclasses.replace(config, seed=3)
+    rollout = ServiceRollout(seeded)
+    for _ in range(2):
+        rollout([CHAT_A, CHAT_A, CHAT_B, CHAT_B])
+    seeds = [g[0].sampling.seed for g in backend.received]
+    assert sorted(seeds) == sorted(seeded.request_seed(step, r) for step in (0, 1) for r in (0, 1))
+    assert len(set(seeds)) == 4
 
 
 def test_rollout_refuses_an_answer_without_prompt_ids(tmp_path):
