@@ -25,6 +25,8 @@ import pytest
 from das.service.api import GroupRequest, SampleResult
 from das.service.engine.models import prepare_model
 from das.service.engine_failure import FailureConfig, RestartWindow, Share
+from das.service.sample_keys import derive
+from das.service.stub_engine import StubEngineConfig
 from tests.service.test_serve import TOKEN, Server, free_port, metric
 from tests.tiny_models import build_tiny_model
 
@@ -180,6 +182,9 @@ class StubService:
         assert self.proc.returncode == 0, self.log.read_text()[-3000:]
 
 
+STUB_VOCAB = StubEngineConfig().vocab_size
+
+
 def stub_groups(count: int, n: int) -> list[dict[str, Any]]:
     return [{"problem_id": f"p{i}", "prompt_token_ids": [5, 6, 7 + i], "n": n, "sampling": {"max_tokens": 8}}
             for i in range(count)]
@@ -228,6 +233,9 @@ def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(t
         for batch_id, (records, summary) in results.items():
             assert summary["status"] == "done" and summary["samples"] == 24, (batch_id, summary)
             assert Counter((r["group_index"], r["sample_index"]) for r in records) == expected, batch_id
+            for r in records:  # a re-drawn sample repeats its draw: a stub's tokens follow from the sample's key
+                key = derive(derive(summary["seed"], r["group_index"]), r["sample_index"])
+                assert r["output_token_ids"] == [(7 * p + key) % STUB_VOCAB for p in range(8)], (batch_id, r)
         assert service.get("/readyz").status_code == 200 and service.get("/healthz").status_code == 200
         records, summary = run_batch(service.url, {"groups": stub_groups(2, 3)})
         assert summary["status"] == "done" and len(records) == 6
