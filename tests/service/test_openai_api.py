@@ -1,7 +1,6 @@
-"""The OpenAI-compatible routes with the official `openai` client, unchanged, over real HTTP: against the gateway
-on a StubBackend (completions, chat, streaming, errors in OpenAI's shape, coalescing of one problem's requests,
-abort on a dropped stream), and against `das serve` with a tiny real model (repeated requests with one problem_id
-accept draft tokens)."""
+"""The OpenAI-compatible routes with the official `openai` client, unchanged, over real HTTP against the gateway on
+a StubBackend (completions, chat, streaming, errors in OpenAI's shape, coalescing of one problem's requests, abort
+on a dropped stream). The same client against `das serve` with a tiny real model: tests/service/test_serve.py."""
 
 from __future__ import annotations
 
@@ -14,13 +13,9 @@ import httpx
 import openai
 import pytest
 
-from das.service.engine.models import prepare_model
 from das.service.gateway import create_app
 from das.service.rollout_backend import StubBackend
 from tests.service.test_gateway import LiveServer, gateway_settings
-from tests.service.test_serve import TOKEN as SERVE_TOKEN
-from tests.service.test_serve import Server
-from tests.tiny_models import build_tiny_model
 
 TOKEN = "openai-test-token"
 # What the stub answers with output_tokens=5 (StubBackend: token i is (7 i + 3) % vocab, logprob -0.5; a quarter
@@ -330,27 +325,3 @@ def test_a_dropped_stream_aborts_its_batch(serve):
             break
         time.sleep(0.05)
     assert summary["status"] == "aborted" and summary["samples"] < 8
-
-
-def test_das_serve_repeated_requests_for_one_problem_accept_draft_tokens(tmp_path):
-    model = build_tiny_model(tmp_path / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
-                             sharpness=12.0)
-    server = Server(model, tmp_path / "state")
-    try:
-        server.wait_ready()
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=SERVE_TOKEN, max_retries=0, timeout=120)
-        request = {"model": "das", "prompt": [5, 6, 7], "n": 4, "max_tokens": 24, "temperature": 0.0, "logprobs": 0,
-                   "extra_body": {"problem_id": "p0", "ignore_eos": True, "return_token_ids": True}}
-        first, second = (client.completions.create(**request) for _ in range(2))
-        for out in (first, second):
-            assert [len(c.token_ids) for c in out.choices] == [24] * 4
-            assert all(c.prompt_token_ids == [5, 6, 7] and len(c.logprobs.token_logprobs) == 24 for c in out.choices)
-            assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 96)
-        assert second.das["accepted_tokens"] > 0 and second.das["accepted_tokens"] > first.das["accepted_tokens"]
-        # greedy: the drafts change nothing but the speed
-        assert [c.token_ids for c in second.choices] == [c.token_ids for c in first.choices]
-        with pytest.raises(openai.BadRequestError) as long_prompt:
-            client.completions.create(model="das", prompt=[5] * 300)
-        assert long_prompt.value.param == "prompt" and "context" in long_prompt.value.message
-    finally:
-        server.stop()

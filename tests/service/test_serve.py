@@ -1,4 +1,5 @@
-"""`das serve` as a real process on loopback with a tiny model: a two-epoch batch through the trainer client."""
+"""`das serve` as a real process on loopback with a tiny model: two epochs through the trainer client, repeated
+requests through the official `openai` client, then a restart on the saved history."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import openai
+import pytest
 
 from das.service.client import RolloutClient
 from das.service.engine.models import prepare_model
@@ -80,7 +83,7 @@ def run_epoch(client: RolloutClient) -> list:
     return samples
 
 
-def test_das_serve_two_epochs_then_a_restart_drafts_from_the_saved_history(tmp_path):
+def test_das_serve_two_epochs_and_openai_requests_then_a_restart_drafts_from_the_saved_history(tmp_path):
     model = build_tiny_model(tmp_path / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
                              sharpness=12.0)
     state = tmp_path / "state"
@@ -118,6 +121,22 @@ def test_das_serve_two_epochs_then_a_restart_drafts_from_the_saved_history(tmp_p
         assert metric(text, "das_history_tokens_stored") == 872 == 3 * 8 * 24 + 4 * 24 + 200
         # the engine's own tally by draft source, from the same refresh: every accepted draft token counted once
         assert metric(text, "das_source_draft_tokens_accepted") == metric(text, "das_draft_tokens_accepted")
+
+        # The official `openai` client on the same server: repeated completions for one problem draft from its
+        # first request's rollouts (and the siblings' live text), with the greedy tokens unchanged.
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        request = {"model": "das", "prompt": [5, 6, 40], "n": 4, "max_tokens": 24, "temperature": 0.0,
+                   "logprobs": 0, "extra_body": {"problem_id": "openai", "ignore_eos": True, "return_token_ids": True}}
+        first, second = (client.completions.create(**request) for _ in range(2))
+        for out in (first, second):
+            assert [len(c.token_ids) for c in out.choices] == [24] * 4
+            assert all(c.prompt_token_ids == [5, 6, 40] and len(c.logprobs.token_logprobs) == 24 for c in out.choices)
+            assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 96)
+        assert second.das["accepted_tokens"] > 0
+        assert [c.token_ids for c in second.choices] == [c.token_ids for c in first.choices]
+        with pytest.raises(openai.BadRequestError) as long_prompt:
+            client.completions.create(model="das", prompt=[5] * 300)
+        assert long_prompt.value.param == "prompt" and "context" in long_prompt.value.message
     finally:
         out = server.stop()
     # the snapshots at the signal and at shutdown: two generations per shard, nothing quarantined; and the journal
