@@ -147,6 +147,13 @@ class GroupRequest(BaseModel):
             raise ValueError(f"key_indices must be n = {self.n} distinct indices")
         return self
 
+    def sample_key(self, index: int) -> int | None:
+        """The key sample `index` of this group draws with under keyed sampling: derive(sampling.seed, j) with j
+        its key index (key_indices[index], default index); None while the group has no seed."""
+        if self.sampling.seed is None:
+            return None
+        return derive(self.sampling.seed, index if self.key_indices is None else self.key_indices[index])
+
     @field_validator("length_curve", mode="wrap")
     @classmethod
     def _bounded_curve(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> LengthCurve | None:

@@ -24,9 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.service.api import GroupRequest, PauseMode, SampleResult
+from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine.async_engine import EngineInputError, SpecDecodeTally, validate_rollouts
-from das.service.sample_keys import derive
 
 
 class StubEngineConfig(BaseModel):
@@ -78,6 +77,8 @@ class StubEngine:
 
     async def generate(self, group: GroupRequest) -> AsyncIterator[SampleResult]:
         prompt = self.prompt_token_ids(group)
+        if group.sampling.seed is None:  # as Engine.generate, with a fixed seed: the stub is deterministic
+            (group,) = seeded_groups([group], 0)
         length = min(self.config.tokens, group.sampling.max_tokens)
         epoch = self._abort_epoch
         while self._mode is not None and self._abort_epoch == epoch:  # held while paused, as vLLM queues them
@@ -91,8 +92,7 @@ class StubEngine:
         try:
             for index in range(group.n):
                 # the sample's tokens are a function of its key, as under keyed sampling: a re-drawn sample repeats
-                key = derive(group.sampling.seed or 0,
-                             index if group.key_indices is None else group.key_indices[index])
+                key = group.sample_key(index)
                 tokens: list[int] = []
                 spans: list[tuple[int, int]] = []
                 while len(tokens) < length and self._abort_epoch == epoch:

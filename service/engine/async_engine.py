@@ -39,14 +39,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
-from das.service.api import GroupRequest, PauseMode, SampleResult
+from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.keyed_sampler import SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.step_profile import StepProfile
 from das.service.history_store import unstorable
-from das.service.sample_keys import derive, fresh_seed
+from das.service.sample_keys import fresh_seed
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -292,9 +292,9 @@ class Engine:
     def _sampling_params(self, group: GroupRequest, key: str, index: int) -> SamplingParams:
         tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
         extra_args = tags.to_extra_args()
-        if self.config.keyed_sampling and group.sampling.seed is not None:
-            extra_args[SAMPLE_KEY] = derive(group.sampling.seed,
-                                            index if group.key_indices is None else group.key_indices[index])
+        key = group.sample_key(index)
+        if self.config.keyed_sampling and key is not None:
+            extra_args[SAMPLE_KEY] = key
         return sampling_params(group.sampling, self._vocab_size, extra_args)
 
     async def generate(self, group: GroupRequest | dict[str, Any]) -> AsyncIterator[SampleResult]:
@@ -310,7 +310,7 @@ class Engine:
                 raise EngineInputError(str(exc)) from None
         prompt = self.prompt_token_ids(group)
         if group.sampling.seed is None:  # the gateway seeds every group; a direct caller may not
-            group = group.model_copy(update={"sampling": group.sampling.model_copy(update={"seed": fresh_seed()})})
+            (group,) = seeded_groups([group], fresh_seed())
         async with self._reloading:  # a reload waits for nothing new to start, then for the running to drain
             self._inflight += 1
             self._changes += 1

@@ -5,7 +5,8 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from das.service.api import GroupRequest, HistoryRequest, SamplingSpec, WeightsRequest, wire_problem
+from das.service.api import GroupRequest, HistoryRequest, SamplingSpec, WeightsRequest, seeded_groups, wire_problem
+from das.service.sample_keys import derive
 
 
 def test_a_group_needs_exactly_one_prompt_form():
@@ -123,3 +124,14 @@ def test_wire_problem_names_the_part_at_fault():
     assert wire_problem({"a": [1, {"b": 2**63}]}, "r") == "r.a[1].b: integer beyond int64"
     assert wire_problem([math.inf]) == "value[0]: inf is not a finite number"
     assert wire_problem({"\udc80": 1}) == "value key: not valid Unicode (a lone UTF-16 surrogate)"
+
+
+def test_a_samples_key_follows_the_groups_seed_and_its_key_index() -> None:
+    group = GroupRequest(problem_id="p", n=3, prompt_token_ids=[1, 2])
+    assert group.sample_key(0) is None  # no seed yet: unkeyed
+    (seeded,) = seeded_groups([group], 7)
+    assert seeded.sampling.seed == derive(7, 0)
+    keys = [seeded.sample_key(i) for i in range(3)]
+    assert keys == [derive(derive(7, 0), i) for i in range(3)] and len(set(keys)) == 3
+    redrawn = seeded.model_copy(update={"n": 2, "key_indices": (2, 0)})  # what a re-dispatch sends
+    assert [redrawn.sample_key(i) for i in range(2)] == [keys[2], keys[0]]
