@@ -256,7 +256,8 @@ def calibrate_cmd(
     repeats: Annotated[int, typer.Option(min=1, help="Timings per batch size (median).")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Measure a real vLLM engine's step time across tokens per step; fit and store c_base + c_tok * n."""
+    """Measure the served engine's step time (speculation off) across tokens per step; fit and store
+    c_base + c_tok * n."""
     from das.scheduler.cost_model import save_cost_model
     from das.service.engine.cost_calibration import ServedEngineTimer, calibrate
     from das.service.engine.models import prepare_model
