@@ -41,7 +41,7 @@ from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
 from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine.cost_warmup import warm_up_cost_fit
-from das.service.engine.keyed_sampler import SAMPLE_KEY
+from das.service.engine.extra_args import SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.step_profile import StepProfile

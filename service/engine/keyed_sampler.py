@@ -30,9 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from das.service.engine.extra_args import SAMPLE_KEY
 from das.service.sample_keys import row_keys
-
-SAMPLE_KEY = "das_sample_key"  # SamplingParams.extra_args entry: the sample's key (an int64), or absent: unkeyed
 
 
 @dataclass(frozen=True)
