@@ -58,14 +58,20 @@ class ServedEngineTimer:
         self.config = EngineConfig(model=str(model_dir), speculation="none", max_num_seqs=max(max_batch, 1))
         self.decode_tokens = decode_tokens
         self.prompt = list(range(100, 100 + prompt_tokens))
-        self._loop = asyncio.new_event_loop()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._engine: Engine | None = None
 
     def __enter__(self) -> ServedEngineTimer:
-        self._engine = self._loop.run_until_complete(Engine.create(self.config))
+        self._loop = asyncio.new_event_loop()
+        try:
+            self._engine = self._loop.run_until_complete(Engine.create(self.config))
+        except BaseException:
+            self._loop.close()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
+        assert self._loop is not None
         if self._engine is not None:
             self._loop.run_until_complete(self._engine.close())
         self._loop.close()
@@ -79,7 +85,7 @@ class ServedEngineTimer:
         return max(((t2 - t1) - (t1 - t0)) / self.decode_tokens, 0.0)
 
     def _decode(self, batch: int, tokens: int) -> None:
-        assert self._engine is not None, "use ServedEngineTimer as a context manager"
+        assert self._engine is not None and self._loop is not None, "use ServedEngineTimer as a context manager"
         engine = self._engine
         group = GroupRequest(problem_id="calibrate", n=batch, prompt_token_ids=self.prompt,
                              sampling={"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True})

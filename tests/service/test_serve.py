@@ -128,10 +128,11 @@ def test_das_serve_two_epochs_and_openai_requests_then_a_restart_drafts_from_the
         request = {"model": "das", "prompt": [5, 6, 40], "n": 4, "max_tokens": 24, "temperature": 0.0,
                    "logprobs": 0, "extra_body": {"problem_id": "openai", "ignore_eos": True, "return_token_ids": True}}
         first, second = (client.completions.create(**request) for _ in range(2))
-        for out in (first, second):
-            assert [len(c.token_ids) for c in out.choices] == [24] * 4
-            assert all(c.prompt_token_ids == [5, 6, 40] and len(c.logprobs.token_logprobs) == 24 for c in out.choices)
-            assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (3, 96)
+        for reply in (first, second):
+            assert [len(c.token_ids) for c in reply.choices] == [24] * 4
+            assert all(c.prompt_token_ids == [5, 6, 40] and len(c.logprobs.token_logprobs) == 24
+                       for c in reply.choices)
+            assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (3, 96)
         assert second.das["accepted_tokens"] > 0
         assert [c.token_ids for c in second.choices] == [c.token_ids for c in first.choices]
         with pytest.raises(openai.BadRequestError) as long_prompt:
