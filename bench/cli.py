@@ -103,6 +103,8 @@ def bench_simulate(
 @bench_app.command("validate")
 def bench_validate(
     rollouts: Annotated[Path, typer.Argument(help="A `das bench e2e --rollouts-out` file (its .runs.json beside it).")],
+    cost: Annotated[str, typer.Option(help="profile: each arm's step cost fit from its step profile (runs with "
+                                      "--profile), else the live fit; live: the das engine's live fit.")] = "profile",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The simulator against a measured run: every epoch of every arm it can model (none, das, das-uniform,
@@ -110,8 +112,10 @@ def bench_validate(
     from das.bench.e2e_report import validate_rollouts
     from das.drafter.records import RecordError
 
+    if cost not in ("profile", "live"):
+        fail(f"--cost must be profile or live, not {cost!r}")
     try:
-        result = validate_rollouts(rollouts)
+        result = validate_rollouts(rollouts, cost_source="live" if cost == "live" else "profile")
     except (RecordError, OSError, ValueError, KeyError, TypeError) as exc:
         fail(str(exc))
     emit(result, as_json)

@@ -13,13 +13,12 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import numpy as np
 
 if TYPE_CHECKING:
     from das.bench.e2e import E2EResult
-    from das.scheduler.cost_model import CostModel
 
 # A makespan ratio against the baseline: arm / none, below 1 is faster.
 _RATIO = "x{:.2f}"
@@ -294,10 +293,7 @@ def simulated_arm(arm: str, k: int) -> str | None:
 
 @dataclass(frozen=True)
 class EpochCheck:
-    """One arm-epoch of one repeat, measured against its replay. `prefill_s`: an estimate of the prefill the replay
-    leaves out, the batch's prompt tokens at the per-token cost of the run's step profile (its line through all
-    steps, prefill chunks included), or of the cost fit without a profile (the fit sees decode steps only, so on a
-    compute-bound engine it overprices prompt tokens); no c_base, as vLLM runs prefill chunks inside decode steps.
+    """One arm-epoch of one repeat, measured against its replay (prefill included, at the fit's c_prefill).
     `measured_steps` from the step profile, None without one."""
 
     arm: str
@@ -305,7 +301,6 @@ class EpochCheck:
     epoch: int
     measured_s: float
     simulated_s: float
-    prefill_s: float
     simulated_passes: int
     measured_steps: int | None
     simulated_accepted: int
@@ -320,10 +315,6 @@ class EpochCheck:
         """Signed relative error of the simulated makespan: positive where the simulator is too slow."""
         return self.ratio - 1.0
 
-    @property
-    def error_with_prefill(self) -> float:
-        return (self.simulated_s + self.prefill_s) / self.measured_s - 1.0
-
 
 @dataclass
 class Validation:
@@ -337,9 +328,8 @@ class Validation:
 
     GOAL: ClassVar[float] = 0.15
 
-    def median_error(self, arm: str, with_prefill: bool = False) -> float:
-        return float(np.median([abs(c.error_with_prefill if with_prefill else c.error)
-                                for c in self.checks if c.arm == arm]))
+    def median_error(self, arm: str) -> float:
+        return float(np.median([abs(c.error) for c in self.checks if c.arm == arm]))
 
     def arms(self) -> list[str]:
         return list(dict.fromkeys(c.arm for c in self.checks))
@@ -347,44 +337,62 @@ class Validation:
     def to_dict(self) -> dict[str, Any]:
         return {"simulated": True, "rollouts": self.rollouts, "goal": self.GOAL, "costs": self.costs,
                 "skipped": self.skipped,
-                "checks": [{**asdict(c), "ratio": round(c.ratio, 4), "error": round(c.error, 4),
-                            "error_with_prefill": round(c.error_with_prefill, 4)} for c in self.checks],
+                "checks": [{**asdict(c), "ratio": round(c.ratio, 4), "error": round(c.error, 4)}
+                           for c in self.checks],
                 "median_abs_error": {a: round(self.median_error(a), 4) for a in self.arms()},
-                "median_abs_error_with_prefill": {a: round(self.median_error(a, True), 4) for a in self.arms()},
                 "met": {a: self.median_error(a) <= self.GOAL for a in self.arms()}}
 
     def print(self, console: Any) -> None:
-        columns = ("arm", "repeat", "epoch", "measured s", "SIMULATED s", "sim / measured",
-                   "prefill s (est.)", "SIM + prefill / measured", "steps measured", "passes SIMULATED",
-                   "accepted measured", "accepted SIMULATED")
+        columns = ("arm", "repeat", "epoch", "measured s", "SIMULATED s", "sim / measured", "steps measured",
+                   "passes SIMULATED", "accepted measured", "accepted SIMULATED")
         rows = [[c.arm, str(c.repeat), str(c.epoch), f"{c.measured_s:.2f}", f"{c.simulated_s:.2f}",
-                 f"{c.ratio:.3f}", f"{c.prefill_s:.2f}", f"{1 + c.error_with_prefill:.3f}",
-                 _fmt(c.measured_steps, "{}"), str(c.simulated_passes), _fmt(c.measured_accepted, "{}"),
-                 str(c.simulated_accepted)] for c in self.checks]
+                 f"{c.ratio:.3f}", _fmt(c.measured_steps, "{}"), str(c.simulated_passes),
+                 _fmt(c.measured_accepted, "{}"), str(c.simulated_accepted)] for c in self.checks]
         console.print(_rich_table(f"SIMULATED against measured makespan: {self.rollouts}", columns, rows))
         for arm in self.arms():
             error = self.median_error(arm)
             console.print(f"{arm}: median |SIMULATED / measured - 1| {error:.1%} "
-                          f"({'within' if error <= self.GOAL else 'outside'} {self.GOAL:.0%}); "
-                          f"with the prefill estimate {self.median_error(arm, True):.1%}")
+                          f"({'within' if error <= self.GOAL else 'outside'} {self.GOAL:.0%})")
         for key, cost in self.costs.items():
             fit = f", {cost['steps']} steps, fit error {cost['fit_error']:.1%}" if cost.get("fit_error") else ""
             console.print(f"{key} replayed under the {cost['source']}: c_base {cost['c_base_s'] * 1e3:.1f} ms, "
-                          f"c_tok {cost['c_tok_s'] * 1e3:.3f} ms/token, c_spec {cost['c_spec_s'] * 1e3:.1f} ms{fit}")
+                          f"c_tok {cost['c_tok_s'] * 1e3:.3f} ms/token, c_spec {cost['c_spec_s'] * 1e3:.1f} ms, "
+                          f"c_prefill {_prefill_ms(cost)}{fit}")
         if self.skipped:
             console.print(f"not modelled by the simulator: {', '.join(self.skipped)}")
 
 
-def _prompt_token_s(profile: dict[str, Any] | None, cost: CostModel) -> float:
-    if profile and profile.get("fit_ms_per_token"):
-        return float(profile["fit_ms_per_token"]) / 1e3
-    return cost.c_tok_s
+def _prefill_ms(cost: dict[str, Any]) -> str:
+    price = cost.get("c_prefill_s")
+    return "as c_tok (not measured)" if price is None else f"{price * 1e3:.3f} ms/token"
 
 
-def validate_rollouts(path: str | os.PathLike[str], window: int = 4) -> Validation:
+CostSource = Literal["profile", "live"]
+
+
+def profile_cost(profiles: list[dict[str, Any]] | None) -> dict[str, Any] | None:
+    """The run's step cost model from its step profiles (`StepProfile.cost_*`, one per epoch): the mean of the
+    per-epoch fits, each coefficient clipped at 0; None without a profile or where an epoch has no fit. A fit over
+    several epochs is not the epoch's own: its steps' residuals do not sum to 0 on any one epoch."""
+    if not profiles or any(p.get("cost_base_ms") is None or p.get("cost_ms_per_token") is None for p in profiles):
+        return None
+
+    def mean_s(key: str) -> float | None:
+        values = [p[key] for p in profiles if p.get(key) is not None]
+        return max(float(np.mean(values)), 0.0) / 1e3 if values else None
+
+    return {"c_base_s": mean_s("cost_base_ms"), "c_tok_s": mean_s("cost_ms_per_token"),
+            "c_spec_s": mean_s("cost_spec_ms") or 0.0, "c_prefill_s": mean_s("cost_ms_per_prompt_token"),
+            "steps": sum(int(p["steps"]) for p in profiles)}
+
+
+def validate_rollouts(path: str | os.PathLike[str], window: int = 4, cost_source: CostSource = "profile"
+                      ) -> Validation:
     """Replays each (arm, repeat) of a `das bench e2e --rollouts-out` file epoch by epoch, one batch per epoch on
-    the run's engines, under the cost fit the sidecar gives for it, and sets the simulated makespans against the
-    measured ones. ValueError when the file has no run the simulator can model."""
+    the run's engines, and sets the simulated makespans against the measured ones. Under `cost_source` "profile":
+    the arm's own step cost fit from its step profile (`profile_cost`; runs with `--profile`), else the das
+    engine's live fit at the end of its epochs (the `none` arm has none and takes the das arm's); "live": always the
+    live fit. ValueError when the file has no run the simulator can model."""
     from das.bench.e2e import RolloutsSidecar, rollout_tag
     from das.drafter.records import load_rollouts
     from das.scheduler.cost_model import CostModel
@@ -395,21 +403,24 @@ def validate_rollouts(path: str | os.PathLike[str], window: int = 4) -> Validati
     result = Validation(str(path), {})
     for run in sidecar.runs:
         policy = simulated_arm(run.arm, sidecar.num_speculative_tokens)
-        if policy is None or run.cost is None:
+        fitted = profile_cost(run.profile) if cost_source == "profile" else None
+        costs = ({**fitted, "source": "the arm's step profile"} if fitted is not None
+                 else {**run.cost, "source": run.cost_source} if run.cost is not None else None)
+        if policy is None or costs is None:
             result.skipped.append(f"{run.arm} (r{run.repeat})" + ("" if policy else ": vLLM's drafter")
-                                  + (": no cost fit" if run.cost is None else ""))
+                                  + (": no cost fit" if costs is None else ""))
             continue
         prefix = rollout_tag(run.arm, run.repeat - 1, "")
         mine = [r for r in records if r.problem_id.startswith(prefix)]
-        cost = CostModel(f"{run.arm}/r{run.repeat} {run.cost_source}", float(run.cost["c_base_s"]),
-                         float(run.cost["c_tok_s"]), str(run.cost_source), c_spec_s=float(run.cost.get("c_spec_s", 0)))
-        result.costs[f"{run.arm}/r{run.repeat}"] = {**run.cost, "source": run.cost_source}
+        prefill = costs.get("c_prefill_s")
+        cost = CostModel(f"{run.arm}/r{run.repeat} {costs['source']}", float(costs["c_base_s"]),
+                         float(costs["c_tok_s"]), str(costs["source"]), c_spec_s=float(costs.get("c_spec_s", 0)),
+                         c_prefill_s=None if prefill is None else float(prefill))
+        result.costs[f"{run.arm}/r{run.repeat}"] = costs
         for batch in replay_versions(mine, cost, policy, sidecar.engines, sidecar.num_speculative_tokens, window):
             e = batch.version
             result.checks.append(EpochCheck(
-                run.arm, run.repeat, e + 1, run.makespan_s[e], batch.makespan_s,
-                _prompt_token_s(run.profile[e] if run.profile else None, cost) * batch.prompt_tokens,
-                batch.forward_passes,
+                run.arm, run.repeat, e + 1, run.makespan_s[e], batch.makespan_s, batch.forward_passes,
                 run.profile[e]["steps"] if run.profile else None, batch.accepted_tokens,
                 run.accepted_tokens[e] if run.accepted_tokens else None))
     if not result.checks:

@@ -1,13 +1,17 @@
 """Engine cost model: the time of one engine step as a function of what it processes.
 
-    t_step = c_base + c_tok * n_tokens + c_spec * [the step verifies drafts]
-             (seconds; n_tokens = running requests + their draft tokens)
+    t_step = c_base + c_tok * n_tokens + c_spec * [the step verifies drafts] + c_prefill * n_prompt
+             (seconds; n_tokens = running requests + their draft tokens; n_prompt = prompt tokens the step
+             prefills, as chunks beside the decodes)
 
 c_base is what a step costs however little it computes (reading the weights, launching kernels, scheduling);
 c_tok is the marginal cost of one more token verified in the step; c_spec is the fixed price of a step that
 verifies drafts (the rejection sampler instead of the plain sampler, the proposer's bookkeeping). Decoding at small
 batch is memory-bound (c_base dominates: drafts are nearly free), at large batch compute-bound (c_tok dominates:
-drafts cost what they verify). The budget policy and the simulator read these numbers only.
+drafts cost what they verify). c_prefill is the price of one prompt token: a prompt is computed as one wide
+matrix product rather than a token per request, so on a compute-bound CPU it is cheaper than c_tok (SmolLM2 here:
+~2/3 of it), and on a GPU about c_tok's FLOPs at a better efficiency. The budget reads c_base, c_tok and c_spec (it
+plans decode steps); the simulator all four.
 
 `OnlineCostModel` fits them from an engine's own steps while it serves (docs/design.md, "The online cost model"),
 starting from a prior: a `CostModel` from `das calibrate`, a shipped calibration, or `GENERIC_PRIOR`.
@@ -42,8 +46,8 @@ _QWEN25_7B_PARAMS = 7.6e9
 
 @dataclass(frozen=True)
 class CostModel:
-    """t_step = c_base_s + c_tok_s * n_tokens (+ c_spec_s when the step verifies drafts). `source` says where the
-    numbers come from."""
+    """t_step = c_base_s + c_tok_s * n_tokens (+ c_spec_s when the step verifies drafts) + c_prefill_s * prompt
+    tokens. `source` says where the numbers come from. c_prefill_s None: not measured, priced as c_tok_s."""
 
     name: str
     c_base_s: float
@@ -51,17 +55,25 @@ class CostModel:
     source: str
     fit_error: float | None = None  # relative RMS error of the fit, for calibrated models
     c_spec_s: float = 0.0
+    c_prefill_s: float | None = None
 
     def __post_init__(self) -> None:
-        values = (self.c_base_s, self.c_tok_s, self.c_spec_s)
+        values = (self.c_base_s, self.c_tok_s, self.c_spec_s, self.prefill_token_s)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-            raise ValueError(f"cost model {self.name!r}: c_base_s, c_tok_s, c_spec_s must be finite numbers")
-        if not (self.c_base_s >= 0 and self.c_tok_s >= 0 and self.c_spec_s >= 0 and self.c_base_s + self.c_tok_s > 0):
-            raise ValueError(f"cost model {self.name!r}: need c_base_s, c_tok_s, c_spec_s >= 0, c_base_s and c_tok_s "
-                             f"not both 0")
+            raise ValueError(f"cost model {self.name!r}: c_base_s, c_tok_s, c_spec_s, c_prefill_s must be finite "
+                             f"numbers")
+        if not (min(values) >= 0 and self.c_base_s + self.c_tok_s > 0):
+            raise ValueError(f"cost model {self.name!r}: need c_base_s, c_tok_s, c_spec_s, c_prefill_s >= 0, c_base_s "
+                             f"and c_tok_s not both 0")
 
-    def step_time(self, n_tokens: float, drafted: bool = False) -> float:
-        return self.c_base_s + self.c_tok_s * n_tokens + (self.c_spec_s if drafted else 0.0)
+    @property
+    def prefill_token_s(self) -> float:
+        """Seconds per prompt token prefilled: c_prefill_s, or c_tok_s where it was not measured."""
+        return self.c_tok_s if self.c_prefill_s is None else self.c_prefill_s
+
+    def step_time(self, n_tokens: float, drafted: bool = False, prompt_tokens: float = 0.0) -> float:
+        return (self.c_base_s + self.c_tok_s * n_tokens + (self.c_spec_s if drafted else 0.0)
+                + self.prefill_token_s * prompt_tokens)
 
     @property
     def crossover_tokens(self) -> float:
@@ -73,10 +85,12 @@ class CostModel:
 
 
 def _h100_7b() -> CostModel:
+    c_tok = 2 * _QWEN25_7B_PARAMS / (0.5 * _H100_SXM_BF16_DENSE_FLOPS)
     return CostModel(
         name="h100-7b",
         c_base_s=_QWEN25_7B_PARAMS * 2 / (0.75 * _H100_SXM_HBM_BYTES_PER_S),
-        c_tok_s=2 * _QWEN25_7B_PARAMS / (0.5 * _H100_SXM_BF16_DENSE_FLOPS),
+        c_tok_s=c_tok,
+        c_prefill_s=c_tok,
         source="roofline from the NVIDIA H100 SXM datasheet (3.35 TB/s HBM3 at 75%, 989 TFLOPS dense BF16 at 50%) "
                "for a 7.6e9-parameter bf16 model; an estimate, not a measurement",
     )
@@ -140,10 +154,12 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 # priors for the models `das models list` prepares. SmolLM2: the served engine (float32 by dtype auto on AVX2,
 # compiled, vLLM's CPU process layout) on the AMD machine (docs/results/2026-11-25-service-overhead.md; the bf16
 # in-process calibration from an Intel machine it replaces, 44.2 ms + 0.488 ms/token, priced drafts 9x too cheap
-# here). c_spec from `das bench e2e --profile`: the sampler of a drafted step against a plain one.
+# here). c_spec from `das bench e2e --profile`: the sampler of a drafted step against a plain one. c_prefill: the
+# ratio c_prefill / c_tok = 0.68 of a later `das calibrate` on the same machine (3.62 ms against 5.34 ms per token;
+# its c_base and c_tok moved with the shared machine's load, the ratio is what the online fit keeps).
 SHIPPED: dict[str, CostModel] = {
     "smollm2": CostModel("cpu-smollm2", 55.4e-3, 4.26e-3, "das calibrate of the served engine on the 2-core AMD "
-                         "development machine, float32", 0.028, c_spec_s=3e-3),
+                         "development machine, float32", 0.028, c_spec_s=3e-3, c_prefill_s=2.88e-3),
     "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 100e-3, 1.90e-3,
                                     "das calibrate on the 2-core development machine", 0.14, c_spec_s=50e-3),
 }
@@ -197,6 +213,9 @@ class OnlineCostModel:
     (less the further out it is), and a step time that is not finite, not positive, or more than `max_ratio`
     times the prediction (a paused machine) is rejected and counted. A solve that gives a negative c_base or c_tok
     or a step over 100x the prior's is rejected and counted; the last good fit stays.
+
+    Decode steps only (the proposer skips steps with a prefill in them): c_prefill keeps the prior's proportion to
+    c_tok, both being the price of a token's compute.
 
     n_tokens is scaled by `token_scale` so that the shape's prior weighs about the same on c_tok and c_spec.
     Cost: `observe` is a few numpy operations on 3x3 arrays plus one 3x3 solve, `current` builds one CostModel:
@@ -266,8 +285,11 @@ class OnlineCostModel:
         if c_base + c_tok <= 0:
             return self.prior
         fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None
+        prefill = None
+        if self.prior.c_prefill_s is not None and self.prior.c_tok_s > 0:
+            prefill = c_tok * self.prior.c_prefill_s / self.prior.c_tok_s
         return CostModel(f"{self.prior.name}+online", c_base, c_tok, f"online fit from {self.prior.name}",
-                         fit_error, c_spec_s=max(c_spec, 0.0))
+                         fit_error, c_spec_s=max(c_spec, 0.0), c_prefill_s=prefill)
 
     def stats(self) -> CostFitStats:
         fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None

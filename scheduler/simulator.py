@@ -1,13 +1,15 @@
 """`das bench simulate`: a discrete-event replay of recorded batches under an engine cost model.
 
 Every policy version after the first is one batch. Its groups (one problem's samples) are placed on E engines;
-each engine decodes its requests together, one forward pass after another, each pass costing
-c_base + c_tok * (tokens verified in it, drafts included). Drafts come from the real drafter (a HistoryBank holding
-the earlier versions, fed with the batch's own tokens as they are generated), cut by the policy's per-token
-probability floor where it has one; accepted = longest prefix of the draft equal to the recorded continuation; a
-pass verifies the draft tokens actually proposed; a request advances by accepted + 1 and ends at its recorded
-length. So the only modelled parts are the step cost and the absence of prefill and of queueing beyond the batch (every
-request of an engine runs from the start). Engines interleave in simulated time because they share the drafter.
+each engine runs vLLM's schedule over its requests (`EngineLimits`: admission up to max_num_seqs, decodes first,
+then prompt chunks up to the step's token budget), one forward pass after another, each pass costing
+c_base + c_tok * (decode tokens, drafts included) + c_prefill * (prompt tokens) (+ c_spec if it verifies drafts).
+Drafts come from the real drafter (a HistoryBank holding the earlier versions, fed with the batch's own tokens as
+they are generated), cut by the policy's per-token probability floor where it has one; accepted = longest prefix
+of the draft equal to the recorded continuation; a pass verifies the draft tokens actually proposed; a request
+advances by accepted + 1 and ends at its recorded length. So the modelled parts are the step cost and the
+scheduler's limits; preemption and prefix-cache hits are not modelled (every prompt is computed). Engines
+interleave in simulated time because they share the drafter.
 
 Three references run beside the arms, to show where a policy's time goes (`SimulationBench.references`):
   * every group alone: one engine per group, so no group shares its steps (what placement could reach at best
@@ -24,6 +26,7 @@ All figures printed from here are simulated and labelled so.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -65,9 +68,23 @@ class ArmResult:
     makespan_s: float = 0.0          # sum over batches of the batch makespan
     tail_share: float = 0.0          # mean over batches of (makespan - median sample finish) / makespan
     forward_passes: int = 0          # over all engines
-    tokens_verified: int = 0         # tokens processed by forward passes, drafts included
+    tokens_verified: int = 0         # decode tokens of the forward passes, drafts included (prompts not counted)
     accepted_tokens: int = 0         # draft tokens accepted
     batches: list[float] = field(default_factory=list)  # makespan per batch
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The scheduler limits of one simulated engine, vLLM's names and its defaults for an engine: at most
+    `max_num_seqs` requests running, at most `step_tokens` (max_num_batched_tokens) tokens computed per step,
+    prompt chunks included."""
+
+    max_num_seqs: int = 256
+    step_tokens: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.step_tokens < 1:
+            raise ValueError("max_num_seqs and step_tokens must be >= 1")
 
 
 def _placement(kind: str, loads: np.ndarray, engines: int) -> Placement:
@@ -76,10 +93,15 @@ def _placement(kind: str, loads: np.ndarray, engines: int) -> Placement:
 
 def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord], cost: CostModel,
                    engines: int, policy: BudgetPolicy | None, placement: str, k_max: int,
-                   drafter_config: DrafterConfig | None = None,
-                   oracle_lengths: bool = False) -> tuple[float, float, int, int, int]:
+                   drafter_config: DrafterConfig | None = None, oracle_lengths: bool = False,
+                   engine: EngineLimits = EngineLimits()) -> tuple[float, float, int, int, int]:
     """One batch: (makespan_s, tail_share, forward_passes, tokens_verified, accepted_tokens).
-    oracle_lengths: placement and budget see each request's true length instead of the predictor's."""
+    oracle_lengths: placement and budget see each request's true length instead of the predictor's.
+
+    Each engine runs vLLM's schedule: up to `engine.max_num_seqs` requests admitted in order (longest predicted
+    first), each step the decoding requests first (one token each plus their drafts), then the admitted requests'
+    prompts in chunks up to `engine.step_tokens` tokens in all; the step that computes a prompt's last chunk
+    samples its first output token. A step costs `cost.step_time(decode tokens, drafted, prompt tokens)`."""
     book = DifficultyBook()
     book.add_records(history)
     predictor = LengthPredictor(book)
@@ -102,32 +124,35 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     group_ids = list(groups)
     group_load = np.array([predicted[groups[g]].sum() for g in group_ids])
     plan = _placement(placement, group_load, engines)
-    engine_requests: list[np.ndarray] = []
+    waiting: list[deque[int]] = []
     for e in range(engines):
         members = [i for gi in plan.order[e] for i in groups[group_ids[gi]]]
         # longest predicted first: the order in which an engine admits and schedules them
-        engine_requests.append(np.array(sorted(members, key=lambda i: -predicted[i]), dtype=np.int64))
+        waiting.append(deque(sorted(members, key=lambda i: -predicted[i])))
+    running: list[list[int]] = [[] for _ in range(engines)]
 
     ids = [f"{r.problem_id}/{i}" for i, r in enumerate(batch)]
     if policy is not None:
         for i, r in enumerate(batch):
             bank.start_request(ids[i], r.problem_id, full[i][:prompt_len[i]], r.policy_version)
     pos = np.zeros(len(batch), dtype=np.int64)
+    unprefilled = prompt_len.copy()  # prompt tokens not computed yet
     finish = np.zeros(len(batch))
     acceptance = AcceptanceCounts(k_max)
     slot = np.array([acceptance.start(i) for i in ids], dtype=np.int64)
-    clock = [(0.0, e) for e in range(engines) if len(engine_requests[e])]
+    clock = [(0.0, e) for e in range(engines) if waiting[e]]
     exploration = [Exploration() for _ in range(engines)]  # each engine explores on its own credit
     heapq.heapify(clock)
     passes = verified = accepted_total = 0
     while clock:
         now, e = heapq.heappop(clock)
-        active = engine_requests[e][pos[engine_requests[e]] < lengths[engine_requests[e]]]
-        if not len(active):
-            continue
+        while waiting[e] and len(running[e]) < engine.max_num_seqs:
+            running[e].append(waiting[e].popleft())
+        admitted = np.array(running[e], dtype=np.int64)
+        active = admitted[unprefilled[admitted] == 0]
         k = np.zeros(len(active), dtype=np.int64)
         floor = np.zeros(len(active))
-        if policy is not None:
+        if policy is not None and len(active):
             if oracle_lengths:
                 ends = lengths[active]
             else:  # the engine cannot know where a sample ends: it reads this p90 from the request's LengthCurve
@@ -152,18 +177,39 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
                 advanced[j] = min(accepted[j] + 1, lengths[i] - pos[i])
             if policy is not None:
                 bank.extend(ids[i], full[i][at:at + advanced[j]])
-        step = cost.step_time(float(len(active) + drafted.sum()), drafted=bool(drafted.any()))
+        decode_tokens = int(len(active) + drafted.sum())
+        room = max(engine.step_tokens - decode_tokens, 0)
+        chunks = 0
+        first: list[int] = []  # requests whose prompt is done this step: it samples their first token
+        for i in admitted[unprefilled[admitted] > 0]:
+            if room == 0:
+                break
+            chunk = int(min(room, unprefilled[i]))
+            unprefilled[i] -= chunk
+            room -= chunk
+            chunks += chunk
+            if unprefilled[i] == 0:
+                first.append(i)
+        step = cost.step_time(float(decode_tokens), drafted=bool(drafted.any()), prompt_tokens=float(chunks))
         pos[active] += advanced
+        for i in first:
+            pos[i] = min(1, lengths[i])
+            if policy is not None:
+                bank.extend(ids[i], full[i][prompt_len[i]:prompt_len[i] + pos[i]])
         acceptance.record(slot[active], drafted, accepted)
         passes += 1
-        verified += int(len(active) + drafted.sum())
+        verified += decode_tokens
         accepted_total += int(accepted.sum())
-        done = active[pos[active] >= lengths[active]]
+        stepped = np.concatenate([active, np.array(first, dtype=np.int64)])
+        done = stepped[pos[stepped] >= lengths[stepped]]
         finish[done] = now + step
-        if policy is not None:
-            for i in done:
-                bank.finish_request(ids[i])
-        if len(done) < len(active):
+        if len(done):
+            ended = set(done.tolist())
+            running[e] = [i for i in running[e] if i not in ended]
+            if policy is not None:
+                for i in done:
+                    bank.finish_request(ids[i])
+        if running[e] or waiting[e]:
             heapq.heappush(clock, (now + step, e))
     makespan = float(finish.max())
     tail = (makespan - float(np.median(finish))) / makespan if makespan > 0 else 0.0
@@ -173,7 +219,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
 def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, policy_name: str,
              placement: str = "length-aware", k_max: int = 16, window: int = 4,
              on_batch: Callable[[], None] | None = None, engine_per_group: bool = False,
-             oracle_lengths: bool = False) -> ArmResult:
+             oracle_lengths: bool = False, engine: EngineLimits = EngineLimits()) -> ArmResult:
     """Every policy version after the first, as one batch, with the `window` versions before it as history.
     engine_per_group: as many engines as the batch has groups (`engines` is ignored), each group alone on one.
     oracle_lengths: placement and budget know every request's true length (see `simulate_batch`)."""
@@ -196,7 +242,7 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
         batch_engines = len({r.problem_id for r in batch}) if engine_per_group else engines
         makespan, tail, passes, verified, accepted = simulate_batch(
             batch, history, cost, batch_engines, policy, placement, k_max, DrafterConfig(window=window),
-            oracle_lengths)
+            oracle_lengths, engine)
         result.makespan_s += makespan
         result.batches.append(makespan)
         result.forward_passes += passes
@@ -211,8 +257,7 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
 
 @dataclass(frozen=True)
 class BatchReplay:
-    """One policy version replayed as one batch (simulated seconds): what `replay_versions` returns per version.
-    `prompt_tokens`: the batch's prompt tokens, which the replay does not charge (no prefill)."""
+    """One policy version replayed as one batch (simulated seconds): what `replay_versions` returns per version."""
 
     version: int
     makespan_s: float
@@ -220,11 +265,11 @@ class BatchReplay:
     forward_passes: int
     tokens_verified: int
     accepted_tokens: int
-    prompt_tokens: int
 
 
 def replay_versions(records: Sequence[RolloutRecord], cost: CostModel, policy_name: str, engines: int = 1,
-                    k_max: int = 16, window: int = 4, placement: str = "length-aware") -> list[BatchReplay]:
+                    k_max: int = 16, window: int = 4, placement: str = "length-aware",
+                    engine: EngineLimits = EngineLimits()) -> list[BatchReplay]:
     """Every policy version as one batch, the first included (with no history: the drafter and the length
     predictor start empty, as a fresh engine does), each with the `window` versions before it as history. This is
     `simulate` per batch for comparing with a measured run batch by batch (`das bench validate`)."""
@@ -239,9 +284,8 @@ def replay_versions(records: Sequence[RolloutRecord], cost: CostModel, policy_na
         history = [r for u in sorted(by_version) if v - window <= u < v for r in by_version[u]]
         batch = sorted(by_version[v], key=lambda r: (r.problem_id, r.sample_index))
         makespan, tail, passes, verified, accepted = simulate_batch(
-            batch, history, cost, engines, policy, placement, k_max, DrafterConfig(window=window))
-        out.append(BatchReplay(v, makespan, tail, passes, verified, accepted,
-                               sum(len(r.prompt_token_ids) for r in batch)))
+            batch, history, cost, engines, policy, placement, k_max, DrafterConfig(window=window), engine=engine)
+        out.append(BatchReplay(v, makespan, tail, passes, verified, accepted))
     return out
 
 
@@ -327,8 +371,9 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
         make_policy(a)  # reject unknown names before any work
     batches = len({r.policy_version for r in records}) - 1
     bench = SimulationBench(config={"traces": traces, "cost_model": cost.name, "cost_model_source": cost.source,
-                                    "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s, "engines": engines,
-                                    "k_max": k_max, "placement_policy": placement_policy})
+                                    "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s,
+                                    "c_prefill_s": cost.prefill_token_s, "engine_limits": asdict(EngineLimits()),
+                                    "engines": engines, "k_max": k_max, "placement_policy": placement_policy})
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("simulating", total=max(1, batches) * (len(arms) + len(PLACEMENTS) + len(REFERENCES)))
         for name in arms:
@@ -350,7 +395,8 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
         bench.references["oracle_lengths"] = simulate(records, cost, engines, placement_policy, k_max=k_max,
                                                       on_batch=lambda: bar.advance(task), oracle_lengths=True)
         bar.update(task, description=f"simulating uniform-{k_max} with free drafts")
-        free = CostModel(f"{cost.name} without c_tok", cost.c_base_s, 0.0, cost.source)
+        free = CostModel(f"{cost.name} without c_tok", cost.c_base_s, 0.0, cost.source,
+                         c_prefill_s=cost.prefill_token_s)
         bench.references["drafts_free"] = simulate(records, free, engines, f"uniform-{k_max}", k_max=k_max,
                                                    on_batch=lambda: bar.advance(task))
     return bench

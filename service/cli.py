@@ -256,8 +256,8 @@ def calibrate_cmd(
     repeats: Annotated[int, typer.Option(min=1, help="Timings per batch size (median).")] = 3,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Measure the served engine's step time (speculation off) across tokens per step; fit and store
-    c_base + c_tok * n."""
+    """Measure the served engine's step time (speculation off) across tokens per step and the price of a prompt
+    token; fit and store c_base + c_tok * n and c_prefill."""
     from das.scheduler.cost_model import save_cost_model
     from das.service.engine.cost_calibration import ServedEngineTimer, calibrate
     from das.service.engine.models import prepare_model
@@ -271,7 +271,8 @@ def calibrate_cmd(
             result = calibrate(label, timer, sizes, repeats,
                                source=f"measured by das calibrate: the served engine on {model_dir.name}, "
                                       f"decode batches {sizes}",
-                               on_point=lambda b, t: console.print(f"  {b:4d} tokens/step: {t * 1e3:8.2f} ms"))
+                               on_point=lambda b, t: console.print(f"  {b:4d} tokens/step: {t * 1e3:8.2f} ms"),
+                               prefill=timer.prefill_token_s)
         path = save_cost_model(result.model)
     except (ValueError, OSError) as exc:
         fail(str(exc))
@@ -280,5 +281,6 @@ def calibrate_cmd(
         print(json.dumps({"model": m.__dict__, "points": result.points, "saved": str(path)}, indent=2))
     else:
         Console().print(f"{m.name}: c_base = {m.c_base_s * 1e3:.2f} ms, c_tok = {m.c_tok_s * 1e3:.3f} ms/token, "
+                        f"c_prefill = {m.prefill_token_s * 1e3:.3f} ms per prompt token, "
                         f"fit error {m.fit_error:.1%} (relative RMS); crossover {m.crossover_tokens:.0f} tokens; "
                         f"saved to {path}")

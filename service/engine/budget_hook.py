@@ -185,6 +185,7 @@ class PolicyBudget:
     def stats(self) -> dict[str, Any]:
         cost = self.cost
         out: dict[str, Any] = {"c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s, "c_spec_s": cost.c_spec_s,
+                               "c_prefill_s": cost.c_prefill_s,
                                "prior": self.fit.prior.name if self.fit is not None else cost.name}
         if self.fit is not None:
             out.update(dataclasses.asdict(self.fit.stats()))

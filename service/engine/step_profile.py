@@ -128,8 +128,14 @@ class StepProfile:
     """Steps of one engine over one epoch: per-step mean milliseconds of each part, the mean step shape,
     `drafted_steps` (steps that verified at least one draft token) with the mean sample (verification) time of
     those and of the other steps (None where there are none), and `fit_ms_per_token` / `fit_base_ms`: a
-    least-squares line of forward + sample time against scheduled tokens, the engine's measured cost model (None
-    with fewer than two distinct token counts)."""
+    least-squares line of forward + sample time against scheduled tokens (None with fewer than two distinct token
+    counts).
+
+    `cost_*`: the engine's step cost model (scheduler/cost_model.py) fitted by least squares to the whole steps
+    (step_ms) of this epoch, t = base + per_token * decode tokens + per_prompt_token * prompt tokens + spec *
+    [drafted]. A step's prompt tokens are its scheduled tokens less one per request and its drafts (a prefilling
+    request's chunk less one); a term the epoch cannot show (no prefill, no drafted step, or only drafted steps) is
+    None. What `das bench validate` replays a run under."""
 
     steps: int
     requests: float
@@ -146,6 +152,10 @@ class StepProfile:
     sample_ms_plain: float | None
     fit_base_ms: float | None
     fit_ms_per_token: float | None
+    cost_base_ms: float | None = None
+    cost_ms_per_token: float | None = None
+    cost_ms_per_prompt_token: float | None = None
+    cost_spec_ms: float | None = None
 
     @classmethod
     def of(cls, columns: dict[str, list[float]]) -> StepProfile:
@@ -165,6 +175,8 @@ class StepProfile:
         if len(np.unique(data["tokens"])) >= 2:
             slope, base = np.polyfit(data["tokens"], (data["forward_s"] + data["sample_s"]) * 1e3, 1)
             fit_base, fit_slope = round(float(base), 3), round(float(slope), 4)
+        step_s = sum(data[p] for p in parts)
+        cost = _step_cost_fit(data, step_s)
         return cls(steps=n, requests=round(float(data["requests"].mean()), 2),
                    tokens=round(float(data["tokens"].mean()), 2), drafts=round(float(data["drafts"].mean()), 2),
                    forward_ms=ms("forward_s"), sample_ms=ms("sample_s"), propose_ms=ms("propose_s"),
@@ -173,4 +185,20 @@ class StepProfile:
                    drafted_steps=int(drafted.sum()),
                    sample_ms_drafted=ms("sample_s", drafted) if drafted.any() else None,
                    sample_ms_plain=ms("sample_s", ~drafted) if (~drafted).any() else None,
-                   fit_base_ms=fit_base, fit_ms_per_token=fit_slope)
+                   fit_base_ms=fit_base, fit_ms_per_token=fit_slope, **cost)
+
+
+def _step_cost_fit(data: dict[str, np.ndarray], step_s: np.ndarray) -> dict[str, float | None]:
+    """StepProfile's cost_* fields (ms) from the step columns and whole step times (s)."""
+    prompt = np.maximum(data["tokens"] - data["requests"] - data["drafts"], 0.0)
+    columns = {"cost_base_ms": np.ones_like(step_s), "cost_ms_per_token": data["tokens"] - prompt,
+               "cost_ms_per_prompt_token": prompt, "cost_spec_ms": (data["drafts"] > 0).astype(np.float64)}
+    # a term is fitted only where the epoch shows it varying (prefill in some steps, drafts in some but not all)
+    shown = [name for name, col in columns.items()
+             if name == "cost_base_ms" or (len(np.unique(col)) >= 2)]
+    out: dict[str, float | None] = dict.fromkeys(columns)
+    if len(step_s) <= len(shown) or "cost_ms_per_token" not in shown:
+        return out
+    coef, *_ = np.linalg.lstsq(np.stack([columns[name] for name in shown], axis=1), step_s, rcond=None)
+    out.update({name: round(float(c) * 1e3, 4) for name, c in zip(shown, coef)})
+    return out

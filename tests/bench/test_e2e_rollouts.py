@@ -21,17 +21,19 @@ from das.bench.e2e import (
     sidecar_path,
     write_rollouts_file,
 )
-from das.bench.e2e_report import EpochCheck, Validation, validate_rollouts
+from das.bench.e2e_report import EpochCheck, Validation, profile_cost, validate_rollouts
 from das.drafter.records import load_rollouts
 from das.service.api import GroupRequest
 from das.service.prompt_sets import Problem
 
 PROBLEMS = [Problem("p0", prompt="a"), Problem("p1", prompt="b")]
 PROMPT = (5, 6, 7)
-# 2 problems x 2 samples, outputs of 1..4 tokens (no repeats: the drafter finds nothing). Without drafts on one
-# engine under c_base 1 s, c_tok 0.1 s: 1 step of 4 tokens, 3, 2, 1 -> 1.4 + 1.3 + 1.2 + 1.1 = 5.0 s per epoch.
-SIMULATED_NONE_S = 5.0
-FIT = {"c_base_s": 1.0, "c_tok_s": 0.1, "c_spec_s": 0.0, "prior": "test", "steps": 100, "fit_error": 0.05}
+# 2 problems x 2 samples of 3-token prompts, outputs of 1..4 tokens (no repeats: the drafter finds nothing).
+# Without drafts on one engine under c_base 1 s, c_tok 0.1 s, c_prefill 0.05 s: one step prefills the 12 prompt
+# tokens and samples every first token, then steps decode 3, 2, 1 tokens -> 1.6 + 1.3 + 1.2 + 1.1 = 5.2 s an epoch.
+SIMULATED_NONE_S = 5.2
+FIT = {"c_base_s": 1.0, "c_tok_s": 0.1, "c_spec_s": 0.0, "c_prefill_s": 0.05, "prior": "test", "steps": 100,
+       "fit_error": 0.05}
 MEASURED = {"none": (5.0, 10.0), "das": (4.0, 4.0), "ngram": (3.0, 3.0)}  # per epoch
 
 
@@ -94,9 +96,8 @@ def test_validation_replays_each_epoch_against_the_measured_makespan(tmp_path: P
     none = [c for c in result.checks if c.arm == "none"]
     assert [c.epoch for c in none] == [1, 2]
     assert [c.simulated_s for c in none] == pytest.approx([SIMULATED_NONE_S] * 2)
-    assert [c.error for c in none] == pytest.approx([0.0, -0.5])  # measured 5 s, then 10 s
-    assert result.median_error("none") == pytest.approx(0.25)
-    assert none[0].prefill_s == pytest.approx(0.1 * 4 * len(PROMPT))  # no profile: the fit's c_tok per prompt token
+    assert [c.error for c in none] == pytest.approx([0.04, -0.48])  # measured 5 s, then 10 s
+    assert result.median_error("none") == pytest.approx(0.26)
     assert none[0].simulated_passes == 4
     das = [c for c in result.checks if c.arm == "das"]
     assert [c.measured_accepted for c in das] == [2, 2]
@@ -106,13 +107,24 @@ def test_validation_replays_each_epoch_against_the_measured_makespan(tmp_path: P
 
 
 def test_validation_arithmetic() -> None:
-    checks = [EpochCheck("das", 1, e, measured, simulated, 1.0, 10, None, 0, None)
+    checks = [EpochCheck("das", 1, e, measured, simulated, 10, None, 0, None)
               for e, (measured, simulated) in enumerate([(10.0, 11.0), (10.0, 8.0), (20.0, 21.0)], 1)]
     validation = Validation("f", {}, checks)
     assert [c.ratio for c in checks] == pytest.approx([1.1, 0.8, 1.05])
     assert validation.median_error("das") == pytest.approx(0.1)  # |errors| 0.1, 0.2, 0.05
-    assert validation.median_error("das", with_prefill=True) == pytest.approx(0.1)  # 0.2, 0.1, 0.1
     assert validation.to_dict()["met"] == {"das": True}
+
+
+def test_the_profile_cost_is_the_mean_of_the_epochs_fits() -> None:
+    epochs = [{"steps": 100, "cost_base_ms": 50.0, "cost_ms_per_token": 4.0, "cost_ms_per_prompt_token": 3.0,
+               "cost_spec_ms": None},
+              {"steps": 120, "cost_base_ms": 70.0, "cost_ms_per_token": 6.0, "cost_ms_per_prompt_token": None,
+               "cost_spec_ms": -2.0}]
+    cost = profile_cost(epochs)
+    assert cost == pytest.approx({"c_base_s": 0.06, "c_tok_s": 0.005, "c_spec_s": 0.0, "c_prefill_s": 0.003,
+                                  "steps": 220})
+    assert profile_cost(None) is None
+    assert profile_cost([*epochs, {"steps": 5, "cost_base_ms": None, "cost_ms_per_token": None}]) is None
 
 
 def test_the_validate_command(tmp_path: Path) -> None:

@@ -99,6 +99,34 @@ def test_a_cost_the_steps_do_not_show_keeps_its_prior_proportion():
     assert got.c_tok_s / got.c_base_s == pytest.approx(TRUE.c_tok_s / TRUE.c_base_s, rel=0.05)
 
 
+def test_prompt_tokens_are_priced_by_c_prefill_or_else_as_c_tok():
+    measured = CostModel("m", 0.05, 0.004, "test", c_spec_s=0.003, c_prefill_s=0.002)
+    assert measured.step_time(10, drafted=True, prompt_tokens=100) == pytest.approx(0.05 + 0.04 + 0.003 + 0.2)
+    unmeasured = CostModel("u", 0.05, 0.004, "test")
+    assert unmeasured.prefill_token_s == 0.004
+    assert unmeasured.step_time(10, prompt_tokens=100) == pytest.approx(0.05 + 0.04 + 0.4)
+    assert load_cost_model("h100-7b").prefill_token_s == load_cost_model("h100-7b").c_tok_s  # the same FLOPs
+    for bad in (-1e-3, float("nan")):
+        with pytest.raises(ValueError, match="c_prefill_s"):
+            CostModel("bad", 0.05, 0.004, "test", c_prefill_s=bad)
+
+
+def test_the_online_fit_keeps_the_prior_prefill_price_in_proportion_to_c_tok():
+    """The fit sees decode steps only: on a machine twice as slow per token, a prompt token costs twice the
+    prior's too; a prior without a measured prefill price gives a fit without one (priced as c_tok)."""
+    prior = CostModel("p", 0.05, 0.004, "test", c_prefill_s=0.003)
+    fit = OnlineCostModel(prior)
+    rng = np.random.default_rng(0)
+    for n in rng.integers(1, 200, 800):
+        fit.observe(float(n), False, 0.05 + 0.008 * n)
+    got = fit.current()
+    assert got.c_tok_s == pytest.approx(0.008, rel=0.05)
+    assert got.c_prefill_s == pytest.approx(got.c_tok_s * 0.75, rel=1e-9)
+    plain = OnlineCostModel(CostModel("q", 0.05, 0.004, "test"))
+    plain.observe(8.0, False, 0.09)
+    assert plain.current().c_prefill_s is None
+
+
 @pytest.mark.parametrize("step_s", [float("nan"), float("inf"), 0.0, -0.01, 60.0])
 def test_impossible_steps_are_rejected_and_counted(step_s):
     fit = OnlineCostModel(TRUE)

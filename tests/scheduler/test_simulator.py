@@ -27,8 +27,9 @@ def records(lengths_by_version: dict[int, list[int]], problem: str = "p") -> lis
 def test_no_speculation_makespan_is_the_longest_sample():
     recs = records({0: [5, 5, 5, 5], 1: [3, 9, 4, 2]})
     r = simulate(recs, FLAT, engines=2, policy_name="none")
-    assert r.makespan_s == pytest.approx(9.0)  # one pass per token, a pass costs 1 s
-    assert r.tokens_verified == 3 + 9 + 4 + 2 and r.accepted_tokens == 0
+    assert r.makespan_s == pytest.approx(9.0)  # one pass per token, a pass costs 1 s (prompts priced as c_tok = 0)
+    # the first token of each sample is sampled by its prefill step, the rest are decoded
+    assert r.tokens_verified == 2 + 8 + 3 + 1 and r.accepted_tokens == 0
     assert r.forward_passes >= 9
 
 
@@ -39,8 +40,9 @@ def test_every_group_alone_bounds_every_placement():
     recs = records({0: [5, 5, 5, 5], 1: [3, 9, 4, 2]})
     per_token = CostModel(name="t", c_base_s=1.0, c_tok_s=0.5, source="test")
     alone = simulate(recs, per_token, engines=1, policy_name="none", engine_per_group=True)
-    assert alone.tokens_verified == 3 + 9 + 4 + 2 and alone.forward_passes == 9 + 4
-    assert alone.makespan_s == pytest.approx(2 * 2.0 + 7 * 1.5)  # p1: two requests for 2 steps, then one
+    assert alone.tokens_verified == 2 + 8 + 3 + 1 and alone.forward_passes == 9 + 4
+    # p1: its two prompts (2 tokens each at c_tok) in one step, two requests decoding for one step, then one
+    assert alone.makespan_s == pytest.approx(3.0 + 2.0 + 7 * 1.5)
     for engines in (1, 2, 4):
         for placement in ("length-aware", "round-robin"):
             assert simulate(recs, per_token, engines, "none", placement).makespan_s >= alone.makespan_s
@@ -56,8 +58,8 @@ def test_oracle_lengths_place_by_the_true_lengths():
     per_token = CostModel(name="t", c_base_s=1.0, c_tok_s=0.5, source="test")
     oracle = simulate(recs, per_token, engines=2, policy_name="none", oracle_lengths=True)
     predicted = simulate(recs, per_token, engines=2, policy_name="none")
-    assert oracle.makespan_s == pytest.approx(9 * 2.0)  # p0's two samples alone for 9 steps
-    assert predicted.makespan_s == pytest.approx(3.0 + 8 * 2.0)  # p0 shares its first step with one group
+    assert oracle.makespan_s == pytest.approx(3.0 + 8 * 2.0)  # p0's two samples alone: prefill step, 8 decodes
+    assert predicted.makespan_s == pytest.approx(5.0 + 8 * 2.0)  # p0 shares its prefill step with one group
 
 
 def test_repeated_text_is_drafted_and_shortens_the_makespan():

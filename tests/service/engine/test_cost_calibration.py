@@ -21,6 +21,14 @@ def test_medians_and_fit_recover_a_noisy_linear_engine():
     assert result.model.c_base_s == pytest.approx(0.02) and result.model.c_tok_s == pytest.approx(0.001)
 
 
+def test_the_prefill_price_is_the_median_of_its_probe():
+    timings = iter([3e-3, 50e-3, 2e-3])  # one outlier among three
+    result = calibrate("fake", lambda b: 0.02 + 0.001 * b, [1, 8], repeats=3, source="test",
+                       prefill=lambda: next(timings))
+    assert result.model.c_prefill_s == pytest.approx(3e-3)
+    assert calibrate("fake", lambda b: 0.02 + 0.001 * b, [1, 8], repeats=1, source="test").model.c_prefill_s is None
+
+
 def test_needs_two_batch_sizes():
     with pytest.raises(ValueError, match="two distinct"):
         calibrate("x", lambda b: 1.0, [4, 4], repeats=1, source="s")

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 
 from das.service.engine.step_profile import IDLE_S, RunnerStepTimer, StepProfile, StepProfileExtension
@@ -93,6 +94,26 @@ def test_profile_means_and_the_fitted_cost_line() -> None:
     one_shape = StepProfile.of({**columns, "tokens": [4] * 4})
     assert one_shape.fit_base_ms is None and one_shape.fit_ms_per_token is None
     assert StepProfile.of({}).steps == 0
+
+
+def test_the_step_cost_fit_separates_decode_prompt_and_drafted_steps() -> None:
+    """Steps made by t = 50 ms + 4 ms per decode token + 3 ms per prompt token + 10 ms when drafted (prompt tokens
+    = scheduled tokens less one per request and the drafts), all in forward_s."""
+    rng = np.random.default_rng(1)
+    requests = rng.integers(1, 64, 60)
+    drafts = rng.integers(0, 3, 60) * rng.integers(0, 2, 60)
+    prompt = np.where(rng.random(60) < 0.2, rng.integers(50, 500, 60), 0)
+    tokens = requests + drafts + prompt
+    step_s = (50 + 4 * (requests + drafts) + 3 * prompt + 10 * (drafts > 0)) / 1e3
+    zeros = [0.0] * 60
+    columns = {"forward_s": step_s.tolist(), "sample_s": zeros, "propose_s": zeros, "rest_s": zeros,
+               "gap_s": zeros, "requests": requests.tolist(), "tokens": tokens.tolist(), "drafts": drafts.tolist()}
+    p = StepProfile.of(columns)
+    assert (p.cost_base_ms, p.cost_ms_per_token, p.cost_ms_per_prompt_token, p.cost_spec_ms) == pytest.approx(
+        (50.0, 4.0, 3.0, 10.0), abs=1e-3)
+    no_prefill = StepProfile.of({**columns, "tokens": (requests + drafts).tolist(),
+                                 "forward_s": ((50 + 4 * (requests + drafts) + 10 * (drafts > 0)) / 1e3).tolist()})
+    assert no_prefill.cost_ms_per_prompt_token is None and no_prefill.cost_ms_per_token == pytest.approx(4.0)
 
 
 def test_the_worker_extension_starts_once_and_refuses_a_take_before_start() -> None:
