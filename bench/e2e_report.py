@@ -355,7 +355,7 @@ class Validation:
                           f"({'within' if error <= self.GOAL else 'outside'} {self.GOAL:.0%})")
         for key, cost in self.costs.items():
             fit = f", {cost['steps']} steps, fit error {cost['fit_error']:.1%}" if cost.get("fit_error") else ""
-            console.print(f"{key} replayed under the {cost['source']}: c_base {cost['c_base_s'] * 1e3:.1f} ms, "
+            console.print(f"{key} replayed under ({cost['source']}): c_base {cost['c_base_s'] * 1e3:.1f} ms, "
                           f"c_tok {cost['c_tok_s'] * 1e3:.3f} ms/token, c_spec {cost['c_spec_s'] * 1e3:.1f} ms, "
                           f"c_prefill {_prefill_ms(cost)}{fit}")
         if self.skipped:
@@ -404,7 +404,7 @@ def validate_rollouts(path: str | os.PathLike[str], window: int = 4, cost_source
     for run in sidecar.runs:
         policy = simulated_arm(run.arm, sidecar.num_speculative_tokens)
         fitted = profile_cost(run.profile) if cost_source == "profile" else None
-        costs = ({**fitted, "source": "the arm's step profile"} if fitted is not None
+        costs = ({**fitted, "source": "its step profile's fit"} if fitted is not None
                  else {**run.cost, "source": run.cost_source} if run.cost is not None else None)
         if policy is None or costs is None:
             result.skipped.append(f"{run.arm} (r{run.repeat})" + ("" if policy else ": vLLM's drafter")
