@@ -137,11 +137,14 @@ def save_cost_model(model: CostModel, data_dir: Path | None = None) -> Path:
 
 
 def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source: str) -> CostModel:
-    """Least-squares fit of t = c_base + c_tok * n over measured steps (at least two distinct n)."""
+    """Least-squares fit of t = c_base + c_tok * n over measured steps (at least two distinct n, every step time
+    finite and > 0); a negative intercept or slope is clipped to 0."""
     n = np.asarray(n_tokens, dtype=np.float64)
     t = np.asarray(step_s, dtype=np.float64)
     if n.shape != t.shape or len(np.unique(n)) < 2:
         raise ValueError("need step times at two or more distinct token counts")
+    if not np.all(np.isfinite(t) & (t > 0)):
+        raise ValueError(f"step times must be finite and > 0 seconds, got {t.tolist()}")
     a = np.stack([np.ones_like(n), n], axis=1)
     (c_base, c_tok), *_ = np.linalg.lstsq(a, t, rcond=None)
     c_base, c_tok = max(float(c_base), 0.0), max(float(c_tok), 0.0)

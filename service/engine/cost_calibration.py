@@ -45,14 +45,24 @@ def calibrate(name: str, timer: DecodeStepProbe, batch_sizes: Sequence[int], rep
         raise ValueError("repeats must be >= 1")
     points = []
     for b in sorted(set(batch_sizes)):
-        step = statistics.median(timer(b) for _ in range(repeats))
+        step = _positive(statistics.median(timer(b) for _ in range(repeats)), f"a decode step of {b} requests")
         points.append((b, step))
         if on_point:
             on_point(b, step)
     model = fit_cost_model(name, [p[0] for p in points], [p[1] for p in points], source)
     if prefill is not None:
-        model = replace(model, c_prefill_s=statistics.median(prefill() for _ in range(repeats)))
+        model = replace(model, c_prefill_s=_positive(statistics.median(prefill() for _ in range(repeats)),
+                                                     "a prompt token"))
     return Calibration(model, points)
+
+
+def _positive(seconds: float, what: str) -> float:
+    """A timing is a difference of two wall-clock runs; on a busy machine it can come out <= 0, which is no
+    measurement: a clear error rather than a cost model fitted to it."""
+    if not seconds > 0:
+        raise ValueError(f"{what} timed at {seconds * 1e3:.3f} ms: the machine was too busy to time it; "
+                         f"retry with more --repeats or --decode-tokens")
+    return seconds
 
 
 class ServedEngineTimer:
@@ -96,7 +106,7 @@ class ServedEngineTimer:
         t1 = time.perf_counter()
         self._decode(batch, 2 + self.decode_tokens)
         t2 = time.perf_counter()
-        return max(((t2 - t1) - (t1 - t0)) / self.decode_tokens, 0.0)
+        return ((t2 - t1) - (t1 - t0)) / self.decode_tokens
 
     def prefill_token_s(self) -> float:
         """Seconds per prompt token: PREFILL_REQUESTS new prompts of PREFILL_LONG tokens against as many of
@@ -108,7 +118,7 @@ class ServedEngineTimer:
         self._prefill(self.PREFILL_LONG)
         t2 = time.perf_counter()
         extra = self.PREFILL_REQUESTS * (self.PREFILL_LONG - self.PREFILL_SHORT)
-        return max(((t2 - t1) - (t1 - t0)) / extra, 0.0)
+        return ((t2 - t1) - (t1 - t0)) / extra
 
     def _prefill(self, prompt_tokens: int) -> None:
         assert self._engine is not None and self._loop is not None, "use ServedEngineTimer as a context manager"

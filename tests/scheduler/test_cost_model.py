@@ -34,6 +34,8 @@ def test_fit_recovers_known_constants_and_reports_error():
     assert m.fit_error == pytest.approx(0.0, abs=1e-9)
     with pytest.raises(ValueError, match="distinct"):
         fit_cost_model("x", [4, 4], [1.0, 1.1], source="s")
+    with pytest.raises(ValueError, match="> 0"):  # a zero step time made the fit error infinite
+        fit_cost_model("x", [1, 4], [0.0, 1.1], source="s")
 
 
 def test_saved_models_load_by_name_and_bad_files_are_clear_errors(tmp_path):

@@ -29,6 +29,13 @@ def test_the_prefill_price_is_the_median_of_its_probe():
     assert calibrate("fake", lambda b: 0.02 + 0.001 * b, [1, 8], repeats=1, source="test").model.c_prefill_s is None
 
 
+def test_a_timing_at_or_below_zero_is_a_clear_error():
+    with pytest.raises(ValueError, match="too busy"):
+        calibrate("x", lambda b: 0.02 - 0.001 * b, [1, 32], repeats=1, source="s")
+    with pytest.raises(ValueError, match="prompt token.*too busy"):
+        calibrate("x", lambda b: 0.02 + 0.001 * b, [1, 32], repeats=1, source="s", prefill=lambda: -1e-4)
+
+
 def test_needs_two_batch_sizes():
     with pytest.raises(ValueError, match="two distinct"):
         calibrate("x", lambda b: 1.0, [4, 4], repeats=1, source="s")
