@@ -160,11 +160,15 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 # here). c_spec from `das bench e2e --profile`: the sampler of a drafted step against a plain one. c_prefill: the
 # ratio c_prefill / c_tok = 0.68 of a later `das calibrate` on the same machine (3.62 ms against 5.34 ms per token;
 # its c_base and c_tok moved with the shared machine's load, the ratio is what the online fit keeps).
+# Qwen2.5-Coder-0.5B: the served engine on the same machine (docs/results/2026-11-25-simulator-prefill.md); the
+# in-process eager calibration it replaces (100 ms + 1.9 ms/token) timed an engine nobody serves. c_spec from an
+# earlier step profile (a drafted step's sampler over the 151k vocabulary, ~2x a plain one).
 SHIPPED: dict[str, CostModel] = {
     "smollm2": CostModel("cpu-smollm2", 55.4e-3, 4.26e-3, "das calibrate of the served engine on the 2-core AMD "
                          "development machine, float32", 0.028, c_spec_s=3e-3, c_prefill_s=2.88e-3),
-    "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 100e-3, 1.90e-3,
-                                    "das calibrate on the 2-core development machine", 0.14, c_spec_s=50e-3),
+    "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 161e-3, 18.3e-3, "das calibrate of the served "
+                                    "engine on the 2-core AMD development machine, float32", 0.076, c_spec_s=50e-3,
+                                    c_prefill_s=10.9e-3),
 }
 
 GENERIC_PRIOR = CostModel(
