@@ -372,8 +372,9 @@ CostSource = Literal["profile", "live"]
 
 def profile_cost(profiles: list[dict[str, Any]] | None) -> dict[str, Any] | None:
     """The run's step cost model from its step profiles (`StepProfile.cost_*`, one per epoch): the mean of the
-    per-epoch fits, each coefficient clipped at 0; None without a profile or where an epoch has no fit. A fit over
-    several epochs is not the epoch's own: its steps' residuals do not sum to 0 on any one epoch."""
+    per-epoch fits, each coefficient clipped at 0; None without a profile or where an epoch has no fit. It is fitted
+    to the same steps the replay is compared with, so a replay under it checks the schedule and pass model given
+    the step costs (and the cost model's linear shape), not the cost estimate itself."""
     if not profiles or any(p.get("cost_base_ms") is None or p.get("cost_ms_per_token") is None for p in profiles):
         return None
 
