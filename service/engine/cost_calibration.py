@@ -121,30 +121,25 @@ class ServedEngineTimer:
         return ((t2 - t1) - (t1 - t0)) / extra
 
     def _prefill(self, prompt_tokens: int) -> None:
-        assert self._engine is not None and self._loop is not None, "use ServedEngineTimer as a context manager"
-        engine = self._engine
-        groups = [GroupRequest(problem_id=f"calibrate-prefill-{i}", n=1,
-                               prompt_token_ids=self._prompts.integers(100, 10_000, prompt_tokens).tolist(),
-                               sampling={"max_tokens": 1, "temperature": 0.0})
-                  for i in range(self.PREFILL_REQUESTS)]
-
-        async def one(group: GroupRequest) -> None:
-            async for _ in engine.generate(group):
-                pass
-
-        async def run() -> None:
-            await asyncio.gather(*(one(g) for g in groups))
-
-        self._loop.run_until_complete(run())
+        self._run([GroupRequest(problem_id=f"calibrate-prefill-{i}", n=1,
+                                prompt_token_ids=self._prompts.integers(100, 10_000, prompt_tokens).tolist(),
+                                sampling={"max_tokens": 1, "temperature": 0.0})
+                   for i in range(self.PREFILL_REQUESTS)])
 
     def _decode(self, batch: int, tokens: int) -> None:
+        self._run([GroupRequest(problem_id="calibrate", n=batch, prompt_token_ids=self.prompt,
+                                sampling={"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True})])
+
+    def _run(self, groups: list[GroupRequest]) -> None:
+        """Runs the groups at once on the engine until every sample is out."""
         assert self._engine is not None and self._loop is not None, "use ServedEngineTimer as a context manager"
         engine = self._engine
-        group = GroupRequest(problem_id="calibrate", n=batch, prompt_token_ids=self.prompt,
-                             sampling={"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True})
 
-        async def run() -> None:
+        async def drain(group: GroupRequest) -> None:
             async for _ in engine.generate(group):
                 pass
+
+        async def run() -> None:
+            await asyncio.gather(*(drain(g) for g in groups))
 
         self._loop.run_until_complete(run())
