@@ -184,7 +184,8 @@ def models_perturb(
 def bench_e2e(
     ctx: typer.Context,
     model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory.")] = "smollm2",
-    prompts: Annotated[str, typer.Option(help="Prompts JSONL file, or reasoning-gym:N for N generated problems.")]
+    prompts: Annotated[str, typer.Option(help="Prompts JSONL file, reasoning-gym:N for N generated problems, "
+                                              "or code:N for the first N of the 12 bundled code tasks.")]
         = "reasoning-gym:8",
     samples: Annotated[int, typer.Option(min=1, help="Samples per problem (the group size n).")] = 8,
     epochs: Annotated[int, typer.Option(min=1, help="Times the same prompts are run.")] = 3,
@@ -287,7 +288,7 @@ def bench_e2e(
 def bench_serve(
     arms: Annotated[str, typer.Option(help="Comma-separated `das serve --speculation` values; the first is the "
                                            "baseline of the ratios.")] = "none,das",
-    problems: Annotated[str, typer.Option(help="JSONL prompt file or reasoning-gym:N.")] = "reasoning-gym:8",
+    problems: Annotated[str, typer.Option(help="JSONL prompt file, reasoning-gym:N or code:N.")] = "reasoning-gym:8",
     samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 8,
     epochs: Annotated[int, typer.Option(min=1)] = 3,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 512,

@@ -216,7 +216,8 @@ def serve(
 def rollout_cmd(
     server: Annotated[str, typer.Option(help="The rollout server's URL.")] = "http://127.0.0.1:8000",
     problems: Annotated[str, typer.Option(help="JSONL prompt file (problem_id + messages | prompt | "
-                                               "prompt_token_ids) or reasoning-gym:N.")] = "reasoning-gym:8",
+                                               "prompt_token_ids), reasoning-gym:N, or code:N (the first N of "
+                                               "the 12 bundled code tasks).")] = "reasoning-gym:8",
     samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 8,
     epochs: Annotated[int, typer.Option(min=1, help="Batches of all problems, one after the other.")] = 3,
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 512,

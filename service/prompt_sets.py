@@ -1,4 +1,5 @@
-"""Prompt sets for benchmarks: a JSONL file, or problems generated from the `reasoning-gym` package.
+"""Prompt sets for benchmarks: a JSONL file, problems generated from the `reasoning-gym` package, or the bundled
+code tasks (`code:N`, service/code_tasks.py).
 
 File format: one JSON object per line, `problem_id` plus exactly one of `messages` (chat; the model's template is
 applied), `prompt` (text) or `prompt_token_ids`. Blank lines are skipped; an error names the file and line.
@@ -20,8 +21,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from das.service.api import GroupRequest, SamplingSpec
+from das.service.code_tasks import CODE_SYSTEM_PROMPT, CODE_TASKS
 
 REASONING_GYM_PREFIX = "reasoning-gym:"
+CODE_PREFIX = "code:"
 SYSTEM_PROMPT = ("You are a careful math assistant. Reason step by step, then give the final answer on the last "
                  "line in the form 'Final answer: <number>'.")
 REASONING_GYM_DATASETS = ("chain_sum", "basic_arithmetic", "gsm_symbolic")
@@ -82,13 +85,15 @@ def extract_answer(text: str) -> str | None:
 
 
 def load_prompt_set(source: str) -> list[Problem]:
-    """`reasoning-gym:N` (N problems spread over three reasoning-gym datasets, seed 42) or a JSONL path."""
-    if source.startswith(REASONING_GYM_PREFIX):
-        try:
-            count = int(source[len(REASONING_GYM_PREFIX):])
-        except ValueError:
-            raise PromptSetError(f"{source!r}: expected reasoning-gym:<count>") from None
-        return reasoning_gym_problems(count)
+    """`reasoning-gym:N` (N problems spread over three reasoning-gym datasets, seed 42), `code:N` (the first N
+    bundled code tasks) or a JSONL path."""
+    for prefix, make in ((REASONING_GYM_PREFIX, reasoning_gym_problems), (CODE_PREFIX, code_problems)):
+        if source.startswith(prefix):
+            try:
+                count = int(source[len(prefix):])
+            except ValueError:
+                raise PromptSetError(f"{source!r}: expected {prefix}<count>") from None
+            return make(count)
     return read_prompt_file(Path(source))
 
 
@@ -142,3 +147,12 @@ def reasoning_gym_problems(count: int, seed: int = 42) -> list[Problem]:
                                 messages=({"role": "system", "content": SYSTEM_PROMPT},
                                           {"role": "user", "content": entry["question"]}), entry=dict(entry)))
     return problems
+
+
+def code_problems(count: int) -> list[Problem]:
+    """The first `count` bundled code tasks as chat problems, ids `code/<name>`; no checker (`scorable` False)."""
+    if not 1 <= count <= len(CODE_TASKS):
+        raise PromptSetError(f"code: count must be 1-{len(CODE_TASKS)} (the bundled tasks), got {count}")
+    return [Problem(f"code/{name}", messages=({"role": "system", "content": CODE_SYSTEM_PROMPT},
+                                              {"role": "user", "content": f"```python\n{task}\n```"}))
+            for name, task in CODE_TASKS[:count]]

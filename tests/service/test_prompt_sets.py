@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from das.service.code_tasks import CODE_TASKS
 from das.service.prompt_sets import REASONING_GYM_DATASETS, PromptSetError, extract_answer, load_prompt_set
 
 
@@ -40,6 +41,11 @@ def test_duplicate_ids_empty_files_and_bad_sources(tmp_path):
         load_prompt_set(str(write(tmp_path, "")))
     with pytest.raises(PromptSetError, match="reasoning-gym:<count>"):
         load_prompt_set("reasoning-gym:many")
+    with pytest.raises(PromptSetError, match="code:<count>"):
+        load_prompt_set("code:")
+    for count in ("0", str(len(CODE_TASKS) + 1)):
+        with pytest.raises(PromptSetError, match="count must be 1-12"):
+            load_prompt_set(f"code:{count}")
     with pytest.raises(PromptSetError, match="No such file"):
         load_prompt_set(str(tmp_path / "missing.jsonl"))
 
@@ -48,6 +54,19 @@ def test_reasoning_gym_problems_are_reproducible_chat_prompts():
     a, b = load_prompt_set("reasoning-gym:4"), load_prompt_set("reasoning-gym:4")
     assert a == b and len({p.problem_id for p in a}) == 4
     assert all(p.messages and p.messages[-1]["role"] == "user" for p in a)
+
+
+def test_code_tasks_are_chat_prompts_holding_a_python_definition():
+    problems = load_prompt_set(f"code:{len(CODE_TASKS)}")
+    assert [p.problem_id for p in problems] == [f"code/{name}" for name, _ in CODE_TASKS]
+    assert load_prompt_set("code:3") == problems[:3]
+    for problem, (_, task) in zip(problems, CODE_TASKS, strict=True):
+        system, user = problem.messages
+        assert system["role"] == "system" and user["role"] == "user" and task in user["content"]
+        assert not problem.scorable
+        last = task.splitlines()[-1]
+        body = " " * (len(last) - len(last.lstrip()) + 4 * last.endswith(":")) + "..."
+        compile(f"{task}\n{body}\n", problem.problem_id, "exec")  # each task is a definition up to its body
 
 
 @pytest.mark.parametrize("text, answer", [
