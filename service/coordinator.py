@@ -589,6 +589,8 @@ class RayBackend:
             engines=tuple(load for n in nodes for load in n.engines),
             history_problems=sum(s.problems for s in shards), history_tokens=sum(s.output_tokens for s in shards),
             history_shards=tuple(shards),
+            history_outbox_records=sum(n.history_outbox_records for n in nodes),
+            history_records_given_up=sum(n.history_records_given_up for n in nodes),
             resident_bytes={"history_store": sum(s.resident_bytes for s in shards),
                             "node_engine": sum(n.resident_bytes for n in nodes)})
 

@@ -239,6 +239,13 @@ class GatewayMetrics:
                                 value=stats.history_problems)
         yield GaugeMetricFamily("das_history_tokens_stored", "Output tokens of the rollouts in the history store.",
                                 value=stats.history_tokens)
+        yield GaugeMetricFamily("das_history_outbox_records", "Finished rollouts the engines hold until a history "
+                                "snapshot holds them (lost if their engine actor dies; grows while a shard is down).",
+                                value=stats.history_outbox_records)
+        yield CounterMetricFamily("das_history_records_given_up", "Rollouts the engines dropped instead of storing "
+                                  "them: an outbox over its token cap while a shard stayed down, or a record a shard "
+                                  "refused (summed over the engine actors' current processes).",
+                                  value=stats.history_records_given_up)
         yield from _history_snapshot_families(stats)
         memory = GaugeMetricFamily("das_memory_resident_bytes", "Resident memory by component (summed over its "
                                    "processes).", labels=["component"])

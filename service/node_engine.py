@@ -39,6 +39,8 @@ _MAX_SAMPLES_PER_ITEM = 64
 class NodeStats:
     engines: tuple[EngineLoad, ...]
     resident_bytes: int  # this actor's process; the engine core processes are children and not counted
+    history_outbox_records: int = 0  # rollouts pushed that no shard snapshot holds yet (die with this process)
+    history_records_given_up: int = 0  # since this process started: dropped from a full outbox, or refused
 
 
 class NodeEngine:
@@ -188,7 +190,7 @@ class NodeEngine:
             loads.append(EngineLoad(name, engine.spec_tally.running, engine.spec_tally.waiting,
                                     p50 / 1e6 if p50 is not None else None, p99 / 1e6 if p99 is not None else None,
                                     by_source, drafter.get("cost", {})))
-        return NodeStats(tuple(loads), resident_bytes())
+        return NodeStats(tuple(loads), resident_bytes(), self._history.pending(), self._history.given_up)
 
     async def close(self) -> None:
         for engine in self.engines:

@@ -55,7 +55,10 @@ class BackendStats:
     (history_store, node_engine), summed over that component's processes. `engine_restarts`: per engine, restarts
     after a death since the service started; `samples_redispatched`: samples a dead engine owed that were run again
     on another (or the restarted) engine; `engine_recovery_s`: per engine, seconds from its latest death noticed
-    to serving again."""
+    to serving again. `history_outbox_records`: finished rollouts the engine actors hold because no history snapshot
+    has them yet (lost if their actor dies); `history_records_given_up`: rollouts the engine actors dropped (an
+    outbox over its token cap while a shard stayed down, or a record a shard refused), summed over the actors'
+    current processes."""
 
     engines: tuple[EngineLoad, ...] = ()
     engines_ready: int = 0
@@ -66,6 +69,8 @@ class BackendStats:
     engine_restarts: dict[str, int] = field(default_factory=dict)
     samples_redispatched: int = 0
     engine_recovery_s: dict[str, float] = field(default_factory=dict)
+    history_outbox_records: int = 0
+    history_records_given_up: int = 0
 
 
 class RolloutBackend(Protocol):

@@ -33,6 +33,12 @@ def test_each_engines_cost_fit_and_guard_are_exported():
     assert got[("das_engine_requests_waiting", (("engine", "n0/1"),))] == 1
 
 
+def test_the_engines_history_outboxes_are_exported():
+    got = samples(GatewayMetrics(lambda: BackendStats(history_outbox_records=5, history_records_given_up=2)))
+    assert got[("das_history_outbox_records", ())] == 5
+    assert got[("das_history_records_given_up_total", ())] == 2
+
+
 def test_history_snapshot_health_is_exported():
     shards = (ShardStats(1, 2, 3, 4, snapshot_fallbacks=1, snapshot_quarantined=2, last_snapshot_unix_s=1.7e9),
               ShardStats(1, 2, 3, 4, snapshot_failures=3))

@@ -119,6 +119,10 @@ def test_das_serve_two_epochs_and_openai_requests_then_a_restart_drafts_from_the
             time.sleep(0.5)
             text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
         assert metric(text, "das_history_tokens_stored") == 872 == 3 * 8 * 24 + 4 * 24 + 200
+        # the engine holds what no snapshot has yet: at least the last push (a reply names only what an earlier
+        # snapshot holds), at most all 29 rollouts
+        assert 1 <= metric(text, "das_history_outbox_records") <= 29
+        assert metric(text, "das_history_records_given_up") == 0
         # the engine's own tally by draft source, from the same refresh: every accepted draft token counted once
         assert metric(text, "das_source_draft_tokens_accepted") == metric(text, "das_draft_tokens_accepted")
 
