@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import time
@@ -185,6 +186,15 @@ def _tally_logger_factory(tally: SpecDecodeTally) -> Any:
     return TallyLogger
 
 
+class _ClosedLLM:
+    """What a closed Engine holds in place of its AsyncLLM: dead, and every other use a clear error."""
+
+    errored = True
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"the engine is closed ({name})")
+
+
 class Engine:
     """One AsyncLLM with the DAS proposer. Use `await Engine.create(config)`."""
 
@@ -247,7 +257,11 @@ class Engine:
         except BaseException:
             llm.shutdown()
             raise
-        return cls(config, llm, tokenizer, vocab_size, tally)
+        engine = cls(config, llm, tokenizer, vocab_size, tally)
+        # This frame outlives the call (an exception vLLM keeps from its imports above holds it through a
+        # traceback): it must not hold the AsyncLLM, or `close` could not release it (see there).
+        del llm
+        return engine
 
     @property
     def dead(self) -> bool:
@@ -493,9 +507,14 @@ class Engine:
 
     async def close(self) -> None:
         """Stops the engine processes; lets AsyncLLM's output task see its cancellation before returning, so the
-        event loop can be closed cleanly afterwards."""
-        self._llm.shutdown()
+        event loop can be closed cleanly afterwards. The AsyncLLM is released and collected now: left to the
+        interpreter's exit, its `__del__` shut down again with vLLM's modules half torn down and printed a
+        traceback ("'NoneType' object is not callable") under every command that ran an engine."""
+        llm, self._llm = self._llm, _ClosedLLM()
+        llm.shutdown()
         await asyncio.sleep(0)
+        del llm
+        gc.collect()
 
 
 @dataclass

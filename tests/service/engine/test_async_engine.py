@@ -10,6 +10,7 @@ import asyncio
 import json
 import math
 import os
+import weakref
 from collections import Counter
 from pathlib import Path
 
@@ -423,9 +424,14 @@ def test_the_length_aware_budget_starts_with_its_cost_fit_fed_by_the_warmup(loop
     warm-up."""
     engine = start(loop, model=str(tiny_models[0]), speculation="das", dtype="float32", max_model_len=256,
                    num_speculative_tokens=4, cost_warmup_requests=8)
+    llm = weakref.ref(engine._llm)
     try:
         cost = loop.run_until_complete(engine.drafter_stats())["cost"]
         assert cost["steps"] >= 8 and cost["c_tok_s"] > 0 and cost["c_base_s"] > 0
     finally:
         loop.run_until_complete(engine.close())
     assert TINY_DAS_AT_START["cost"]["steps"] == 0
+    # closed means released: an AsyncLLM left to the interpreter's exit printed a traceback from its __del__
+    assert llm() is None and engine.dead
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        loop.run_until_complete(engine.is_paused())
