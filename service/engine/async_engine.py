@@ -510,6 +510,8 @@ class Engine:
         event loop can be closed cleanly afterwards. The AsyncLLM is released and collected now: left to the
         interpreter's exit, its `__del__` shut down again with vLLM's modules half torn down and printed a
         traceback ("'NoneType' object is not callable") under every command that ran an engine."""
+        if isinstance(self._llm, _ClosedLLM):  # closed already
+            return
         llm, self._llm = self._llm, _ClosedLLM()
         llm.shutdown()
         await asyncio.sleep(0)

@@ -433,5 +433,6 @@ def test_the_length_aware_budget_starts_with_its_cost_fit_fed_by_the_warmup(loop
     assert TINY_DAS_AT_START["cost"]["steps"] == 0
     # closed means released: an AsyncLLM left to the interpreter's exit printed a traceback from its __del__
     assert llm() is None and engine.dead
+    loop.run_until_complete(engine.close())  # closing twice is harmless
     with pytest.raises(RuntimeError, match="the engine is closed"):
         loop.run_until_complete(engine.is_paused())
