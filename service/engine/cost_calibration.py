@@ -94,8 +94,12 @@ class ServedEngineTimer:
             raise
         # The first requests after start pay one-off costs (first runs of each shape); untimed, they would land in
         # the first point as a difference of hundreds of ms (seen as a negative decode step of 1 request).
-        self._decode(1, 2 + self.decode_tokens)
-        self._prefill(self.PREFILL_LONG)
+        try:
+            self._decode(1, 2 + self.decode_tokens)
+            self._prefill(self.PREFILL_LONG)
+        except BaseException:  # `with` calls no __exit__ when __enter__ raises: the engine would outlive us
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:

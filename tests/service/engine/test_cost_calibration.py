@@ -41,3 +41,31 @@ def test_needs_two_batch_sizes():
         calibrate("x", lambda b: 1.0, [4, 4], repeats=1, source="s")
     with pytest.raises(ValueError, match="repeats"):
         calibrate("x", lambda b: 1.0, [1, 4], repeats=0, source="s")
+
+
+class _EngineFailingOnFirstRequest:
+    """Stands in for `Engine`: starts, fails the first request (an engine core that dies during the warm-up),
+    and records its close."""
+
+    closed = 0
+
+    @classmethod
+    async def create(cls, config: object) -> _EngineFailingOnFirstRequest:
+        return cls()
+
+    async def generate(self, group: object):
+        raise RuntimeError("engine core died")
+        yield
+
+    async def close(self) -> None:
+        type(self).closed += 1
+
+
+def test_a_failed_warm_up_closes_the_served_engine(monkeypatch, tmp_path):
+    from das.service.engine import cost_calibration
+
+    monkeypatch.setattr(cost_calibration, "Engine", _EngineFailingOnFirstRequest)
+    with pytest.raises(RuntimeError, match="engine core died"):
+        with cost_calibration.ServedEngineTimer(tmp_path, max_batch=4):
+            pass
+    assert _EngineFailingOnFirstRequest.closed == 1
