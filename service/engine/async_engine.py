@@ -1,8 +1,8 @@
 """`Engine`: one vLLM engine (`AsyncLLM`) with the DAS proposer, serving groups of samples over asyncio.
 
 Standalone (`das bench e2e`, tests) or inside a Ray actor (the service). One engine = one vLLM engine core
-process; the proposer and its history live in that process and are reached with `collective_rpc`
-(service/engine/worker.py).
+process and its model worker (in that process or beside it: service/engine/cpu_layout.py); the proposer and its
+history live with the worker and are reached with `collective_rpc` (service/engine/worker.py).
 
 Lifecycle: `await Engine.create(config)`; `generate(group)` streams each sample as it finishes; between batches
 `reload_weights(path)` loads a new checkpoint and bumps the policy version (the drafter keeps its history,
@@ -25,6 +25,7 @@ a stream that waits forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -42,6 +43,7 @@ from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
 from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine.cost_warmup import warm_up_cost_fit
+from das.service.engine.cpu_layout import CpuWorker, cpu_worker_layout, usable_cpus, worker_in_process
 from das.service.engine.extra_args import SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.sampling import EngineInputError, sampling_params
@@ -123,6 +125,10 @@ class EngineConfig(BaseModel):
     kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
     enable_prefix_caching: bool = True
     enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
+    cpu_worker: CpuWorker = Field("auto", description="a CPU engine's model worker: in_process (in the engine core "
+                                  "process, every core computes), separate (vLLM's CPU layout: a worker process, one "
+                                  "core reserved for the engine core), auto: in_process on up to 4 usable CPUs "
+                                  "(service/engine/cpu_layout.py); ignored on a GPU")
     suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
                                            "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
                                            "empty)")
@@ -246,7 +252,11 @@ class Engine:
             additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
             else {})
         tally = SpecDecodeTally()
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
+        cpus = usable_cpus()
+        layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, cpus), threads=cpus)
+                  if current_platform.is_cpu() else contextlib.nullcontext())
+        with layout:
+            llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
         try:
             tokenizer = llm.tokenizer
             vocab_size = llm.model_config.get_vocab_size()
