@@ -252,8 +252,7 @@ class Engine:
             additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
             else {})
         tally = SpecDecodeTally()
-        cpus = usable_cpus()
-        layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, cpus), threads=cpus)
+        layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, usable_cpus()))
                   if current_platform.is_cpu() else contextlib.nullcontext())
         with layout:
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])

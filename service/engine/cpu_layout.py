@@ -54,19 +54,19 @@ class _SeedWarningFilter(logging.Filter):
 
 
 @contextmanager
-def cpu_worker_layout(in_process: bool, threads: int) -> Iterator[None]:
-    """Within: a CPU engine created here runs its worker in the engine core process (`in_process`, with
-    `threads` OpenMP threads) or in a process of its own (vLLM sets its threads). Restores the environment and
-    vLLM's logging on exit.
+def cpu_worker_layout(in_process: bool) -> Iterator[None]:
+    """Within: a CPU engine created here runs its worker in the engine core process (`in_process`) or in a
+    process of its own. Restores the environment and vLLM's logging on exit.
 
-    The thread count is set because the engine core process inherits OMP_NUM_THREADS, and inside a Ray actor
-    that is Ray's 1 (`num_cpus=0` actors get one OpenMP thread), which would leave the in-process worker one
-    core; vLLM's own layout overrides it the same way for its worker."""
-    changes = {_ENV: "0" if in_process else "1"}
+    In process, OMP_NUM_THREADS is removed, so the engine core's OpenMP takes every CPU it may run on (OpenMP's
+    default, from the affinity mask): the engine core process inherits the variable, and inside a Ray actor it is
+    Ray's 1 (`num_cpus=0` actors get one OpenMP thread), which would leave the model one core. (Setting it to the
+    CPU count instead makes vLLM warn on every start that an external thread count is kept.) vLLM's own layout
+    sets its worker's threads itself."""
+    saved = {name: os.environ.get(name) for name in (_ENV, "OMP_NUM_THREADS")}
+    os.environ[_ENV] = "0" if in_process else "1"
     if in_process:
-        changes["OMP_NUM_THREADS"] = str(threads)
-    saved = {name: os.environ.get(name) for name in changes}
-    os.environ.update(changes)
+        os.environ.pop("OMP_NUM_THREADS", None)
     arg_log = logging.getLogger("vllm.engine.arg_utils")
     quiet = _SeedWarningFilter()
     arg_log.addFilter(quiet)
