@@ -15,10 +15,12 @@ from collections import Counter
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from das.service.api import GroupRequest, SampleResult, SamplingSpec
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
+from das.service.engine.cpu_layout import usable_cpus, worker_in_process
 from das.service.engine.models import prepare_model
 from das.service.gateway import create_app
 from das.service.rollout_backend import EngineBackend
@@ -293,6 +295,13 @@ def test_imported_history_drafts_a_problems_first_sample(loop, tiny_das):
     assert cost["steps"] > 0 and cost["c_base_s"] > 0 and cost["prior"] == "generic"
     with pytest.raises(EngineInputError, match="rollout 1: .*problem_id"):
         loop.run_until_complete(tiny_das.add_history([record, {**record, "problem_id": ""}]))
+
+
+def test_the_engine_runs_its_model_worker_where_the_cpu_layout_says(tiny_das):
+    # tiny_das has the default cpu_worker="auto": on a machine of up to 4 CPUs (CI's 2) no worker process at all
+    names = [p.name() for p in psutil.Process().children(recursive=True)]
+    assert "VLLM::EngineCore" in names
+    assert ("VLLM::Worker" not in names) == worker_in_process("auto", usable_cpus())
 
 
 def test_an_idle_engine_answers_stats_polls_without_waking_its_worker(loop, tiny_das, monkeypatch):
