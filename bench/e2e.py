@@ -248,7 +248,7 @@ class EngineArm:
 
             groups = with_length_predictions(self._predictor, groups)
             order.sort(key=lambda i: -float(groups[i].predicted_tokens))  # stable: ties keep the set's order
-        before = dataclasses.replace(self.engine.spec_tally)
+        before = dataclasses.replace(self.engine.tally)
         start = time.perf_counter()
 
         async def one(index: int, group: GroupRequest) -> list[Outcome]:
@@ -265,7 +265,7 @@ class EngineArm:
             await self.engine.take_step_profile()  # steps before this epoch (none when epochs run back to back)
         per_group = await asyncio.gather(*(one(i, groups[i]) for i in order))
         makespan = time.perf_counter() - start
-        after = self.engine.spec_tally
+        after = self.engine.tally
         profile = await self.engine.take_step_profile() if self._profile else None
         return EpochOutput(sorted((o for g in per_group for o in g), key=lambda o: (o.group, o.sample_index)),
                            makespan, after.draft_tokens - before.draft_tokens,

@@ -204,6 +204,11 @@ class GatewayMetrics:
             ("fit_error", "das_engine_step_fit_error_ratio", "Recent relative RMS error of the step cost fit."),
             ("guard_floor", "das_engine_guard_floor_ratio", "The never-a-loss guard's probability floor for draft "
              "tokens (0: not backing off)."))}
+        prompt = CounterMetricFamily("das_engine_prompt_tokens", "Prompt tokens of the requests the engine "
+                                     "scheduled (each sample of a group counts its prompt).", labels=["engine"])
+        cached = CounterMetricFamily("das_engine_prompt_tokens_cached", "Prompt tokens found in the engine's prefix "
+                                     "cache instead of computed (a group's samples share their prompt's full KV "
+                                     "blocks).", labels=["engine"])
         rejected = CounterMetricFamily("das_engine_step_fit_rejected", "Measured steps (what=step) and fits "
                                        "(what=fit) the online cost model rejected.", labels=["engine", "what"])
         for load in stats.engines:
@@ -217,11 +222,13 @@ class GatewayMetrics:
                 proposed.add_metric([load.engine, source], p)
                 accepted.add_metric([load.engine, source], a)
             running.add_metric([load.engine], load.running)
+            prompt.add_metric([load.engine], load.prompt_tokens)
+            cached.add_metric([load.engine], load.cached_prompt_tokens)
             waiting.add_metric([load.engine], load.waiting)
             for q, value in (("0.5", load.speculate_p50_s), ("0.99", load.speculate_p99_s)):
                 if value is not None:
                     speculate.add_metric([load.engine, q], value)
-        yield from (running, waiting, speculate, proposed, accepted, *cost.values(), rejected)
+        yield from (running, waiting, speculate, proposed, accepted, prompt, cached, *cost.values(), rejected)
         yield GaugeMetricFamily("das_engines_ready", "Engines loaded and serving.", value=stats.engines_ready)
         restarts = CounterMetricFamily("das_engine_restarts", "Restarts of an engine after it died (its actor "
                                        "process or its vLLM engine core).", labels=["engine"])

@@ -37,7 +37,8 @@ class HistoryUnavailable(Exception):
 class EngineLoad:
     """One engine's queues and proposer cost at its latest report. Speculate times in seconds (None: the engine
     does not run our proposer). `drafts_by_source`: source kind -> (draft tokens proposed, accepted) since the
-    engine started."""
+    engine started. `prompt_tokens`, `cached_prompt_tokens`: prompt tokens of the requests it scheduled since it
+    started, and of those the ones its prefix cache held (EngineTally)."""
 
     engine: str
     running: int
@@ -46,6 +47,8 @@ class EngineLoad:
     speculate_p99_s: float | None = None
     drafts_by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
     step_cost: dict[str, Any] = field(default_factory=dict)  # the live cost fit (budget_hook.PolicyBudget.stats)
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,7 @@ class EngineBackend:
         raise HistoryUnavailable("one in-process engine keeps its history inside its drafter only")
 
     def stats(self) -> BackendStats:
-        tally = getattr(self.engine, "spec_tally", None)
+        tally = getattr(self.engine, "tally", None)
         load = EngineLoad("local", tally.running, tally.waiting) if tally is not None else EngineLoad("local", 0, 0)
         return BackendStats(engines=(load,), engines_ready=1)
 

@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
-from das.service.engine.async_engine import EngineInputError, SpecDecodeTally, validate_rollouts
+from das.service.engine.async_engine import EngineInputError, EngineTally, validate_rollouts
 
 
 class StubEngineConfig(BaseModel):
@@ -43,7 +43,7 @@ class StubEngine:
     def __init__(self, config: StubEngineConfig) -> None:
         self.config = config
         self.policy_version = 0
-        self.spec_tally = SpecDecodeTally()
+        self.tally = EngineTally()
         self.history_records = 0
         self._mode: PauseMode | None = None  # None: not paused
         self._abort_epoch = 0  # bumped by every abort: samples in flight before it end "abort"
@@ -85,7 +85,7 @@ class StubEngine:
             await self._changed.wait()
         start = time.perf_counter()
         pace = self.config.token_s / group.n  # the group's samples share the engine's steps
-        self.spec_tally.running += group.n  # the group's samples, until the group ends
+        self.tally.running += group.n  # the group's samples, until the group ends
         self._groups += 1
         self._unfinished += group.n
         yielded = 0
@@ -120,7 +120,7 @@ class StubEngine:
                     policy_spans=spans if len(spans) > 1 else None, decode_steps=len(tokens),
                     total_s=time.perf_counter() - start, prompt_token_ids=prompt)
         finally:
-            self.spec_tally.running -= group.n
+            self.tally.running -= group.n
             self._groups -= 1
             self._unfinished -= group.n - yielded
             self._notify()

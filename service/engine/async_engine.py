@@ -88,6 +88,26 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+CPU_BLOCK_SIZE = 32  # the smallest KV-cache block vLLM's CPU attention takes (it takes multiples of 32)
+
+
+def kv_block_size(requested: int | None, *, cpu: bool) -> int | None:
+    """Tokens per KV-cache block: `requested`, else CPU_BLOCK_SIZE on the CPU and vLLM's default (None) on a GPU.
+
+    Why not vLLM's CPU default of 128: prefix caching shares only whole blocks, and the n samples of a group are
+    scheduled together, so with prompts shorter than a block (most RL prompts on a small model) every sample
+    recomputed the whole prompt. With 32-token blocks the first sample's full blocks serve its siblings in the same
+    step: SmolLM2 on reasoning-gym (8 x 8 samples, ~61-token prompts) prefilled 1,208 prompt tokens instead of
+    3,895 (docs/results/2026-11-26-cpu-block-size.md). On a GPU vLLM's 16 already shares them.
+    Raises ValueError for a CPU block size vLLM's CPU attention refuses (its own error comes from deep inside the
+    engine core's start)."""
+    if requested is None:
+        return CPU_BLOCK_SIZE if cpu else None
+    if cpu and requested % CPU_BLOCK_SIZE:
+        raise ValueError(f"block_size {requested}: vLLM's CPU attention takes multiples of {CPU_BLOCK_SIZE} tokens")
+    return requested
+
+
 def budget_settings(config: EngineConfig) -> dict[str, Any]:
     """The proposer's budget settings: `config.budget` with, unless it names its own cost model, the prior the
     engine's online cost fit starts from (a stored `das calibrate` result for this model, a shipped calibration,
@@ -124,6 +144,8 @@ class EngineConfig(BaseModel):
                                  "without speculation; False: vLLM's own sampler (the distribution tests' reference)")
     kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
     enable_prefix_caching: bool = True
+    block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block; None: vLLM's default on a "
+                                   "GPU, CPU_BLOCK_SIZE on the CPU (`kv_block_size`)")
     enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
     cpu_worker: CpuWorker = Field("auto", description="a CPU engine's model worker: in_process (in the engine core "
                                   "process, every core computes), separate (vLLM's CPU layout: a worker process, one "
@@ -154,20 +176,24 @@ class EngineConfig(BaseModel):
 
 
 @dataclass
-class SpecDecodeTally:
-    """vLLM's own speculative-decoding counters for one engine, summed over its steps (any method, so peer arms
-    are counted the same way as ours). drafts: verification steps with a draft; the rest are tokens. `running` and
-    `waiting`: the scheduler's request queues at its latest step (gauges, not sums)."""
+class EngineTally:
+    """One engine's counters from vLLM's own per-step scheduler stats, summed over its steps. Speculative
+    decoding (any method, so peer arms are counted the same way as ours): drafts, verification steps with a draft;
+    draft_tokens and accepted_tokens. Prefix caching: prompt_tokens, the prompt tokens of the requests it scheduled,
+    of which cached_prompt_tokens were found in the prefix cache (not computed). `running` and `waiting`: the
+    scheduler's request queues at its latest step (gauges, not sums)."""
 
     drafts: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     running: int = 0
     waiting: int = 0
 
 
-def _tally_logger_factory(tally: SpecDecodeTally) -> Any:
-    """A vLLM stat-logger factory that adds every step's SpecDecodingStats into `tally`."""
+def _tally_logger_factory(tally: EngineTally) -> Any:
+    """A vLLM stat-logger factory that adds every step's scheduler stats into `tally`."""
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class TallyLogger(StatLoggerBase):
@@ -185,6 +211,10 @@ def _tally_logger_factory(tally: SpecDecodeTally) -> Any:
                 tally.drafts += spec.num_drafts
                 tally.draft_tokens += spec.num_draft_tokens
                 tally.accepted_tokens += spec.num_accepted_tokens
+            cache = getattr(scheduler_stats, "prefix_cache_stats", None)
+            if cache is not None:  # new requests only: a preempted one's second lookup is not a prompt
+                tally.prompt_tokens += cache.queries
+                tally.cached_prompt_tokens += cache.hits
 
         def log_engine_initialized(self) -> None:
             pass
@@ -205,9 +235,9 @@ class Engine:
     """One AsyncLLM with the DAS proposer. Use `await Engine.create(config)`."""
 
     def __init__(self, config: EngineConfig, llm: Any, tokenizer: Any, vocab_size: int,
-                 tally: SpecDecodeTally | None = None) -> None:
+                 tally: EngineTally | None = None) -> None:
         self.config = config
-        self.spec_tally = tally or SpecDecodeTally()
+        self.tally = tally or EngineTally()
         self.policy_version = 0
         self._llm = llm
         self._tokenizer = tokenizer
@@ -244,6 +274,7 @@ class Engine:
         args = AsyncEngineArgs(
             model=config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
+            block_size=kv_block_size(config.block_size, cpu=current_platform.is_cpu()),
             enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
             # No progress bar per checkpoint load: an RL run reloads every step, three log lines each time.
             use_tqdm_on_load=False,
@@ -251,7 +282,7 @@ class Engine:
             worker_extension_cls=WORKER_EXTENSION,
             additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
             else {})
-        tally = SpecDecodeTally()
+        tally = EngineTally()
         layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, usable_cpus()))
                   if current_platform.is_cpu() else contextlib.nullcontext())
         with layout:

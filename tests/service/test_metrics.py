@@ -1,4 +1,5 @@
-"""The engine families of /metrics: each engine's live step-cost fit and guard, as the text exposition shows them."""
+"""The engine families of /metrics: each engine's live step-cost fit and guard, and its prompt tokens and prefix
+cache hits, as the text exposition shows them."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ def samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], .
             for family in text_string_to_metric_families(metrics.render().decode()) for s in family.samples}
 
 
-def test_each_engines_cost_fit_and_guard_are_exported():
+def test_each_engines_cost_fit_guard_and_prefix_cache_are_exported():
     fitted = {"c_base_s": 0.044, "c_tok_s": 0.00049, "c_spec_s": 0.012, "fit_error": 0.07, "guard_floor": 0.5,
               "rejected_steps": 3, "rejected_fits": 1, "prior": "cpu-smollm2", "guard_gain": None}
-    stats = BackendStats(engines=(EngineLoad("n0/0", 4, 0, step_cost=fitted), EngineLoad("n0/1", 2, 1)),
+    stats = BackendStats(engines=(EngineLoad("n0/0", 4, 0, step_cost=fitted, prompt_tokens=640,
+                                             cached_prompt_tokens=448), EngineLoad("n0/1", 2, 1)),
                          engines_ready=2)
     got = samples(GatewayMetrics(lambda: stats))
     engine = (("engine", "n0/0"),)
@@ -28,6 +30,8 @@ def test_each_engines_cost_fit_and_guard_are_exported():
     assert got[("das_engine_guard_floor_ratio", engine)] == 0.5
     assert got[("das_engine_step_fit_rejected_total", (("engine", "n0/0"), ("what", "step")))] == 3
     assert got[("das_engine_step_fit_rejected_total", (("engine", "n0/0"), ("what", "fit")))] == 1
+    assert got[("das_engine_prompt_tokens_total", engine)] == 640
+    assert got[("das_engine_prompt_tokens_cached_total", engine)] == 448
     # an engine without a fit (speculation none) has no cost samples, but its queues are there
     assert ("das_engine_step_base_seconds", (("engine", "n0/1"),)) not in got
     assert got[("das_engine_requests_waiting", (("engine", "n0/1"),))] == 1

@@ -100,12 +100,12 @@ def identity_runs(loop, smollm2) -> dict[str, dict]:
         try:
             epochs, accepted = [], []
             for _ in range(2):
-                before = engine.spec_tally.accepted_tokens
+                before = engine.tally.accepted_tokens
                 workloads = arm_groups(greedy=arm in ("none", "das"))
                 outputs = run_groups(loop, engine, [g for groups in workloads.values() for g in groups])
                 at = iter(outputs)
                 epochs.append({name: [next(at) for _ in groups] for name, groups in workloads.items()})
-                accepted.append(engine.spec_tally.accepted_tokens - before)
+                accepted.append(engine.tally.accepted_tokens - before)
             runs[arm] = {"epochs": epochs, "accepted": accepted}
         finally:
             loop.run_until_complete(engine.close())
@@ -295,6 +295,19 @@ def test_imported_history_drafts_a_problems_first_sample(loop, tiny_das):
     assert cost["steps"] > 0 and cost["c_base_s"] > 0 and cost["prior"] == "generic"
     with pytest.raises(EngineInputError, match="rollout 1: .*problem_id"):
         loop.run_until_complete(tiny_das.add_history([record, {**record, "problem_id": ""}]))
+
+
+def test_a_groups_samples_share_their_prompts_kv_blocks(loop, tiny_das):
+    """The default CPU block size (32 tokens) lets the siblings of a 70-token prompt find its two full blocks in
+    the prefix cache; vLLM's CPU default (128) would have had each of them compute all 70 tokens."""
+    prompt = [(7 * i + 3) % TINY_VOCAB for i in range(70)]  # a prefix no other test sends
+    before = (tiny_das.tally.prompt_tokens, tiny_das.tally.cached_prompt_tokens)
+    run_groups(loop, tiny_das, [GroupRequest(problem_id="shared-prompt", n=4, prompt_token_ids=prompt,
+                                             sampling={"max_tokens": 2, "temperature": 0.8})])
+    queried = tiny_das.tally.prompt_tokens - before[0]
+    cached = tiny_das.tally.cached_prompt_tokens - before[1]
+    assert queried == 4 * 70
+    assert cached >= 3 * 64  # each sibling of the first: 64 of its 70 prompt tokens
 
 
 def test_the_engine_runs_its_model_worker_where_the_cpu_layout_says(tiny_das):
