@@ -6,7 +6,9 @@ Arms (one engine each, the same engine settings: model, dtype, context, K, seed)
   defaults; `suffix-t`: the same with `suffix_tuned` settings (the CLI derives them from the cost model);
 - `das-uniform`: our drafter, K draft tokens every step; `das`: our drafter with the length-aware budget
   (`budget`, e.g. the measured CPU cost model); `das-service`: the same as `das` through the HTTP service (the
-  Ray backend started in this process behind the gateway on a loopback port, driven by `AsyncRolloutClient`).
+  Ray backend started in this process behind the gateway on a loopback port, driven by `AsyncRolloutClient`);
+  `none-service`: `none` through the service the same way (with `das-service`, the quick start's das against
+  none on the same samples in one run).
 
 The two in-process das arms get the coordinator's length predictions (scheduler.length over the lengths of their
 own finished samples, the same call as `RayBackend.place`), so `das-service / das` measures the service path, not
@@ -38,7 +40,7 @@ arm (`changes_rewards`, `changes_lengths`), and a flagged arm's speed-up is repo
 
 Goals (ratios of median makespans summed over the warm epochs 2.., or over all when there is one, and the same
 ratios per token of each epoch's longest sample): das / none, das / the better suffix arm, das / das-uniform,
-das-service / das; with `ignore_eos` (every sample runs to
+das-service / das, das-service / none-service; with `ignore_eos` (every sample runs to
 max_tokens: the compute-bound check) das / none tokens per second, which must be >= NEVER_A_LOSS.
 
 With `profile`, every in-process arm's engine times its steps (service/engine/step_profile.py): per epoch, the mean
@@ -91,7 +93,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ARMS = ("none", "ngram", "suffix", "suffix-t", "das-uniform", "das", "das-service")
+ARMS = ("none", "ngram", "suffix", "suffix-t", "das-uniform", "das", "das-service", "none-service")
+SERVICE_ARMS = ("das-service", "none-service")
 BASELINE = "none"
 SUFFIX_ARMS = ("suffix", "suffix-t")
 ALPHA = 0.01  # per test: an arm whose rewards or lengths differ from the baseline's at p < ALPHA is flagged
@@ -150,7 +153,8 @@ class E2EConfig:
 
     def engine_config(self, arm: str, repeat: int) -> EngineConfig:
         """The engine of `arm` in repeat `repeat` (0-based): the same settings for every arm but speculation."""
-        speculation = {"none": "none", "ngram": "ngram", "suffix": "suffix", "suffix-t": "suffix"}.get(arm, "das")
+        speculation = {"none": "none", "none-service": "none", "ngram": "ngram", "suffix": "suffix",
+                       "suffix-t": "suffix"}.get(arm, "das")
         budget = {"policy": "uniform"} if arm == "das-uniform" else self.budget if speculation == "das" else {}
         return EngineConfig(
             model=self.model, speculation=speculation,  # type: ignore[arg-type]
@@ -366,9 +370,9 @@ def sum_by_source(parts: Iterable[dict[str, dict[str, int]]]) -> dict[str, dict[
 
 
 async def start_arm(arm: str, config: E2EConfig, repeat: int) -> Arm:
-    """The real arm: an in-process engine, or the service for das-service."""
+    """The real arm: an in-process engine, or the service for the service arms."""
     engine = config.engine_config(arm, repeat)
-    if arm == "das-service":
+    if arm in SERVICE_ARMS:
         root = Path(os.path.commonpath([str(Path(p).resolve()) for p in config.drift])) if config.drift else None
         if root is not None and len(config.drift) == 1:
             root = root.parent  # commonpath of one checkpoint is the checkpoint itself; the root must contain it
@@ -526,7 +530,7 @@ class E2EResult:
             return not flagged, f"output changed: {', '.join(flagged)}" if flagged else ""
 
         goals = []
-        pairs = [("das", BASELINE), ("das", "das-uniform"), ("das-service", "das")]
+        pairs = [("das", BASELINE), ("das", "das-uniform"), ("das-service", "das"), ("das-service", "none-service")]
         suffixes = [a for a in SUFFIX_ARMS if a in self.arms]
         if suffixes:
             pairs.insert(1, ("das", min(suffixes, key=makespan)))

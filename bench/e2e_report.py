@@ -288,7 +288,8 @@ def plot(result: E2EResult, path: Path) -> None:
 def simulated_arm(arm: str, k: int) -> str | None:
     """The simulator's policy for an e2e arm (scheduler/simulator.py ARMS), None for an arm it cannot model
     (vLLM's own drafters)."""
-    return {"none": "none", "das": "das", "das-service": "das", "das-uniform": f"uniform-{k}"}.get(arm)
+    return {"none": "none", "none-service": "none", "das": "das", "das-service": "das",
+            "das-uniform": f"uniform-{k}"}.get(arm)
 
 
 @dataclass(frozen=True)
@@ -425,6 +426,6 @@ def validate_rollouts(path: str | os.PathLike[str], window: int = 4, cost_source
                 run.profile[e]["steps"] if run.profile else None, batch.accepted_tokens,
                 run.accepted_tokens[e] if run.accepted_tokens else None))
     if not result.checks:
-        raise ValueError(f"{path}: no arm the simulator can model (none, das, das-uniform, das-service) with a "
-                         f"cost fit")
+        raise ValueError(f"{path}: no arm the simulator can model (none, none-service, das, das-uniform, "
+                         f"das-service) with a cost fit")
     return result

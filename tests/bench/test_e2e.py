@@ -28,7 +28,7 @@ from tests.tiny_models import build_tiny_model
 
 # Scripted makespans per arm (seconds); repeat r multiplies them by REPEAT_SCALE[r], so the median is the script.
 MAKESPAN = {"none": 10.0, "ngram": 3.0, "suffix": 5.0, "suffix-t": 6.0, "das-uniform": 8.0, "das": 4.0,
-            "das-service": 4.4}
+            "das-service": 4.4, "none-service": 11.0}
 REPEAT_SCALE = (1.0, 1.3, 0.8)
 
 
@@ -95,7 +95,7 @@ def test_arms_differ_only_in_speculation() -> None:
     engines = {arm: config.engine_config(arm, repeat=2) for arm in ARMS}
     assert {e.seed for e in engines.values()} == {7}  # seed + repeat
     assert {(e.num_speculative_tokens, e.dtype, e.max_model_len) for e in engines.values()} == {(8, "auto", 2048)}
-    assert engines["none"].speculative_config() is None
+    assert engines["none"].speculative_config() is None and engines["none-service"].speculative_config() is None
     assert engines["suffix"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8}
     assert engines["suffix-t"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8, **tuned}
     assert engines["das-uniform"].budget == {"policy": "uniform"}
@@ -198,7 +198,7 @@ def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) ->
     assert not tests["ngram"].changes_rewards
     suffix = tests["suffix"]
     assert suffix.changes_rewards and suffix.reward.ci_high < 0 and not suffix.changes_lengths
-    for arm in ("suffix-t", "das-uniform", "das", "das-service"):  # the same outputs: nothing to see
+    for arm in ("suffix-t", "das-uniform", "das", "das-service", "none-service"):  # the same outputs: nothing to see
         assert not tests[arm].flagged and tests[arm].length.p_value == 1.0 and tests[arm].reward.difference == 0
 
     goals = {g.name.split(" makespan")[0]: g for g in result.goals() if "makespan" in g.name}
@@ -207,6 +207,7 @@ def test_repeats_drift_medians_output_tests_goals_and_reports(tmp_path: Path) ->
     assert best.ratio == pytest.approx(0.8) and not best.counted and "suffix" in best.note
     assert goals["das / das-uniform"].ratio == pytest.approx(0.5)
     assert goals["das-service / das"].ratio == pytest.approx(1.1)
+    assert goals["das-service / none-service"].ratio == pytest.approx(0.4)  # the quick start's das against none
     never = [g for g in result.goals() if "never a loss" in g.name]
     assert len(never) == 1 and never[0].ratio == pytest.approx(2.5) and never[0].passed is True
 
