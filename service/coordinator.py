@@ -135,15 +135,24 @@ class _Actor:
 _Engine = tuple[_Actor, int, str]  # (actor, engine index in the actor, engine name)
 
 
+class _RayInThisProcess:
+    """Ray as the backends of one process share it: a backend joins the Ray connection an earlier one made, and Ray
+    that a backend started stops when the last backend using it closes, not when the one that started it does
+    (the others' actors would die with it; `das bench e2e` runs two service arms side by side)."""
+
+    started_here = False
+    users = 0
+
+
 class RayBackend:
     """Use `await RayBackend.start(config)`; `await close()` at the end (snapshots the history)."""
 
-    def __init__(self, config: ServiceConfig, shards: list[Any], nodes: list[Any], started_ray: bool) -> None:
+    def __init__(self, config: ServiceConfig, shards: list[Any], nodes: list[Any]) -> None:
         self.config = config
         self._shards = shards
         self._nodes = nodes
         self._actors = [_Actor(node, RestartWindow(config.failure)) for node in nodes]
-        self._started_ray = started_ray
+        self._uses_ray = True  # until close: counted in _RayInThisProcess.users
         self._engines: list[_Engine] = []  # every engine, serving or not, once the first load is done
         self._version = 0
         self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
@@ -172,7 +181,6 @@ class RayBackend:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        started = False
         if not ray.is_initialized():
             env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
             kwargs: dict[str, Any] = {"include_dashboard": False, "runtime_env": {"env_vars": env}}
@@ -181,7 +189,7 @@ class RayBackend:
             # "local": always a cluster of our own; with no address Ray would join one that `ray start` left
             # running on this machine.
             ray.init(address=config.address or "local", **kwargs)
-            started = True
+            _RayInThisProcess.started_here = True
         here = ray.get_runtime_context().get_node_id()
         state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
         # Restarted by Ray when it dies, from its last snapshot; no task retries: engines re-send their pushes.
@@ -210,7 +218,8 @@ class RayBackend:
             else:
                 nodes.extend(options.remote(name, engine, shards, 1, first_index=g, history_push=config.history.push)
                              for g in range(config.engines_per_node))
-        backend = cls(config, shards, nodes, started)
+        backend = cls(config, shards, nodes)
+        _RayInThisProcess.users += 1
         await backend._load_difficulty()
         progress(f"{len(shards)} history shards, {len(nodes)} engine actors; loading engines")
         backend._loading = asyncio.create_task(backend._load_engines(progress))
@@ -251,7 +260,8 @@ class RayBackend:
             raise RuntimeError(f"an engine failed to load: {self.load_error}")
 
     async def close(self) -> None:
-        """Snapshots the history, stops the engines and the actors (and Ray, if this backend started it)."""
+        """Snapshots the history, stops the engines and the actors, and Ray if a backend of this process started
+        it and no other backend of this process still uses it."""
         import ray
 
         self._closing = True
@@ -269,8 +279,12 @@ class RayBackend:
                                if actor.state in ("loading", "serving")), return_exceptions=True)
         for actor in (*self._nodes, *self._shards):
             ray.kill(actor)
-        if self._started_ray:
-            ray.shutdown()
+        if self._uses_ray:
+            self._uses_ray = False
+            _RayInThisProcess.users -= 1
+            if _RayInThisProcess.users == 0 and _RayInThisProcess.started_here:
+                _RayInThisProcess.started_here = False
+                ray.shutdown()
 
     # ---- RolloutBackend ----
 
