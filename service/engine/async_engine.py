@@ -97,8 +97,7 @@ def kv_block_size(requested: int | None, *, cpu: bool) -> int | None:
     Why not vLLM's CPU default of 128: prefix caching shares only whole blocks, and the n samples of a group are
     scheduled together, so with prompts shorter than a block (most RL prompts on a small model) every sample
     recomputed the whole prompt. With 32-token blocks the first sample's full blocks serve its siblings in the same
-    step: SmolLM2 on reasoning-gym (8 x 8 samples, ~61-token prompts) prefilled 1,208 prompt tokens instead of
-    3,895 (docs/results/2026-11-26-cpu-block-size.md). On a GPU vLLM's 16 already shares them.
+    step (measured in docs/results/2026-11-26-cpu-block-size.md). On a GPU vLLM's 16 already shares them.
     Raises ValueError for a CPU block size vLLM's CPU attention refuses (its own error comes from deep inside the
     engine core's start)."""
     if requested is None:
