@@ -211,8 +211,10 @@ def bench_e2e(
         = 1,
     ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="Every sample runs to --max-tokens (the "
                                                                   "compute-bound check).")] = False,
-    seed: Annotated[int, typer.Option(help="Engine and sampling seed (repeat r uses seed + r; keyed sampling "
-                                           "draws group g of epoch e with derive(derive(seed + r, e), g)).")] = 0,
+    seed: Annotated[int, typer.Option(min=-(2**63), max=2**63 - 1,
+                                      help="Sampling and engine seed (repeat r uses seed + r; keyed sampling "
+                                           "draws group g of epoch e with derive(derive(seed + r, e), g); the "
+                                           "engine's 32-bit seed is (seed + r) mod 2^32).")] = 0,
     same_seeds: Annotated[bool, typer.Option("--same-seeds", help="Every epoch draws with epoch 1's seeds (then "
                                                                   "noise_floor: the share of none's samples that "
                                                                   "differ between its epochs 1 and 2, at any "
@@ -295,7 +297,8 @@ def bench_serve(
     max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 512,
     temperature: Annotated[float, typer.Option(min=0.0)] = 0.8,
     repeats: Annotated[int, typer.Option(min=1, help="Fresh servers per arm; tables show medians.")] = 3,
-    seed: Annotated[int, typer.Option(help="Repeat r of every arm runs `das rollout --seed derive(seed, r)`: the "
+    seed: Annotated[int, typer.Option(min=-(2**63), max=2**63 - 1,
+                                      help="Repeat r of every arm runs `das rollout --seed derive(seed, r)`: the "
                                            "arms draw the same samples.")] = 0,
     port: Annotated[int, typer.Option(help="Port of the servers (one at a time).")] = 8123,
     serve_args: Annotated[str, typer.Option("--serve-args", help="More `das serve` flags for every arm, as one "

@@ -141,6 +141,8 @@ class E2EConfig:
             raise ValueError(f"dtype must be auto, bfloat16, float32 or float16, got {self.dtype!r}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not -(2**63) <= self.seed <= 2**63 - self.repeats:  # repeat r seeds its groups from seed + r (int64)
+            raise ValueError(f"seed must be an int64 with room for {self.repeats} repeats, got {self.seed}")
         if "suffix-t" in self.arms and not self.suffix_tuned:
             raise ValueError("the suffix-t arm needs suffix_tuned settings (else it is the suffix arm)")
         if self.drift:
@@ -159,7 +161,8 @@ class E2EConfig:
         return EngineConfig(
             model=self.model, speculation=speculation,  # type: ignore[arg-type]
             num_speculative_tokens=self.num_speculative_tokens,
-            dtype=self.dtype, max_model_len=self.max_model_len, seed=self.seed + repeat,  # type: ignore[arg-type]
+            # vLLM's seed is 32-bit; the int64 run seed only names the groups' keyed-sampling seeds
+            dtype=self.dtype, max_model_len=self.max_model_len, seed=(self.seed + repeat) % 2**32,  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager, kv_cache_gib=self.kv_cache_gib, budget=budget,
             suffix_options=self.suffix_tuned if arm == "suffix-t" else {})
 

@@ -137,7 +137,8 @@ class EngineConfig(BaseModel):
                             "float32 (`serving_dtype`)")
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(256, ge=1)
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="vLLM's engine seed (32-bit: numpy's legacy seeding "
+                      "refuses more); keyed sampling draws with the groups' own int64 seeds")
     keyed_sampling: bool = Field(True, description="draw every sampled token with a key of (group seed, sample "
                                  "index, position) (service/engine/keyed_sampler.py): the same tokens with or "
                                  "without speculation; False: vLLM's own sampler (the distribution tests' reference)")

@@ -94,6 +94,11 @@ def test_arms_differ_only_in_speculation() -> None:
     config = E2EConfig(model="m", prompts="p", budget=budget, suffix_tuned=tuned, seed=5)
     engines = {arm: config.engine_config(arm, repeat=2) for arm in ARMS}
     assert {e.seed for e in engines.values()} == {7}  # seed + repeat
+    # a das rollout seed (any int64) names the groups' seeds; the engine's own seed wraps into vLLM's 32 bits
+    negative = E2EConfig(model="m", prompts="p", arms=("none",), seed=-537132696929009172)
+    assert negative.engine_config("none", repeat=1).seed == (-537132696929009172 + 1) % 2**32
+    with pytest.raises(ValueError, match="seed must be an int64 with room for 2 repeats"):
+        E2EConfig(model="m", prompts="p", arms=("none",), seed=2**63 - 1, repeats=2)
     assert {(e.num_speculative_tokens, e.dtype, e.max_model_len) for e in engines.values()} == {(8, "auto", 2048)}
     assert engines["none"].speculative_config() is None and engines["none-service"].speculative_config() is None
     assert engines["suffix"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8}
