@@ -157,13 +157,15 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 # priors for the models `das models list` prepares. SmolLM2: the served engine (float32 by dtype auto on AVX2,
 # compiled, the model worker in the engine core process: service/engine/cpu_layout.py) on the AMD machine
 # (docs/results/2026-11-26-cpu-worker-in-process.md; under vLLM's CPU layout, one core computing, it was 55.4 ms +
-# 4.26 ms/token). c_spec from `das bench e2e --profile`: the sampler of a drafted step against a plain one.
+# 4.26 ms/token). c_spec from `das bench e2e --profile`: a drafted step against plain ones of the same batch size
+# in the same run, less c_tok per draft token (docs/results/2026-11-26-fixed-costs.md; the sampler alone, the
+# earlier figure, missed the forward pass's share).
 # Qwen2.5-Coder-0.5B: the served engine on the same machine, in process as well (same results; under vLLM's
 # layout 161 ms + 18.3 ms/token). c_spec from a step profile under vLLM's layout (a drafted step's sampler over the
 # 151k vocabulary, ~2x a plain one; not re-measured in process: the online fit learns it).
 SHIPPED: dict[str, CostModel] = {
     "smollm2": CostModel("cpu-smollm2", 38.4e-3, 2.23e-3, "das calibrate of the served engine on the 2-core AMD "
-                         "development machine, float32", 0.038, c_spec_s=3e-3, c_prefill_s=1.54e-3),
+                         "development machine, float32", 0.038, c_spec_s=8e-3, c_prefill_s=1.54e-3),
     "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 106e-3, 8.32e-3, "das calibrate of the served "
                                     "engine on the 2-core AMD development machine, float32", 0.051, c_spec_s=50e-3,
                                     c_prefill_s=6.12e-3),

@@ -9,8 +9,10 @@ Exploring is not free, and where a verified token costs a real share of a step (
 token ~1/13 of a step) one token for every unmeasured request made every new batch's first steps slower. So
 exploration runs on a credit: every step adds `share` of the step's estimated time; a token costs c_tok, and a step
 the plan left plain also the drafted-step price c_spec; unspent credit is capped at `burst` steps' worth (but
-always enough for one token on a plain step, so exploration never stops for good). At the default 2% share
-exploration takes at most ~2% of the engine's time. The longest-remaining unmeasured requests go first: their
+always enough for one token on a plain step, so exploration never stops for good). At the default 0.5% share
+exploration takes at most ~0.5% of the engine's time: where drafting cannot win (no sample repeats its text) that
+share is a pure loss, and at 2% it was a large part of what das lost against plain decoding on the quick start's
+workload (docs/results/2026-11-26-fixed-costs.md). The longest-remaining unmeasured requests go first: their
 acceptance is what the makespan turns on, and once measured they leave the pool, so the others follow. Only an
 engine's first 64 measured drafts are explored unrationed (`EXPLORE_UNRATIONED_DRAFTS`).
 
@@ -25,12 +27,12 @@ import numpy as np
 from das.scheduler.budget import BatchState, DraftPlan
 
 # Share of the engine's estimated time that exploration may spend.
-EXPLORE_SHARE = 0.02
+EXPLORE_SHARE = 0.005
 # Unspent credit is capped at this many steps' worth of share.
 EXPLORE_BURST = 4.0
 # Until the engine has verified this many first-position drafts (pooled), exploration is not rationed: with
 # nothing measured, the optimum's prior (capacity ~0.5) keeps short or cheap samples from ever drafting, and a
-# 2% credit would take a whole short batch to buy one token (a tiny model's greedy repeats then drafted nothing).
+# rationed credit would take a whole short batch to buy one token (a tiny model's greedy repeats then drafted nothing).
 # Once per engine: ~64 draft tokens, under half a step of the 2-core CPU at 64 requests.
 EXPLORE_UNRATIONED_DRAFTS = 64
 

@@ -143,7 +143,7 @@ class PolicyBudget:
     without measured ones (the proposer passes measured ones, scheduler/acceptance.py). The step cost model is
     `cost`, fitted online from the engine's own steps (`observe`) unless `online` is False, and read every step.
     `guard`: the never-a-loss guard (`SpeculationGuard`), which only ever raises the policy's probability floors.
-    Requests with unmeasured acceptance get exploration tokens on a credit of ~2% of the engine's time
+    Requests with unmeasured acceptance get exploration tokens on a credit of ~0.5% of the engine's time
     (scheduler/exploration.py; the fixed baselines draft everyone anyway).
     Cost per step: one BatchState (three small numpy arrays) plus the policy, about 30-90 us for 256 requests
     (scheduler/budget.py), plus the fit's ~50 us (scheduler/cost_model.py) and exploration's ~10 us.
