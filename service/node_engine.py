@@ -185,13 +185,7 @@ class NodeEngine:
         loads = []
         for name, engine in zip(self.names, self.engines):
             drafter = await engine.drafter_stats() if getattr(engine.config, "speculation", None) == "das" else {}
-            p50, p99 = drafter.get("step_us_p50"), drafter.get("step_us_p99")
-            by_source = {kind: (c["proposed"], c["accepted"]) for kind, c in drafter.get("by_source", {}).items()}
-            tally = engine.tally
-            loads.append(EngineLoad(name, tally.running, tally.waiting,
-                                    p50 / 1e6 if p50 is not None else None, p99 / 1e6 if p99 is not None else None,
-                                    by_source, drafter.get("cost", {}), prompt_tokens=tally.prompt_tokens,
-                                    cached_prompt_tokens=tally.cached_prompt_tokens))
+            loads.append(EngineLoad.of(name, engine.tally, drafter))
         return NodeStats(tuple(loads), resident_bytes(), self._history.pending(), self._history.given_up)
 
     async def close(self) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from das.service.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
-from das.service.engine.async_engine import Engine, EngineInputError, validate_rollouts
+from das.service.engine.async_engine import Engine, EngineInputError, EngineTally, validate_rollouts
 from das.service.history_store import ShardStats
 
 
@@ -49,6 +49,17 @@ class EngineLoad:
     step_cost: dict[str, Any] = field(default_factory=dict)  # the live cost fit (budget_hook.PolicyBudget.stats)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+
+    @classmethod
+    def of(cls, engine: str, tally: EngineTally, drafter: dict[str, Any] | None = None) -> EngineLoad:
+        """An engine's load from its tally and its proposer's `stats()` (DasProposer.stats; None or empty: it
+        runs no proposer)."""
+        drafter = drafter or {}
+        p50, p99 = drafter.get("step_us_p50"), drafter.get("step_us_p99")
+        by_source = {kind: (c["proposed"], c["accepted"]) for kind, c in drafter.get("by_source", {}).items()}
+        return cls(engine, tally.running, tally.waiting, p50 / 1e6 if p50 is not None else None,
+                   p99 / 1e6 if p99 is not None else None, by_source, drafter.get("cost", {}),
+                   prompt_tokens=tally.prompt_tokens, cached_prompt_tokens=tally.cached_prompt_tokens)
 
 
 @dataclass(frozen=True)
@@ -229,9 +240,8 @@ class EngineBackend:
         raise HistoryUnavailable("one in-process engine keeps its history inside its drafter only")
 
     def stats(self) -> BackendStats:
-        tally = getattr(self.engine, "tally", None)
-        load = EngineLoad("local", tally.running, tally.waiting) if tally is not None else EngineLoad("local", 0, 0)
-        return BackendStats(engines=(load,), engines_ready=1)
+        # the proposer's figures need an await on the engine (a scrape is synchronous): queues and prefix cache only
+        return BackendStats(engines=(EngineLoad.of("local", self.engine.tally),), engines_ready=1)
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         await self.engine.pause(mode, clear_cache)

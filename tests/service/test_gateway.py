@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 from das.service.api import GroupRequest, SampleRecord, SampleResult
-from das.service.engine.async_engine import EngineInputError
+from das.service.engine.async_engine import EngineInputError, EngineTally
 from das.service.gateway import GatewaySettings, create_app
 from das.service.rollout_backend import EngineBackend, StubBackend
 from das.service.sample_keys import derive
@@ -390,6 +390,7 @@ class FakeEngine:
         self.delay_s = delay_s
         self.policy_version = 0
         self.cancelled = 0
+        self.tally = EngineTally()
 
     def prompt_token_ids(self, group: GroupRequest) -> list[int]:
         if len(group.prompt_token_ids or ()) > 8:
@@ -430,6 +431,14 @@ def test_engine_backend_merges_groups_in_finishing_order_and_cancels_on_close():
     order, cancelled = asyncio.run(run())
     assert order == [(1, 0), (1, 1), (1, 2), (0, 0), (0, 1)]
     assert cancelled == 2
+
+
+def test_engine_backend_reports_its_engines_queues_and_prefix_cache():
+    engine = FakeEngine({})
+    engine.tally = EngineTally(prompt_tokens=640, cached_prompt_tokens=448, running=3, waiting=1)
+    (load,) = EngineBackend(engine).stats().engines  # type: ignore[arg-type]
+    assert (load.running, load.waiting, load.prompt_tokens, load.cached_prompt_tokens) == (3, 1, 640, 448)
+    assert load.speculate_p50_s is None and load.step_cost == {}  # the proposer's figures need an await
 
 
 def test_engine_backend_through_the_gateway(serve, tmp_path):
