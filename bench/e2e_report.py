@@ -167,7 +167,7 @@ def cost_fit_line(cost: dict[str, Any]) -> str:
         fit += (f"; guard floor {cost['guard_floor']:.2f} (raised {cost['guard_raised']}x"
                 f"{f', gain {gain:.3f}' if gain is not None else ''})")
     if "explore_tokens" in cost:
-        fit += f"; {cost['explore_tokens']} exploration tokens"
+        fit += f"; {cost['explore_tokens']} exploration tokens granted"
     return fit
 
 

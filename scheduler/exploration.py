@@ -45,7 +45,7 @@ class Exploration:
             raise ValueError(f"exploration share must be in [0, 1) and burst >= 1, got {share}, {burst}")
         self.share, self.burst = share, burst
         self.credit_s = 0.0
-        self.tokens = 0  # exploration tokens granted so far
+        self.tokens = 0  # exploration tokens granted so far (a grant the drafter has no match for drafts nothing)
 
     def apply(self, plan: DraftPlan, batch: BatchState, unmeasured: np.ndarray | None,
               measured_drafts: float = np.inf) -> DraftPlan:
