@@ -43,6 +43,7 @@ from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
 from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine.cost_warmup import warm_up_cost_fit
+from das.service.engine.cpu_allocator import CpuAllocator, cpu_allocator_env, model_vocab_size, resolve_allocator
 from das.service.engine.cpu_layout import CpuWorker, cpu_worker_layout, usable_cpus, worker_in_process
 from das.service.engine.extra_args import SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
@@ -151,6 +152,10 @@ class EngineConfig(BaseModel):
                                   "process, every core computes), separate (vLLM's CPU layout: a worker process, one "
                                   "core reserved for the engine core), auto: in_process on up to 4 usable CPUs "
                                   "(service/engine/cpu_layout.py); ignored on a GPU")
+    cpu_allocator: CpuAllocator = Field("auto", description="a CPU engine core's malloc: jemalloc (Ray's, keeping "
+                                        "freed pages for reuse: large-vocabulary logits are not page-faulted in anew "
+                                        "every step), system, or auto: jemalloc for a vocabulary of 2**17 entries or "
+                                        "more (service/engine/cpu_allocator.py); ignored on a GPU")
     suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
                                            "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
                                            "empty)")
@@ -283,9 +288,12 @@ class Engine:
             additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
             else {})
         tally = EngineTally()
-        layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, usable_cpus()))
-                  if current_platform.is_cpu() else contextlib.nullcontext())
-        with layout:
+        cpu = current_platform.is_cpu()
+        layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, usable_cpus())) if cpu
+                  else contextlib.nullcontext())
+        allocator = (cpu_allocator_env(resolve_allocator(config.cpu_allocator, model_vocab_size(config.model)))
+                     if cpu else contextlib.nullcontext())
+        with layout, allocator:
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
         try:
             tokenizer = llm.tokenizer

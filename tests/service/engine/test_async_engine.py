@@ -20,6 +20,7 @@ import pytest
 
 from das.service.api import GroupRequest, SampleResult, SamplingSpec
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
+from das.service.engine.cpu_allocator import jemalloc_library
 from das.service.engine.cpu_layout import usable_cpus, worker_in_process
 from das.service.engine.models import prepare_model
 from das.service.gateway import create_app
@@ -185,7 +186,7 @@ def tiny_das(loop, tiny_models):
     # Uniform drafting: these tests check the drafter and exact verification, which need drafts on every step;
     # the default length-aware budget is tested in test_budget_hook.py and, end to end, in tests/service/test_serve.py.
     engine = start(loop, model=str(tiny_models[0]), speculation="das", dtype="float32", max_model_len=256,
-                   num_speculative_tokens=4, budget={"policy": "uniform"})
+                   num_speculative_tokens=4, budget={"policy": "uniform"}, cpu_allocator="jemalloc")
     TINY_DAS_AT_START["cost"] = loop.run_until_complete(engine.drafter_stats())["cost"]
     yield engine
     loop.run_until_complete(engine.close())
@@ -315,6 +316,14 @@ def test_the_engine_runs_its_model_worker_where_the_cpu_layout_says(tiny_das):
     names = [p.name() for p in psutil.Process().children(recursive=True)]
     assert "VLLM::EngineCore" in names
     assert ("VLLM::Worker" not in names) == worker_in_process("auto", usable_cpus())
+
+
+def test_the_engine_core_runs_with_jemalloc(tiny_das):
+    # tiny_das asks for jemalloc (its vocabulary is far too small for "auto" to): Ray's jemalloc preloaded into the
+    # engine core process, and the environment restored in this one
+    (core,) = [p for p in psutil.Process().children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    assert str(jemalloc_library()) in {m.path for m in core.memory_maps()}
+    assert "libjemalloc" not in os.environ.get("LD_PRELOAD", "")
 
 
 def test_an_idle_engine_answers_stats_polls_without_waking_its_worker(loop, tiny_das, monkeypatch):
