@@ -4,8 +4,8 @@ vLLM's CPU platform preloads a tcmalloc it bundles, for the same reason as here;
 bundles none, so its engines run on glibc's malloc. glibc serves every allocation of 32 MiB or more (its largest
 mmap threshold on 64-bit) with a fresh mmap and gives it back with munmap, so each such tensor is page-faulted in
 anew: copying a [64, 151936] float32 tensor (Qwen2.5's logits at 64 rows, 37 MiB) takes several times as long
-as with its pages reused. Every step of a large-vocabulary model allocates several such tensors (the
-logits; on a drafted step also the rejection sampler's copies). jemalloc with `dirty_decay_ms:-1,muzzy_decay_ms:-1`
+as with its pages reused. Every step of a large-vocabulary model allocates several such tensors (the logits; on
+a drafted step also the rejection sampler's copies). jemalloc with `dirty_decay_ms:-1,muzzy_decay_ms:-1`
 keeps freed pages for reuse (the process's resident size stays at its peak), and Ray ships it in its wheel, so
 nothing is installed for it (docs/results/2026-11-26-fixed-costs.md).
 
@@ -14,8 +14,8 @@ Like vLLM's own preloads, the setting reaches the engine core through the enviro
 unless the user set one, while the engine is configured and spawned, and restores both after.
 
 jemalloc is not better everywhere: SmolLM2 (49,152 entries; its logits stay far below the threshold) decoded
-slower with it. So "auto" picks jemalloc only for a vocabulary of LARGE_VOCAB entries or
-more, where 64 rows of float32 logits reach glibc's threshold.
+slower with it. So "auto" picks jemalloc only for a vocabulary of LARGE_VOCAB entries or more, where 64 rows of
+float32 logits reach glibc's threshold.
 """
 
 from __future__ import annotations
