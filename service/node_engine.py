@@ -24,6 +24,7 @@ from typing import Any
 
 from das.service.api import GroupRequest, PauseMode, SampleResult
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
+from das.service.engine.spawn_env import restored_environ
 from das.service.history_client import HistoryClient
 from das.service.history_store import HistoryPushConfig, resident_bytes, shard_of
 from das.service.rollout_backend import EngineLoad, merge_batches
@@ -92,19 +93,12 @@ class NodeEngine:
 
             config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
         for env in self._engine_envs():
-            saved = {k: os.environ.get(k) for k in env}
-            os.environ.update(env)  # the engine core process is spawned now and inherits it
-            try:
+            with restored_environ(env):
+                os.environ.update(env)  # the engine core process is spawned now and inherits it
                 if isinstance(config, StubEngineConfig):
                     engine: Engine | StubEngine = await StubEngine.create(config)
                 else:
                     engine = await Engine.create(config)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             self.engines.append(engine)
         return self.names
 

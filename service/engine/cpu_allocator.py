@@ -28,6 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
+from das.service.engine.spawn_env import restored_environ
+
 log = logging.getLogger(__name__)
 
 CpuAllocator = Literal["auto", "jemalloc", "system"]
@@ -69,19 +71,12 @@ def jemalloc_library() -> Path | None:
 def cpu_allocator_env(allocator: Literal["jemalloc", "system"]) -> Iterator[None]:
     """Within: a CPU engine core spawned here runs with `allocator` ("system": the environment as it is). A missing
     jemalloc logs a warning and leaves the system's. Restores LD_PRELOAD and MALLOC_CONF on exit."""
-    saved = {name: os.environ.get(name) for name in ("LD_PRELOAD", "MALLOC_CONF")}
     library = jemalloc_library() if allocator == "jemalloc" else None
     if allocator == "jemalloc" and library is None:
         log.warning("Ray's libjemalloc.so is missing; the CPU engine runs with the system's malloc")
-    if library is not None:
-        preload = [p for p in (saved["LD_PRELOAD"] or "").split(":") if p]
-        os.environ["LD_PRELOAD"] = ":".join([str(library), *[p for p in preload if p != str(library)]])
-        os.environ.setdefault("MALLOC_CONF", JEMALLOC_CONF)
-    try:
+    with restored_environ(("LD_PRELOAD", "MALLOC_CONF")):
+        if library is not None:
+            preload = [p for p in os.environ.get("LD_PRELOAD", "").split(":") if p and p != str(library)]
+            os.environ["LD_PRELOAD"] = ":".join([str(library), *preload])
+            os.environ.setdefault("MALLOC_CONF", JEMALLOC_CONF)
         yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value

@@ -22,6 +22,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal
 
+from das.service.engine.spawn_env import restored_environ
+
 CpuWorker = Literal["auto", "in_process", "separate"]
 
 # Up to this many usable CPUs, "auto" runs the worker in the engine core process: vLLM's reserved core is then a
@@ -63,19 +65,14 @@ def cpu_worker_layout(in_process: bool) -> Iterator[None]:
     Ray's 1 (`num_cpus=0` actors get one OpenMP thread), which would leave the model one core. (Setting it to the
     CPU count instead makes vLLM warn on every start that an external thread count is kept.) vLLM's own layout
     sets its worker's threads itself."""
-    saved = {name: os.environ.get(name) for name in (_ENV, "OMP_NUM_THREADS")}
-    os.environ[_ENV] = "0" if in_process else "1"
-    if in_process:
-        os.environ.pop("OMP_NUM_THREADS", None)
     arg_log = logging.getLogger("vllm.engine.arg_utils")
     quiet = _SeedWarningFilter()
-    arg_log.addFilter(quiet)
-    try:
-        yield
-    finally:
-        arg_log.removeFilter(quiet)
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with restored_environ((_ENV, "OMP_NUM_THREADS")):
+        os.environ[_ENV] = "0" if in_process else "1"
+        if in_process:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        arg_log.addFilter(quiet)
+        try:
+            yield
+        finally:
+            arg_log.removeFilter(quiet)
