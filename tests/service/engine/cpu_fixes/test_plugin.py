@@ -76,3 +76,67 @@ def test_a_step_without_drafts_takes_the_plain_sampler():
     assert sample(runner, "logits", none) == "plain" and calls[-1] == ("plain", "logits")
     assert sample(runner, "logits", some) == "verified" and calls[-1] == ("verify", some)
     assert sample(runner, "logits", None) == "plain"
+
+
+VERIFY_WITHOUT_LOGPROBS = """
+import json, numpy as np, torch
+from vllm.platforms import current_platform
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+current_platform.register_triton_kernel_overrides()
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
+from vllm.v1.sample.rejection_sampler import RejectionSampler
+from vllm.v1.sample.sampler import Sampler
+from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+from das.service.engine.keyed_sampler import StepKeys, keys_of_step
+torch.manual_seed(0)
+vocab, drafts = 64, [[3, 9], [], [5], [7, 7, 1]]
+temps = torch.tensor([0.0, 0.8, 0.8, 1.0])
+def meta(logprobs):
+    n = len(drafts)
+    return SamplingMetadata(temperature=temps, all_greedy=False, all_random=False, top_p=None, top_k=None,
+        generators={}, max_num_logprobs=logprobs, no_penalties=True, prompt_token_ids=None,
+        frequency_penalties=torch.zeros(n), presence_penalties=torch.zeros(n), repetition_penalties=torch.ones(n),
+        output_token_ids=[[] for _ in range(n)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors())
+spec = SpecDecodeMetadata.make_dummy(drafts, torch.device("cpu"))
+sampled = np.cumsum([len(d) + 1 for d in drafts])
+spec.bonus_logits_indices = torch.tensor(sampled - 1, dtype=torch.int32)
+targets = [s - len(d) - 1 + j for s, d in zip(sampled, drafts) for j in range(len(d))]
+spec.target_logits_indices = torch.tensor(targets, dtype=torch.int32)
+keys = StepKeys(np.array([11, 12, 13, 14]), np.ones(4, bool), np.array([0, 4, 2, 9]),
+                np.array([len(d) for d in drafts]))
+sampler = RejectionSampler(Sampler())
+wrapped = RejectionSampler.forward
+out = {"installed": hasattr(wrapped, "__wrapped__"), "same": [], "logits_kept": True}
+for trial in range(20):
+    logits = torch.randn(int(sampled[-1]), vocab) * 2
+    flat = torch.tensor([t for d in drafts for t in d])
+    logits[spec.target_logits_indices.long(), flat] += 5.0  # drafts mostly right
+    before = logits.clone()
+    with keys_of_step(keys):
+        ours = wrapped(sampler, spec, None, logits, meta(None))
+        out["logits_kept"] &= bool(torch.equal(logits, before))
+        theirs = wrapped.__wrapped__(sampler, spec, None, logits.clone(), meta(None))
+        with_logprobs = wrapped(sampler, spec, None, logits.clone(), meta(0))
+    out["same"].append(bool(torch.equal(ours.sampled_token_ids, theirs.sampled_token_ids)
+                            and torch.equal(ours.sampled_token_ids, with_logprobs.sampled_token_ids)))
+    out["no_logprobs"] = ours.logprobs_tensors is None
+    out["logprobs_delegated"] = with_logprobs.logprobs_tensors is not None
+    out["emitted"] = out.get("emitted", 0) + int((ours.sampled_token_ids >= 0).sum())
+print(json.dumps(out))
+"""
+
+
+def test_a_step_without_logprobs_verifies_as_vllm_does_without_its_copies():
+    """The installed RejectionSampler.forward against vLLM's own on the same ragged batch (greedy and keyed random
+    requests, 0-3 drafts, temperatures 0-1): the same tokens, the caller's logits untouched, no logprobs; a step that
+    asks for logprobs goes to vLLM's forward. A fresh process, as in the test above."""
+    done = subprocess.run([sys.executable, "-c", VERIFY_WITHOUT_LOGPROBS], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["installed"] and all(out["same"]) and out["logits_kept"]
+    assert out["no_logprobs"] and out["logprobs_delegated"]
+    assert out["emitted"] > 20 * len([0, 1, 2, 3]) + 20  # accepted drafts and bonus tokens, not only first tokens
