@@ -62,13 +62,16 @@ class RequestView:
 class StepSample:
     """One engine step as the proposer measured it: `step_s` seconds from the previous step's proposal to this
     one's (the whole step: forward pass, sampling, the engine core's bookkeeping, the proposer); `tokens` scheduled
-    (running requests plus the draft tokens they verified); `requests` running; `accepted` draft tokens accepted."""
+    (running requests plus the draft tokens they verified); `requests` running; `accepted` draft tokens accepted;
+    `probe`: the drafts include the cost warm-up's junk ones (proposer `RequestTags.cost_probe`), which price a
+    drafted step for the cost fit but say nothing about what drafts buy."""
 
     step_s: float
     tokens: int
     requests: int
     drafted: int
     accepted: int
+    probe: bool = False
 
 
 class BudgetHook(Protocol):
@@ -179,7 +182,7 @@ class PolicyBudget:
         if self.fit is not None:
             self.fit.observe(step.tokens, step.drafted > 0, step.step_s)
             self.cost = self.fit.current()
-        if self.guard is not None:
+        if self.guard is not None and not step.probe:
             self.guard.observe(step, self.cost)
 
     def stats(self) -> dict[str, Any]:

@@ -9,8 +9,15 @@ steps put c_base at 2-4x its value for the first ~100 steps, so the first batch 
 So an engine with the length-aware budget decodes `requests` requests once at start, request i (1-based) stopping
 after 2i tokens: the running batch shrinks from `requests` to 1, two steps per size, and the proposer times those
 steps like any other (prefill excluded). ~2 x requests decode steps: ~4 s for 16 on the 2-core CPU with SmolLM2,
-well under a second on a GPU. The probes draft nothing (`RequestTags.draft`), so no draft count or acceptance
-estimate sees them, and their text goes to one throwaway problem's history (`WARMUP_PROBLEM`), never a caller's.
+well under a second on a GPU. The probes get no drafts from the drafter (`RequestTags.draft`), so no draft count or
+acceptance estimate sees them, and their text goes to one throwaway problem's history (`WARMUP_PROBLEM`), never a
+caller's.
+
+The same steps price a drafted step (c_spec: the verification sampler, the spec-decode bookkeeping): on every
+other step one probe verifies a junk draft token (`RequestTags.cost_probe`), so the fit sees a drafted and a plain
+step at each batch size. Without them c_spec came only from exploration's rare drafted steps, and a prior far above
+the machine's price kept those rare: Qwen2.5's shipped 50 ms (measured before the CPU sampling fixes) left das
+hardly drafting on Qwen (docs/results/2026-11-26-fixed-costs.md, section 5).
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ async def warm_up_cost_fit(llm: Any, requests: int, vocab_size: int) -> int:
 
     async def one(i: int) -> int:
         prompt = [(1000 + i * _PROMPT_TOKENS + j) % vocab_size for j in range(_PROMPT_TOKENS)]
-        tags = RequestTags(WARMUP_PROBLEM, key=f"{WARMUP_PROBLEM}-{i}", sample_index=i, draft=False)
+        tags = RequestTags(WARMUP_PROBLEM, key=f"{WARMUP_PROBLEM}-{i}", sample_index=i, draft=False,
+                           cost_probe=True)
         params = sampling_params(SamplingSpec(max_tokens=2 * i, temperature=1.0, ignore_eos=True), vocab_size,
                                  tags.to_extra_args())
         tokens = 0

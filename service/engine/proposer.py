@@ -70,6 +70,9 @@ class RequestTags:
     the curve where there is one, else predicted_tokens, to tell long samples from short ones.
     draft: False for a probe that must decode plainly (the cost warm-up, service/engine/cost_warmup.py): nothing
     is drafted for it, so it moves no draft count, while its steps are timed like any other.
+    cost_probe: a warm-up probe whose steps also time drafted steps: on every other step the first such request of
+    the batch verifies one junk draft token (its last token again), so the online cost fit sees a drafted step's
+    price at every batch size of the warm-up. Those drafts feed no acceptance estimate, draft count or guard.
     """
 
     problem_id: str
@@ -78,12 +81,13 @@ class RequestTags:
     predicted_tokens: float | None = None
     length_curve: LengthCurve | None = None
     draft: bool = True
+    cost_probe: bool = False
 
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
         return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
                                  "predicted_tokens": self.predicted_tokens, "length_curve": curve,
-                                 "draft": self.draft}}
+                                 "draft": self.draft, "cost_probe": self.cost_probe}}
 
     @staticmethod
     def from_extra_args(extra_args: dict[str, Any] | None, prompt: list[int]) -> RequestTags:
@@ -100,7 +104,8 @@ class RequestTags:
             except ValueError as exc:  # the sample still runs; only its budget falls back to predicted_tokens
                 log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
-                           None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)))
+                           None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)),
+                           bool(raw.get("cost_probe", False)))
 
 
 @dataclass
@@ -148,6 +153,7 @@ class DasProposer:
         self.by_source: dict[str, DraftCounts] = {}  # since start, by source kind (steps unused)
         self.failures = 0
         self._last_propose: float | None = None
+        self._probe_turn = False  # whether this step's cost probe drafts (every other step with probes)
 
     def attach(self, runner: Any) -> None:
         self._runner = runner
@@ -179,6 +185,7 @@ class DasProposer:
         rows: list[_Running] = []
         verified: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the drafts this step verified
         prefill = False
+        probe_drafted = 0  # the cost warm-up's junk draft tokens verified this step
         for i, rid in enumerate(req_ids):
             run = self._running.get(rid)
             if run is None:
@@ -188,7 +195,9 @@ class DasProposer:
             if n > run.fed:
                 drafted = int(run.draft.size)
                 accepted = self._commit(rid, run, token_ids_cpu[i, run.fed:n])
-                if drafted:
+                if drafted and run.tags.cost_probe:
+                    probe_drafted += drafted
+                elif drafted:
                     verified.append((run.slot, drafted, accepted))
                 run.fed = n
             generated = n - run.prompt_len
@@ -201,7 +210,7 @@ class DasProposer:
             slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*verified))
             self.acceptance.record(slots, drafted_counts, accepted_counts)
             drafted, accepted = int(drafted_counts.sum()), int(accepted_counts.sum())
-        self._observe_step(t0, prefill, len(rows), drafted, accepted)
+        self._observe_step(t0, prefill, len(rows), drafted + probe_drafted, accepted, probe_drafted > 0)
         if views:
             slots = np.fromiter((run.slot for run in rows), np.int64, len(rows))
             plan = self.budget.plan(views, self.acceptance.params(slots))
@@ -214,18 +223,37 @@ class DasProposer:
             run.draft, run.draft_source = self._draft(rid, token_ids_cpu[i, max(0, run.fed - self._context):run.fed],
                                                       k, float(plan.min_prob[i]))
             drafts.append(run.draft.tolist())
+        self._probe_draft(rows, views, token_ids_cpu, drafts)
         self._step_us.append((time.perf_counter() - t0) * 1e6)
         self._step_batch.append(len(req_ids))
         return drafts
 
-    def _observe_step(self, now: float, prefill: bool, requests: int, drafted: int, accepted: int) -> None:
-        """Hands the budget the step that just ran (`drafted` draft tokens verified in it, `accepted` of them):
-        from the previous proposal to this one is one whole engine step. A step with a prefill in it (a request
-        seen for the first time) or after an idle gap is not a decode step of this shape and is skipped."""
+    def _probe_draft(self, rows: list[_Running], views: list[RequestView], token_ids_cpu: np.ndarray,
+                     drafts: list[list[int]]) -> None:
+        """On every other step with a cost probe in the batch, the first probe with room for two more tokens
+        drafts its last token again (`RequestTags.cost_probe`): one drafted step per plain one at each batch size
+        of the warm-up."""
+        probes = [i for i, run in enumerate(rows) if run.tags.cost_probe]
+        if not probes:
+            return
+        self._probe_turn = not self._probe_turn
+        for i in probes if self._probe_turn else ():
+            run = rows[i]
+            if run.max_tokens - views[i].generated >= 2 and run.fed < self.max_model_len - 1:
+                run.draft, run.draft_source = token_ids_cpu[i, run.fed - 1:run.fed].astype(np.int32), ""
+                drafts[i] = run.draft.tolist()
+                return
+
+    def _observe_step(self, now: float, prefill: bool, requests: int, drafted: int, accepted: int,
+                      probe: bool = False) -> None:
+        """Hands the budget the step that just ran (`drafted` draft tokens verified in it, `accepted` of them;
+        `probe`: cost-probe drafts among them): from the previous proposal to this one is one whole engine step. A
+        step with a prefill in it (a request seen for the first time) or after an idle gap is not a decode step of
+        this shape and is skipped."""
         last, self._last_propose = self._last_propose, now
         if last is None or prefill or not requests or now - last > IDLE_GAP_S:
             return
-        self.budget.observe(StepSample(now - last, requests + drafted, requests, drafted, accepted))
+        self.budget.observe(StepSample(now - last, requests + drafted, requests, drafted, accepted, probe))
 
     # ---- worker-extension API ----
 
@@ -291,7 +319,7 @@ class DasProposer:
         """Feeds the committed tokens; returns how many of the last draft's tokens were accepted (0 if none)."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         accepted = 0
-        if run.draft.size:
+        if run.draft.size and not run.tags.cost_probe:
             m = min(run.draft.size, tokens.size - 1)
             same = run.draft[:m] == tokens[:m]
             accepted = int(m if same.all() else np.argmin(same))

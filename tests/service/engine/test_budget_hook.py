@@ -67,6 +67,21 @@ def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win
     assert hook.stats()["guard_raised"] == len(GUARD_FLOORS) - 1
 
 
+def test_the_cost_warmups_probe_steps_price_a_drafted_step_without_moving_the_guard():
+    """Plain and probe-drafted steps alternating at batch sizes 16..1, a drafted step dearer by 4 ms plus its token:
+    the fit moves c_spec most of the way from the prior's 50 ms (the prior weighs two steps; its residual pull and
+    the outlier weights of the first steps keep ~1/4 of the gap), and the guard, which would read a drafted step
+    that accepted nothing as a loss, never sees them."""
+    c_base, c_tok, c_spec = 40e-3, 2e-3, 4e-3
+    hook = budget_hook_from_config({"prior": {"name": "p", "c_base_s": c_base, "c_tok_s": c_tok, "c_spec_s": 50e-3,
+                                              "source": "test"}}, k_max=8)
+    for n in range(16, 0, -1):
+        hook.observe(StepSample(c_base + c_tok * n, n, n, 0, 0))
+        hook.observe(StepSample(c_base + c_tok * (n + 1) + c_spec, n + 1, n, 1, 0, probe=True))
+    assert c_spec < hook.cost.c_spec_s < 0.35 * 50e-3
+    assert hook.guard.gain is None and hook.guard.floor == 0.0
+
+
 @pytest.mark.parametrize("prior", [{"name": "x", "c_base_s": -1.0, "c_tok_s": 0.0, "source": "?"},
                                    {"name": "x", "c_base_s": float("nan"), "c_tok_s": 1.0, "source": "?"},
                                    {"c_base_s": 1.0}, "not a dict"])

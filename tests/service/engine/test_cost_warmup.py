@@ -29,7 +29,8 @@ def test_the_warmup_runs_the_batch_down_from_its_size_to_one_two_steps_per_size(
     assert all(p.ignore_eos and p.temperature == 1.0 for _, p, _ in llm.requests)
     tags = [RequestTags.from_extra_args(p.extra_args, prompt) for prompt, p, _ in llm.requests]
     assert {t.problem_id for t in tags} == {WARMUP_PROBLEM}  # one throwaway problem, never a caller's
-    assert not any(t.draft for t in tags)  # probes decode plainly: no draft count sees them
+    assert not any(t.draft for t in tags)  # the drafter drafts nothing for them: no draft count sees them
+    assert all(t.cost_probe for t in tags)  # but they verify junk drafts that time a drafted step
     assert len({rid for _, _, rid in llm.requests}) == 6
     prompts = [tuple(prompt) for prompt, _, _ in llm.requests]
     assert len(set(prompts)) == 6 and all(0 <= t < 1010 for p in prompts for t in p)

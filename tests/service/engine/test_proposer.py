@@ -113,6 +113,34 @@ def test_a_probe_tagged_not_to_draft_decodes_plainly_beside_a_sibling_that_draft
     assert RequestTags.from_extra_args(tags.to_extra_args(), PROMPT) == tags
 
 
+def test_cost_probes_verify_a_junk_draft_every_other_step_that_only_the_cost_fit_sees():
+    """Two cost probes and an ordinary sample: on alternate steps the first probe with room drafts its last token
+    again; the steps reach the budget marked as probe steps with that draft counted, and no acceptance estimate,
+    draft count or source count sees it."""
+    proposer, runner = attached()
+    seen = []
+    proposer.budget.observe = seen.append
+    probe = RequestTags("warm", key="p1", draft=False, cost_probe=True)
+    assert RequestTags.from_extra_args(probe.to_extra_args(), PROMPT) == probe
+    runner.add("p1", PROMPT, max_tokens=5, tags=probe)
+    runner.add("p2", PROMPT, max_tokens=6, tags=RequestTags("warm", key="p2", draft=False, cost_probe=True))
+    runner.add("s", PROMPT, tags=RequestTags("other", key="s"))
+    drafts = runner.step(proposer, {})
+    history = []
+    for token in range(30, 35):
+        history.append(drafts)
+        drafts = runner.step(proposer, {rid: [token] for rid in ("p1", "p2", "s")})
+    probe_drafts = [[d[rid] for rid in ("p1", "p2")] for d in history]
+    assert probe_drafts[0] == [[PROMPT[-1]], []] and probe_drafts[1] == [[], []]
+    assert probe_drafts[2] == [[31], []] and probe_drafts[3] == [[], []]
+    assert probe_drafts[4] == [[], [33]]  # p1 has one token of room left, too little to verify a draft: p2 drafts
+    steps = [(step.drafted, step.probe) for step in seen]
+    assert steps == [(1, True), (0, False), (1, True), (0, False), (1, True)]
+    assert proposer.acceptance.params(np.array([0, 1, 2])).measured == 0
+    counts = proposer.pop_counts(["p1", "p2"])
+    assert all(c.proposed == 0 for c in counts.values()) and proposer.by_source == {}
+
+
 def test_counts_are_claimed_by_the_callers_key_while_still_registered():
     proposer, runner = attached()
     runner.add("internal-1", PROMPT, tags=RequestTags("p", key="mine"))
