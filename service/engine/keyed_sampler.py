@@ -130,7 +130,12 @@ def keyed_forward_cpu(original: Any) -> Any:
             return original(self, logits, generators, k, p)
         logits = apply_top_k_top_p(logits, k, p)
         processed = None
-        if self.logprobs_mode == "processed_logits":
+        # A step with drafts samples here only its bonus rows, for which the rejection sampler wants processed
+        # logits (its `logprobs_mode_override`, which vLLM does not hand down to this sampler): it takes the
+        # log-softmax of the rows it keeps (cpu_fixes.rejection.logprobs_of_kept_cells), so one here would be
+        # thrown away or taken twice (one vocabulary-wide pass, and a write, per request).
+        if self.logprobs_mode == "processed_logits" or (self.logprobs_mode == "processed_logprobs"
+                                                        and step.drafts.any()):
             processed = logits
         elif self.logprobs_mode == "processed_logprobs":
             processed = logits.log_softmax(dim=-1, dtype=torch.float32)

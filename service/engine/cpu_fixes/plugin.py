@@ -17,8 +17,7 @@ vLLM loads general plugins in a worker before the CPU platform registers its ove
 `cpu_triton_utils._expand_kernel_impl` when it runs, so replacing that attribute is enough.
 
 `cpu_fixes.rejection`: the rejection sampler's module-level `rejection_sample` and its `_get_logprobs_tensors`,
-replaced by versions without vocabulary-wide random numbers and copies (same rule and figures; see that module),
-and its `forward`, which on a step that asks for no logprobs skips the raw-logits copies kept only for them.
+replaced by versions without vocabulary-wide random numbers and copies (same rule and figures; see that module).
 Profiled (`das bench e2e --profile`): a drafted step's sampling cost about 4x the plain sampler's.
 
 `sample_plainly_without_drafts`: vLLM 0.32's model runner builds speculative-decoding metadata for every step of
@@ -71,18 +70,11 @@ def install() -> None:
     from vllm.v1.sample import rejection_sampler
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
-    from das.service.engine.cpu_fixes.rejection import (
-        forward_without_logprobs,
-        logprobs_of_kept_cells,
-        make_rejection_sample,
-    )
+    from das.service.engine.cpu_fixes.rejection import logprobs_of_kept_cells, make_rejection_sample
 
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     rejection_sampler.RejectionSampler._get_logprobs_tensors = logprobs_of_kept_cells
     if not hasattr(rejection_sampler.rejection_sample, "__wrapped__"):
         rejection_sampler.rejection_sample = make_rejection_sample(rejection_sampler.rejection_sample)
-    if not hasattr(rejection_sampler.RejectionSampler.forward, "__wrapped__"):
-        verifier = rejection_sampler.RejectionSampler
-        verifier.forward = forward_without_logprobs(verifier.forward)
     if not hasattr(CPUModelRunner._sample, "__wrapped__"):  # vLLM may load the plugins more than once
         CPUModelRunner._sample = sample_plainly_without_drafts(CPUModelRunner._sample)

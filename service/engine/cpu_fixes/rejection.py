@@ -75,36 +75,6 @@ def make_rejection_sample(vllm_rejection_sample: Callable[..., torch.Tensor]) ->
     return rejection_sample
 
 
-def forward_without_logprobs(vllm_forward: Callable[..., Any]) -> Callable[..., Any]:
-    """Wraps `RejectionSampler.forward`: a step that asks for no logprobs (and has no draft probabilities or
-    synthetic acceptance) skips the two copies vLLM keeps only to compute them (the bonus rows' raw logits, asked
-    for with `max_num_logprobs=-1`, and the target rows' raw logits); every other step is vLLM's own. The tokens
-    are the same: those copies feed nothing but the logprobs. Saves two [rows, vocabulary] float32 copies a drafted
-    step (~0.2 ms a row at SmolLM2's 49,152 entries here, 3x that at Qwen2.5's 151,936)."""
-    from vllm.v1.outputs import SamplerOutput
-    from vllm.v1.sample import rejection_sampler
-
-    def forward(self: Any, metadata: Any, draft_probs: torch.Tensor | None, logits: torch.Tensor,
-                sampling_metadata: Any) -> Any:
-        if (draft_probs is not None or self.synthetic_mode or sampling_metadata.max_num_logprobs is not None
-                or sampling_metadata.logprob_token_ids):
-            return vllm_forward(self, metadata, draft_probs, logits, sampling_metadata)
-        # indexing copies, so the sampler's and the constraints' in-place updates leave `logits` alone
-        bonus = self.sampler(logits=logits[metadata.bonus_logits_indices], sampling_metadata=sampling_metadata,
-                             predict_bonus_token=True)
-        target = logits[metadata.target_logits_indices].to(torch.float32)
-        target = self.apply_logits_processors(target, sampling_metadata, metadata)
-        target = rejection_sampler.apply_sampling_constraints(target, metadata.cu_num_draft_tokens,
-                                                              sampling_metadata)
-        tokens = rejection_sampler.rejection_sample(metadata.draft_token_ids, metadata.num_draft_tokens,
-                                                    metadata.max_spec_len, metadata.cu_num_draft_tokens, None,
-                                                    target, bonus.sampled_token_ids, sampling_metadata)
-        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
-
-    forward.__wrapped__ = vllm_forward  # type: ignore[attr-defined]
-    return forward
-
-
 def _rows(logits: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """logits' `rows` (sorted, distinct); logits itself, uncopied, when they are all of its rows."""
     return logits if rows.numel() == logits.shape[0] else logits.index_select(0, rows)

@@ -161,3 +161,32 @@ def test_the_sampler_draws_keyed_rows_with_their_keys_and_leaves_the_rest_to_vll
     masked = logits[2:3].clone()
     assert first[2] == second[2] == keyed_tokens(masked, keys[2:3])[0]
     assert int(first[1]) in logits[1].topk(2).indices.tolist()  # top-k applied before the (unkeyed) draw
+
+
+@pytest.mark.parametrize("mode", ["processed_logprobs", "processed_logits", "raw_logprobs"])
+def test_a_drafted_steps_bonus_rows_come_back_as_processed_logits_for_the_rows_kept(mode):
+    """Under processed logprobs a plain step returns the rows' log-softmax; a drafted step's bonus sample returns the
+    processed logits, whose log-softmax the rejection sampler takes for the rows it keeps (the same figures as a
+    plain step's, one vocabulary pass fewer); the tokens are the same either way. Other modes keep vLLM's rule."""
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+    from vllm.v1.sample.sampler import Sampler
+
+    forward = keyed_sampler.keyed_forward_cpu(lambda *args: pytest.fail("every row is keyed"))
+    sampler = TopKTopPSampler(logprobs_mode=mode)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(6))
+    keys, keyed, positions = np.array([4, 5, 6], np.int64), np.ones(3, bool), np.array([2, 0, 1], np.int64)
+    plain = StepKeys(keys, keyed, positions, np.zeros(3, np.int64))
+    drafted = StepKeys(keys, keyed, positions - np.array([1, 0, 0]), np.array([1, 0, 0], np.int64))
+    with keyed_sampler.keys_of_step(plain):
+        plain_tokens, plain_processed = forward(sampler, logits.clone(), {}, None, None)
+    with keyed_sampler.keys_of_step(drafted):  # the same rows at the same positions, request 0 after one draft
+        bonus_tokens, bonus_processed = forward(sampler, logits.clone(), {}, None, None)
+    assert torch.equal(plain_tokens, bonus_tokens)
+    if mode == "raw_logprobs":
+        assert plain_processed is None and bonus_processed is None
+    elif mode == "processed_logits":
+        assert torch.equal(plain_processed, logits) and torch.equal(bonus_processed, logits)
+    else:
+        assert torch.equal(plain_processed, logits.log_softmax(-1))
+        assert torch.equal(bonus_processed, logits)
+        assert torch.equal(Sampler.compute_logprobs(bonus_processed), plain_processed)
