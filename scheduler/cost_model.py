@@ -162,7 +162,9 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 # earlier figure, missed the forward pass's share).
 # Qwen2.5-Coder-0.5B: the served engine on the same machine, in process as well (same results; under vLLM's
 # layout 161 ms + 18.3 ms/token). c_spec from a step profile under vLLM's layout (a drafted step's sampler over the
-# 151k vocabulary, ~2x a plain one; not re-measured in process: the online fit learns it).
+# 151k vocabulary, ~2x a plain one); in process a drafted step costs ~10 ms more at 1-2 requests and 50-90 ms more
+# at 33-48 (docs/results/2026-11-26-drafted-step-price.md), so 50 ms stands. Every engine's cost warm-up measures
+# c_spec before its first batch (service/engine/cost_warmup.py), so a prior off by that much no longer decides.
 SHIPPED: dict[str, CostModel] = {
     "smollm2": CostModel("cpu-smollm2", 38.4e-3, 2.23e-3, "das calibrate of the served engine on the 2-core AMD "
                          "development machine, float32", 0.038, c_spec_s=8e-3, c_prefill_s=1.54e-3),
