@@ -93,7 +93,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ARMS = ("none", "ngram", "suffix", "suffix-t", "das-uniform", "das", "das-service", "none-service")
+# Each arm's speculative method in vLLM's terms (engine_config; the simulator's policy, e2e_report.simulated_arm):
+# das-uniform is das's proposer under the uniform budget, suffix-t vLLM's suffix with a tuned threshold, the
+# -service arms run through `das serve`.
+ARM_SPECULATION = {"none": "none", "ngram": "ngram", "suffix": "suffix", "suffix-t": "suffix", "das-uniform": "das",
+                   "das": "das", "das-service": "das", "none-service": "none"}
+ARMS = tuple(ARM_SPECULATION)
 SERVICE_ARMS = ("das-service", "none-service")
 BASELINE = "none"
 SUFFIX_ARMS = ("suffix", "suffix-t")
@@ -155,8 +160,7 @@ class E2EConfig:
 
     def engine_config(self, arm: str, repeat: int) -> EngineConfig:
         """The engine of `arm` in repeat `repeat` (0-based): the same settings for every arm but speculation."""
-        speculation = {"none": "none", "none-service": "none", "ngram": "ngram", "suffix": "suffix",
-                       "suffix-t": "suffix"}.get(arm, "das")
+        speculation = ARM_SPECULATION[arm]
         budget = {"policy": "uniform"} if arm == "das-uniform" else self.budget if speculation == "das" else {}
         return EngineConfig(
             model=self.model, speculation=speculation,  # type: ignore[arg-type]

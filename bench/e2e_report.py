@@ -288,8 +288,11 @@ def plot(result: E2EResult, path: Path) -> None:
 def simulated_arm(arm: str, k: int) -> str | None:
     """The simulator's policy for an e2e arm (scheduler/simulator.py ARMS), None for an arm it cannot model
     (vLLM's own drafters)."""
-    return {"none": "none", "none-service": "none", "das": "das", "das-service": "das",
-            "das-uniform": f"uniform-{k}"}.get(arm)
+    from das.bench.e2e import ARM_SPECULATION
+
+    if arm == "das-uniform":
+        return f"uniform-{k}"
+    return {"none": "none", "das": "das"}.get(ARM_SPECULATION.get(arm, ""))
 
 
 @dataclass(frozen=True)

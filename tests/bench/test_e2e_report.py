@@ -11,3 +11,12 @@ def test_the_cost_fit_line_reads_what_the_budget_hook_reports():
     assert "0 steps" not in online and "fit error" not in online  # no step measured yet: no fit error to show
     plain = cost_fit_line(budget_hook_from_config({"policy": "uniform"}, 8).stats())
     assert "guard" not in plain
+
+
+def test_every_arm_replays_as_its_own_policy_or_not_at_all():
+    from das.bench.e2e import ARMS
+    from das.bench.e2e_report import simulated_arm
+
+    assert {arm: simulated_arm(arm, 8) for arm in ARMS} == {
+        "none": "none", "ngram": None, "suffix": None, "suffix-t": None, "das-uniform": "uniform-8", "das": "das",
+        "das-service": "das", "none-service": "none"}
