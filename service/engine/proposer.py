@@ -186,6 +186,7 @@ class DasProposer:
         verified: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the drafts this step verified
         prefill = False
         probe_drafted = 0  # the cost warm-up's junk draft tokens verified this step
+        probe_rooms: list[tuple[int, int]] = []  # (row, draft room) of the batch's cost probes
         for i, rid in enumerate(req_ids):
             run = self._running.get(rid)
             if run is None:
@@ -201,9 +202,11 @@ class DasProposer:
                     verified.append((run.slot, drafted, accepted))
                 run.fed = n
             generated = n - run.prompt_len
-            room = max(0, min(run.max_tokens - generated, self.max_model_len - n) - 1) if run.tags.draft else 0
-            views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens, room,
-                                     run.tags.length_curve))
+            room = max(0, min(run.max_tokens - generated, self.max_model_len - n) - 1)
+            if run.tags.cost_probe:
+                probe_rooms.append((i, room))
+            views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens,
+                                     room if run.tags.draft else 0, run.tags.length_curve))
             rows.append(run)
         drafted = accepted = 0
         if verified:
@@ -223,23 +226,21 @@ class DasProposer:
             run.draft, run.draft_source = self._draft(rid, token_ids_cpu[i, max(0, run.fed - self._context):run.fed],
                                                       k, float(plan.min_prob[i]))
             drafts.append(run.draft.tolist())
-        self._probe_draft(rows, views, token_ids_cpu, drafts)
+        if probe_rooms:
+            self._probe_draft(rows, probe_rooms, token_ids_cpu, drafts)
         self._step_us.append((time.perf_counter() - t0) * 1e6)
         self._step_batch.append(len(req_ids))
         return drafts
 
-    def _probe_draft(self, rows: list[_Running], views: list[RequestView], token_ids_cpu: np.ndarray,
+    def _probe_draft(self, rows: list[_Running], probe_rooms: list[tuple[int, int]], token_ids_cpu: np.ndarray,
                      drafts: list[list[int]]) -> None:
-        """On every other step with a cost probe in the batch, the first probe with room for two more tokens
+        """On every other step with a cost probe in the batch, the first probe with room for a draft token
         drafts its last token again (`RequestTags.cost_probe`): one drafted step per plain one at each batch size
-        of the warm-up."""
-        probes = [i for i, run in enumerate(rows) if run.tags.cost_probe]
-        if not probes:
-            return
+        of the warm-up. `probe_rooms`: (row, draft room) of the batch's probes."""
         self._probe_turn = not self._probe_turn
-        for i in probes if self._probe_turn else ():
-            run = rows[i]
-            if run.max_tokens - views[i].generated >= 2 and run.fed < self.max_model_len - 1:
+        for i, room in probe_rooms if self._probe_turn else ():
+            if room >= 1:
+                run = rows[i]
                 run.draft, run.draft_source = token_ids_cpu[i, run.fed - 1:run.fed].astype(np.int32), ""
                 drafts[i] = run.draft.tolist()
                 return
