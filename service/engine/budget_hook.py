@@ -171,11 +171,14 @@ class PolicyBudget:
         state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), capacity, efficiency,
                            cost.c_base_s, cost.c_tok_s, self.k_max, c_spec_s=cost.c_spec_s)
         plan = self.policy.plan(state)
+        if self.guard is not None and self.guard.level:
+            plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))
+        # after the guard: an exploration token is a measurement, verified whatever its estimate (under the
+        # guard's floor the drafter proposed none, no request got measured and the guard, which moves only on
+        # drafted steps, stayed up for good)
         if isinstance(self.policy, OptimalPolicy):
             plan = self.exploration.apply(plan, state, drafter.unmeasured if drafter is not None else None,
                                           drafter.measured if drafter is not None else np.inf)
-        if self.guard is not None and self.guard.level:
-            plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))
         return plan
 
     def observe(self, step: StepSample) -> None:

@@ -67,6 +67,23 @@ def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win
     assert hook.stats()["guard_raised"] == len(GUARD_FLOORS) - 1
 
 
+def test_exploration_tokens_pass_the_guards_floor_so_a_raised_guard_can_come_down():
+    """With the guard at its top floor the drafter proposes nothing its own estimate puts under 0.85, and a new
+    request's single-occurrence match never reaches it: exploration tokens must go out with floor 0, or nothing is
+    verified, no request gets measured and the guard (which moves on drafted steps only) stays up for good."""
+    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    for _ in range(200):
+        hook.observe(StepSample(0.11, 96, 32, 64, 2))  # losing drafted steps: the guard goes to the top
+    assert hook.guard.floor == GUARD_FLOORS[-1]
+    # 8 new requests the optimum leaves without drafts (acceptance ~0.05): exploration gives each one token
+    plan = hook.plan(views(*([200] * 8)), DrafterParams(np.full(8, 0.05), np.full(8, 1.0), np.ones(8, bool), 0.0))
+    explored = plan.lengths > 0
+    assert explored.all() and np.all(plan.min_prob[explored] == 0.0)
+    for _ in range(hook.guard.patience):  # those steps win: the guard comes down a level
+        hook.observe(StepSample(0.06, 16, 8, 8, 8))
+    assert hook.guard.floor == GUARD_FLOORS[-2]
+
+
 def test_the_cost_warmups_probe_steps_price_a_drafted_step_without_moving_the_guard():
     """Plain and probe-drafted steps alternating at batch sizes 16..1, a drafted step dearer by 4 ms plus its token:
     the fit moves c_spec most of the way from the prior's 50 ms (the prior weighs two steps; its residual pull and
