@@ -159,7 +159,7 @@ def cost_fit_line(cost: dict[str, Any]) -> str:
     them (`PolicyBudget.stats`), in one line."""
     fit = (f"das live cost fit (last repeat): c_base {cost['c_base_s'] * 1e3:.1f} ms, "
            f"c_tok {cost['c_tok_s'] * 1e3:.3f} ms/token, c_spec {cost['c_spec_s'] * 1e3:.1f} ms "
-           f"from prior {cost['prior']}")
+           f"+ {cost.get('c_spec_req_s', 0.0) * 1e3:.2f} ms/request from prior {cost['prior']}")
     if cost.get("fit_error") is not None:
         fit += f", {cost['steps']} steps, fit error {cost['fit_error']:.1%}"
     if "guard_floor" in cost:
@@ -360,7 +360,8 @@ class Validation:
         for key, cost in self.costs.items():
             fit = f", {cost['steps']} steps, fit error {cost['fit_error']:.1%}" if cost.get("fit_error") else ""
             console.print(f"{key} replayed under ({cost['source']}): c_base {cost['c_base_s'] * 1e3:.1f} ms, "
-                          f"c_tok {cost['c_tok_s'] * 1e3:.3f} ms/token, c_spec {cost['c_spec_s'] * 1e3:.1f} ms, "
+                          f"c_tok {cost['c_tok_s'] * 1e3:.3f} ms/token, c_spec {cost['c_spec_s'] * 1e3:.1f} ms "
+                          f"+ {cost.get('c_spec_req_s', 0.0) * 1e3:.2f} ms/request, "
                           f"c_prefill {_prefill_ms(cost)}{fit}")
         if self.skipped:
             console.print(f"not modelled by the simulator: {', '.join(self.skipped)}")
@@ -420,7 +421,8 @@ def validate_rollouts(path: str | os.PathLike[str], window: int = 4, cost_source
         prefill = costs.get("c_prefill_s")
         cost = CostModel(f"{run.arm}/r{run.repeat} {costs['source']}", float(costs["c_base_s"]),
                          float(costs["c_tok_s"]), str(costs["source"]), c_spec_s=float(costs.get("c_spec_s", 0)),
-                         c_prefill_s=None if prefill is None else float(prefill))
+                         c_prefill_s=None if prefill is None else float(prefill),
+                         c_spec_req_s=float(costs.get("c_spec_req_s", 0)))
         result.costs[f"{run.arm}/r{run.repeat}"] = costs
         for batch in replay_versions(mine, cost, policy, sidecar.engines, sidecar.num_speculative_tokens, window):
             e = batch.version

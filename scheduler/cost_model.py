@@ -1,17 +1,21 @@
 """Engine cost model: the time of one engine step as a function of what it processes.
 
-    t_step = c_base + c_tok * n_tokens + c_spec * [the step verifies drafts] + c_prefill * n_prompt
-             (seconds; n_tokens = running requests + their draft tokens; n_prompt = prompt tokens the step
-             prefills, as chunks beside the decodes)
+    t_step = c_base + c_tok * n_tokens + (c_spec + c_spec_req * n_requests) * [the step verifies drafts]
+             + c_prefill * n_prompt
+             (seconds; n_tokens = running requests + their draft tokens; n_requests = running requests; n_prompt =
+             prompt tokens the step prefills, as chunks beside the decodes)
 
 c_base is what a step costs however little it computes (reading the weights, launching kernels, scheduling);
-c_tok is the marginal cost of one more token verified in the step; c_spec is the fixed price of a step that
-verifies drafts (the rejection sampler instead of the plain sampler, the proposer's bookkeeping). Decoding at small
+c_tok is the marginal cost of one more token verified in the step; c_spec + c_spec_req * n_requests is the price
+of a step that verifies drafts: the rejection sampler instead of the plain sampler, the proposer's bookkeeping
+(c_spec), and gathers over every request's rows that grow with the batch (c_spec_req; on the 2-core CPU a drafted
+step's sampling costs ~8 ms more than a plain one's at 1-2 requests and 16-35 ms more at 33-48 with Qwen2.5's
+151k vocabulary, docs/results/2026-11-26-drafted-step-price.md). Decoding at small
 batch is memory-bound (c_base dominates: drafts are nearly free), at large batch compute-bound (c_tok dominates:
 drafts cost what they verify). c_prefill is the price of one prompt token: a prompt is computed as one wide
 matrix product rather than a token per request, so on a compute-bound CPU it is cheaper than c_tok (SmolLM2 here:
-~2/3 of it), and on a GPU about c_tok's FLOPs at a better efficiency. The budget reads c_base, c_tok and c_spec (it
-plans decode steps); the simulator all four.
+~2/3 of it), and on a GPU about c_tok's FLOPs at a better efficiency. The budget reads c_base, c_tok and the
+drafted-step price (it plans decode steps); the simulator all five.
 
 `OnlineCostModel` fits them from an engine's own steps while it serves (docs/design.md, "The online cost model"),
 starting from a prior: a `CostModel` from `das calibrate`, a shipped calibration, or `GENERIC_PRIOR`.
@@ -46,8 +50,9 @@ _QWEN25_7B_PARAMS = 7.6e9
 
 @dataclass(frozen=True)
 class CostModel:
-    """t_step = c_base_s + c_tok_s * n_tokens (+ c_spec_s when the step verifies drafts) + c_prefill_s * prompt
-    tokens. `source` says where the numbers come from. c_prefill_s None: not measured, priced as c_tok_s."""
+    """t_step = c_base_s + c_tok_s * n_tokens (+ c_spec_s + c_spec_req_s * requests when the step verifies
+    drafts) + c_prefill_s * prompt tokens. `source` says where the numbers come from. c_prefill_s None: not
+    measured, priced as c_tok_s."""
 
     name: str
     c_base_s: float
@@ -56,24 +61,32 @@ class CostModel:
     fit_error: float | None = None  # relative RMS error of the fit, for calibrated models
     c_spec_s: float = 0.0
     c_prefill_s: float | None = None
+    c_spec_req_s: float = 0.0
 
     def __post_init__(self) -> None:
-        values = (self.c_base_s, self.c_tok_s, self.c_spec_s, self.prefill_token_s)
+        values = (self.c_base_s, self.c_tok_s, self.c_spec_s, self.prefill_token_s, self.c_spec_req_s)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-            raise ValueError(f"cost model {self.name!r}: c_base_s, c_tok_s, c_spec_s, c_prefill_s must be finite "
-                             f"numbers")
+            raise ValueError(f"cost model {self.name!r}: c_base_s, c_tok_s, c_spec_s, c_prefill_s, c_spec_req_s must "
+                             f"be finite numbers")
         if not (min(values) >= 0 and self.c_base_s + self.c_tok_s > 0):
-            raise ValueError(f"cost model {self.name!r}: need c_base_s, c_tok_s, c_spec_s, c_prefill_s >= 0, c_base_s "
-                             f"and c_tok_s not both 0")
+            raise ValueError(f"cost model {self.name!r}: need c_base_s, c_tok_s, c_spec_s, c_prefill_s, c_spec_req_s "
+                             f">= 0, c_base_s and c_tok_s not both 0")
 
     @property
     def prefill_token_s(self) -> float:
         """Seconds per prompt token prefilled: c_prefill_s, or c_tok_s where it was not measured."""
         return self.c_tok_s if self.c_prefill_s is None else self.c_prefill_s
 
-    def step_time(self, n_tokens: float, drafted: bool = False, prompt_tokens: float = 0.0) -> float:
-        return (self.c_base_s + self.c_tok_s * n_tokens + (self.c_spec_s if drafted else 0.0)
-                + self.prefill_token_s * prompt_tokens)
+    def spec_price(self, requests: float) -> float:
+        """Seconds a step of `requests` running requests costs more when it verifies drafts."""
+        return self.c_spec_s + self.c_spec_req_s * requests
+
+    def step_time(self, n_tokens: float, drafted: bool = False, prompt_tokens: float = 0.0,
+                  requests: float | None = None) -> float:
+        """Seconds for a step of `n_tokens` decode tokens (requests + drafts) of `requests` running requests
+        (None: n_tokens, a step without drafts) and `prompt_tokens` prefilled."""
+        spec = self.spec_price(n_tokens if requests is None else requests) if drafted else 0.0
+        return self.c_base_s + self.c_tok_s * n_tokens + spec + self.prefill_token_s * prompt_tokens
 
     @property
     def crossover_tokens(self) -> float:
@@ -157,20 +170,20 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 # priors for the models `das models list` prepares. SmolLM2: the served engine (float32 by dtype auto on AVX2,
 # compiled, the model worker in the engine core process: service/engine/cpu_layout.py) on the AMD machine
 # (docs/results/2026-11-26-cpu-worker-in-process.md; under vLLM's CPU layout, one core computing, it was 55.4 ms +
-# 4.26 ms/token). c_spec from `das bench e2e --profile`: a drafted step against plain ones of the same batch size
-# in the same run, less c_tok per draft token (docs/results/2026-11-26-fixed-costs.md; the sampler alone, the
-# earlier figure, missed the forward pass's share).
-# Qwen2.5-Coder-0.5B: the served engine on the same machine, in process as well (same results; under vLLM's
-# layout 161 ms + 18.3 ms/token). c_spec from a step profile under vLLM's layout (a drafted step's sampler over the
-# 151k vocabulary, ~2x a plain one); in process a drafted step costs ~10 ms more at 1-2 requests and 50-90 ms more
-# at 33-48 (docs/results/2026-11-26-drafted-step-price.md), so 50 ms stands. Every engine's cost warm-up measures
-# c_spec before its first batch (service/engine/cost_warmup.py), so a prior off by that much no longer decides.
+# 4.26 ms/token). Qwen2.5-Coder-0.5B: the served engine on the same machine, in process as well (same results;
+# under vLLM's layout 161 ms + 18.3 ms/token). The drafted-step price from `das bench e2e --profile`: drafted steps
+# against plain ones of the same batch size in the same run, less c_tok per draft token
+# (docs/results/2026-11-26-drafted-step-price.md): on Qwen ~7.5 ms at 1-2 requests and 16-17 ms at 33-48, on
+# SmolLM2 +3-6 ms at 9-32 and +9-25 ms at 33-64 (docs/results/2026-11-26-fixed-costs.md). Every engine's cost
+# warm-up measures the price at batch sizes 16 to 1 before its first batch (service/engine/cost_warmup.py), so a
+# prior off by a few ms no longer decides.
 SHIPPED: dict[str, CostModel] = {
     "smollm2": CostModel("cpu-smollm2", 38.4e-3, 2.23e-3, "das calibrate of the served engine on the 2-core AMD "
-                         "development machine, float32", 0.038, c_spec_s=8e-3, c_prefill_s=1.54e-3),
+                         "development machine, float32", 0.038, c_spec_s=3e-3, c_prefill_s=1.54e-3,
+                         c_spec_req_s=0.2e-3),
     "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 106e-3, 8.32e-3, "das calibrate of the served "
-                                    "engine on the 2-core AMD development machine, float32", 0.051, c_spec_s=50e-3,
-                                    c_prefill_s=6.12e-3),
+                                    "engine on the 2-core AMD development machine, float32", 0.051, c_spec_s=7e-3,
+                                    c_prefill_s=6.12e-3, c_spec_req_s=0.25e-3),
 }
 
 GENERIC_PRIOR = CostModel(
@@ -207,16 +220,19 @@ class CostFitStats:
 
 
 class OnlineCostModel:
-    """`t_step = c_base + c_tok * n_tokens + c_spec * drafted`, fitted from an engine's own measured steps.
+    """`t_step = c_base + c_tok * n_tokens + (c_spec + c_spec_req * requests) * drafted`, fitted from an engine's
+    own measured steps.
 
     Exponentially weighted least squares (a step's weight halves every `half_life_steps` steps, so the fit follows
     the machine's load as it moves) regularised towards the prior with the weight of `prior_steps` steps that
-    never fades. The prior is kept as a shape: the fit is t = s (1 + tau n + rho d) + e_tok n + e_spec d with
-    tau and rho the prior's c_tok / c_base and c_spec / c_base, s's prior the prior's c_base and the e's prior 0,
-    so c_base = s, c_tok = s tau + e_tok, c_spec = s rho + e_spec. The scale s weighs 1/200 of the shape in the
-    prior: a machine faster or slower than the prior (the common case) moves s at once, and a coefficient the
-    recent steps cannot tell apart (no drafted step seen, one batch size only) keeps the prior's proportion to
-    c_base rather than its absolute value, which on a faster machine would make drafts look dear for good.
+    never fades. The prior is kept as a shape: the fit is t = s (1 + tau n + rho d + rho_r d r) + e_tok n + e_spec d
+    + e_req d r, with tau, rho and rho_r the prior's c_tok, c_spec and c_spec_req over c_base, s's prior the prior's
+    c_base and the e's prior 0, so c_base = s, c_tok = s tau + e_tok, c_spec = s rho + e_spec, c_spec_req = s rho_r
+    + e_req. The scale s weighs 1/200 of the shape in the prior: a machine faster or slower than the prior (the
+    common case) moves s at once, and a coefficient the recent steps cannot tell apart (no drafted step seen, one
+    batch size only) keeps the prior's proportion to c_base rather than its absolute value, which on a faster
+    machine would make drafts look dear for good. The drafted-step price needs drafted steps at several batch sizes
+    to split into c_spec and c_spec_req: the cost warm-up gives it sizes 16 down to 1 (service/engine/cost_warmup.py).
 
     Robust to outliers: a step whose residual exceeds 4 recent mean absolute residuals counts with a Huber weight
     (less the further out it is), and a step time that is not finite, not positive, or more than `max_ratio`
@@ -226,9 +242,10 @@ class OnlineCostModel:
     Decode steps only (the proposer skips steps with a prefill in them): c_prefill keeps the prior's proportion to
     c_tok, both being the price of a token's compute.
 
-    n_tokens is scaled by `token_scale` so that the shape's prior weighs about the same on c_tok and c_spec.
-    Cost: `observe` is a few numpy operations on 3x3 arrays plus one 3x3 solve, `current` builds one CostModel:
-    ~50 us together on the 2-core development machine (against steps of tens of ms there, 5-20 ms on a GPU).
+    n_tokens and requests are scaled by `token_scale` so that the shape's prior weighs about the same on every
+    coefficient. Cost: `observe` is a few numpy operations on 4x4 arrays plus one 4x4 solve, `current` builds one
+    CostModel: ~50 us together on the 2-core development machine (against steps of tens of ms there, 5-20 ms on a
+    GPU).
     """
 
     def __init__(self, prior: CostModel, *, prior_steps: float = 2.0, half_life_steps: float = 400.0,
@@ -239,24 +256,29 @@ class OnlineCostModel:
         self._decay = 0.5 ** (1.0 / half_life_steps)
         self._token_scale = token_scale
         base = max(prior.c_base_s, 1e-9)
-        self._tau, self._rho = prior.c_tok_s / base, prior.c_spec_s / base
-        self._theta0 = np.array([prior.c_base_s, 0.0, 0.0])  # (s, e_tok * token_scale, e_spec)
+        self._shape = np.array([prior.c_tok_s, prior.c_spec_s, prior.c_spec_req_s]) / base  # tau, rho, rho_r
+        self._theta0 = np.array([prior.c_base_s, 0.0, 0.0, 0.0])  # (s, e_tok * token_scale, e_spec, e_req * scale)
         # the scale s is nearly free (a machine faster or slower than the prior is the common case), the shape is not
-        self._lambda0 = prior_steps * np.diag([0.005, 1.0, 1.0])
-        self._gram = np.zeros((3, 3))
-        self._moment = np.zeros(3)
+        self._lambda0 = prior_steps * np.diag([0.005, 1.0, 1.0, 1.0])
+        self._gram = np.zeros((4, 4))
+        self._moment = np.zeros(4)
         self._max_ratio = max_ratio
         self._theta = self._theta0.copy()
         self._abs_residual = 0.1 * prior.step_time(token_scale)  # running mean |residual|, seconds
         self._sq_rel_error: float | None = None
         self._steps = self._rejected_steps = self._rejected_fits = 0
 
-    def observe(self, n_tokens: float, drafted: bool, step_s: float) -> bool:
-        """One measured step; False when it was rejected. Refits at once."""
+    def observe(self, n_tokens: float, drafted: bool, step_s: float, requests: float | None = None) -> bool:
+        """One measured step of `n_tokens` decode tokens (requests + drafts) of `requests` running requests (None:
+        n_tokens, a step without drafts); False when it was rejected. Refits at once."""
         d = 1.0 if drafted else 0.0
-        x = np.array([1.0 + self._tau * n_tokens + self._rho * d, n_tokens / self._token_scale, d])
+        r = n_tokens if requests is None else requests
+        tau, rho, rho_r = self._shape
+        x = np.array([1.0 + tau * n_tokens + rho * d + rho_r * d * r, n_tokens / self._token_scale, d,
+                      d * r / self._token_scale])
         predicted = float(self._theta @ x)
-        if not (math.isfinite(step_s) and step_s > 0 and n_tokens >= 0) or step_s > self._max_ratio * predicted:
+        if not (math.isfinite(step_s) and step_s > 0 and n_tokens >= 0 and r >= 0) \
+                or step_s > self._max_ratio * predicted:
             self._rejected_steps += 1
             return False
         residual = step_s - predicted
@@ -274,7 +296,7 @@ class OnlineCostModel:
         self._steps += 1
         theta = np.linalg.solve(self._gram + self._lambda0, self._moment + self._lambda0 @ self._theta0)
         # c_base or c_tok below 0, or a step beyond 100x the prior's, is no machine: keep the last good fit
-        c_base, c_tok, _ = self._coefficients(theta)
+        c_base, c_tok, _, _ = self._coefficients(theta)
         limit = 100.0 * self.prior.step_time(self._token_scale, drafted=True)
         if not (np.all(np.isfinite(theta)) and c_base >= 0 and c_tok >= 0
                 and c_base + c_tok * self._token_scale < limit):
@@ -283,14 +305,16 @@ class OnlineCostModel:
         self._theta = theta
         return True
 
-    def _coefficients(self, theta: np.ndarray) -> tuple[float, float, float]:
-        """(c_base, c_tok, c_spec) of the fit's (s, e_tok * token_scale, e_spec)."""
-        s, e_tok, e_spec = (float(v) for v in theta)
-        return s, s * self._tau + e_tok / self._token_scale, s * self._rho + e_spec
+    def _coefficients(self, theta: np.ndarray) -> tuple[float, float, float, float]:
+        """(c_base, c_tok, c_spec, c_spec_req) of the fit's (s, e_tok * token_scale, e_spec, e_req * token_scale)."""
+        s, e_tok, e_spec, e_req = (float(v) for v in theta)
+        tau, rho, rho_r = (float(v) for v in self._shape)
+        return s, s * tau + e_tok / self._token_scale, s * rho + e_spec, s * rho_r + e_req / self._token_scale
 
     def current(self) -> CostModel:
-        """The live fit (c_spec clipped at 0: a drafted step is never cheaper than a plain one)."""
-        c_base, c_tok, c_spec = self._coefficients(self._theta)
+        """The live fit (c_spec and c_spec_req each clipped at 0: a drafted step is never cheaper than a plain
+        one)."""
+        c_base, c_tok, c_spec, c_spec_req = self._coefficients(self._theta)
         if c_base + c_tok <= 0:
             return self.prior
         fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None
@@ -298,7 +322,7 @@ class OnlineCostModel:
         if self.prior.c_prefill_s is not None and self.prior.c_tok_s > 0:
             prefill = c_tok * self.prior.c_prefill_s / self.prior.c_tok_s
         return CostModel(f"{self.prior.name}+online", c_base, c_tok, f"online fit from {self.prior.name}",
-                         fit_error, c_spec_s=max(c_spec, 0.0), c_prefill_s=prefill)
+                         fit_error, c_spec_s=max(c_spec, 0.0), c_prefill_s=prefill, c_spec_req_s=max(c_spec_req, 0.0))
 
     def stats(self) -> CostFitStats:
         fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None

@@ -3,7 +3,8 @@
 Every policy version after the first is one batch. Its groups (one problem's samples) are placed on E engines;
 each engine runs vLLM's schedule over its requests (`EngineLimits`: admission up to max_num_seqs, decodes first,
 then prompt chunks up to the step's token budget), one forward pass after another, each pass costing
-c_base + c_tok * (decode tokens, drafts included) + c_prefill * (prompt tokens) (+ c_spec if it verifies drafts).
+c_base + c_tok * (decode tokens, drafts included) + c_prefill * (prompt tokens) (+ c_spec + c_spec_req *
+requests if it verifies drafts).
 Drafts come from the real drafter (a HistoryBank holding the earlier versions, fed with the batch's own tokens as
 they are generated), cut by the policy's per-token probability floor where it has one; accepted = longest prefix
 of the draft equal to the recorded continuation; a pass verifies the draft tokens actually proposed; a request
@@ -101,7 +102,8 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     Each engine runs vLLM's schedule: up to `engine.max_num_seqs` requests admitted in order (longest predicted
     first), each step the decoding requests first (one token each plus their drafts), then the admitted requests'
     prompts in chunks up to `engine.step_tokens` tokens in all; the step that computes a prompt's last chunk
-    samples its first output token. A step costs `cost.step_time(decode tokens, drafted, prompt tokens)`."""
+    samples its first output token. A step costs `cost.step_time(decode tokens, drafted, prompt tokens, decoding
+    requests)`."""
     book = DifficultyBook()
     book.add_records(history)
     predictor = LengthPredictor(book)
@@ -160,7 +162,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             drafter = acceptance.params(slot[active])
             state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), capacity=drafter.capacity,
                                efficiency=drafter.efficiency, c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s,
-                               k_max=k_max, c_spec_s=cost.c_spec_s)
+                               k_max=k_max, c_spec_s=cost.spec_price(len(active)))
             plan = policy.plan(state)
             if isinstance(policy, OptimalPolicy):
                 plan = exploration[e].apply(plan, state, drafter.unmeasured, drafter.measured)
@@ -190,7 +192,8 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             chunks += chunk
             if unprefilled[i] == 0:
                 first.append(i)
-        step = cost.step_time(float(decode_tokens), drafted=bool(drafted.any()), prompt_tokens=float(chunks))
+        step = cost.step_time(float(decode_tokens), drafted=bool(drafted.any()), prompt_tokens=float(chunks),
+                              requests=float(len(active)))
         pos[active] += advanced
         for i in first:
             pos[i] = min(1, lengths[i])

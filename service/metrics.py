@@ -200,7 +200,9 @@ class GatewayMetrics:
              "costs however few tokens it verifies."),
             ("c_tok_s", "das_engine_step_token_seconds", "The live step cost fit: seconds per token verified."),
             ("c_spec_s", "das_engine_step_spec_seconds", "The live step cost fit: the extra seconds of a step that "
-             "verifies drafts."),
+             "verifies drafts, whatever its size."),
+            ("c_spec_req_s", "das_engine_step_spec_request_seconds", "The live step cost fit: the extra seconds of a "
+             "step that verifies drafts, per running request."),
             ("fit_error", "das_engine_step_fit_error_ratio", "Recent relative RMS error of the step cost fit."),
             ("guard_floor", "das_engine_guard_floor_ratio", "The never-a-loss guard's probability floor for draft "
              "tokens (0: not backing off)."))}

@@ -113,7 +113,7 @@ def budget_settings(config: EngineConfig) -> dict[str, Any]:
     engine's online cost fit starts from (a stored `das calibrate` result for this model, a shipped calibration,
     or the generic prior: scheduler/cost_model.py `prior_cost_model`)."""
     settings = dict(config.budget)
-    if not {"prior", "c_base_s", "c_tok_s", "c_spec_s"} & settings.keys():
+    if not {"prior", "c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s"} & settings.keys():
         settings["prior"] = dataclasses.asdict(prior_cost_model(config.model))
     return settings
 

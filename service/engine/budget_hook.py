@@ -169,7 +169,7 @@ class PolicyBudget:
         efficiency = drafter.efficiency if drafter is not None else np.full(n, self.efficiency)
         cost = self.cost
         state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), capacity, efficiency,
-                           cost.c_base_s, cost.c_tok_s, self.k_max, c_spec_s=cost.c_spec_s)
+                           cost.c_base_s, cost.c_tok_s, self.k_max, c_spec_s=cost.spec_price(n))
         plan = self.policy.plan(state)
         if self.guard is not None and self.guard.level:
             plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))
@@ -183,7 +183,7 @@ class PolicyBudget:
 
     def observe(self, step: StepSample) -> None:
         if self.fit is not None:
-            self.fit.observe(step.tokens, step.drafted > 0, step.step_s)
+            self.fit.observe(step.tokens, step.drafted > 0, step.step_s, step.requests)
             self.cost = self.fit.current()
         if self.guard is not None and not step.probe:
             self.guard.observe(step, self.cost)
@@ -191,7 +191,7 @@ class PolicyBudget:
     def stats(self) -> dict[str, Any]:
         cost = self.cost
         out: dict[str, Any] = {"c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s, "c_spec_s": cost.c_spec_s,
-                               "c_prefill_s": cost.c_prefill_s,
+                               "c_spec_req_s": cost.c_spec_req_s, "c_prefill_s": cost.c_prefill_s,
                                "prior": self.fit.prior.name if self.fit is not None else cost.name}
         if self.fit is not None:
             out.update(dataclasses.asdict(self.fit.stats()))
@@ -205,7 +205,7 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
     """`{"policy": "das"}` (the default: the length-aware optimum, scheduler/budget.py), `{"policy": "uniform",
     "k": K}` (default K: K_max), or `{"policy": "classes", "long": 16, "medium": 8, "short": 4}`; for every
     policy, the step cost settings `"prior": {CostModel fields}` (default: `GENERIC_PRIOR`; or its coefficients
-    alone as `"c_base_s"`, `"c_tok_s"`, `"c_spec_s"`), `"online": true`
+    alone as `"c_base_s"`, `"c_tok_s"`, `"c_spec_s"`, `"c_spec_req_s"`), `"online": true`
     (fit the cost model from this engine's steps; false: keep the prior), `"guard"` (the never-a-loss guard;
     default true for das, false for the uniform and classes baselines), and `"capacity"`, `"efficiency"`; for das
     also `"per_token": false` (true: up to K_max tokens per request above a per-token probability floor instead of
@@ -219,7 +219,8 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
             prior = CostModel(**raw)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"budget prior {raw!r} is not a cost model: {exc}") from None
-    fixed = {key: config.pop(key) for key in ("c_base_s", "c_tok_s", "c_spec_s") if key in config}
+    fixed = {key: config.pop(key) for key in ("c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s")
+             if key in config}
     if fixed:  # shorthand: the prior's coefficients given one by one (e.g. a bench arm's fixed cost model)
         try:
             prior = CostModel("configured", **{"c_base_s": 0.0, "c_tok_s": 0.0, **{k: float(v) for k, v in

@@ -56,34 +56,48 @@ def test_saved_models_load_by_name_and_bad_files_are_clear_errors(tmp_path):
 
 # --- the online fit -------------------------------------------------------------------------------------------
 
-TRUE = CostModel("true", 44e-3, 0.49e-3, "synthetic", c_spec_s=12e-3)
+TRUE = CostModel("true", 44e-3, 0.49e-3, "synthetic", c_spec_s=12e-3, c_spec_req_s=0.15e-3)
 
 
 def feed(fit: OnlineCostModel, truth: CostModel, steps: int, rng: np.random.Generator, *, drafted_share: float = 0.3,
          outliers: float = 0.0) -> None:
     for _ in range(steps):
-        n, drafted = int(rng.integers(4, 160)), bool(rng.random() < drafted_share)
-        t = truth.step_time(n, drafted) * rng.lognormal(0.0, 0.05)
+        requests, drafted = int(rng.integers(4, 128)), bool(rng.random() < drafted_share)
+        n = requests + (int(rng.integers(1, 32)) if drafted else 0)
+        t = truth.step_time(n, drafted, requests=requests) * rng.lognormal(0.0, 0.05)
         if rng.random() < outliers:
             t *= 8.0  # a step that shared the CPU with something else
-        fit.observe(n, drafted, t)
+        fit.observe(n, drafted, t, requests)
 
 
-def test_online_fit_recovers_the_three_costs_through_noise_and_outliers():
+def test_online_fit_recovers_the_four_costs_through_noise_and_outliers():
     fit = OnlineCostModel(GENERIC_PRIOR)
     feed(fit, TRUE, 1500, np.random.default_rng(1), outliers=0.03)
     got = fit.current()
     assert got.c_base_s == pytest.approx(TRUE.c_base_s, rel=0.1)
     assert got.c_tok_s == pytest.approx(TRUE.c_tok_s, rel=0.1)
-    assert got.c_spec_s == pytest.approx(TRUE.c_spec_s, rel=0.35)
+    # the drafted-step price at a small and a full batch, and so its slope with the batch
+    for requests in (4, 128):
+        assert got.spec_price(requests) == pytest.approx(TRUE.spec_price(requests), rel=0.35)
+    assert got.c_spec_req_s == pytest.approx(TRUE.c_spec_req_s, rel=0.5)
     assert fit.stats().steps == 1500 and fit.stats().fit_error < 0.5
+
+
+def test_a_drafted_step_is_priced_by_its_requests_not_its_draft_tokens():
+    cost = CostModel("m", 0.05, 0.004, "test", c_spec_s=0.003, c_spec_req_s=0.001)
+    assert cost.spec_price(10) == pytest.approx(0.013)
+    assert cost.step_time(40, drafted=True, requests=10) == pytest.approx(0.05 + 0.16 + 0.013)
+    assert cost.step_time(40, requests=10) == pytest.approx(0.05 + 0.16)  # a plain step pays no price
+    with pytest.raises(ValueError, match="c_spec_req_s"):
+        CostModel("bad", 0.05, 0.004, "test", c_spec_req_s=-1e-3)
 
 
 def test_online_fit_follows_the_machine_load_as_it_moves():
     fit = OnlineCostModel(TRUE)
     rng = np.random.default_rng(2)
     feed(fit, TRUE, 600, rng)
-    slower = CostModel("slower", 2 * TRUE.c_base_s, 2 * TRUE.c_tok_s, "synthetic", c_spec_s=TRUE.c_spec_s)
+    slower = CostModel("slower", 2 * TRUE.c_base_s, 2 * TRUE.c_tok_s, "synthetic", c_spec_s=TRUE.c_spec_s,
+                       c_spec_req_s=TRUE.c_spec_req_s)
     feed(fit, slower, 3000, rng)
     assert fit.current().c_base_s == pytest.approx(slower.c_base_s, rel=0.15)
     assert fit.current().c_tok_s == pytest.approx(slower.c_tok_s, rel=0.15)
@@ -98,6 +112,7 @@ def test_a_cost_the_steps_do_not_show_keeps_its_prior_proportion():
     got = fit.current()
     assert got.step_time(64) == pytest.approx(TRUE.step_time(64) / 3, rel=0.01)
     assert got.c_spec_s / got.c_base_s == pytest.approx(TRUE.c_spec_s / TRUE.c_base_s, rel=1e-6)
+    assert got.c_spec_req_s / got.c_base_s == pytest.approx(TRUE.c_spec_req_s / TRUE.c_base_s, rel=1e-6)
     assert got.c_tok_s / got.c_base_s == pytest.approx(TRUE.c_tok_s / TRUE.c_base_s, rel=0.05)
 
 

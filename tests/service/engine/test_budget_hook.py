@@ -54,6 +54,15 @@ def test_a_dear_drafted_step_switches_drafting_off_where_it_would_pay_per_token(
     assert dear.plan(batch, drafter).lengths.max() == 0
 
 
+def test_the_drafted_step_price_is_read_at_the_batch_size():
+    """A price per running request: the same requests drafting pay it in a batch of 2, not in one of 64."""
+    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 2e-3, "c_spec_req_s": 4e-3,
+                                    "online": False}, k_max=8)
+    tail = hook.plan(views(200, 180), DrafterParams(np.full(2, 0.5), np.full(2, 1.0)))
+    full = hook.plan(views(*([200] * 64)), DrafterParams(np.full(64, 0.5), np.full(64, 1.0)))
+    assert tail.lengths.min() > 0 and full.lengths.max() == 0
+
+
 def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win():
     hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
     for _ in range(200):  # 32 requests, 64 drafts, 2 accepted, a step twice the plain one: a loss
@@ -85,17 +94,18 @@ def test_exploration_tokens_pass_the_guards_floor_so_a_raised_guard_can_come_dow
 
 
 def test_the_cost_warmups_probe_steps_price_a_drafted_step_without_moving_the_guard():
-    """Plain and probe-drafted steps alternating at batch sizes 16..1, a drafted step dearer by 4 ms plus its token:
-    the fit moves c_spec most of the way from the prior's 50 ms (the prior weighs two steps; its residual pull and
-    the outlier weights of the first steps keep ~1/4 of the gap), and the guard, which would read a drafted step
-    that accepted nothing as a loss, never sees them."""
-    c_base, c_tok, c_spec = 40e-3, 2e-3, 4e-3
+    """Plain and probe-drafted steps alternating at batch sizes 16..1, a drafted step dearer by 2 ms + 0.25 ms per
+    request plus its token: the fit moves the price most of the way from the prior's 50 ms (the prior weighs two
+    steps; its residual pull and the outlier weights of the first steps keep ~1/4 of the gap), and the guard, which
+    would read a drafted step that accepted nothing as a loss, never sees them."""
+    c_base, c_tok, c_spec, c_spec_req = 40e-3, 2e-3, 2e-3, 0.25e-3
     hook = budget_hook_from_config({"prior": {"name": "p", "c_base_s": c_base, "c_tok_s": c_tok, "c_spec_s": 50e-3,
                                               "source": "test"}}, k_max=8)
     for n in range(16, 0, -1):
         hook.observe(StepSample(c_base + c_tok * n, n, n, 0, 0))
-        hook.observe(StepSample(c_base + c_tok * (n + 1) + c_spec, n + 1, n, 1, 0, probe=True))
-    assert c_spec < hook.cost.c_spec_s < 0.35 * 50e-3
+        hook.observe(StepSample(c_base + c_tok * (n + 1) + c_spec + c_spec_req * n, n + 1, n, 1, 0, probe=True))
+    for n in (1, 16):
+        assert c_spec + c_spec_req * n < hook.cost.spec_price(n) < 0.35 * 50e-3
     assert hook.guard.gain is None and hook.guard.floor == 0.0
 
 
