@@ -176,10 +176,13 @@ def _cost_scalar(name: str, value: object) -> float:
 class DraftPlan:
     """What a request may verify this step. lengths: int32 K_i in [0, K_max], the most draft tokens; min_prob:
     float64, the least probability (the drafter's estimate that every draft token up to this one is accepted) a
-    draft token must have to be verified: 0 verifies whatever the drafter proposes, inf nothing."""
+    draft token must have to be verified: 0 verifies whatever the drafter proposes, inf nothing. explored: None, or
+    a bool per request: its length is exploration's token (scheduler/exploration.py), whose accepted tokens are
+    refunded to the exploration credit."""
 
     lengths: np.ndarray
     min_prob: np.ndarray
+    explored: np.ndarray | None = None
 
 
 @runtime_checkable

@@ -9,8 +9,14 @@ Exploring is not free, and where a verified token costs a real share of a step (
 token ~1/13 of a step) one token for every unmeasured request made every new batch's first steps slower. So
 exploration runs on a credit: every step adds `share` of the step's estimated time; a token costs c_tok, and a step
 the plan left plain also the drafted-step price c_spec; unspent credit is capped at `burst` steps' worth (but
-always enough for one token on a plain step, so exploration never stops for good). At the default 0.5% share
-exploration takes at most ~0.5% of the engine's time: where drafting cannot win (no sample repeats its text) that
+always enough for one token on a plain step, so exploration never stops for good; with refunds, for a token for
+every unmeasured request). An explored token that is
+accepted did the work of a token decoded plainly, and that work's price (a plain step of the batch's size over
+its requests) is refunded (`refund`): the share bounds what exploration loses on rejected tokens, not how fast it
+measures requests whose drafts hold. Without the refund a repeated greedy
+epoch (every continuation in the drafter's history, drafts accepted ~100%) explored ~1 token per 10 steps, and its
+new requests stayed on the previous epoch's pooled acceptance most of the epoch. At the default 0.5% share
+exploration loses at most ~0.5% of the engine's time: where drafting cannot win (no sample repeats its text) that
 share is a pure loss, and at 2% it was a large part of what das lost against plain decoding on the quick start's
 workload (docs/results/2026-11-26-fixed-costs.md). The longest-remaining unmeasured requests go first: their
 acceptance is what the makespan turns on, and once measured they leave the pool, so the others follow. Only an
@@ -61,14 +67,16 @@ class Exploration:
             if not idle.any():
                 return plan
             self.tokens += int(idle.sum())
-            return DraftPlan(np.where(idle, 1, lengths).astype(np.int32), np.where(idle, 0.0, plan.min_prob))
+            return DraftPlan(np.where(idle, 1, lengths).astype(np.int32), np.where(idle, 0.0, plan.min_prob), idle)
         drafting = bool(lengths.any())
         c_tok = batch.c_tok_s
         entry = 0.0 if drafting else batch.c_spec_s  # a plain step that explores becomes a drafted one
         step_s = batch.c_base_s + c_tok * (len(batch) + float(lengths.sum())) + (batch.c_spec_s if drafting else 0.0)
-        cap = max(self.burst * self.share * step_s, entry + c_tok)
-        self.credit_s = min(self.credit_s + self.share * step_s, cap)
         idle = np.flatnonzero(np.asarray(unmeasured, dtype=bool) & (lengths < 1))
+        # the share alone never holds more than one token's price (it is spent as soon as it can pay one); refunds
+        # may hold up to a token for every request waiting to be measured
+        cap = max(self.burst * self.share * step_s, entry + c_tok * max(idle.size, 1))
+        self.credit_s = min(self.credit_s + self.share * step_s, cap)
         if not idle.size or self.credit_s < entry + c_tok:
             return plan
         if c_tok > 0.0:
@@ -81,4 +89,11 @@ class Exploration:
         explored_lengths[idle] = 1
         floors = plan.min_prob.copy()
         floors[idle] = 0.0
-        return DraftPlan(explored_lengths.astype(np.int32), floors)
+        explored = np.zeros(len(lengths), dtype=bool)
+        explored[idle] = True
+        return DraftPlan(explored_lengths.astype(np.int32), floors, explored)
+
+    def refund(self, seconds: float) -> None:
+        """Credits back the price of explored tokens that were accepted (seconds >= 0; the cap applies at the next
+        `apply`)."""
+        self.credit_s += max(seconds, 0.0)

@@ -64,7 +64,8 @@ class StepSample:
     one's (the whole step: forward pass, sampling, the engine core's bookkeeping, the proposer); `tokens` scheduled
     (running requests plus the draft tokens they verified); `requests` running; `accepted` draft tokens accepted;
     `probe`: the drafts include the cost warm-up's junk ones (proposer `RequestTags.cost_probe`), which price a
-    drafted step for the cost fit but say nothing about what drafts buy."""
+    drafted step for the cost fit but say nothing about what drafts buy; `explored_accepted`: accepted tokens of
+    exploration's drafts (`DraftPlan.explored`)."""
 
     step_s: float
     tokens: int
@@ -72,6 +73,7 @@ class StepSample:
     drafted: int
     accepted: int
     probe: bool = False
+    explored_accepted: int = 0
 
 
 class BudgetHook(Protocol):
@@ -187,6 +189,9 @@ class PolicyBudget:
             self.cost = self.fit.current()
         if self.guard is not None and not step.probe:
             self.guard.observe(step, self.cost)
+        if step.explored_accepted and step.requests:
+            # an accepted explored token did a plainly decoded token's work: its price comes back to the credit
+            self.exploration.refund(step.explored_accepted * self.cost.step_time(step.requests) / step.requests)
 
     def stats(self) -> dict[str, Any]:
         cost = self.cost

@@ -126,6 +126,7 @@ class _Running:
     slot: int                                  # its row in the proposer's AcceptanceCounts
     draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
     draft_source: str = ""                     # source of `draft` (HistoryBank's `Proposal.source`)
+    explored: bool = False                     # `draft` is exploration's token (`DraftPlan.explored`)
     counts: DraftCounts = field(default_factory=DraftCounts)
 
 
@@ -186,6 +187,7 @@ class DasProposer:
         verified: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the drafts this step verified
         prefill = False
         probe_drafted = 0  # the cost warm-up's junk draft tokens verified this step
+        explored_accepted = 0  # accepted tokens of exploration's drafts verified this step
         probe_rooms: list[tuple[int, int]] = []  # (row, draft room) of the batch's cost probes
         for i, rid in enumerate(req_ids):
             run = self._running.get(rid)
@@ -200,6 +202,7 @@ class DasProposer:
                     probe_drafted += drafted
                 elif drafted:
                     verified.append((run.slot, drafted, accepted))
+                    explored_accepted += accepted if run.explored else 0
                 run.fed = n
             generated = n - run.prompt_len
             room = max(0, min(run.max_tokens - generated, self.max_model_len - n) - 1)
@@ -213,7 +216,8 @@ class DasProposer:
             slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*verified))
             self.acceptance.record(slots, drafted_counts, accepted_counts)
             drafted, accepted = int(drafted_counts.sum()), int(accepted_counts.sum())
-        self._observe_step(t0, prefill, len(rows), drafted + probe_drafted, accepted, probe_drafted > 0)
+        self._observe_step(t0, prefill, len(rows), drafted + probe_drafted, accepted, probe_drafted > 0,
+                           explored_accepted)
         if views:
             slots = np.fromiter((run.slot for run in rows), np.int64, len(rows))
             plan = self.budget.plan(views, self.acceptance.params(slots))
@@ -225,6 +229,7 @@ class DasProposer:
             # the index matches at most max_depth tokens of context: copy no more than that
             run.draft, run.draft_source = self._draft(rid, token_ids_cpu[i, max(0, run.fed - self._context):run.fed],
                                                       k, float(plan.min_prob[i]))
+            run.explored = plan.explored is not None and bool(plan.explored[i])
             drafts.append(run.draft.tolist())
         if probe_rooms:
             self._probe_draft(rows, probe_rooms, token_ids_cpu, drafts)
@@ -246,15 +251,17 @@ class DasProposer:
                 return
 
     def _observe_step(self, now: float, prefill: bool, requests: int, drafted: int, accepted: int,
-                      probe: bool = False) -> None:
-        """Hands the budget the step that just ran (`drafted` draft tokens verified in it, `accepted` of them;
-        `probe`: cost-probe drafts among them): from the previous proposal to this one is one whole engine step. A
-        step with a prefill in it (a request seen for the first time) or after an idle gap is not a decode step of
-        this shape and is skipped."""
+                      probe: bool = False, explored_accepted: int = 0) -> None:
+        """Hands the budget the step that just ran (`drafted` draft tokens verified in it, `accepted` of them,
+        `explored_accepted` of those from exploration's drafts; `probe`: cost-probe drafts among them): from the
+        previous proposal to this one is one whole engine step. A step with a prefill in it (a request seen for the
+        first time) or after an idle gap is not a decode step of this shape and is skipped (with the exploration
+        refund it carried: a few tokens a batch)."""
         last, self._last_propose = self._last_propose, now
         if last is None or prefill or not requests or now - last > IDLE_GAP_S:
             return
-        self.budget.observe(StepSample(now - last, requests + drafted, requests, drafted, accepted, probe))
+        self.budget.observe(StepSample(now - last, requests + drafted, requests, drafted, accepted, probe,
+                                       explored_accepted))
 
     # ---- worker-extension API ----
 

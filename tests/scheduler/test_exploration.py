@@ -106,3 +106,23 @@ def test_until_the_engine_has_measured_enough_drafts_every_unmeasured_request_ex
     assert exploration.credit_s == 0.0  # unrationed exploring neither earns nor spends credit
     rationed = exploration.apply(plain, state, unmeasured, measured_drafts=EXPLORE_UNRATIONED_DRAFTS)
     assert rationed.lengths.sum() <= 1  # one step's 2% of ~110 ms buys no 5.85 ms token yet
+
+
+def test_accepted_exploration_tokens_are_refunded_so_drafts_that_hold_keep_being_measured():
+    """A compute-bound engine (a token ~1/17 of a step, a drafted step 4 ms dearer) whose explored tokens are all
+    accepted: refunded the price of a plainly decoded token each, exploration keeps measuring every few steps;
+    rejected, the credit pays about one token every twenty steps, as before."""
+    state = _state(np.full(8, 300.0), c_base=38e-3, c_tok=2.2e-3, c_spec=4e-3)
+    plain = DraftPlan(np.zeros(8, np.int32), np.zeros(8))
+    granted = {}
+    for refunded in (True, False):
+        exploration = Exploration()  # measured_drafts left at inf: past the engine's unrationed start
+        for _ in range(40):
+            plan = exploration.apply(plain, state, np.ones(8, bool))
+            assert plan.explored is not None or not plan.lengths.any()
+            if plan.lengths.any():
+                assert plan.explored.tolist() == (plan.lengths > 0).tolist()
+            if refunded:
+                exploration.refund((state.c_base_s / 8 + state.c_tok_s) * int(plan.lengths.sum()))
+        granted[refunded] = exploration.tokens
+    assert granted[False] <= 8 and granted[True] >= 4 * granted[False]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from das.drafter.records import RolloutRecord
+from das.scheduler.budget import DraftPlan
 from das.scheduler.length import LengthCurve
 from das.service.engine.proposer import DasProposer, RequestTags
 
@@ -139,6 +140,22 @@ def test_cost_probes_verify_a_junk_draft_every_other_step_that_only_the_cost_fit
     assert proposer.acceptance.params(np.array([0, 1, 2])).measured == 0
     counts = proposer.pop_counts(["p1", "p2"])
     assert all(c.proposed == 0 for c in counts.values()) and proposer.by_source == {}
+
+
+def test_accepted_tokens_of_explorations_drafts_reach_the_budget_as_such():
+    """A sample whose problem's history holds its continuation: drafts the plan marks as exploration come back as
+    `explored_accepted` (refunded to the exploration credit), the same drafts planned by the optimum do not."""
+    for explored in (True, False):
+        proposer, runner = attached()
+        proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), tuple(RESPONSE))])
+        seen = []
+        proposer.budget.observe = seen.append
+        proposer.budget.plan = lambda views, drafter=None, explored=explored: DraftPlan(
+            np.full(len(views), 2, np.int32), np.zeros(len(views)), np.full(len(views), explored))
+        run_sample(proposer, runner, "r", RequestTags("p", key="r"), RESPONSE)
+        accepted = [step.accepted for step in seen]
+        assert sum(accepted) > 0
+        assert [step.explored_accepted for step in seen] == (accepted if explored else [0] * len(seen))
 
 
 def test_counts_are_claimed_by_the_callers_key_while_still_registered():
