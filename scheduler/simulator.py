@@ -154,6 +154,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
         active = admitted[unprefilled[admitted] == 0]
         k = np.zeros(len(active), dtype=np.int64)
         floor = np.zeros(len(active))
+        explored = None  # exploration's requests this pass (DraftPlan.explored)
         if policy is not None and len(active):
             if oracle_lengths:
                 ends = lengths[active]
@@ -166,7 +167,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             plan = policy.plan(state)
             if isinstance(policy, OptimalPolicy):
                 plan = exploration[e].apply(plan, state, drafter.unmeasured, drafter.measured)
-            k, floor = plan.lengths.astype(np.int64), plan.min_prob
+            k, floor, explored = plan.lengths.astype(np.int64), plan.min_prob, plan.explored
         drafted = np.zeros(len(active), dtype=np.int64)
         advanced = np.ones(len(active), dtype=np.int64)
         accepted = np.zeros(len(active), dtype=np.int64)
@@ -200,6 +201,8 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             if policy is not None:
                 bank.extend(ids[i], full[i][prompt_len[i]:prompt_len[i] + pos[i]])
         acceptance.record(slot[active], drafted, accepted)
+        if explored is not None and explored.any():  # as the engine's budget hook: a plain token's price back
+            exploration[e].refund(float(accepted[explored].sum()) * cost.step_time(len(active)) / len(active))
         passes += 1
         verified += decode_tokens
         accepted_total += int(accepted.sum())
