@@ -93,10 +93,20 @@ class AcceptanceCounts:
 
     def params(self, slots: np.ndarray, prior_steps: float = 4.0) -> DrafterParams:
         """Each request's k_i, a_i from its own counts with the pooled acceptance as prior (weight prior_steps),
-        and which requests have had fewer than EXPLORE_DRAFTS drafts verified."""
-        proposed = self._proposed[slots]
-        estimate = estimate_drafter_params(proposed, self._accepted[slots], prior_steps=prior_steps,
-                                           prior_q=self.pooled_acceptance())
+        and which requests have had fewer than EXPLORE_DRAFTS drafts verified.
+
+        The prior is the pool's, scaled to the request's own first position: q_ij = min(1, q_j (a_i / q_1)^j), a_i
+        its first-position acceptance shrunk towards the pool's q_1. Where the pool is geometric (q_j = q_1^j)
+        that is a_i^j: a request whose first tokens hold better than the pool's is expected to hold better
+        further out, until its own longer drafts say otherwise. With the pool's q_j as they were, a request
+        whose every explored token was accepted kept the previous batch's long-position acceptance and drafted
+        short: a repeated greedy epoch then ramped up over most of the epoch. A request with no drafts of its own
+        has a_i = q_1: the pool's prior unchanged."""
+        proposed, accepted = self._proposed[slots], self._accepted[slots]
+        pooled = self.pooled_acceptance()
+        first = (accepted[:, :1] + prior_steps * pooled[0]) / (proposed[:, :1] + prior_steps)
+        prior = np.minimum(pooled * (first / pooled[0]) ** (self._positions + 1.0), 1.0)
+        estimate = estimate_drafter_params(proposed, accepted, prior_steps=prior_steps, prior_q=prior)
         return DrafterParams(estimate.capacity, estimate.efficiency, proposed[:, 0] < EXPLORE_DRAFTS,
                              float(self.pool_proposed[0]))
 

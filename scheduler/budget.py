@@ -514,7 +514,8 @@ def estimate_drafter_params(proposed: np.ndarray, accepted: np.ndarray, *, prior
         a = q_1 / k (and k a = q_1 <= 1).
     q_j is shrunk towards a geometric prior prior_capacity^j with the weight of prior_steps steps, so a request
     with no observations gets k ~ prior_capacity, a ~ 1, and the results are always valid BatchState inputs.
-    `prior_q` (J values in (0, 1]) replaces the geometric prior, e.g. the engine's pooled acceptance.
+    `prior_q` (values in (0, 1], J of them or one row of J per request) replaces the geometric prior, e.g. the
+    engine's pooled acceptance.
     """
     prop = np.asarray(proposed, dtype=np.float64)
     acc = np.asarray(accepted, dtype=np.float64)
@@ -530,8 +531,9 @@ def estimate_drafter_params(proposed: np.ndarray, accepted: np.ndarray, *, prior
         prior = prior_capacity ** np.arange(1, prop.shape[-1] + 1)
     else:
         prior = np.asarray(prior_q, dtype=np.float64)
-        if prior.shape != (prop.shape[-1],) or not (np.all(prior > 0) and np.all(prior <= 1)):
-            raise ValueError(f"prior_q must be {prop.shape[-1]} values in (0, 1], got {prior_q!r}")
+        if prior.shape not in ((prop.shape[-1],), prop.shape) or not (np.all(prior > 0) and np.all(prior <= 1)):
+            raise ValueError(f"prior_q must be {prop.shape[-1]} values in (0, 1] (or one row per request), got "
+                             f"{prior_q!r}")
     q = (acc + prior_steps * prior) / (prop + prior_steps)
     e = q.sum(axis=-1)
     capacity = e / (1.0 + e)

@@ -84,3 +84,25 @@ def test_positions_never_drafted_are_expected_to_hold_up_as_the_first_one_does()
         assert np.all(np.diff(q[1:]) < 0)
         newcomer = book.params(np.array([book.start("b")]))
         assert least_capacity <= newcomer.capacity[0] <= most_capacity
+
+
+def test_a_request_whose_first_tokens_hold_is_expected_to_hold_further_out_than_the_pool():
+    """A pool measured on poor drafts (every position accepted ~40% of the time after the one before it); a new
+    request whose 8 one-token explorations were all accepted gets a higher prior on the positions it has not
+    tried than the pool's (which would keep its drafts short), one that failed them a lower one, and one with no
+    drafts of its own the pool's unchanged."""
+    book = AcceptanceCounts(k_max=8)
+    old = book.start("old")
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        book.record(np.array([old]), np.array([8]), np.array([int(np.argmin(rng.random(9) < 0.4))]))
+    good, bad, fresh = book.start("good"), book.start("bad"), book.start("fresh")
+    for _ in range(8):
+        book.record(np.array([good, bad]), np.array([1, 1]), np.array([1, 0]))
+    got = book.params(np.array([good, bad, fresh]))
+    pool_only = estimate_drafter_params(book._proposed[[good, bad, fresh]], book._accepted[[good, bad, fresh]],
+                                        prior_q=book.pooled_acceptance())
+    assert got.capacity[0] > pool_only.capacity[0] + 0.1
+    assert got.capacity[1] < pool_only.capacity[1]
+    assert got.capacity[2] == pytest.approx(pool_only.capacity[2])
+    assert got.unmeasured.tolist() == [False, False, True]
