@@ -107,14 +107,19 @@ class SpeculationGuard:
     tokens per second; without drafts the same requests would have produced r / (c_base + c_tok r) by the live
     cost fit. Their ratio, averaged over recent drafted steps (weight 1/16 each), is what speculation buys. Below
     `lose` (after `patience` drafted steps at this floor) the floor goes one level up (fewer, likelier drafts),
-    above `win` one level down. The floor never switches drafting off entirely, so the measurement goes on.
+    above `win` one level down. A floor can stop drafting altogether (the drafter puts a continuation seen once at
+    1/3 a token, under every floor from 0.5 up), and then it measures nothing: so after `relax` steps in a row
+    without a drafted one the floor also goes one level down, and the drafts it lets through say again whether
+    they pay. Without that a guard raised on one batch's poor drafts kept the next batch, whose drafts were all
+    right (a repeated greedy epoch), from drafting at all.
     """
 
-    def __init__(self, lose: float = 0.98, win: float = 1.05, patience: int = 16) -> None:
-        self.lose, self.win, self.patience = lose, win, patience
+    def __init__(self, lose: float = 0.98, win: float = 1.05, patience: int = 16, relax: int = 64) -> None:
+        self.lose, self.win, self.patience, self.relax = lose, win, patience, relax
         self.level = 0
         self.gain: float | None = None
         self._since_change = 0
+        self._plain_steps = 0  # steps in a row without a drafted one
         self.raised = 0
 
     @property
@@ -122,8 +127,14 @@ class SpeculationGuard:
         return GUARD_FLOORS[self.level]
 
     def observe(self, step: StepSample, cost: CostModel) -> None:
-        if not step.drafted or step.requests == 0:
+        if step.requests == 0:
             return
+        if not step.drafted:
+            self._plain_steps += 1
+            if self.level and self._plain_steps >= self.relax:
+                self._change(-1)
+            return
+        self._plain_steps = 0
         plain_s = cost.step_time(step.requests)
         ratio = ((step.requests + step.accepted) / step.step_s) / (step.requests / plain_s)
         self.gain = ratio if self.gain is None else 0.9375 * self.gain + 0.0625 * ratio
@@ -131,13 +142,14 @@ class SpeculationGuard:
         if self._since_change < self.patience:
             return
         if self.gain < self.lose and self.level < len(GUARD_FLOORS) - 1:
-            self.level += 1
             self.raised += 1
+            self._change(+1)
         elif self.gain > self.win and self.level > 0:
-            self.level -= 1
-        else:
-            return
-        self._since_change = 0
+            self._change(-1)
+
+    def _change(self, levels: int) -> None:
+        self.level += levels
+        self._since_change = self._plain_steps = 0
         self.gain = None
 
 

@@ -93,6 +93,22 @@ def test_exploration_tokens_pass_the_guards_floor_so_a_raised_guard_can_come_dow
     assert hook.guard.floor == GUARD_FLOORS[-2]
 
 
+def test_a_guard_that_stopped_all_drafting_comes_down_to_measure_again():
+    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    for _ in range(200):
+        hook.observe(StepSample(0.11, 96, 32, 64, 2))
+    assert hook.guard.floor == GUARD_FLOORS[-1]
+    for _ in range(hook.guard.relax - 1):  # plain steps: nothing drafted under the floor, nothing measured
+        hook.observe(StepSample(0.06, 32, 32, 0, 0))
+    assert hook.guard.floor == GUARD_FLOORS[-1]
+    hook.observe(StepSample(0.06, 32, 32, 0, 0))
+    assert hook.guard.floor == GUARD_FLOORS[-2]
+    hook.observe(StepSample(0.11, 96, 32, 64, 2))  # a drafted step restarts the count
+    for _ in range(hook.guard.relax - 1):
+        hook.observe(StepSample(0.06, 32, 32, 0, 0))
+    assert hook.guard.floor == GUARD_FLOORS[-2]
+
+
 def test_the_cost_warmups_probe_steps_price_a_drafted_step_without_moving_the_guard():
     """Plain and probe-drafted steps alternating at batch sizes 16..1, a drafted step dearer by 2 ms + 0.25 ms per
     request plus its token: the fit moves the price most of the way from the prior's 50 ms (the prior weighs two
