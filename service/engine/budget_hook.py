@@ -107,15 +107,17 @@ class SpeculationGuard:
     tokens per second; without drafts the same requests would have produced r / (c_base + c_tok r) by the live
     cost fit. Their ratio, averaged over recent drafted steps (weight 1/16 each), is what speculation buys. Below
     `lose` (after `patience` drafted steps at this floor) the floor goes one level up (fewer, likelier drafts),
-    above `win` one level down. A floor can stop drafting altogether (the drafter puts a continuation seen once at
+    above `win` (after `recover` drafted steps) one level down: few drafts pass a raised floor, so the evidence
+    that it blocks drafts that pay is rare and acted on sooner. A floor can stop drafting altogether (the drafter puts a continuation seen once at
     1/3 a token, under every floor from 0.5 up), and then it measures nothing: so after `relax` steps in a row
     without a drafted one the floor also goes one level down, and the drafts it lets through say again whether
     they pay. Without that a guard raised on one batch's poor drafts kept the next batch, whose drafts were all
     right (a repeated greedy epoch), from drafting at all.
     """
 
-    def __init__(self, lose: float = 0.98, win: float = 1.05, patience: int = 16, relax: int = 64) -> None:
-        self.lose, self.win, self.patience, self.relax = lose, win, patience, relax
+    def __init__(self, lose: float = 0.98, win: float = 1.05, patience: int = 16, recover: int = 4,
+                 relax: int = 64) -> None:
+        self.lose, self.win, self.patience, self.recover, self.relax = lose, win, patience, recover, relax
         self.level = 0
         self.gain: float | None = None
         self._since_change = 0
@@ -139,13 +141,11 @@ class SpeculationGuard:
         ratio = ((step.requests + step.accepted) / step.step_s) / (step.requests / plain_s)
         self.gain = ratio if self.gain is None else 0.9375 * self.gain + 0.0625 * ratio
         self._since_change += 1
-        if self._since_change < self.patience:
-            return
-        if self.gain < self.lose and self.level < len(GUARD_FLOORS) - 1:
+        if self.gain > self.win and self.level > 0 and self._since_change >= self.recover:
+            self._change(-1)
+        elif self.gain < self.lose and self.level < len(GUARD_FLOORS) - 1 and self._since_change >= self.patience:
             self.raised += 1
             self._change(+1)
-        elif self.gain > self.win and self.level > 0:
-            self._change(-1)
 
     def _change(self, levels: int) -> None:
         self.level += levels

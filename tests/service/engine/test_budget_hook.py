@@ -88,9 +88,12 @@ def test_exploration_tokens_pass_the_guards_floor_so_a_raised_guard_can_come_dow
     plan = hook.plan(views(*([200] * 8)), DrafterParams(np.full(8, 0.05), np.full(8, 1.0), np.ones(8, bool), 0.0))
     explored = plan.lengths > 0
     assert explored.all() and np.all(plan.min_prob[explored] == 0.0)
-    for _ in range(hook.guard.patience):  # those steps win: the guard comes down a level
+    for _ in range(hook.guard.patience):  # those steps win: once their average does, the guard comes down a level
         hook.observe(StepSample(0.06, 16, 8, 8, 8))
     assert hook.guard.floor == GUARD_FLOORS[-2]
+    for _ in range(hook.guard.recover):  # and on, a level every few winning drafted steps
+        hook.observe(StepSample(0.06, 16, 8, 8, 8))
+    assert hook.guard.floor == GUARD_FLOORS[-3]
 
 
 def test_a_guard_that_stopped_all_drafting_comes_down_to_measure_again():
