@@ -10,13 +10,13 @@ token ~1/13 of a step) one token for every unmeasured request made every new bat
 exploration runs on a credit: every step adds `share` of the step's estimated time; a token costs c_tok, and a step
 the plan left plain also the drafted-step price c_spec; unspent credit is capped at `burst` steps' worth (but
 always enough for one token on a plain step, so exploration never stops for good; with refunds, for a token for
-every unmeasured request). An explored token that is
-accepted did the work of a token decoded plainly, and that work's price (a plain step of the batch's size over
-its requests) is refunded (`refund`): the share bounds what exploration loses on rejected tokens, not how fast it
-measures requests whose drafts hold. Without the refund a repeated greedy
-epoch (every continuation in the drafter's history, drafts accepted ~100%) explored ~1 token per 10 steps, and its
-new requests stayed on the previous epoch's pooled acceptance most of the epoch. At the default 0.5% share
-exploration loses at most ~0.5% of the engine's time: where drafting cannot win (no sample repeats its text) that
+every unmeasured request). An explored token that is accepted did the work of a token decoded plainly, and that
+work's price (a plain step of the batch's size over its requests) is refunded (`refund`): the share bounds what
+exploration loses on rejected tokens, not how fast it measures requests whose drafts hold. Without the refund a
+repeated greedy epoch (every continuation in the drafter's history, drafts accepted ~100%) explored ~1 token per
+10-20 steps, and its new requests kept the previous epoch's pooled acceptance most of the epoch
+(docs/results/2026-11-26-repeated-greedy.md). At the default 0.5% share exploration loses at most ~0.5% of the
+engine's time: where drafting cannot win (no sample repeats its text) that
 share is a pure loss, and at 2% it was a large part of what das lost against plain decoding on the quick start's
 workload (docs/results/2026-11-26-fixed-costs.md). The longest-remaining unmeasured requests go first: their
 acceptance is what the makespan turns on, and once measured they leave the pool, so the others follow. Only an
