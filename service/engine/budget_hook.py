@@ -108,11 +108,11 @@ class SpeculationGuard:
     cost fit. Their ratio, averaged over recent drafted steps (weight 1/16 each), is what speculation buys. Below
     `lose` (after `patience` drafted steps at this floor) the floor goes one level up (fewer, likelier drafts),
     above `win` (after `recover` drafted steps) one level down: few drafts pass a raised floor, so the evidence
-    that it blocks drafts that pay is rare and acted on sooner. A floor can stop drafting altogether (the drafter puts a continuation seen once at
-    1/3 a token, under every floor from 0.5 up), and then it measures nothing: so after `relax` steps in a row
-    without a drafted one the floor also goes one level down, and the drafts it lets through say again whether
-    they pay. Without that a guard raised on one batch's poor drafts kept the next batch, whose drafts were all
-    right (a repeated greedy epoch), from drafting at all.
+    that it blocks drafts that pay is rare and acted on sooner. A floor can stop drafting altogether (the drafter
+    puts a continuation seen once at 1/3 a token, under every floor from 0.5 up), and then it measures nothing: so
+    after `relax` steps in a row without a drafted one the floor also goes one level down, and the drafts it lets
+    through say again whether they pay. Without that a guard raised on one batch's poor drafts kept the next
+    batch, whose drafts were all right (a repeated greedy epoch), from drafting at all.
     """
 
     def __init__(self, lose: float = 0.98, win: float = 1.05, patience: int = 16, recover: int = 4,
