@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 
 from das.scheduler.budget import BatchState, DraftPlan
+from das.scheduler.cost_model import CostModel
 
 # Share of the engine's estimated time that exploration may spend.
 EXPLORE_SHARE = 0.005
@@ -93,7 +94,9 @@ class Exploration:
         explored[idle] = True
         return DraftPlan(explored_lengths.astype(np.int32), floors, explored)
 
-    def refund(self, seconds: float) -> None:
-        """Credits back the price of explored tokens that were accepted (seconds >= 0; the cap applies at the next
-        `apply`)."""
-        self.credit_s += max(seconds, 0.0)
+    def refund(self, accepted: int, cost: CostModel, requests: int) -> None:
+        """Credits back `accepted` explored tokens accepted in a step of `requests` running requests: each did a
+        plainly decoded token's work, priced as a plain step of that size over its requests (the cap applies at
+        the next `apply`)."""
+        if accepted > 0 and requests > 0:
+            self.credit_s += accepted * cost.step_time(requests) / requests

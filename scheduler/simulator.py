@@ -201,8 +201,8 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             if policy is not None:
                 bank.extend(ids[i], full[i][prompt_len[i]:prompt_len[i] + pos[i]])
         acceptance.record(slot[active], drafted, accepted)
-        if explored is not None and explored.any():  # as the engine's budget hook: a plain token's price back
-            exploration[e].refund(float(accepted[explored].sum()) * cost.step_time(len(active)) / len(active))
+        if explored is not None:  # as the engine's budget hook
+            exploration[e].refund(int(accepted[explored].sum()), cost, len(active))
         passes += 1
         verified += decode_tokens
         accepted_total += int(accepted.sum())

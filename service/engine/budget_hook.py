@@ -201,9 +201,7 @@ class PolicyBudget:
             self.cost = self.fit.current()
         if self.guard is not None and not step.probe:
             self.guard.observe(step, self.cost)
-        if step.explored_accepted and step.requests:
-            # an accepted explored token did a plainly decoded token's work: its price comes back to the credit
-            self.exploration.refund(step.explored_accepted * self.cost.step_time(step.requests) / step.requests)
+        self.exploration.refund(step.explored_accepted, self.cost, step.requests)
 
     def stats(self) -> dict[str, Any]:
         cost = self.cost

@@ -2,6 +2,7 @@ import numpy as np
 import pytest
 
 from das.scheduler.budget import BatchState, DraftPlan, OptimalPolicy
+from das.scheduler.cost_model import CostModel
 from das.scheduler.exploration import EXPLORE_SHARE, EXPLORE_UNRATIONED_DRAFTS, Exploration
 
 
@@ -123,6 +124,6 @@ def test_accepted_exploration_tokens_are_refunded_so_drafts_that_hold_keep_being
             if plan.lengths.any():
                 assert plan.explored.tolist() == (plan.lengths > 0).tolist()
             if refunded:
-                exploration.refund((state.c_base_s / 8 + state.c_tok_s) * int(plan.lengths.sum()))
+                exploration.refund(int(plan.lengths.sum()), CostModel("t", state.c_base_s, state.c_tok_s, "test"), 8)
         granted[refunded] = exploration.tokens
     assert granted[False] <= 8 and granted[True] >= 4 * granted[False]
