@@ -3,7 +3,7 @@
 Every verification step tells, for each request that carried a draft of d tokens, how many (a) were accepted:
 positions 1..d were proposed, positions 1..a accepted. `AcceptanceCounts` keeps those counts per draft position
 for every running request (a slot each) and pooled over the engine's recent steps; `params` gives each request's
-capacity k_i and efficiency a_i (`estimate_drafter_params`), its own counts shrunk towards the pooled per-position
+per-position acceptance q_ij (`estimate_drafter_params`), its own counts shrunk towards the pooled per-position
 acceptance, so a new request starts from what this engine's drafts have recently achieved rather than from a
 constant.
 
@@ -77,23 +77,23 @@ class AcceptanceCounts:
             self.pool_proposed *= 0.5
             self.pool_accepted *= 0.5
 
-    def pooled_acceptance(self, prior_capacity: float = 0.5, prior_steps: float = 4.0) -> np.ndarray:
+    def pooled_acceptance(self, prior_ratio: float = 0.5, prior_steps: float = 4.0) -> np.ndarray:
         """q_j, the pooled probability that draft position j is accepted, shrunk towards a geometric prior a^j whose
-        ratio a is the pooled first-position acceptance where that is above prior_capacity, else prior_capacity.
+        ratio a is the pooled first-position acceptance where that is above prior_ratio, else prior_ratio.
 
         Positions the budget has not drafted yet are expected to hold up at least as the first one does. A fixed
-        prior (prior_capacity^j) on them capped what high measured acceptance could buy: with q_1 near 1, positions
-        never tried still counted 0.5^j, so capacity stayed low, drafts short, and the long positions were never
+        prior (prior_ratio^j) on them capped what high measured acceptance could buy: with q_1 near 1, positions
+        never tried still counted 0.5^j, so long drafts looked worthless and the long positions were never
         tried (a repeated greedy epoch stopped at 0.90x no drafts where the step costs allowed ~0.42x). Below
-        prior_capacity the first position is no guide: a suffix draft that survives its first token is likelier
+        prior_ratio the first position is no guide: a suffix draft that survives its first token is likelier
         to go on (the ratio a = q_1 cost 4% simulated makespan on the SmolLM2 traces under cpu-smollm2)."""
-        first = (self.pool_accepted[0] + prior_steps * prior_capacity) / (self.pool_proposed[0] + prior_steps)
-        prior = max(first, prior_capacity) ** (self._positions + 1.0)
+        first = (self.pool_accepted[0] + prior_steps * prior_ratio) / (self.pool_proposed[0] + prior_steps)
+        prior = max(first, prior_ratio) ** (self._positions + 1.0)
         return (self.pool_accepted + prior_steps * prior) / (self.pool_proposed + prior_steps)
 
     def params(self, slots: np.ndarray, prior_steps: float = 4.0) -> DrafterParams:
-        """Each request's k_i, a_i from its own counts with the pooled acceptance as prior (weight prior_steps),
-        and which requests have had fewer than EXPLORE_DRAFTS drafts verified.
+        """Each request's per-position acceptance q_ij from its own counts with the pooled acceptance as prior
+        (weight prior_steps), and which requests have had fewer than EXPLORE_DRAFTS drafts verified.
 
         The prior is the pool's, scaled to the request's own first position: q_ij = min(1, q_j (a_i / q_1)^j), a_i
         its first-position acceptance shrunk towards the pool's q_1. Where the pool is geometric (q_j = q_1^j)
@@ -107,8 +107,7 @@ class AcceptanceCounts:
         first = (accepted[:, :1] + prior_steps * pooled[0]) / (proposed[:, :1] + prior_steps)
         prior = np.minimum(pooled * (first / pooled[0]) ** (self._positions + 1.0), 1.0)
         estimate = estimate_drafter_params(proposed, accepted, prior_steps=prior_steps, prior_q=prior)
-        return DrafterParams(estimate.capacity, estimate.efficiency, proposed[:, 0] < EXPLORE_DRAFTS,
-                             float(self.pool_proposed[0]))
+        return DrafterParams(estimate.acceptance, proposed[:, 0] < EXPLORE_DRAFTS, float(self.pool_proposed[0]))
 
     def _grow(self) -> None:
         old = len(self._proposed)

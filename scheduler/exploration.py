@@ -38,7 +38,7 @@ EXPLORE_SHARE = 0.005
 # Unspent credit is capped at this many steps' worth of share.
 EXPLORE_BURST = 4.0
 # Until the engine has verified this many first-position drafts (pooled), exploration is not rationed: with
-# nothing measured, the optimum's prior (capacity ~0.5) keeps short or cheap samples from ever drafting, and a
+# nothing measured, the optimum's prior (acceptance 0.5^j) keeps short or cheap samples from ever drafting, and a
 # rationed credit would take a whole short batch to buy one token (a tiny model's greedy repeats then drafted nothing).
 # Once per engine: ~64 draft tokens, under half a step of the 2-core CPU at 64 requests.
 EXPLORE_UNRATIONED_DRAFTS = 64

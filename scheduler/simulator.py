@@ -161,9 +161,9 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             else:  # the engine cannot know where a sample ends: it reads this p90 from the request's LengthCurve
                 ends = predictor.predict([problems[i] for i in active], pos[active]).p90
             drafter = acceptance.params(slot[active])
-            state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), capacity=drafter.capacity,
-                               efficiency=drafter.efficiency, c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s,
-                               k_max=k_max, c_spec_s=cost.spec_price(len(active)))
+            state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), acceptance=drafter.acceptance,
+                               c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s, k_max=k_max,
+                               c_spec_s=cost.spec_price(len(active)))
             plan = policy.plan(state)
             if isinstance(policy, OptimalPolicy):
                 plan = exploration[e].apply(plan, state, drafter.unmeasured, drafter.measured)

@@ -25,6 +25,7 @@ from das.scheduler.budget import (
     DraftPlan,
     OptimalPolicy,
     UniformPolicy,
+    geometric_acceptance,
 )
 from das.scheduler.cost_model import GENERIC_PRIOR, CostModel, OnlineCostModel
 from das.scheduler.exploration import Exploration
@@ -81,8 +82,8 @@ class BudgetHook(Protocol):
 
     def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
         """Per request, K_i >= 0 (int32; the proposer clips to room and K_max) and the least estimated acceptance
-        probability a draft token must have. `drafter`: measured capacity and efficiency per request (the
-        hook's constants where None)."""
+        probability a draft token must have. `drafter`: measured per-position acceptance per request (the
+        hook's geometric prior where None)."""
         ...
 
     def observe(self, step: StepSample) -> None:
@@ -156,34 +157,36 @@ class SpeculationGuard:
 class PolicyBudget:
     """A `scheduler.budget` policy fed from the proposer's batch and the engine's live step costs.
 
-    capacity / efficiency: the drafter parameters k and a of the budget model (docs/design.md) for requests
-    without measured ones (the proposer passes measured ones, scheduler/acceptance.py). The step cost model is
+    acceptance: the ratio of the geometric per-position acceptance (q_j = acceptance^j) assumed for requests
+    without measured acceptance (the proposer passes measured ones, scheduler/acceptance.py). The step cost model is
     `cost`, fitted online from the engine's own steps (`observe`) unless `online` is False, and read every step.
     `guard`: the never-a-loss guard (`SpeculationGuard`), which only ever raises the policy's probability floors.
     Requests with unmeasured acceptance get exploration tokens on a credit of ~0.5% of the engine's time
     (scheduler/exploration.py; the fixed baselines draft everyone anyway).
-    Cost per step: one BatchState (three small numpy arrays) plus the policy, about 30-90 us for 256 requests
+    Cost per step: one BatchState (two small numpy arrays) plus the policy, about 40-250 us for 8-256 requests
     (scheduler/budget.py), plus the fit's ~50 us (scheduler/cost_model.py) and exploration's ~10 us.
     """
 
     def __init__(self, policy: BudgetPolicy, k_max: int, cost: CostModel, *, online: bool = True,
-                 guard: bool = True, capacity: float = 0.6, efficiency: float = 1.0) -> None:
+                 guard: bool = True, acceptance: float = 0.6) -> None:
         self.policy = policy
         self.name = policy.name
         self.k_max = k_max
         self.fit = OnlineCostModel(cost) if online else None
         self.cost = cost
         self.guard = SpeculationGuard() if guard else None
-        self.capacity, self.efficiency = capacity, efficiency
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"budget acceptance must be a probability in [0, 1], got {acceptance}")
+        self.acceptance = acceptance
         self.exploration = Exploration()
 
     def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
         n = len(batch)
-        capacity = drafter.capacity if drafter is not None else np.full(n, self.capacity)
-        efficiency = drafter.efficiency if drafter is not None else np.full(n, self.efficiency)
+        acceptance = (drafter.acceptance if drafter is not None
+                      else geometric_acceptance(self.acceptance, n, max(self.k_max, 1)))
         cost = self.cost
-        state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), capacity, efficiency,
-                           cost.c_base_s, cost.c_tok_s, self.k_max, c_spec_s=cost.spec_price(n))
+        state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), acceptance, cost.c_base_s,
+                           cost.c_tok_s, self.k_max, c_spec_s=cost.spec_price(n))
         plan = self.policy.plan(state)
         if self.guard is not None and self.guard.level:
             plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))
@@ -222,7 +225,8 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
     policy, the step cost settings `"prior": {CostModel fields}` (default: `GENERIC_PRIOR`; or its coefficients
     alone as `"c_base_s"`, `"c_tok_s"`, `"c_spec_s"`, `"c_spec_req_s"`), `"online": true`
     (fit the cost model from this engine's steps; false: keep the prior), `"guard"` (the never-a-loss guard;
-    default true for das, false for the uniform and classes baselines), and `"capacity"`, `"efficiency"`; for das
+    default true for das, false for the uniform and classes baselines), and `"acceptance"` (the geometric ratio
+    assumed for requests without measured acceptance, default 0.6); for das
     also `"per_token": false` (true: up to K_max tokens per request above a per-token probability floor instead of
     the model's K_i). A prior that is not a valid cost model raises ValueError."""
     config = dict(config)
@@ -244,7 +248,7 @@ def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"budget cost settings {fixed!r}: {exc}") from None
     options = {key: bool(config.pop(key)) for key in ("online", "guard") if key in config}
-    drafter = {key: float(config.pop(key)) for key in ("capacity", "efficiency") if key in config}
+    drafter = {key: float(config.pop(key)) for key in ("acceptance",) if key in config}
     if name == "uniform":
         policy: BudgetPolicy = UniformPolicy(int(config.pop("k", k_max)))
     elif name == "classes":

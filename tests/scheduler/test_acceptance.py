@@ -16,9 +16,9 @@ def test_counts_by_position_per_request_and_pooled():
     book.record(np.array([a]), np.array([6]), np.array([0]))  # positions beyond k_max are not counted
     assert book.pool_proposed.tolist() == [3, 3, 2, 2] and book.pool_accepted.tolist() == [2, 1, 0, 0]
     own = book.params(book.slots(["a", "b"]))
-    # b always accepted everything it drafted, a rarely: b's capacity and first-token acceptance are higher
-    assert own.capacity[1] > own.capacity[0]
-    assert own.capacity[1] * own.efficiency[1] > own.capacity[0] * own.efficiency[0]
+    # b always accepted everything it drafted, a rarely: b's tokens per step and first-token acceptance are higher
+    assert own.tokens_per_step[1] > own.tokens_per_step[0]
+    assert own.acceptance[1, 0] > own.acceptance[0, 0]
 
 
 def test_a_new_request_starts_from_the_pooled_acceptance_and_slots_are_reused():
@@ -31,8 +31,8 @@ def test_a_new_request_starts_from_the_pooled_acceptance_and_slots_are_reused():
     book.finish("r0")
     fresh = book.start("new")
     assert fresh == slots[0]  # the finished request's slot, zeroed
-    new, old = book.params(book.slots(["new", "r1"])).capacity
-    assert new > 0.6  # the engine's drafts are usually right: a newcomer is expected to do well too
+    new, old = book.params(book.slots(["new", "r1"])).tokens_per_step
+    assert new > 3.0  # the engine's drafts are usually right: a newcomer is expected to do well too (at most 4)
     assert new < old  # but less than a request measured to
     with pytest.raises(KeyError):
         book.slots(["r0"])
@@ -51,7 +51,7 @@ def test_estimate_takes_a_prior_per_position():
     none = np.zeros(3)
     flat = estimate_drafter_params(none, none, prior_q=np.array([0.9, 0.8, 0.7]))
     geometric = estimate_drafter_params(none, none)
-    assert flat.capacity > geometric.capacity
+    assert flat.tokens_per_step > geometric.tokens_per_step
     with pytest.raises(ValueError, match="prior_q"):
         estimate_drafter_params(none, none, prior_q=np.array([0.9, 0.0, 0.7]))
     with pytest.raises(ValueError, match="k_max"):
@@ -72,7 +72,7 @@ def test_a_request_is_unmeasured_until_enough_of_its_drafts_were_verified():
 def test_positions_never_drafted_are_expected_to_hold_up_as_the_first_one_does():
     """High first-position acceptance measured with one-token drafts only: the untried positions follow it (so the
     budget may try long drafts), where a fixed prior kept them at 0.5^j; below 0.5 they keep the 0.5^j prior."""
-    for rate, least_capacity, most_capacity in ((0.95, 0.8, 1.0), (0.2, 0.3, 0.5)):
+    for rate, least_tokens, most_tokens in ((0.95, 5.0, 9.0), (0.2, 1.4, 2.0)):
         book = AcceptanceCounts(k_max=8)
         slot = book.start("a")
         rng = np.random.default_rng(0)
@@ -83,7 +83,7 @@ def test_positions_never_drafted_are_expected_to_hold_up_as_the_first_one_does()
         assert q[7] == pytest.approx(max(q[0], 0.5) ** 8, rel=0.2)
         assert np.all(np.diff(q[1:]) < 0)
         newcomer = book.params(np.array([book.start("b")]))
-        assert least_capacity <= newcomer.capacity[0] <= most_capacity
+        assert least_tokens <= newcomer.tokens_per_step[0] <= most_tokens
 
 
 def test_a_request_whose_first_tokens_hold_is_expected_to_hold_further_out_than_the_pool():
@@ -102,7 +102,7 @@ def test_a_request_whose_first_tokens_hold_is_expected_to_hold_further_out_than_
     got = book.params(np.array([good, bad, fresh]))
     pool_only = estimate_drafter_params(book._proposed[[good, bad, fresh]], book._accepted[[good, bad, fresh]],
                                         prior_q=book.pooled_acceptance())
-    assert got.capacity[0] > pool_only.capacity[0] + 0.1
-    assert got.capacity[1] < pool_only.capacity[1]
-    assert got.capacity[2] == pytest.approx(pool_only.capacity[2])
+    assert got.tokens_per_step[0] > pool_only.tokens_per_step[0] + 0.1
+    assert got.tokens_per_step[1] < pool_only.tokens_per_step[1]
+    assert got.tokens_per_step[2] == pytest.approx(pool_only.tokens_per_step[2])
     assert got.unmeasured.tolist() == [False, False, True]

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from das.scheduler.budget import BatchState, DraftPlan, OptimalPolicy
+from das.scheduler.budget import BatchState, DraftPlan, OptimalPolicy, geometric_acceptance
 from das.scheduler.cost_model import CostModel
 from das.scheduler.exploration import EXPLORE_SHARE, EXPLORE_UNRATIONED_DRAFTS, Exploration
 
@@ -9,7 +9,7 @@ from das.scheduler.exploration import EXPLORE_SHARE, EXPLORE_UNRATIONED_DRAFTS, 
 def _state(remaining, c_base=44e-3, c_tok=0.49e-3, c_spec=0.0, k_max=8):
     """A batch whose acceptance measured near zero: the optimum drafts nothing, which would also stop measuring."""
     n = len(remaining)
-    return BatchState(np.asarray(remaining, float), np.full(n, 0.05), np.full(n, 0.2), c_base, c_tok, k_max,
+    return BatchState(np.asarray(remaining, float), geometric_acceptance(0.01, n, max(k_max, 1)), c_base, c_tok, k_max,
                       c_spec_s=c_spec)
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das.scheduler.budget import DrafterParams
+from das.scheduler.budget import DrafterParams, geometric_acceptance
 from das.scheduler.cost_model import GENERIC_PRIOR
 from das.scheduler.length import LengthCurve
 from das.service.engine.budget_hook import GUARD_FLOORS, RequestView, StepSample, budget_hook_from_config
@@ -40,13 +40,13 @@ def test_the_budget_reads_the_live_fit_each_step():
             n = int(rng.integers(8, 200))
             hook.observe(StepSample(c_base + c_tok * n, n, n, 0, 0))
         assert hook.cost.c_tok_s == pytest.approx(c_tok, rel=0.05, abs=5e-6)  # the prior said 0.2e-3
-        plans[label] = hook.plan(views(*([300] * 32)), DrafterParams(np.full(32, 0.8), np.full(32, 1.0))).lengths
+        plans[label] = hook.plan(views(*([300] * 32)), DrafterParams(geometric_acceptance(0.8, 32, 8))).lengths
     assert plans["memory-bound"].min() >= 4 and plans["compute-bound"].max() == 0
 
 
 def test_a_dear_drafted_step_switches_drafting_off_where_it_would_pay_per_token():
     batch = views(*([200] * 16))
-    drafter = DrafterParams(np.full(16, 0.5), np.full(16, 1.0))
+    drafter = DrafterParams(geometric_acceptance(0.5, 16, 8))
     cheap = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
     dear = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 200e-3, "online": False},
                                    k_max=8)
@@ -58,8 +58,8 @@ def test_the_drafted_step_price_is_read_at_the_batch_size():
     """A price per running request: the same requests drafting pay it in a batch of 2, not in one of 64."""
     hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 2e-3, "c_spec_req_s": 4e-3,
                                     "online": False}, k_max=8)
-    tail = hook.plan(views(200, 180), DrafterParams(np.full(2, 0.5), np.full(2, 1.0)))
-    full = hook.plan(views(*([200] * 64)), DrafterParams(np.full(64, 0.5), np.full(64, 1.0)))
+    tail = hook.plan(views(200, 180), DrafterParams(geometric_acceptance(0.5, 2, 8)))
+    full = hook.plan(views(*([200] * 64)), DrafterParams(geometric_acceptance(0.5, 64, 8)))
     assert tail.lengths.min() > 0 and full.lengths.max() == 0
 
 
@@ -68,7 +68,7 @@ def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win
     for _ in range(200):  # 32 requests, 64 drafts, 2 accepted, a step twice the plain one: a loss
         hook.observe(StepSample(0.11, 96, 32, 64, 2))
     assert hook.guard.floor == GUARD_FLOORS[-1]
-    plan = hook.plan(views(*([300] * 4)), DrafterParams(np.full(4, 0.9), np.full(4, 1.0)))
+    plan = hook.plan(views(*([300] * 4)), DrafterParams(geometric_acceptance(0.9, 4, 8)))
     assert np.all(plan.min_prob[plan.lengths > 0] >= GUARD_FLOORS[-1])
     for _ in range(200):  # 4 requests, 32 drafts, 20 accepted: a win
         hook.observe(StepSample(0.06, 36, 4, 32, 20))
@@ -85,7 +85,7 @@ def test_exploration_tokens_pass_the_guards_floor_so_a_raised_guard_can_come_dow
         hook.observe(StepSample(0.11, 96, 32, 64, 2))  # losing drafted steps: the guard goes to the top
     assert hook.guard.floor == GUARD_FLOORS[-1]
     # 8 new requests the optimum leaves without drafts (acceptance ~0.05): exploration gives each one token
-    plan = hook.plan(views(*([200] * 8)), DrafterParams(np.full(8, 0.05), np.full(8, 1.0), np.ones(8, bool), 0.0))
+    plan = hook.plan(views(*([200] * 8)), DrafterParams(geometric_acceptance(0.05, 8, 8), np.ones(8, bool), 0.0))
     explored = plan.lengths > 0
     assert explored.all() and np.all(plan.min_prob[explored] == 0.0)
     for _ in range(hook.guard.patience):  # those steps win: once their average does, the guard comes down a level
@@ -154,17 +154,18 @@ def test_das_policy_drafts_the_long_tail():
 def test_measured_acceptance_decides_who_drafts():
     """Per-request drafter parameters replace the hook's constants. On the CPU cost model with 48 similar
     requests, a drafter measured to be rarely right is not worth a draft token; one measured to be usually right
-    is, above the same per-token floor for every request; the last request alone is worth c_tok / c_base."""
+    is, above the same per-token floor for every request; the last request alone drafts even at 0.2."""
     hook = budget_hook_from_config({"policy": "das", "c_base_s": 44e-3, "c_tok_s": 0.49e-3, "per_token": True},
                                    k_max=8)
     batch = views(*([300] * 48))
-    weak = hook.plan(batch, DrafterParams(np.full(48, 0.2), np.full(48, 1.0)))
-    strong = hook.plan(batch, DrafterParams(np.full(48, 0.9), np.full(48, 1.0)))
+    weak = hook.plan(batch, DrafterParams(geometric_acceptance(0.2, 48, 8)))
+    strong = hook.plan(batch, DrafterParams(geometric_acceptance(0.9, 48, 8)))
     assert weak.lengths.tolist() == [0] * 48 and np.all(weak.min_prob == np.inf)
     assert strong.lengths.tolist() == [8] * 48 and np.allclose(strong.min_prob, strong.min_prob[0])
     assert 0 < strong.min_prob[0] < 1
-    alone = hook.plan(views(300), DrafterParams(np.full(1, 0.2), np.full(1, 1.0)))
-    assert alone.lengths[0] == 8 and alone.min_prob[0] == pytest.approx(0.49 / 44, rel=1e-6)
+    alone = hook.plan(views(300), DrafterParams(geometric_acceptance(0.2, 1, 8)))
+    # alone it decides the makespan: it drafts, down to the modeled acceptance of its optimal draft length
+    assert alone.lengths[0] == 8 and np.isclose(alone.min_prob[0], 0.2 ** np.arange(1, 9)).any()
 
 
 def test_remaining_uses_the_prediction_capped_by_max_tokens_and_at_least_one():
