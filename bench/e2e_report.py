@@ -162,9 +162,9 @@ def cost_fit_line(cost: dict[str, Any]) -> str:
            f"+ {cost.get('c_spec_req_s', 0.0) * 1e3:.2f} ms/request from prior {cost['prior']}")
     if cost.get("fit_error") is not None:
         fit += f", {cost['steps']} steps, fit error {cost['fit_error']:.1%}"
-    if "guard_floor" in cost:
+    if "guard_price" in cost:
         gain = cost.get("guard_gain")
-        fit += (f"; guard floor {cost['guard_floor']:.2f} (raised {cost['guard_raised']}x"
+        fit += (f"; guard price {cost['guard_price']:.2f} (raised {cost['guard_raised']}x"
                 f"{f', gain {gain:.3f}' if gain is not None else ''})")
     if "explore_tokens" in cost:
         fit += f"; {cost['explore_tokens']} exploration tokens granted"

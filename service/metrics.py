@@ -204,8 +204,8 @@ class GatewayMetrics:
             ("c_spec_req_s", "das_engine_step_spec_request_seconds", "The live step cost fit: the extra seconds of a "
              "step that verifies drafts, per running request."),
             ("fit_error", "das_engine_step_fit_error_ratio", "Recent relative RMS error of the step cost fit."),
-            ("guard_floor", "das_engine_guard_floor_ratio", "The never-a-loss guard's probability floor for draft "
-             "tokens (0: not backing off)."))}
+            ("guard_price", "das_engine_guard_price_ratio", "The never-a-loss guard's extra price on a drafted step, "
+             "as a share of a plain step (0: not backing off)."))}
         prompt = CounterMetricFamily("das_engine_prompt_tokens", "Prompt tokens of the requests the engine "
                                      "scheduled (each sample of a group counts its prompt).", labels=["engine"])
         cached = CounterMetricFamily("das_engine_prompt_tokens_cached", "Prompt tokens found in the engine's prefix "

@@ -95,25 +95,24 @@ class BudgetHook(Protocol):
         ...
 
 
-# The guard's probability floors, least to most demanding: a draft token is verified only if the drafter's own
-# estimate that it (and every token before it) is accepted reaches the floor.
-GUARD_FLOORS = (0.0, 0.3, 0.5, 0.7, 0.85)
+# The guard's extra price on a drafted step, least to most demanding, as a share of a plain step of the batch's size.
+GUARD_PRICES = (0.0, 0.1, 0.25, 0.5, 1.0)
 
 
 class SpeculationGuard:
-    """Never a loss: watches what drafted steps buy and raises the probability floor of draft tokens while they
-    lose.
+    """Never a loss: watches what drafted steps buy and raises the price the budget sees on them while they lose.
 
     A drafted step of r requests that got `accepted` draft tokens in `step_s` produced (r + accepted) / step_s
     tokens per second; without drafts the same requests would have produced r / (c_base + c_tok r) by the live
     cost fit. Their ratio, averaged over recent drafted steps (weight 1/16 each), is what speculation buys. Below
-    `lose` (after `patience` drafted steps at this floor) the floor goes one level up (fewer, likelier drafts),
-    above `win` (after `recover` drafted steps) one level down: few drafts pass a raised floor, so the evidence
-    that it blocks drafts that pay is rare and acted on sooner. A floor can stop drafting altogether (the drafter
-    puts a continuation seen once at 1/3 a token, under every floor from 0.5 up), and then it measures nothing: so
-    after `relax` steps in a row without a drafted one the floor also goes one level down, and the drafts it lets
-    through say again whether they pay. Without that a guard raised on one batch's poor drafts kept the next
-    batch, whose drafts were all right (a repeated greedy epoch), from drafting at all.
+    `lose` (after `patience` drafted steps at this level) the price goes one level up, above `win` (after `recover`
+    drafted steps) one level down. The price acts inside the budget model (an extra c_spec): the optimum then
+    drafts only where it predicts a gain that pays the price too, i.e. fewer drafted steps, for the requests and
+    draft lengths whose measured acceptance promises most. An earlier guard raised a floor on the drafter's own
+    per-token probabilities instead, which are counts, not calibrated: a continuation seen once is rated 1/3, under
+    every floor from 0.5 up, so a guard raised on one batch kept the next batch, whose drafts held ~100% (a repeated
+    greedy epoch), from drafting at all. A raised price may still leave nothing worth drafting, and then nothing
+    is measured: so after `relax` steps in a row without a drafted one the price also goes one level down.
     """
 
     def __init__(self, lose: float = 0.98, win: float = 1.05, patience: int = 16, recover: int = 4,
@@ -126,8 +125,9 @@ class SpeculationGuard:
         self.raised = 0
 
     @property
-    def floor(self) -> float:
-        return GUARD_FLOORS[self.level]
+    def price(self) -> float:
+        """The extra price of a drafted step, as a share of a plain step of the same batch."""
+        return GUARD_PRICES[self.level]
 
     def observe(self, step: StepSample, cost: CostModel) -> None:
         if step.requests == 0:
@@ -144,7 +144,7 @@ class SpeculationGuard:
         self._since_change += 1
         if self.gain > self.win and self.level > 0 and self._since_change >= self.recover:
             self._change(-1)
-        elif self.gain < self.lose and self.level < len(GUARD_FLOORS) - 1 and self._since_change >= self.patience:
+        elif self.gain < self.lose and self.level < len(GUARD_PRICES) - 1 and self._since_change >= self.patience:
             self.raised += 1
             self._change(+1)
 
@@ -160,7 +160,8 @@ class PolicyBudget:
     acceptance: the ratio of the geometric per-position acceptance (q_j = acceptance^j) assumed for requests
     without measured acceptance (the proposer passes measured ones, scheduler/acceptance.py). The step cost model is
     `cost`, fitted online from the engine's own steps (`observe`) unless `online` is False, and read every step.
-    `guard`: the never-a-loss guard (`SpeculationGuard`), which only ever raises the policy's probability floors.
+    `guard`: the never-a-loss guard (`SpeculationGuard`), which only ever raises the price of a drafted step the
+    policy sees.
     Requests with unmeasured acceptance get exploration tokens on a credit of ~0.5% of the engine's time
     (scheduler/exploration.py; the fixed baselines draft everyone anyway).
     Cost per step: one BatchState (two small numpy arrays) plus the policy, about 40-250 us for 8-256 requests
@@ -187,12 +188,13 @@ class PolicyBudget:
         cost = self.cost
         state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), acceptance, cost.c_base_s,
                            cost.c_tok_s, self.k_max, c_spec_s=cost.spec_price(n))
-        plan = self.policy.plan(state)
         if self.guard is not None and self.guard.level:
-            plan = DraftPlan(plan.lengths, np.maximum(plan.min_prob, self.guard.floor))
-        # after the guard: an exploration token is a measurement, verified whatever its estimate (under the
-        # guard's floor the drafter proposed none, no request got measured and the guard, which moves only on
-        # drafted steps, stayed up for good)
+            priced = dataclasses.replace(state, c_spec_s=state.c_spec_s + self.guard.price * cost.step_time(n))
+            plan = self.policy.plan(priced)
+        else:
+            plan = self.policy.plan(state)
+        # exploration pays the step's real price, not the guard's: its tokens are measurements, and they are what
+        # tells a raised guard that drafts pay again
         if isinstance(self.policy, OptimalPolicy):
             plan = self.exploration.apply(plan, state, drafter.unmeasured if drafter is not None else None,
                                           drafter.measured if drafter is not None else np.inf)
@@ -214,7 +216,7 @@ class PolicyBudget:
         if self.fit is not None:
             out.update(dataclasses.asdict(self.fit.stats()))
         if self.guard is not None:
-            out.update(guard_floor=self.guard.floor, guard_gain=self.guard.gain, guard_raised=self.guard.raised)
+            out.update(guard_price=self.guard.price, guard_gain=self.guard.gain, guard_raised=self.guard.raised)
         out["explore_tokens"] = self.exploration.tokens
         return out
 

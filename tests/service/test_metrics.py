@@ -17,7 +17,7 @@ def samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], .
 
 def test_each_engines_cost_fit_guard_and_prefix_cache_are_exported():
     fitted = {"c_base_s": 0.044, "c_tok_s": 0.00049, "c_spec_s": 0.012, "c_spec_req_s": 3e-4, "fit_error": 0.07,
-              "guard_floor": 0.5,
+              "guard_price": 0.5,
               "rejected_steps": 3, "rejected_fits": 1, "prior": "cpu-smollm2", "guard_gain": None}
     stats = BackendStats(engines=(EngineLoad("n0/0", 4, 0, step_cost=fitted, prompt_tokens=640,
                                              cached_prompt_tokens=448), EngineLoad("n0/1", 2, 1)),
@@ -29,7 +29,7 @@ def test_each_engines_cost_fit_guard_and_prefix_cache_are_exported():
     assert got[("das_engine_step_spec_seconds", engine)] == 0.012
     assert got[("das_engine_step_spec_request_seconds", engine)] == 3e-4
     assert got[("das_engine_step_fit_error_ratio", engine)] == 0.07
-    assert got[("das_engine_guard_floor_ratio", engine)] == 0.5
+    assert got[("das_engine_guard_price_ratio", engine)] == 0.5
     assert got[("das_engine_step_fit_rejected_total", (("engine", "n0/0"), ("what", "step")))] == 3
     assert got[("das_engine_step_fit_rejected_total", (("engine", "n0/0"), ("what", "fit")))] == 1
     assert got[("das_engine_prompt_tokens_total", engine)] == 640

@@ -6,7 +6,7 @@ import pytest
 from das.scheduler.budget import DrafterParams, geometric_acceptance
 from das.scheduler.cost_model import GENERIC_PRIOR
 from das.scheduler.length import LengthCurve
-from das.service.engine.budget_hook import GUARD_FLOORS, RequestView, StepSample, budget_hook_from_config
+from das.service.engine.budget_hook import GUARD_PRICES, RequestView, StepSample, budget_hook_from_config
 
 
 def views(*remaining: int, max_tokens: int = 1000) -> list[RequestView]:
@@ -63,53 +63,65 @@ def test_the_drafted_step_price_is_read_at_the_batch_size():
     assert tail.lengths.min() > 0 and full.lengths.max() == 0
 
 
-def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win():
-    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
-    for _ in range(200):  # 32 requests, 64 drafts, 2 accepted, a step twice the plain one: a loss
+def losing(hook, steps: int = 200) -> None:
+    for _ in range(steps):  # 32 requests, 64 drafts, 2 accepted, a step twice the plain one: a loss
         hook.observe(StepSample(0.11, 96, 32, 64, 2))
-    assert hook.guard.floor == GUARD_FLOORS[-1]
-    plan = hook.plan(views(*([300] * 4)), DrafterParams(geometric_acceptance(0.9, 4, 8)))
-    assert np.all(plan.min_prob[plan.lengths > 0] >= GUARD_FLOORS[-1])
+
+
+def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win():
+    """At the top price a batch whose drafts pay modestly drafts nothing; winning drafted steps bring it back."""
+    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    modest = (views(*([300] * 16)), DrafterParams(geometric_acceptance(0.6, 16, 8)))
+    assert hook.plan(*modest).lengths.min() > 0
+    losing(hook)
+    assert hook.guard.price == GUARD_PRICES[-1]
+    assert hook.plan(*modest).lengths.max() == 0
     for _ in range(200):  # 4 requests, 32 drafts, 20 accepted: a win
         hook.observe(StepSample(0.06, 36, 4, 32, 20))
-    assert hook.guard.floor == 0.0
-    assert hook.stats()["guard_raised"] == len(GUARD_FLOORS) - 1
+    assert hook.guard.price == 0.0 and hook.plan(*modest).lengths.min() > 0
+    assert hook.stats()["guard_raised"] == len(GUARD_PRICES) - 1 and hook.stats()["guard_price"] == 0.0
 
 
-def test_exploration_tokens_pass_the_guards_floor_so_a_raised_guard_can_come_down():
-    """With the guard at its top floor the drafter proposes nothing its own estimate puts under 0.85, and a new
-    request's single-occurrence match never reaches it: exploration tokens must go out with floor 0, or nothing is
-    verified, no request gets measured and the guard (which moves on drafted steps only) stays up for good."""
+def test_a_raised_guard_leaves_drafts_that_always_hold_at_k_max_and_unfiltered():
+    """The guard prices drafted steps; it does not filter draft tokens by the drafter's own probabilities (a
+    continuation seen once is rated 1/3): drafts measured to hold ~100% still pay at the top price."""
     hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
-    for _ in range(200):
-        hook.observe(StepSample(0.11, 96, 32, 64, 2))  # losing drafted steps: the guard goes to the top
-    assert hook.guard.floor == GUARD_FLOORS[-1]
-    # 8 new requests the optimum leaves without drafts (acceptance ~0.05): exploration gives each one token
+    losing(hook)
+    plan = hook.plan(views(*([200] * 8)), DrafterParams(geometric_acceptance(0.99, 8, 8)))
+    assert plan.lengths.tolist() == [8] * 8 and plan.min_prob.tolist() == [0.0] * 8
+
+
+def test_exploration_tokens_go_out_under_a_raised_guard_so_it_can_come_down():
+    """With the guard at its top price the optimum leaves new requests of poor prior acceptance without drafts:
+    exploration still gives each one token at the step's real price (floor 0), or nothing is verified, no request
+    gets measured and the guard (which moves on drafted steps) only comes down by relaxing."""
+    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    losing(hook)
+    assert hook.guard.price == GUARD_PRICES[-1]
     plan = hook.plan(views(*([200] * 8)), DrafterParams(geometric_acceptance(0.05, 8, 8), np.ones(8, bool), 0.0))
     explored = plan.lengths > 0
     assert explored.all() and np.all(plan.min_prob[explored] == 0.0)
     for _ in range(hook.guard.patience):  # those steps win: once their average does, the guard comes down a level
         hook.observe(StepSample(0.06, 16, 8, 8, 8))
-    assert hook.guard.floor == GUARD_FLOORS[-2]
+    assert hook.guard.price == GUARD_PRICES[-2]
     for _ in range(hook.guard.recover):  # and on, a level every few winning drafted steps
         hook.observe(StepSample(0.06, 16, 8, 8, 8))
-    assert hook.guard.floor == GUARD_FLOORS[-3]
+    assert hook.guard.price == GUARD_PRICES[-3]
 
 
 def test_a_guard_that_stopped_all_drafting_comes_down_to_measure_again():
     hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
-    for _ in range(200):
-        hook.observe(StepSample(0.11, 96, 32, 64, 2))
-    assert hook.guard.floor == GUARD_FLOORS[-1]
-    for _ in range(hook.guard.relax - 1):  # plain steps: nothing drafted under the floor, nothing measured
+    losing(hook)
+    assert hook.guard.price == GUARD_PRICES[-1]
+    for _ in range(hook.guard.relax - 1):  # plain steps: nothing worth drafting at the price, nothing measured
         hook.observe(StepSample(0.06, 32, 32, 0, 0))
-    assert hook.guard.floor == GUARD_FLOORS[-1]
+    assert hook.guard.price == GUARD_PRICES[-1]
     hook.observe(StepSample(0.06, 32, 32, 0, 0))
-    assert hook.guard.floor == GUARD_FLOORS[-2]
+    assert hook.guard.price == GUARD_PRICES[-2]
     hook.observe(StepSample(0.11, 96, 32, 64, 2))  # a drafted step restarts the count
     for _ in range(hook.guard.relax - 1):
         hook.observe(StepSample(0.06, 32, 32, 0, 0))
-    assert hook.guard.floor == GUARD_FLOORS[-2]
+    assert hook.guard.price == GUARD_PRICES[-2]
 
 
 def test_the_cost_warmups_probe_steps_price_a_drafted_step_without_moving_the_guard():
@@ -125,7 +137,7 @@ def test_the_cost_warmups_probe_steps_price_a_drafted_step_without_moving_the_gu
         hook.observe(StepSample(c_base + c_tok * (n + 1) + c_spec + c_spec_req * n, n + 1, n, 1, 0, probe=True))
     for n in (1, 16):
         assert c_spec + c_spec_req * n < hook.cost.spec_price(n) < 0.35 * 50e-3
-    assert hook.guard.gain is None and hook.guard.floor == 0.0
+    assert hook.guard.gain is None and hook.guard.price == 0.0
 
 
 @pytest.mark.parametrize("prior", [{"name": "x", "c_base_s": -1.0, "c_tok_s": 0.0, "source": "?"},
