@@ -3,13 +3,14 @@
 The length-aware optimum (scheduler/budget.py) trusts each request's measured acceptance, and a budget that stops
 drafting stops measuring: an estimate that collapsed early (a batch's first drafts all rejected, say) would keep
 drafting off for good. So requests whose acceptance rests on too few drafts of their own
-(`DrafterParams.unmeasured`) get one draft token the plan left them without, verified whatever its estimate.
+(`DrafterParams.unmeasured`) get a draft the plan left them without, verified whatever its estimate: K_max tokens,
+so that one measurement covers every draft position the optimum's choice of K turns on.
 
 Exploring is not free, and where a verified token costs a real share of a step (a compute-bound CPU engine: one
 token ~1/13 of a step) one token for every unmeasured request made every new batch's first steps slower. So
-exploration runs on a credit: every step adds `share` of the step's estimated time; a token costs c_tok, and a step
-the plan left plain also the drafted-step price c_spec; unspent credit is capped at `burst` steps' worth (but
-always enough for one token on a plain step, so exploration never stops for good; with refunds, for a token for
+exploration runs on a credit: every step adds `share` of the step's estimated time; a grant costs K_max c_tok, and
+a step the plan left plain also the drafted-step price c_spec; unspent credit is capped at `burst` steps' worth (but
+always enough for one grant on a plain step, so exploration never stops for good; with refunds, for a grant for
 every unmeasured request). An explored token that is accepted did the work of a token decoded plainly, and that
 work's price (a plain step of the batch's size over its requests) is refunded (`refund`): the share bounds what
 exploration loses on rejected tokens, not how fast it measures requests whose drafts hold. Without the refund a
@@ -20,7 +21,10 @@ engine's time: where drafting cannot win (no sample repeats its text) that share
 a large part of what das lost against plain decoding on the quick start's workload
 (docs/results/2026-11-26-fixed-costs.md). The longest-remaining unmeasured requests go first: their acceptance is
 what the makespan turns on, and once measured they leave the pool, so the others follow. Only an engine's first 64
-measured drafts are explored unrationed (`EXPLORE_UNRATIONED_DRAFTS`).
+measured drafts are explored unrationed (`EXPLORE_UNRATIONED_DRAFTS`), one token each: a cheap first measurement
+of the engine's pooled acceptance. One-token grants throughout measured the first position only; a request whose
+drafts held then ramped its draft length up over tens of steps on the prior for the others, most of a 256-token
+greedy sample (docs/results/2026-11-26-step-model.md).
 
 Cost per step: a few numpy calls on the batch's arrays (~10 us for 256 requests); a partial sort only on steps
 with credit for some but not all of the unmeasured requests.
@@ -56,10 +60,10 @@ class Exploration:
 
     def apply(self, plan: DraftPlan, batch: BatchState, unmeasured: np.ndarray | None,
               measured_drafts: float = np.inf) -> DraftPlan:
-        """`plan` with one draft token (probability floor 0) for as many of the `unmeasured` requests it left
-        without drafts as the credit pays for; for all of them while the engine has verified fewer than
-        EXPLORE_UNRATIONED_DRAFTS first-position drafts (`measured_drafts`, pooled). `unmeasured`: one bool per
-        request, or None (nothing to explore)."""
+        """`plan` with a draft of K_max tokens (probability floor 0) for as many of the `unmeasured` requests it
+        left without drafts as the credit pays for; with one token each for all of them while the engine has
+        verified fewer than EXPLORE_UNRATIONED_DRAFTS first-position drafts (`measured_drafts`, pooled: a cheap
+        first measurement of the pool). `unmeasured`: one bool per request, or None (nothing to explore)."""
         if unmeasured is None or batch.k_max == 0 or self.share == 0.0:
             return plan
         lengths = plan.lengths
@@ -74,20 +78,24 @@ class Exploration:
         entry = 0.0 if drafting else batch.c_spec_s  # a plain step that explores becomes a drafted one
         step_s = batch.c_base_s + c_tok * (len(batch) + float(lengths.sum())) + (batch.c_spec_s if drafting else 0.0)
         idle = np.flatnonzero(np.asarray(unmeasured, dtype=bool) & (lengths < 1))
-        # the share alone never holds more than one token's price (it is spent as soon as it can pay one); refunds
-        # may hold up to a token for every request waiting to be measured
-        cap = max(self.burst * self.share * step_s, entry + c_tok * max(idle.size, 1))
+        # a draft as long as a step allows: it measures every position the optimum's choice turns on at once
+        # (one token measured the first only, and a request whose drafts held then ramped up over tens of steps on
+        # the prior for the rest); charged in full, refunded per accepted token
+        grant = c_tok * batch.k_max
+        # the share alone never holds more than one grant's price (it is spent as soon as it can pay one); refunds
+        # may hold up to a grant for every request waiting to be measured
+        cap = max(self.burst * self.share * step_s, entry + grant * max(idle.size, 1))
         self.credit_s = min(self.credit_s + self.share * step_s, cap)
-        if not idle.size or self.credit_s < entry + c_tok:
+        if not idle.size or self.credit_s < entry + grant:
             return plan
-        if c_tok > 0.0:
-            count = min(idle.size, int((self.credit_s - entry) / c_tok))
+        if grant > 0.0:
+            count = min(idle.size, int((self.credit_s - entry) / grant))
             if count < idle.size:  # the longest remaining first
                 idle = idle[np.argpartition(-batch.remaining[idle], count - 1)[:count]]
-        self.credit_s -= entry + c_tok * idle.size
-        self.tokens += int(idle.size)
+        self.credit_s -= entry + grant * idle.size
+        self.tokens += int(idle.size) * batch.k_max
         explored_lengths = lengths.copy()
-        explored_lengths[idle] = 1
+        explored_lengths[idle] = batch.k_max
         floors = plan.min_prob.copy()
         floors[idle] = 0.0
         explored = np.zeros(len(lengths), dtype=bool)
