@@ -164,7 +164,7 @@ class PolicyBudget:
     policy sees.
     Requests with unmeasured acceptance get exploration tokens on a credit of ~0.5% of the engine's time
     (scheduler/exploration.py; the fixed baselines draft everyone anyway).
-    Cost per step: one BatchState (two small numpy arrays) plus the policy, about 40-250 us for 8-256 requests
+    Cost per step: one BatchState (two small numpy arrays) plus the policy, about 120-200 us for 8-256 requests
     (scheduler/budget.py), plus the fit's ~50 us (scheduler/cost_model.py) and exploration's ~10 us.
     """
 
