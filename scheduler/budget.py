@@ -269,15 +269,16 @@ def solve_budget(batch: BatchState) -> BudgetSolution:
     n = rem.size
     depth = min(batch.k_max, batch.acceptance.shape[1])
     l_max = float(rem[rem.argmax()]) if n else 0.0
-    plain = BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), np.full(n, np.inf))
     if n == 0 or l_max == 0.0 or depth == 0 or batch.c_base_s == 0.0:
-        return plain  # nothing to speed up, drafts impossible, or forward passes free
+        return _without_drafts(n, l_max)  # nothing to speed up, drafts impossible, or forward passes free
     q = batch.acceptance[:, :depth]
     passes = q.cumsum(axis=1)
     passes += 1.0
     np.divide(rem[:, None], passes, out=passes)     # T_iK for K = 1..depth
     n_min = float(passes[:, -1].max())
     live = rem > n_min                                # only these can draft at any feasible N
+    if not live.any():
+        return _without_drafts(n, l_max)
     t = passes[live]
     threshold = np.empty_like(t)                      # request moves from K - 1 to K once N < threshold[:, K - 1]
     threshold[:, 0] = rem[live]
@@ -294,9 +295,9 @@ def solve_budget(batch: BatchState) -> BudgetSolution:
     total = (batch.c_base_s + batch.c_spec_s) * candidates
     total += batch.c_tok_s * suffix[sorted_thresholds.searchsorted(candidates, "right")]
     total[candidates < n_min] = np.inf
-    best = int(total.argmin()) if total.size else -1
-    if best < 0 or not total[best] < batch.c_base_s * l_max:
-        return plain  # drafting does not beat running every pass plain
+    best = int(total.argmin())
+    if not total[best] < batch.c_base_s * l_max:
+        return _without_drafts(n, l_max)  # drafting does not beat running every pass plain
     x = float(candidates[best])
     k = np.zeros(n, dtype=np.int32)
     k[live] = (threshold > x).sum(axis=1)
@@ -306,6 +307,11 @@ def solve_budget(batch: BatchState) -> BudgetSolution:
     marginal = np.full(n, np.inf)
     marginal[rows] = q[rows, k[rows] - 1] if batch.c_tok_s > 0.0 else 0.0
     return BudgetSolution(x, proposed, k, marginal)
+
+
+def _without_drafts(n: int, l_max: float) -> BudgetSolution:
+    """The solution for n requests none of which drafts: the batch takes its longest request's l_max passes."""
+    return BudgetSolution(l_max, np.zeros(n), np.zeros(n, dtype=np.int32), np.full(n, np.inf))
 
 
 @dataclass(frozen=True)
