@@ -10,6 +10,12 @@ problem has). Memory is bounded by a total token budget; the oldest sealed versi
 
 A proposal drafts from every source of the request's problem in one native call; a SourceChooser, which learns
 online from the tokens that were really committed, picks the candidate expected to get the most tokens accepted.
+
+A shadow draft (`HistoryBank.shadow`) is a proposal nobody verifies, followed over the next steps' committed tokens
+until its first wrong one: what the request would have had accepted. vLLM verifies a drafted token (a point draft,
+probability one) by accepting it with exactly the probability that plain decoding samples it, so a shadow draft's
+outcome is distributed as a verified one's, and measures acceptance where the budget drafts nothing, at no cost to
+the engine.
 """
 
 from __future__ import annotations
@@ -124,12 +130,23 @@ def _no_proposal() -> Proposal:
     return Proposal(np.zeros(0, np.int32), np.zeros(0, np.float32), "", 0)
 
 
+@dataclass(frozen=True, slots=True)
+class ShadowOutcome:
+    """A shadow draft's result: of its `drafted` tokens, the first `accepted` were the tokens committed next."""
+
+    drafted: int
+    accepted: int
+
+
 @dataclass
 class _Request:
     problem: ProblemHistory
     live_seq: int
     # every candidate of the last proposal, scored against the tokens committed next
     pending: Choice | None = None
+    # the shadow draft being compared with the committed tokens, and how many of its tokens agreed so far
+    shadow: np.ndarray | None = None
+    shadow_matched: int = 0
 
 
 class HistoryBank:
@@ -179,9 +196,10 @@ class HistoryBank:
         self._requests[request_id] = _Request(history, history.live.add(np.zeros(0, np.int32), sealed=False))
         self._sources.pop(problem_id, None)
 
-    def extend(self, request_id: str, tokens: np.ndarray) -> None:
+    def extend(self, request_id: str, tokens: np.ndarray) -> ShadowOutcome | None:
         """Feeds tokens just committed to a request's output into its live segment (O(max_depth) per token), and
-        scores the request's last candidates against them for the calibrator."""
+        scores the request's last candidates against them for the calibrator. Returns the outcome of the
+        request's shadow draft where these tokens settled it (its first wrong token or its end reached)."""
         req = self._request(request_id)
         if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32):
             tokens = _tokens(tokens)
@@ -189,6 +207,18 @@ class HistoryBank:
             self.chooser.observe(req.pending, tokens)
             req.pending = None
         req.problem.live.index.extend(req.live_seq, tokens)  # type: ignore[union-attr]
+        return self._follow_shadow(req, tokens) if req.shadow is not None and tokens.size else None
+
+    def _follow_shadow(self, req: _Request, tokens: np.ndarray) -> ShadowOutcome | None:
+        draft, matched = req.shadow, req.shadow_matched
+        assert draft is not None
+        ahead = draft[matched:matched + tokens.size]
+        wrong = np.flatnonzero(ahead != tokens[:ahead.size])
+        if not wrong.size and matched + ahead.size < draft.size:
+            req.shadow_matched = matched + ahead.size
+            return None
+        req.shadow = None
+        return ShadowOutcome(int(draft.size), matched + (int(wrong[0]) if wrong.size else int(ahead.size)))
 
     def finish_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -209,6 +239,23 @@ class HistoryBank:
         if choice.best < 0:
             return _no_proposal()
         return Proposal(choice.tokens, choice.probs, self.chooser.kinds[kinds[choice.best]], choice.match_len)
+
+    def shadow(self, request_id: str, context: np.ndarray, max_tokens: int) -> bool:
+        """Starts a shadow draft of at most max_tokens tokens for a request that verifies none this step (module
+        docstring); `extend` reports its outcome. Does nothing while the request's previous shadow draft is
+        unsettled (one at a time: at most max_tokens + 1 steps each) or when no source has a draft. Returns
+        whether one was started. O(a proposal) when it drafts, O(1) otherwise; the source chooser does not
+        learn from it."""
+        req = self._request(request_id)
+        if req.shadow is not None or max_tokens <= 0:
+            return False
+        indices, kinds = self._source_list(req.problem)
+        cfg = self.config
+        choice = self.chooser.choose(indices, kinds, context, max_tokens, cfg.min_prob, cfg.match_factor, cfg.prior)
+        if choice.best < 0:
+            return False
+        req.shadow, req.shadow_matched = choice.tokens, 0
+        return True
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)

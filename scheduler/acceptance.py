@@ -1,7 +1,9 @@
 """Measured draft acceptance, per request and pooled, turned into the budget model's drafter parameters.
 
 Every verification step tells, for each request that carried a draft of d tokens, how many (a) were accepted:
-positions 1..d were proposed, positions 1..a accepted. `AcceptanceCounts` keeps those counts per draft position
+positions 1..d were proposed, positions 1..a accepted. A request the budget gave no draft reports the same for its
+shadow drafts (drafter/history.py `HistoryBank.shadow`: never verified, settled by the tokens it commits), which
+have the outcome distribution of verified ones, so acceptance is measured where nothing is drafted. `AcceptanceCounts` keeps those counts per draft position
 for every running request (a slot each) and pooled over the engine's recent steps; `params` gives each request's
 per-position acceptance q_ij (`estimate_drafter_params`), its own counts shrunk towards the pooled per-position
 acceptance, so a new request starts from what this engine's drafts have recently achieved rather than from a

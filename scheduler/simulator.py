@@ -8,9 +8,10 @@ requests if it verifies drafts).
 Drafts come from the real drafter (a HistoryBank holding the earlier versions, fed with the batch's own tokens as
 they are generated), cut by the policy's per-token probability floor where it has one; accepted = longest prefix
 of the draft equal to the recorded continuation; a pass verifies the draft tokens actually proposed; a request
-advances by accepted + 1 and ends at its recorded length. So the modelled parts are the step cost and the
-scheduler's limits; preemption and prefix-cache hits are not modelled (every prompt is computed). Engines
-interleave in simulated time because they share the drafter.
+advances by accepted + 1 and ends at its recorded length; a request the policy leaves without a draft keeps a
+shadow draft (`HistoryBank.shadow`) whose outcome feeds its measured acceptance, as in the engine. So the
+modelled parts are the step cost and the scheduler's limits; preemption and prefix-cache hits are not modelled
+(every prompt is computed). Engines interleave in simulated time because they share the drafter.
 
 Three references run beside the arms, to show where a policy's time goes (`SimulationBench.references`):
   * every group alone: one engine per group, so no group shares its steps (what placement could reach at best
@@ -170,6 +171,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             k, floor, explored = plan.lengths.astype(np.int64), plan.min_prob, plan.explored
         drafted = np.zeros(len(active), dtype=np.int64)
         advanced = np.ones(len(active), dtype=np.int64)
+        shadowed: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of shadow drafts settled this pass
         accepted = np.zeros(len(active), dtype=np.int64)
         for j, i in enumerate(active):
             at = prompt_len[i] + pos[i]
@@ -178,8 +180,12 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
                 drafted[j] = draft.size
                 accepted[j] = accepted_prefix(draft, full[i][at:at + len(draft)])
                 advanced[j] = min(accepted[j] + 1, lengths[i] - pos[i])
+            elif policy is not None:  # as the proposer: acceptance measured where nothing is drafted
+                bank.shadow(ids[i], full[i][:at], k_max)
             if policy is not None:
-                bank.extend(ids[i], full[i][at:at + advanced[j]])
+                outcome = bank.extend(ids[i], full[i][at:at + advanced[j]])
+                if outcome is not None:
+                    shadowed.append((slot[i], outcome.drafted, outcome.accepted))
         decode_tokens = int(len(active) + drafted.sum())
         room = max(engine.step_tokens - decode_tokens, 0)
         chunks = 0
@@ -201,6 +207,8 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             if policy is not None:
                 bank.extend(ids[i], full[i][prompt_len[i]:prompt_len[i] + pos[i]])
         acceptance.record(slot[active], drafted, accepted)
+        if shadowed:
+            acceptance.record(*(np.array(col, np.int64) for col in zip(*shadowed)))
         if explored is not None:  # as the engine's budget hook
             exploration[e].refund(int(accepted[explored].sum()), cost, len(active))
         passes += 1

@@ -17,14 +17,19 @@ Each step, for every request in the batch (row i of the runner's input batch):
      request's measured acceptance by draft position (scheduler/acceptance.py: its own, shrunk towards the
      engine's recent pooled acceptance); K_i is capped so that no draft runs past `max_tokens` or the context,
      the bank proposes at most K_i tokens, and the draft is cut before its first token whose estimated
-     probability (that it and every token before it are accepted) is under the floor.
+     probability (that it and every token before it are accepted) is under the floor;
+  4. a request the plan gives no draft gets a shadow draft of up to K_max tokens (`HistoryBank.shadow`), which
+     vLLM never sees: the tokens it commits over the next steps settle it, and its outcome is recorded with the
+     verified drafts' (step 2), so acceptance is measured where the budget drafts nothing, at no cost to the
+     engine. One at a time per request, so most steps start none.
 Drafts are plain token ids inside the vocabulary, never padded: vLLM's CPU rejection kernel has no guard for
 the `-1` placeholder.
 
 Cost per step: O(batch) Python bookkeeping (including a binary search of each request's length curve, a few
 hundred steps at most, ~0.5 us; a new request's curve is decoded and checked once, ~70 us at 321 steps) plus, per
-request, one native `choose` over its sources (O(max_depth) per source for the match, O(K) for the walk) and
-O(max_depth) per committed token in the live segment. Measured per step in `stats()["step_us"]`.
+request, one native `choose` over its sources (O(max_depth) per source for the match, O(K) for the walk; for a
+request without a draft, only on steps that start a shadow draft) and O(max_depth) per committed token in the live
+segment. Measured per step in `stats()["step_us"]`.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from das.drafter.history import DrafterConfig, HistoryBank
+from das.drafter.history import DrafterConfig, HistoryBank, ShadowOutcome
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget import DraftPlan
 from das.scheduler.length import LengthCurve
@@ -152,6 +157,7 @@ class DasProposer:
         self._step_us: deque[float] = deque(maxlen=_STATS_WINDOW)
         self._step_batch: deque[int] = deque(maxlen=_STATS_WINDOW)
         self.by_source: dict[str, DraftCounts] = {}  # since start, by source kind (steps unused)
+        self.shadow = DraftCounts()  # settled shadow drafts since start (steps: how many)
         self.failures = 0
         self._last_propose: float | None = None
         self._probe_turn = False  # whether this step's cost probe drafts (every other step with probes)
@@ -185,6 +191,7 @@ class DasProposer:
         views: list[RequestView] = []
         rows: list[_Running] = []
         verified: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the drafts this step verified
+        shadowed: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the shadow drafts settled
         prefill = False
         probe_drafted = 0  # the cost warm-up's junk draft tokens verified this step
         explored_accepted = 0  # accepted tokens of exploration's drafts verified this step
@@ -197,7 +204,9 @@ class DasProposer:
             n = int(num_tokens_no_spec[i])
             if n > run.fed:
                 drafted = int(run.draft.size)
-                accepted = self._commit(rid, run, token_ids_cpu[i, run.fed:n])
+                accepted, shadow = self._commit(rid, run, token_ids_cpu[i, run.fed:n])
+                if shadow is not None:
+                    shadowed.append((run.slot, shadow.drafted, shadow.accepted))
                 if drafted and run.tags.cost_probe:
                     probe_drafted += drafted
                 elif drafted:
@@ -216,6 +225,12 @@ class DasProposer:
             slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*verified))
             self.acceptance.record(slots, drafted_counts, accepted_counts)
             drafted, accepted = int(drafted_counts.sum()), int(accepted_counts.sum())
+        if shadowed:  # a request settles at most one shadow draft a step: distinct slots
+            slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*shadowed))
+            self.acceptance.record(slots, drafted_counts, accepted_counts)
+            self.shadow.proposed += int(drafted_counts.sum())
+            self.shadow.accepted += int(accepted_counts.sum())
+            self.shadow.steps += len(shadowed)
         self._observe_step(t0, prefill, len(rows), drafted + probe_drafted, accepted, probe_drafted > 0,
                            explored_accepted)
         if views:
@@ -227,8 +242,10 @@ class DasProposer:
         for i, (rid, run, view) in enumerate(zip(req_ids, rows, views)):
             k = min(int(plan.lengths[i]), view.room, self.k_max)
             # the index matches at most max_depth tokens of context: copy no more than that
-            run.draft, run.draft_source = self._draft(rid, token_ids_cpu[i, max(0, run.fed - self._context):run.fed],
-                                                      k, float(plan.min_prob[i]))
+            context = token_ids_cpu[i, max(0, run.fed - self._context):run.fed]
+            run.draft, run.draft_source = self._draft(rid, context, k, float(plan.min_prob[i]))
+            if k == 0 and view.room:  # room is 0 for requests tagged not to draft (the warm-up's probes)
+                self.bank.shadow(rid, np.ascontiguousarray(context, np.int32), min(view.room, self.k_max))
             run.explored = plan.explored is not None and bool(plan.explored[i])
             drafts.append(run.draft.tolist())
         if probe_rooms:
@@ -308,6 +325,8 @@ class DasProposer:
             "memory_bytes": self.bank.memory_bytes(),
             "by_source": {kind: {"proposed": c.proposed, "accepted": c.accepted}
                           for kind, c in sorted(self.by_source.items())},
+            "shadow": {"drafts": self.shadow.steps, "proposed": self.shadow.proposed,
+                       "accepted": self.shadow.accepted},
             "cost": self.budget.stats(),
         }
 
@@ -323,8 +342,9 @@ class DasProposer:
         self._running[rid] = run
         return run
 
-    def _commit(self, rid: str, run: _Running, tokens: np.ndarray) -> int:
-        """Feeds the committed tokens; returns how many of the last draft's tokens were accepted (0 if none)."""
+    def _commit(self, rid: str, run: _Running, tokens: np.ndarray) -> tuple[int, ShadowOutcome | None]:
+        """Feeds the committed tokens; returns how many of the last draft's tokens were accepted (0 if none) and
+        the outcome of the request's shadow draft where these tokens settled it."""
         tokens = np.ascontiguousarray(tokens, dtype=np.int32)
         accepted = 0
         if run.draft.size and not run.tags.cost_probe:
@@ -337,8 +357,7 @@ class DasProposer:
             source.accepted += accepted
             source.proposed += int(run.draft.size)
         run.counts.steps += 1
-        self.bank.extend(rid, tokens)
-        return accepted
+        return accepted, self.bank.extend(rid, tokens)
 
     def _draft(self, rid: str, context: np.ndarray, k: int, min_prob: float) -> tuple[np.ndarray, str]:
         """Up to k draft tokens, cut before the first whose estimated probability is under min_prob, and their

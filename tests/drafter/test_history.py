@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das.drafter.history import DrafterConfig, HistoryBank
+from das.drafter.history import DrafterConfig, HistoryBank, ShadowOutcome
 from das.drafter.records import RolloutRecord
 
 PROMPT = np.array([1, 2, 3], np.int32)
@@ -81,6 +81,32 @@ def test_token_budget_evicts_oldest_versions_first():
     assert bank.stored_tokens() <= 60
     assert sorted(bank.problems["p"].sealed)[-1] == 5 and 0 not in bank.problems["p"].sealed
     assert bank.memory_bytes() > 0
+
+
+def test_a_shadow_draft_is_settled_by_the_tokens_committed_over_the_next_steps():
+    """A shadow draft is compared with what the request commits, a step at a time or several tokens at once, until
+    its first wrong token (that many accepted) or its end (all accepted); one at a time per request."""
+    bank = HistoryBank(DrafterConfig(max_depth=16))
+    bank.add_rollouts([rec("p", 0, 0, [10, 11, 12, 13, 14, 15])])
+    bank.start_request("r", "p", PROMPT, 1)
+    context = np.array([1, 2, 3, 10], np.int32)
+    assert bank.shadow("r", context, 4)  # drafts 11 12 13 14
+    assert not bank.shadow("r", context, 4)  # the first is still unsettled
+    assert bank.extend("r", np.array([11], np.int32)) is None
+    assert bank.extend("r", np.array([12], np.int32)) is None
+    assert bank.extend("r", np.array([99, 5], np.int32)) == ShadowOutcome(drafted=4, accepted=2)
+    assert bank.extend("r", np.array([6], np.int32)) is None  # settled: nothing followed any more
+    # a draft every token of which comes true, committed in one verified step of 5 tokens
+    assert bank.shadow("r", context, 3)
+    assert bank.extend("r", np.array([11, 12, 13, 40, 41], np.int32)) == ShadowOutcome(drafted=3, accepted=3)
+    # wrong at once
+    assert bank.shadow("r", context, 3)
+    assert bank.extend("r", np.array([7], np.int32)) == ShadowOutcome(drafted=3, accepted=0)
+    # nothing to draft from (no source matches), or no room: none started
+    assert not bank.shadow("r", np.array([77, 78], np.int32), 4) and not bank.shadow("r", context, 0)
+    # a verified proposal is not a shadow draft: its outcome is the caller's to count
+    assert bank.propose("r", context, 4).tokens.tolist() == [11, 12, 13, 14]
+    assert bank.extend("r", np.array([11], np.int32)) is None
 
 
 def test_bad_requests_are_rejected_without_side_effects():

@@ -281,10 +281,38 @@ def test_measured_acceptance_by_position_is_recorded_per_request_and_pooled():
     run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
     run_sample(proposer, runner, "b", RequestTags("p", key="b"), RESPONSE)
     counts = proposer.pop_counts(["b"])["b"]
-    pooled = proposer.acceptance
-    # every proposed position of b's drafts was checked; position 1 is counted once per draft
-    assert pooled.pool_proposed.sum() == counts.proposed and pooled.pool_accepted.sum() == counts.accepted
+    pooled, shadow = proposer.acceptance, proposer.stats()["shadow"]
+    # every proposed position of b's drafts, and of the shadow drafts of steps it drafted nothing, was checked;
+    # position 1 is counted once per draft
+    assert pooled.pool_proposed.sum() == counts.proposed + shadow["proposed"]
+    assert pooled.pool_accepted.sum() == counts.accepted + shadow["accepted"]
     assert pooled.pool_accepted[0] > 0 and np.all(np.diff(pooled.pool_accepted) <= 0)
+
+
+def test_a_request_without_drafts_is_measured_by_shadow_drafts_vllm_never_sees():
+    """The plan drafts nothing; the sample's continuation is in its problem's history. Its shadow drafts (up to
+    K_max tokens, settled over the next plain steps) are all right, and their outcomes reach the acceptance
+    counts the budget reads, per request and pooled, while every draft handed to vLLM is empty."""
+    proposer, runner = attached(k=4)
+    proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), tuple(RESPONSE))])
+    plans = []
+
+    def plan_nothing(views, drafter=None):
+        plans.append(drafter)
+        return DraftPlan(np.zeros(len(views), np.int32), np.zeros(len(views)))
+
+    proposer.budget.plan = plan_nothing
+    runner.add("r", PROMPT, tags=RequestTags("p", key="r"))
+    drafts = [runner.step(proposer, {})["r"]]
+    for token in RESPONSE[:9]:
+        drafts.append(runner.step(proposer, {"r": [token]})["r"])
+    assert all(d == [] for d in drafts)
+    shadow = proposer.stats()["shadow"]
+    assert shadow["drafts"] == 2 and shadow["proposed"] == shadow["accepted"] == 8  # two drafts of 4, all right
+    measured = plans[-1].acceptance[0]
+    assert measured[3] > plans[1].acceptance[0][3]  # the fourth position, never verified, is now trusted more
+    assert proposer.acceptance.pool_accepted.tolist() == [2, 2, 2, 2]
+    assert proposer.pop_counts(["r"])["r"].proposed == 0  # nothing was proposed to the engine
 
 
 def test_the_das_floor_cuts_drafts_the_drafter_itself_doubts(monkeypatch):
