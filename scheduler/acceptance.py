@@ -3,11 +3,11 @@
 Every verification step tells, for each request that carried a draft of d tokens, how many (a) were accepted:
 positions 1..d were proposed, positions 1..a accepted. A request the budget gave no draft reports the same for its
 shadow drafts (drafter/history.py `HistoryBank.shadow`: never verified, settled by the tokens it commits), which
-have the outcome distribution of verified ones, so acceptance is measured where nothing is drafted. `AcceptanceCounts` keeps those counts per draft position
-for every running request (a slot each) and pooled over the engine's recent steps; `params` gives each request's
-per-position acceptance q_ij (`estimate_drafter_params`), its own counts shrunk towards the pooled per-position
-acceptance, so a new request starts from what this engine's drafts have recently achieved rather than from a
-constant.
+have the outcome distribution of verified ones, so acceptance is measured where nothing is drafted.
+`AcceptanceCounts` keeps those counts per draft position for every running request (a slot each) and pooled over
+the engine's recent steps; `params` gives each request's per-position acceptance q_ij (`estimate_drafter_params`),
+its own counts shrunk towards the pooled per-position acceptance, so a new request starts from what this engine's
+drafts have recently achieved rather than from a constant.
 
 Cost: `record` and `params` are a few numpy calls on (requests x K_max) arrays, about 10-20 us per step for 256
 requests (no per-request Python work); `start`/`finish` are dict operations per request.
