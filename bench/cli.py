@@ -242,6 +242,7 @@ def bench_e2e(
     from das.bench.e2e_report import markdown as render_markdown
     from das.bench.e2e_report import plot as render_plot
     from das.scheduler.cost_model import prior_cost_model
+    from das.service.engine.async_engine import engine_dtype
     from das.service.engine.models import prepare_model
     from das.service.prompt_sets import PromptSetError, load_prompt_set
 
@@ -252,7 +253,7 @@ def bench_e2e(
         budget_settings, cost = _budget_settings(spec, model)
         cost = cost or prior_cost_model(model)  # suffix-t is tuned from a cost model whichever budget das uses
         suffix_tuned = suffix_tuned_options(cost, len(problems) * samples)
-        model_dir = prepare_model(model, progress=True)
+        model_dir = prepare_model(model, progress=True, dtype=engine_dtype(dtype))
         config = E2EConfig(model=str(model_dir), prompts=prompts, samples=samples, epochs=epochs,
                            max_tokens=max_tokens, temperature=temperature, arms=arm_names, num_speculative_tokens=k,
                            dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=eager,

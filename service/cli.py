@@ -64,12 +64,15 @@ def history_stats(
 @models_app.command("prepare")
 def models_prepare(
     name: Annotated[str, typer.Argument(help="A known model name (see `das models list`) or a model directory.")],
+    dtype: Annotated[str, typer.Option(help="auto (the dtype `das serve --dtype auto` serves in on this machine), "
+                                            "float32, bfloat16 or float16.")] = "auto",
 ) -> None:
-    """Build (once) a ready-to-serve model directory and print its path."""
+    """Build (once) a ready-to-serve model directory in the dtype it will be served in and print its path."""
+    from das.service.engine.async_engine import engine_dtype
     from das.service.engine.models import prepare_model
 
     try:
-        path = prepare_model(name, progress=True)
+        path = prepare_model(name, progress=True, dtype=engine_dtype(dtype))
     except (ValueError, OSError) as exc:
         fail(str(exc))
     print(path)
@@ -157,9 +160,11 @@ def serve(
                                                "history": {"shards": history_shards,
                                                            "snapshot_interval_s": snapshot_interval}})
         if not stub_engine:
+            from das.service.engine.async_engine import engine_dtype
             from das.service.engine.models import prepare_model
 
-            prepare_model(model, progress=True)  # here first: the engines reuse it, and a bad name fails now
+            # here first, in the dtype the engines serve: they reuse it, and a bad name fails now
+            prepare_model(model, progress=True, dtype=engine_dtype(dtype))
     except (ValidationError, OSError, ValueError) as exc:
         fail(str(exc))
 
@@ -260,12 +265,13 @@ def calibrate_cmd(
     """Measure the served engine's step time (speculation off) across tokens per step and the price of a prompt
     token; fit and store c_base + c_tok * n and c_prefill."""
     from das.scheduler.cost_model import save_cost_model
+    from das.service.engine.async_engine import engine_dtype
     from das.service.engine.cost_calibration import ServedEngineTimer, calibrate
     from das.service.engine.models import prepare_model
 
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
-        model_dir = prepare_model(model, progress=not as_json)
+        model_dir = prepare_model(model, progress=not as_json, dtype=engine_dtype("auto"))
         label = name or f"cpu-{Path(model).name if Path(model).exists() else model}"
         console.print(f"starting the served engine on {model_dir} (speculation off) ...")
         with ServedEngineTimer(model_dir, max(sizes), decode_tokens) as timer:

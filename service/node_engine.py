@@ -89,9 +89,11 @@ class NodeEngine:
             return self.names
         config = self.config
         if isinstance(config, EngineConfig):
+            from das.service.engine.async_engine import engine_dtype
             from das.service.engine.models import prepare_model
 
-            config = config.model_copy(update={"model": str(prepare_model(config.model, progress=False))})
+            model = prepare_model(config.model, progress=False, dtype=engine_dtype(config.dtype))
+            config = config.model_copy(update={"model": str(model)})
         for env in self._engine_envs():
             with restored_environ(env):
                 os.environ.update(env)  # the engine core process is spawned now and inherits it

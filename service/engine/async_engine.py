@@ -79,6 +79,14 @@ def serving_dtype(requested: str, *, cpu: bool, cpu_flags: frozenset[str] | None
     return "bfloat16" if flags & _NATIVE_BF16_FLAGS else "float32"
 
 
+def engine_dtype(requested: str) -> str:
+    """The dtype an engine on this machine serves `requested` in (`serving_dtype` on vLLM's platform): what a
+    known model should be prepared in (`prepare_model(..., dtype=)`)."""
+    from vllm.platforms import current_platform
+
+    return serving_dtype(requested, cpu=current_platform.is_cpu())
+
+
 def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -275,7 +283,7 @@ class Engine:
             os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
         das = config.speculation == "das"
-        dtype = serving_dtype(config.dtype, cpu=current_platform.is_cpu())
+        dtype = engine_dtype(config.dtype)
         args = AsyncEngineArgs(
             model=config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,

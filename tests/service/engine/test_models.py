@@ -23,6 +23,49 @@ def test_a_directory_without_config_is_rejected(tmp_path):
         prepare_model(str(tmp_path), progress=False)
 
 
+def test_a_known_model_is_prepared_in_the_dtype_it_is_served_in(tmp_path, monkeypatch):
+    """A dtype other than the stored one is a variant beside the stored model: every floating-point tensor rounded
+    to it as vLLM's loader rounds, integer tensors and other files as they are, the config saying the dtype; built
+    once, from the stored model."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from das.service.engine import models
+
+    converted = []
+
+    def convert(stages, out):
+        converted.append(out)
+        save_file({"w": torch.tensor([1.0 + 2**-10, -3.3, 1e-3]), "ids": torch.tensor([7, 8], dtype=torch.int64)},
+                  out / "model.safetensors")
+        (out / "config.json").write_text(json.dumps({"torch_dtype": "float32", "vocab_size": 5}))
+        (out / "tokenizer.json").write_text("{}")
+        return {"dtype": "float32"}
+
+    monkeypatch.setitem(models.MODEL_REGISTRY, "tiny", models.ModelSpec("tiny", "a test model", convert, "float32"))
+    stored = prepare_model("tiny", data_dir=tmp_path, progress=False)
+    assert prepare_model("tiny", data_dir=tmp_path, progress=False, dtype="float32") == stored
+    variant = prepare_model("tiny", data_dir=tmp_path, progress=False, dtype="bfloat16")
+    assert variant == tmp_path / "models" / "tiny-bfloat16" and len(converted) == 1
+    weights, original = load_file(variant / "model.safetensors"), load_file(stored / "model.safetensors")
+    assert weights["w"].dtype == torch.bfloat16 and torch.equal(weights["w"], original["w"].to(torch.bfloat16))
+    assert weights["w"][0].item() == 1.0  # 1 + 2^-10 rounds to 1 in bfloat16: a real cast, not a copy
+    assert weights["ids"].dtype == torch.int64 and weights["ids"].tolist() == [7, 8]
+    assert json.loads((variant / "config.json").read_text()) == {"torch_dtype": "bfloat16", "vocab_size": 5}
+    assert (variant / "tokenizer.json").read_text() == "{}"
+    marker = json.loads((variant / models.COMPLETE_MARKER).read_text())
+    assert marker["dtype"] == "bfloat16" and marker["name"] == "tiny"
+    assert prepare_model("tiny", data_dir=tmp_path, progress=False, dtype="bfloat16") == variant
+    assert len(converted) == 1 and not list((tmp_path / "models").glob(".*tmp-*"))
+    with pytest.raises(ValueError, match="unknown dtype"):
+        prepare_model("tiny", data_dir=tmp_path, progress=False, dtype="int8")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "config.json").write_text("{}")
+    assert prepare_model(str(tmp_path / "mine"), progress=False, dtype="bfloat16") == tmp_path / "mine"
+
+
 def test_cli_models_list_and_prepare_errors(tmp_path):
     from typer.testing import CliRunner
 
