@@ -391,7 +391,8 @@ def prepare_model(name_or_path: str, data_dir: Path | None = None, progress: boo
     if dtype is None or dtype == spec.dtype:
         return stored
     return _prepared(root / "models" / f"{spec.name}-{dtype}",
-                     lambda stages, out: _cast_model(stages, stored, out, dtype), console, about)
+                     lambda stages, out: _cast_model(stages, stored, out, dtype), console,
+                     {**about, "description": f"{spec.description}, cast to {dtype}"})
 
 
 def _prepared(target: Path, convert: Callable[["_Stages", Path], dict], console: Console | None,

@@ -56,7 +56,7 @@ def test_a_known_model_is_prepared_in_the_dtype_it_is_served_in(tmp_path, monkey
     assert json.loads((variant / "config.json").read_text()) == {"torch_dtype": "bfloat16", "vocab_size": 5}
     assert (variant / "tokenizer.json").read_text() == "{}"
     marker = json.loads((variant / models.COMPLETE_MARKER).read_text())
-    assert marker["dtype"] == "bfloat16" and marker["name"] == "tiny"
+    assert marker["dtype"] == "bfloat16" and marker["name"] == "tiny" and marker["description"].endswith("bfloat16")
     assert prepare_model("tiny", data_dir=tmp_path, progress=False, dtype="bfloat16") == variant
     assert len(converted) == 1 and not list((tmp_path / "models").glob(".*tmp-*"))
     with pytest.raises(ValueError, match="unknown dtype"):
