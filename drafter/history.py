@@ -44,6 +44,7 @@ class DrafterConfig:
     choice_horizon: float = 2000.0    # observations per calibration cell before old ones fade
     token_budget: int = 50_000_000   # all stored history tokens, all problems
     global_tokens: int = 2_000_000   # share of the budget for the cross-problem fallback
+    shadow_gap: int = 8              # tokens a request commits between a settled shadow draft and its next
 
     def __post_init__(self) -> None:
         checks = {
@@ -56,6 +57,7 @@ class DrafterConfig:
             "choice_horizon": self.choice_horizon >= 1,
             "token_budget": self.token_budget >= 1,
             "global_tokens": 0 <= self.global_tokens <= self.token_budget,
+            "shadow_gap": self.shadow_gap >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -147,6 +149,7 @@ class _Request:
     # the shadow draft being compared with the committed tokens, and how many of its tokens agreed so far
     shadow: np.ndarray | None = None
     shadow_matched: int = 0
+    shadow_wait: int = 0  # tokens to commit before the next shadow draft may start
 
 
 class HistoryBank:
@@ -207,7 +210,10 @@ class HistoryBank:
             self.chooser.observe(req.pending, tokens)
             req.pending = None
         req.problem.live.index.extend(req.live_seq, tokens)  # type: ignore[union-attr]
-        return self._follow_shadow(req, tokens) if req.shadow is not None and tokens.size else None
+        if req.shadow is None:
+            req.shadow_wait -= tokens.size
+            return None
+        return self._follow_shadow(req, tokens) if tokens.size else None
 
     def _follow_shadow(self, req: _Request, tokens: np.ndarray) -> ShadowOutcome | None:
         draft, matched = req.shadow, req.shadow_matched
@@ -217,7 +223,7 @@ class HistoryBank:
         if not wrong.size and matched + ahead.size < draft.size:
             req.shadow_matched = matched + ahead.size
             return None
-        req.shadow = None
+        req.shadow, req.shadow_wait = None, self.config.shadow_gap
         return ShadowOutcome(int(draft.size), matched + (int(wrong[0]) if wrong.size else int(ahead.size)))
 
     def finish_request(self, request_id: str) -> None:
@@ -243,11 +249,15 @@ class HistoryBank:
     def shadow(self, request_id: str, context: np.ndarray, max_tokens: int) -> bool:
         """Starts a shadow draft of at most max_tokens tokens for a request that verifies none this step (module
         docstring); `extend` reports its outcome. Does nothing while the request's previous shadow draft is
-        unsettled (one at a time: at most max_tokens + 1 steps each) or when no source has a draft. Returns
-        whether one was started. O(a proposal) when it drafts, O(1) otherwise; the source chooser does not
-        learn from it."""
+        unsettled (one at a time: at most max_tokens + 1 steps each), until the request has committed
+        `config.shadow_gap` tokens since it settled, or when no source has a draft. Returns whether one was
+        started. O(a proposal) when it drafts, O(1) otherwise; the source chooser does not learn from it.
+
+        The gap bounds the cost: without it a batch of 60 requests whose drafts mostly fail at once started ~33
+        shadow drafts a step, +0.5 ms of the proposer's ~1.3 ms a step on the 2-core CPU; with 8 tokens the
+        simulated makespans kept most of the gain (docs/results/2026-11-26-shadow-drafts.md)."""
         req = self._request(request_id)
-        if req.shadow is not None or max_tokens <= 0:
+        if req.shadow is not None or req.shadow_wait > 0 or max_tokens <= 0:
             return False
         indices, kinds = self._source_list(req.problem)
         cfg = self.config

@@ -21,7 +21,7 @@ Each step, for every request in the batch (row i of the runner's input batch):
   4. a request the plan gives no draft gets a shadow draft of up to K_max tokens (`HistoryBank.shadow`), which
      vLLM never sees: the tokens it commits over the next steps settle it, and its outcome is recorded with the
      verified drafts' (step 2), so acceptance is measured where the budget drafts nothing, at no cost to the
-     engine. One at a time per request, so most steps start none.
+     engine. One at a time per request, and the next only `DrafterConfig.shadow_gap` tokens after one settles.
 Drafts are plain token ids inside the vocabulary, never padded: vLLM's CPU rejection kernel has no guard for
 the `-1` placeholder.
 

@@ -86,7 +86,7 @@ def test_token_budget_evicts_oldest_versions_first():
 def test_a_shadow_draft_is_settled_by_the_tokens_committed_over_the_next_steps():
     """A shadow draft is compared with what the request commits, a step at a time or several tokens at once, until
     its first wrong token (that many accepted) or its end (all accepted); one at a time per request."""
-    bank = HistoryBank(DrafterConfig(max_depth=16))
+    bank = HistoryBank(DrafterConfig(max_depth=16, shadow_gap=0))
     bank.add_rollouts([rec("p", 0, 0, [10, 11, 12, 13, 14, 15])])
     bank.start_request("r", "p", PROMPT, 1)
     context = np.array([1, 2, 3, 10], np.int32)
@@ -107,6 +107,18 @@ def test_a_shadow_draft_is_settled_by_the_tokens_committed_over_the_next_steps()
     # a verified proposal is not a shadow draft: its outcome is the caller's to count
     assert bank.propose("r", context, 4).tokens.tolist() == [11, 12, 13, 14]
     assert bank.extend("r", np.array([11], np.int32)) is None
+    # with a gap, the next shadow draft waits for that many committed tokens after one settles
+    gapped = HistoryBank(DrafterConfig(max_depth=16, shadow_gap=3))
+    gapped.add_rollouts([rec("p", 0, 0, [10, 11, 12, 13, 14, 15])])
+    gapped.start_request("r", "p", PROMPT, 1)
+    assert gapped.shadow("r", context, 4) and gapped.extend("r", np.array([7], np.int32)).accepted == 0
+    assert not gapped.shadow("r", context, 4)
+    gapped.extend("r", np.array([8, 9], np.int32))
+    assert not gapped.shadow("r", context, 4)
+    gapped.extend("r", np.array([10], np.int32))
+    assert gapped.shadow("r", context, 4)
+    with pytest.raises(ValueError, match="shadow_gap"):
+        DrafterConfig(shadow_gap=-1)
 
 
 def test_bad_requests_are_rejected_without_side_effects():

@@ -18,11 +18,12 @@ PROMPT = [7, 8, 9]
 RESPONSE = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
 
 
-def make_proposer(k: int = 4, vocab: int = 100, max_model_len: int = 64, budget: dict | None = None) -> DasProposer:
+def make_proposer(k: int = 4, vocab: int = 100, max_model_len: int = 64, budget: dict | None = None,
+                  drafter: dict | None = None) -> DasProposer:
     config = SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=max_model_len),
-        additional_config={"das": {"budget": budget or {}}})
+        additional_config={"das": {"budget": budget or {}, "drafter": drafter or {}}})
     return DasProposer(config)
 
 
@@ -293,7 +294,7 @@ def test_a_request_without_drafts_is_measured_by_shadow_drafts_vllm_never_sees()
     """The plan drafts nothing; the sample's continuation is in its problem's history. Its shadow drafts (up to
     K_max tokens, settled over the next plain steps) are all right, and their outcomes reach the acceptance
     counts the budget reads, per request and pooled, while every draft handed to vLLM is empty."""
-    proposer, runner = attached(k=4)
+    proposer, runner = attached(k=4, drafter={"shadow_gap": 0})
     proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), tuple(RESPONSE))])
     plans = []
 
