@@ -291,7 +291,7 @@ def test_an_arm_that_dies_stops_the_run_and_keeps_what_finished(monkeypatch) -> 
         raise E2EFailed("epoch 2/3 das", RuntimeError("every sample failed"), failed.value.completed)
 
     monkeypatch.setattr("das.bench.e2e.run_e2e", stops)
-    monkeypatch.setattr("das.service.engine.models.prepare_model", lambda model, progress: Path(model))
+    monkeypatch.setattr("das.service.engine.models.prepare_model", lambda model, progress, dtype=None: Path(model))
     result = CliRunner().invoke(app, ["bench", "e2e", "--model", "m", "--prompts", "reasoning-gym:2",
                                       "--arms", "none,das", "--budget", "uniform", "--json"])
     assert result.exit_code == 1, result.output
