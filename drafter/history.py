@@ -238,12 +238,10 @@ class HistoryBank:
         req = self._request(request_id)
         if max_tokens <= 0 or min_prob > 1.0:
             return _no_proposal()
-        indices, kinds = self._source_list(req.problem)
-        cfg = self.config
-        req.pending = choice = self.chooser.choose(indices, kinds, context, max_tokens, max(cfg.min_prob, min_prob),
-                                                      cfg.match_factor, cfg.prior)
+        req.pending = choice = self._choose(req, context, max_tokens, min_prob)
         if choice.best < 0:
             return _no_proposal()
+        kinds = self._source_list(req.problem)[1]  # cached by _choose's call
         return Proposal(choice.tokens, choice.probs, self.chooser.kinds[kinds[choice.best]], choice.match_len)
 
     def shadow(self, request_id: str, context: np.ndarray, max_tokens: int) -> bool:
@@ -259,13 +257,19 @@ class HistoryBank:
         req = self._request(request_id)
         if req.shadow is not None or req.shadow_wait > 0 or max_tokens <= 0:
             return False
-        indices, kinds = self._source_list(req.problem)
-        cfg = self.config
-        choice = self.chooser.choose(indices, kinds, context, max_tokens, cfg.min_prob, cfg.match_factor, cfg.prior)
+        choice = self._choose(req, np.ascontiguousarray(context, np.int32), max_tokens, 0.0)
         if choice.best < 0:
             return False
         req.shadow, req.shadow_matched = choice.tokens, 0
         return True
+
+    def _choose(self, req: _Request, context: np.ndarray, max_tokens: int, min_prob: float) -> Choice:
+        """Every source's draft for the request and the chooser's pick (native), under max(min_prob,
+        config.min_prob)."""
+        indices, kinds = self._source_list(req.problem)
+        cfg = self.config
+        return self.chooser.choose(indices, kinds, context, max_tokens, max(cfg.min_prob, min_prob), cfg.match_factor,
+                                   cfg.prior)
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)

@@ -157,7 +157,8 @@ class DasProposer:
         self._step_us: deque[float] = deque(maxlen=_STATS_WINDOW)
         self._step_batch: deque[int] = deque(maxlen=_STATS_WINDOW)
         self.by_source: dict[str, DraftCounts] = {}  # since start, by source kind (steps unused)
-        self.shadow = DraftCounts()  # settled shadow drafts since start (steps: how many)
+        self.shadow = DraftCounts()  # tokens of the shadow drafts settled since start (steps unused)
+        self.shadow_drafts = 0  # shadow drafts settled since start
         self.failures = 0
         self._last_propose: float | None = None
         self._probe_turn = False  # whether this step's cost probe drafts (every other step with probes)
@@ -220,17 +221,12 @@ class DasProposer:
             views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens,
                                      room if run.tags.draft else 0, run.tags.length_curve))
             rows.append(run)
-        drafted = accepted = 0
-        if verified:
-            slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*verified))
-            self.acceptance.record(slots, drafted_counts, accepted_counts)
-            drafted, accepted = int(drafted_counts.sum()), int(accepted_counts.sum())
+        drafted, accepted = self._record(verified)
         if shadowed:  # a request settles at most one shadow draft a step: distinct slots
-            slots, drafted_counts, accepted_counts = (np.array(col, np.int64) for col in zip(*shadowed))
-            self.acceptance.record(slots, drafted_counts, accepted_counts)
-            self.shadow.proposed += int(drafted_counts.sum())
-            self.shadow.accepted += int(accepted_counts.sum())
-            self.shadow.steps += len(shadowed)
+            shadow_drafted, shadow_accepted = self._record(shadowed)
+            self.shadow.proposed += shadow_drafted
+            self.shadow.accepted += shadow_accepted
+            self.shadow_drafts += len(shadowed)
         self._observe_step(t0, prefill, len(rows), drafted + probe_drafted, accepted, probe_drafted > 0,
                            explored_accepted)
         if views:
@@ -245,7 +241,7 @@ class DasProposer:
             context = token_ids_cpu[i, max(0, run.fed - self._context):run.fed]
             run.draft, run.draft_source = self._draft(rid, context, k, float(plan.min_prob[i]))
             if k == 0 and view.room:  # room is 0 for requests tagged not to draft (the warm-up's probes)
-                self.bank.shadow(rid, np.ascontiguousarray(context, np.int32), min(view.room, self.k_max))
+                self.bank.shadow(rid, context, min(view.room, self.k_max))
             run.explored = plan.explored is not None and bool(plan.explored[i])
             drafts.append(run.draft.tolist())
         if probe_rooms:
@@ -253,6 +249,15 @@ class DasProposer:
         self._step_us.append((time.perf_counter() - t0) * 1e6)
         self._step_batch.append(len(req_ids))
         return drafts
+
+    def _record(self, outcomes: list[tuple[int, int, int]]) -> tuple[int, int]:
+        """Records (slot, drafted, accepted) outcomes of distinct requests in the acceptance counts; returns the
+        draft tokens and accepted tokens they sum to."""
+        if not outcomes:
+            return 0, 0
+        slots, drafted, accepted = (np.array(col, np.int64) for col in zip(*outcomes))
+        self.acceptance.record(slots, drafted, accepted)
+        return int(drafted.sum()), int(accepted.sum())
 
     def _probe_draft(self, rows: list[_Running], probe_rooms: list[tuple[int, int]], token_ids_cpu: np.ndarray,
                      drafts: list[list[int]]) -> None:
@@ -325,7 +330,7 @@ class DasProposer:
             "memory_bytes": self.bank.memory_bytes(),
             "by_source": {kind: {"proposed": c.proposed, "accepted": c.accepted}
                           for kind, c in sorted(self.by_source.items())},
-            "shadow": {"drafts": self.shadow.steps, "proposed": self.shadow.proposed,
+            "shadow": {"drafts": self.shadow_drafts, "proposed": self.shadow.proposed,
                        "accepted": self.shadow.accepted},
             "cost": self.budget.stats(),
         }
