@@ -58,13 +58,15 @@ class UserRunResult:
     runs: dict[str, list[list[EpochFigures]]] = field(default_factory=dict)  # arm -> repeat -> epochs
 
     def medians(self, arm: str) -> list[dict[str, float]]:
-        """Per epoch, the median over repeats of makespan, tokens/s and seconds per longest-sample token."""
+        """Per epoch, the median over repeats of makespan, tokens/s, seconds per longest-sample token and seconds per
+        critical-path step (rollout_run.EpochFigures)."""
         out = []
         for e in range(self.config.epochs):
             figures = [run[e] for run in self.runs[arm] if len(run) > e]
             out.append({"makespan_s": statistics.median(f.makespan_s for f in figures),
                         "tokens_per_s": statistics.median(f.tokens_per_s for f in figures),
                         "s_per_longest_token": statistics.median(f.seconds_per_longest_token for f in figures),
+                        "s_per_critical_step": statistics.median(f.seconds_per_critical_step for f in figures),
                         "draft_tokens": statistics.median(f.draft_tokens for f in figures),
                         "accepted_tokens": statistics.median(f.accepted_tokens for f in figures)})
         return out
@@ -73,13 +75,14 @@ class UserRunResult:
         """Per epoch, `arm`'s medians over the baseline's (the first arm)."""
         base = self.medians(self.config.arms[0])
         mine = self.medians(arm)
-        return [{key: m[key] / b[key] for key in ("makespan_s", "tokens_per_s", "s_per_longest_token") if b[key]}
-                for m, b in zip(mine, base)]
+        keys = ("makespan_s", "tokens_per_s", "s_per_longest_token", "s_per_critical_step")
+        return [{key: m[key] / b[key] for key in keys if b[key]} for m, b in zip(mine, base)]
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "problems": self.problems,
                 "runs": {arm: [[asdict(e) | {"tokens_per_s": e.tokens_per_s,
-                                             "seconds_per_longest_token": e.seconds_per_longest_token}
+                                             "seconds_per_longest_token": e.seconds_per_longest_token,
+                                             "seconds_per_critical_step": e.seconds_per_critical_step}
                                 for e in run] for run in runs] for arm, runs in self.runs.items()},
                 "medians": {arm: self.medians(arm) for arm in self.runs},
                 "ratios": {arm: self.ratios(arm) for arm in self.runs}}
@@ -88,13 +91,15 @@ class UserRunResult:
         base = self.config.arms[0]
         lines = [f"{self.problems} x {self.config.samples} samples, {self.config.max_tokens} tokens, "
                  f"T={self.config.temperature}; medians of {self.config.repeats} repeats; ratios to {base}", "",
-                 "| arm | epoch | makespan s | tokens/s | ms / longest token | makespan ratio | tokens/s ratio "
-                 "| per-longest-token ratio |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                 "| arm | epoch | makespan s | tokens/s | ms / longest token | ms / critical step | makespan ratio "
+                 "| tokens/s ratio | per-longest-token ratio | per-critical-step ratio |",
+                 "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for arm in self.runs:
             for e, (m, r) in enumerate(zip(self.medians(arm), self.ratios(arm)), start=1):
                 lines.append(f"| {arm} | {e} | {m['makespan_s']:.1f} | {m['tokens_per_s']:.0f} | "
-                             f"{m['s_per_longest_token'] * 1e3:.1f} | {r.get('makespan_s', 0):.3f} | "
-                             f"{r.get('tokens_per_s', 0):.3f} | {r.get('s_per_longest_token', 0):.3f} |")
+                             f"{m['s_per_longest_token'] * 1e3:.1f} | {m['s_per_critical_step'] * 1e3:.1f} | "
+                             f"{r.get('makespan_s', 0):.3f} | {r.get('tokens_per_s', 0):.3f} | "
+                             f"{r.get('s_per_longest_token', 0):.3f} | {r.get('s_per_critical_step', 0):.3f} |")
         return "\n".join(lines) + "\n"
 
     def print(self, console: Console) -> None:
@@ -102,15 +107,17 @@ class UserRunResult:
         table = Table(title=f"das serve, the user's run: {self.problems} x {self.config.samples} samples, "
                             f"{self.config.max_tokens} tokens, T={self.config.temperature}; medians of "
                             f"{self.config.repeats} repeats; ratios to {base}")
-        for column in ("arm", "epoch", "makespan s", "tokens/s", "ms / longest token", "drafted", "accepted",
-                       "makespan ratio", "tokens/s ratio", "per-longest-token ratio"):
+        for column in ("arm", "epoch", "makespan s", "tokens/s", "ms / longest token", "ms / critical step",
+                       "drafted", "accepted", "makespan ratio", "tokens/s ratio", "per-longest-token ratio",
+                       "per-critical-step ratio"):
             table.add_column(column, justify="right")
         for arm in self.runs:
             for e, (m, r) in enumerate(zip(self.medians(arm), self.ratios(arm)), start=1):
                 table.add_row(arm, str(e), f"{m['makespan_s']:.1f}", f"{m['tokens_per_s']:.0f}",
-                              f"{m['s_per_longest_token'] * 1e3:.1f}", f"{m['draft_tokens']:.0f}",
-                              f"{m['accepted_tokens']:.0f}", f"{r.get('makespan_s', 0):.3f}",
-                              f"{r.get('tokens_per_s', 0):.3f}", f"{r.get('s_per_longest_token', 0):.3f}")
+                              f"{m['s_per_longest_token'] * 1e3:.1f}", f"{m['s_per_critical_step'] * 1e3:.1f}",
+                              f"{m['draft_tokens']:.0f}", f"{m['accepted_tokens']:.0f}",
+                              f"{r.get('makespan_s', 0):.3f}", f"{r.get('tokens_per_s', 0):.3f}",
+                              f"{r.get('s_per_longest_token', 0):.3f}", f"{r.get('s_per_critical_step', 0):.3f}")
         console.print(table)
 
 

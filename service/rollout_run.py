@@ -35,6 +35,9 @@ class EpochFigures:
     errors: int
     policy_versions: list[int]
     longest_tokens: int = 0  # the longest sample's output tokens: at T > 0 the makespan follows it
+    # The most decode steps any sample took (its output tokens less its accepted draft tokens): the batch's critical
+    # path in engine steps, which speculation shortens where it drafts for the stragglers.
+    critical_steps: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -45,6 +48,12 @@ class EpochFigures:
         """Makespan over the longest sample's length: comparable across runs that drew different stragglers."""
         return self.makespan_s / self.longest_tokens if self.longest_tokens else 0.0
 
+    @property
+    def seconds_per_critical_step(self) -> float:
+        """Makespan over the critical path's steps: the time an engine step took along it. Equal in two arms, a
+        makespan gap is the steps speculation saved; unequal, the arms' steps cost differently."""
+        return self.makespan_s / self.critical_steps if self.critical_steps else 0.0
+
 
 @dataclass(frozen=True)
 class RolloutRun:
@@ -54,7 +63,8 @@ class RolloutRun:
 
     def to_dict(self) -> dict[str, Any]:
         return {"epochs": [{**asdict(e), "tokens_per_s": e.tokens_per_s,
-                            "seconds_per_longest_token": e.seconds_per_longest_token} for e in self.epochs],
+                            "seconds_per_longest_token": e.seconds_per_longest_token,
+                            "seconds_per_critical_step": e.seconds_per_critical_step} for e in self.epochs],
                 "history_file": self.history_file, "records": self.records}
 
     def print(self, console: Console) -> None:
@@ -84,7 +94,7 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
         for epoch in range(1, epochs + 1):
             task = bar.add_task("samples", total=expected, epoch=epoch)
             start = time.perf_counter()
-            received = tokens = drafted = accepted = errors = longest = 0
+            received = tokens = drafted = accepted = errors = longest = critical = 0
             versions: set[int] = set()
             batch_seed = None if seed is None else derive(seed, epoch - 1)
             for sample in client.generate(groups, return_prompt_token_ids=history_file is not None,
@@ -92,6 +102,7 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
                 bar.advance(task)
                 tokens += len(sample.output_token_ids)
                 longest = max(longest, len(sample.output_token_ids))
+                critical = max(critical, len(sample.output_token_ids) - sample.accepted_tokens)
                 drafted += sample.draft_tokens
                 accepted += sample.accepted_tokens
                 errors += sample.finish_reason == "error"
@@ -103,6 +114,6 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
                                                  tuple(sample.prompt_token_ids or ()),
                                                  tuple(sample.output_token_ids), sample.finish_reason))
             figures.append(EpochFigures(epoch, time.perf_counter() - start, received, tokens, drafted, accepted,
-                                        errors, sorted(versions), longest))
+                                        errors, sorted(versions), longest, critical))
     written = write_rollouts(history_file, records) if history_file is not None else 0
     return RolloutRun(figures, str(history_file) if history_file is not None else None, written)

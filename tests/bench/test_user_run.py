@@ -14,14 +14,14 @@ from das.bench.user_run import UserRunConfig, UserRunResult
 from das.service.rollout_run import EpochFigures
 
 
-def figures(makespans: list[float], tokens: int = 1000, longest: int = 100) -> list[EpochFigures]:
-    return [EpochFigures(e + 1, m, 16, tokens, 0, 0, 0, [0], longest) for e, m in enumerate(makespans)]
+def figures(makespans: list[float], tokens: int = 1000, longest: int = 100, critical: int = 100) -> list[EpochFigures]:
+    return [EpochFigures(e + 1, m, 16, tokens, 0, 0, 0, [0], longest, critical) for e, m in enumerate(makespans)]
 
 
 def test_medians_over_repeats_and_ratios_to_the_first_arm():
     result = UserRunResult(UserRunConfig(arms=("none", "das"), repeats=3, epochs=2), "reasoning-gym:2", {
         "none": [figures([10, 20]), figures([12, 22]), figures([11, 100])],
-        "das": [figures([8, 10]), figures([9, 11], longest=50), figures([30, 12])],
+        "das": [figures([8, 10], critical=50), figures([9, 11], longest=50, critical=50), figures([30, 12])],
     })
     assert [m["makespan_s"] for m in result.medians("none")] == [11, 22]
     assert [m["makespan_s"] for m in result.medians("das")] == [9, 11]
@@ -30,6 +30,8 @@ def test_medians_over_repeats_and_ratios_to_the_first_arm():
     assert ratios[1]["tokens_per_s"] == pytest.approx((1000 / 11) / (1000 / 22))
     # per longest-sample token: das epoch 2 medians 0.10, 0.22, 0.12 s per token; none 0.2, 0.22, 1.0
     assert ratios[1]["s_per_longest_token"] == pytest.approx(0.12 / 0.22)
+    # per critical-path step: das epoch 2 medians 0.20, 0.22, 0.12 s per step; none as per longest token
+    assert ratios[1]["s_per_critical_step"] == pytest.approx(0.20 / 0.22)
     assert "| das | 2 | 11.0 |" in result.markdown()
     assert json.loads(json.dumps(result.to_dict()))["ratios"]["none"][0]["makespan_s"] == 1.0
 

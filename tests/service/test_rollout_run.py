@@ -8,9 +8,12 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from das.drafter.records import load_rollouts
+from das.service.api import SamplingSpec
 from das.service.cli import app
 from das.service.gateway import create_app
+from das.service.prompt_sets import Problem
 from das.service.rollout_backend import StubBackend
+from das.service.rollout_run import run_rollouts
 from tests.service.test_gateway import TOKEN, LiveServer, gateway_settings
 
 
@@ -35,3 +38,28 @@ def test_das_rollout_runs_epochs_and_writes_a_history_file(tmp_path: Path) -> No
     assert {(r.problem_id, r.prompt_token_ids) for r in records} == {(f"q{i}", (3, 4, i)) for i in range(3)}
     assert all(len(r.output_token_ids) == 10 and r.finish_reason == "length" for r in records)
     assert refused.exit_code == 2 and "401" in refused.output
+
+
+class _Sample:
+    def __init__(self, tokens: int, accepted: int) -> None:
+        self.output_token_ids, self.accepted_tokens, self.draft_tokens = [5] * tokens, accepted, 2 * accepted
+        self.finish_reason, self.policy_version, self.problem_id = "length", 0, "q"
+
+
+class _Client:
+    """Answers every batch with samples of (tokens, accepted draft tokens) as given."""
+
+    def __init__(self, samples: list[tuple[int, int]]) -> None:
+        self.samples = samples
+
+    def generate(self, groups, return_prompt_token_ids=False, seed=None):
+        return [_Sample(*s) for s in self.samples]
+
+
+def test_critical_path_is_the_most_steps_any_sample_took_not_the_longest_sample() -> None:
+    # 20 tokens with 12 accepted took 8 steps; the 15-token sample with 2 accepted took 13: the critical path
+    client = _Client([(10, 0), (20, 12), (15, 2)])
+    run = run_rollouts(client, [Problem("q", prompt_token_ids=(1, 2))], 3, 1, SamplingSpec(max_tokens=20), None)
+    (epoch,) = run.epochs
+    assert (epoch.longest_tokens, epoch.critical_steps, epoch.accepted_tokens) == (20, 13, 14)
+    assert epoch.seconds_per_critical_step == epoch.makespan_s / 13
