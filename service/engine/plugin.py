@@ -1,7 +1,8 @@
 """Our vLLM general plugin (the `vllm.general_plugins` entry point in pyproject.toml): vLLM calls `register()` in
 every engine process of this environment, so every arm (none, ours, `ngram`, `suffix`) samples and verifies the
 same way: the CPU fixes (cpu_fixes/plugin.py) first, then keyed sampling (keyed_sampler.py), which builds on them.
-Both are CPU-only today; elsewhere vLLM runs as shipped."""
+Both are CPU-only today; elsewhere vLLM runs as shipped. Everywhere, the vLLM warnings our configuration triggers
+knowingly are dropped from its log (known_warnings.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ def register() -> None:
     """vLLM general-plugin hook; idempotent (vLLM may load plugins more than once in a process)."""
     from vllm.platforms import current_platform
 
+    from das.service.engine import known_warnings
+
+    known_warnings.install()
     if not current_platform.is_cpu():
         return
     from das.service.engine import keyed_sampler
