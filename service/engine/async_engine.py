@@ -42,6 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
 from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.service.engine import known_warnings
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.cpu_allocator import CpuAllocator, cpu_allocator_env, model_vocab_size, resolve_allocator
 from das.service.engine.cpu_layout import CpuWorker, cpu_worker_layout, usable_cpus, worker_in_process
@@ -49,6 +50,7 @@ from das.service.engine.extra_args import SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.step_profile import StepProfile
+from das.service.engine.token_prompt import engine_prompt
 from das.service.history_store import unstorable
 from das.service.sample_keys import fresh_seed
 
@@ -272,6 +274,8 @@ class Engine:
     async def create(cls, config: EngineConfig) -> Engine:
         # vLLM's CPU backend reads its KV cache size from the environment only.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+        # vLLM loads our plugin, which drops these warnings in its processes, only after configuring the engine.
+        known_warnings.install()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -429,7 +433,7 @@ class Engine:
         finish: str | None = None
         error: str | None = None
         try:
-            async for out in self._llm.generate({"prompt_token_ids": prompt}, params, request_id=key):
+            async for out in self._llm.generate(engine_prompt(self._llm, prompt), params, request_id=key):
                 completion = out.outputs[0]
                 if completion.token_ids and first is None:
                     first = time.perf_counter() - start

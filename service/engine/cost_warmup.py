@@ -28,6 +28,7 @@ from typing import Any
 from das.service.api import SamplingSpec
 from das.service.engine.proposer import RequestTags
 from das.service.engine.sampling import sampling_params
+from das.service.engine.token_prompt import engine_prompt
 
 WARMUP_PROBLEM = "das-cost-warmup"
 _PROMPT_TOKENS = 8
@@ -46,7 +47,7 @@ async def warm_up_cost_fit(llm: Any, requests: int, vocab_size: int) -> int:
         params = sampling_params(SamplingSpec(max_tokens=2 * i, temperature=1.0, ignore_eos=True), vocab_size,
                                  tags.to_extra_args())
         tokens = 0
-        async for out in llm.generate({"prompt_token_ids": prompt}, params, request_id=tags.key):
+        async for out in llm.generate(engine_prompt(llm, prompt), params, request_id=tags.key):
             tokens += len(out.outputs[0].token_ids)
         return tokens
 

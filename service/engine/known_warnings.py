@@ -1,8 +1,9 @@
 """vLLM warnings that every engine we start would print and that leave a user nothing to act on.
 
 Each comes from a configuration we chose knowingly or from the CPU build we ship, and each entry says why it is
-safe to drop. A filter on the handlers of vLLM's "vllm" logger (its own logging configuration, otherwise kept)
-drops them in every process our plugin loads in (service/engine/plugin.py); any other vLLM warning still shows.
+safe to drop. A filter on the logger of the vLLM module that warns drops them in every process our plugin loads
+in (service/engine/plugin.py) and in the process that configures an engine (`Engine.create`: vLLM warns there
+before it loads the plugin); vLLM's own logging configuration is untouched and any other warning still shows.
 With VLLM_LOGGING_LEVEL=DEBUG nothing is dropped.
 """
 
@@ -12,26 +13,35 @@ import logging
 import re
 import warnings
 
-KNOWN_WARNINGS: tuple[tuple[str, str], ...] = (
-    ("Using a custom class-based proposer backend",
+_SPEC = "vllm.config.speculative"
+_CONFIG = "vllm.config.vllm"
+_CPU = "vllm.platforms.cpu"
+_CPU_WORKER = "vllm.v1.worker.cpu_worker"
+_LOGITS = "vllm.v1.sample.logits_processor"
+
+# (the logger of the vLLM module that warns, a text of the warning, why it is safe to drop)
+KNOWN_WARNINGS: tuple[tuple[str, str, str], ...] = (
+    (_SPEC, "Using a custom class-based proposer backend",
      "our proposer (service/engine/proposer.py) is one, by design"),
-    ("Async scheduling not supported with custom_class-based speculative decoding",
+    (_CONFIG, "Async scheduling not supported with custom_class-based speculative decoding",
      "known; on the CPU engine async scheduling made no measurable difference for `none` either "
      "(docs/results/2026-11-26-shadow-drafts.md)"),
-    ("Triton is not installed",
+    (_CPU, "Triton is not installed",
      "the CPU build has no triton-cpu; vLLM runs its own CPU kernels"),
-    ("Model Runner V2 requires Triton",
+    (_CONFIG, "Model Runner V2 requires Triton",
      "the V1 model runner is the one our CPU fixes build on (cpu_fixes/plugin.py)"),
-    ("is not found in LD_PRELOAD",
+    (_CPU_WORKER, "is not found in LD_PRELOAD",
      "tcmalloc and Intel OpenMP preloads measured no gain here (docs/results/2026-11-25-service-overhead.md, "
      "docs/results/2026-11-26-server-gap.md); cpu_allocator.py chooses the allocator"),
-    ("Speculative decoding on CPU without Intel OpenMP",
+    (_CPU_WORKER, "Speculative decoding on CPU without Intel OpenMP",
      "Intel OpenMP preloaded into a das engine measured no gain (docs/results/2026-11-26-server-gap.md)"),
-    ("CPU backend doesn't allow to use `torch.set_num_threads`",
+    (_CPU_WORKER, "CPU backend doesn't allow to use `torch.set_num_threads`",
      "vLLM's own thread binding refusing a later call; the binding stays as vLLM set it"),
-    ("Inductor compilation was disabled by user settings",
+    (_CONFIG, "Inductor compilation was disabled by user settings",
      "vLLM's CPU platform itself picks DYNAMO_TRACE_ONCE with the Inductor backend, which this check misreads"),
-    ("min_p and logit_bias parameters won't work with speculative decoding",
+    (_CPU, "Reset SSM cache type to float32",
+     "vLLM's CPU platform says so for every model; the models we serve have no state-space layers"),
+    (_LOGITS, "min_p and logit_bias parameters won't work with speculative decoding",
      "our sampling spec (service/api.py SamplingSpec) carries neither"),
 )
 
@@ -43,23 +53,29 @@ KNOWN_PYTHON_WARNINGS: tuple[tuple[str, type[Warning], str], ...] = (
 
 
 class KnownWarningsFilter(logging.Filter):
-    """Drops WARNING records whose message contains a KNOWN_WARNINGS text; passes every other record."""
+    """Drops a WARNING record whose message contains one of `texts`, unless vLLM logs at DEBUG; passes the rest."""
+
+    def __init__(self, texts: tuple[str, ...]) -> None:
+        super().__init__()
+        self.texts = texts
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno != logging.WARNING:
+        if record.levelno != logging.WARNING or logging.getLogger("vllm").isEnabledFor(logging.DEBUG):
             return True
         message = record.getMessage()
-        return not any(text in message for text, _ in KNOWN_WARNINGS)
+        return not any(text in message for text in self.texts)
 
 
 def install() -> None:
-    """Adds the filter to each handler of the "vllm" logger in this process (idempotent); nothing where vLLM logs
-    at DEBUG."""
-    vllm_logger = logging.getLogger("vllm")
-    if vllm_logger.isEnabledFor(logging.DEBUG):
-        return
-    for handler in vllm_logger.handlers:
-        if not any(isinstance(f, KnownWarningsFilter) for f in handler.filters):
-            handler.addFilter(KnownWarningsFilter())
+    """Adds the filter to each warning module's logger in this process (idempotent). On the module loggers, not on
+    vLLM's handler: vLLM replaces its handlers whenever it configures logging, which it does after our plugin
+    loads in some processes."""
+    by_logger: dict[str, tuple[str, ...]] = {}
+    for name, text, _ in KNOWN_WARNINGS:
+        by_logger[name] = (*by_logger.get(name, ()), text)
+    for name, texts in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, KnownWarningsFilter) for f in logger.filters):
+            logger.addFilter(KnownWarningsFilter(texts))
     for text, category, _ in KNOWN_PYTHON_WARNINGS:
         warnings.filterwarnings("ignore", message=".*" + re.escape(text), category=category)

@@ -375,12 +375,14 @@ def test_an_engine_side_failure_fails_that_sample_only(loop, tiny_das, monkeypat
 
 class DeadCore:
     """Stands in for an AsyncLLM whose engine core died: every request fails, `errored` is True, and RPCs are
-    counted (nothing should ask a dead engine for draft counts)."""
+    counted (nothing should ask a dead engine for draft counts). Its frontend (the model config, the renderer)
+    is the live one's, as in a dead AsyncLLM, whose frontend outlives the core."""
 
     errored = True
 
-    def __init__(self) -> None:
+    def __init__(self, live) -> None:
         self.rpcs = 0
+        self.model_config, self.renderer = live.model_config, live.renderer
 
     def generate(self, prompt, params, request_id):
         raise RuntimeError("EngineCore encountered an issue")
@@ -391,7 +393,7 @@ class DeadCore:
 
 
 def test_a_dead_engine_is_reported_once_not_per_sample(loop, tiny_das, monkeypatch, caplog):
-    dead = DeadCore()
+    dead = DeadCore(tiny_das._llm)
     monkeypatch.setattr(tiny_das, "_llm", dead)
     monkeypatch.setattr(tiny_das, "_death_reported", False)
     group = GroupRequest(problem_id="d", n=4, prompt_token_ids=[5, 6], sampling={"max_tokens": 4})

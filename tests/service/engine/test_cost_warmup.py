@@ -5,9 +5,10 @@ import pytest
 
 from das.service.engine.cost_warmup import WARMUP_PROBLEM, warm_up_cost_fit
 from das.service.engine.proposer import RequestTags
+from tests.service.engine.vllm_frontend import PassThroughFrontend
 
 
-class RecordingLLM:
+class RecordingLLM(PassThroughFrontend):
     """Stands in for AsyncLLM.generate: records each request and streams its max_tokens tokens in two deltas."""
 
     def __init__(self) -> None:

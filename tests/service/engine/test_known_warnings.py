@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import logging
 import warnings
+from logging.config import dictConfig
 
 import pytest
 
@@ -13,39 +14,52 @@ from das.service.engine import known_warnings
 
 @pytest.fixture
 def vllm_stream():
-    """A handler on the "vllm" logger writing into a string, removed after the test."""
+    """The "vllm" logger writing into a string (as vLLM configures it: its own handler, no propagation), and
+    restored after the test."""
     stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
     logger = logging.getLogger("vllm")
-    saved = logger.level
-    logger.addHandler(handler)
+    saved = (logger.level, logger.handlers[:], logger.propagate)
+    logger.handlers[:] = [logging.StreamHandler(stream)]
     logger.setLevel(logging.INFO)
+    logger.propagate = False
     yield stream
-    logger.removeHandler(handler)
-    logger.setLevel(saved)
+    logger.setLevel(saved[0])
+    logger.handlers[:] = saved[1]
+    logger.propagate = saved[2]
 
 
 def test_known_warnings_are_dropped_and_others_kept(vllm_stream):
     known_warnings.install()
-    known_warnings.install()  # idempotent: one filter per handler
-    handler = logging.getLogger("vllm").handlers[-1]
-    assert sum(isinstance(f, known_warnings.KnownWarningsFilter) for f in handler.filters) == 1
-    log = logging.getLogger("vllm.v1.worker.cpu_worker")
-    log.warning("%s is not found in LD_PRELOAD. For best performance, ...", "libtcmalloc")
-    log.warning("Async scheduling not supported with custom_class-based speculative decoding and will be disabled.")
-    log.warning("KV cache is nearly full")
-    log.info("Triton is not installed. triton-cpu is expected on x86 CPUs.")  # not a warning: kept
+    known_warnings.install()  # idempotent: one filter per logger
+    worker = logging.getLogger("vllm.v1.worker.cpu_worker")
+    assert sum(isinstance(f, known_warnings.KnownWarningsFilter) for f in worker.filters) == 1
+    worker.warning("%s is not found in LD_PRELOAD. For best performance, ...", "libtcmalloc")
+    logging.getLogger("vllm.config.vllm").warning(
+        "Async scheduling not supported with custom_class-based speculative decoding and will be disabled.")
+    worker.warning("KV cache is nearly full")
+    logging.getLogger("vllm.platforms.cpu").info("Triton is not installed. triton-cpu is expected on x86 CPUs.")
+    # a known text from another module is not ours to drop
+    logging.getLogger("vllm.v1.core.sched").warning("Async scheduling not supported with custom_class-based ...")
     text = vllm_stream.getvalue()
-    assert "LD_PRELOAD" not in text and "Async scheduling" not in text
+    assert "LD_PRELOAD" not in text and text.count("Async scheduling") == 1
     assert "KV cache is nearly full" in text and "Triton is not installed" in text
 
 
-def test_nothing_is_dropped_when_vllm_logs_at_debug(vllm_stream):
-    logging.getLogger("vllm").setLevel(logging.DEBUG)
-    handler = logging.getLogger("vllm").handlers[-1]
+def test_the_filter_survives_vllm_configuring_its_logging_again(vllm_stream):
     known_warnings.install()
-    assert not any(isinstance(f, known_warnings.KnownWarningsFilter) for f in handler.filters)
-    logging.getLogger("vllm.config").warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
+    # what vLLM's configure_logging does in a process after our plugin loaded: new handlers on "vllm"
+    dictConfig({"version": 1, "disable_existing_loggers": False,
+                "handlers": {"vllm": {"class": "logging.StreamHandler", "stream": vllm_stream}},
+                "loggers": {"vllm": {"handlers": ["vllm"], "level": "INFO", "propagate": False}}})
+    logging.getLogger("vllm.config.speculative").warning("Using a custom class-based proposer backend. ...")
+    logging.getLogger("vllm.config.speculative").warning("Draft model is smaller than expected")
+    assert vllm_stream.getvalue() == "Draft model is smaller than expected\n"
+
+
+def test_nothing_is_dropped_when_vllm_logs_at_debug(vllm_stream):
+    known_warnings.install()
+    logging.getLogger("vllm").setLevel(logging.DEBUG)
+    logging.getLogger("vllm.platforms.cpu").warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
     assert "Triton is not installed" in vllm_stream.getvalue()
 
 

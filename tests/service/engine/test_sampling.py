@@ -18,6 +18,7 @@ from das.service.engine.async_engine import Engine, EngineConfig, EngineInputErr
 from das.service.engine.sampling import sampling_params
 from das.service.gateway import GatewaySettings, create_app
 from das.service.rollout_backend import EngineBackend
+from tests.service.engine.vllm_frontend import PassThroughFrontend
 
 VOCAB = 32
 
@@ -53,7 +54,7 @@ def test_the_apis_bounds_lie_within_vllms():
     assert params.n == 1 and params.logprobs == 0
 
 
-class FakeLLM:
+class FakeLLM(PassThroughFrontend):
     """Stands in for AsyncLLM: each request yields its max_tokens tokens in one output."""
 
     errored = False
