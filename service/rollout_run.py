@@ -69,12 +69,12 @@ class RolloutRun:
 
     def print(self, console: Console) -> None:
         table = Table(title="das rollout: makespan per epoch (client-side)")
-        for column in ("epoch", "makespan s", "samples", "tokens", "tokens/s", "longest", "drafted", "accepted",
-                       "errors", "policy"):
+        for column in ("epoch", "makespan s", "samples", "tokens", "tokens/s", "longest", "critical steps",
+                       "drafted", "accepted", "errors", "policy"):
             table.add_column(column, justify="right")
         for e in self.epochs:
             table.add_row(str(e.epoch), f"{e.makespan_s:.2f}", str(e.samples), str(e.output_tokens),
-                          f"{e.tokens_per_s:.1f}", str(e.longest_tokens), str(e.draft_tokens),
+                          f"{e.tokens_per_s:.1f}", str(e.longest_tokens), str(e.critical_steps), str(e.draft_tokens),
                           str(e.accepted_tokens), str(e.errors), ",".join(map(str, e.policy_versions)))
         console.print(table)
         if self.history_file:
