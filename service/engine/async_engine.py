@@ -274,12 +274,12 @@ class Engine:
     async def create(cls, config: EngineConfig) -> Engine:
         # vLLM's CPU backend reads its KV cache size from the environment only.
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
-        # vLLM loads our plugin, which drops these warnings in its processes, only after configuring the engine.
-        known_warnings.install()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # vLLM loads our plugin, which drops the known warnings in its processes, only after configuring the engine.
+        known_warnings.install(cpu=current_platform.is_cpu())
         if current_platform.is_cpu():
             # vLLM 0.32 cannot reload the AOT compile cache its CPU backend writes ("'function' object has no
             # attribute 'finalize_loading'"), so every start recompiled (~2 min). Without AOT, Inductor's own

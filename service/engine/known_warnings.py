@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import re
 import warnings
+from dataclasses import dataclass
 
 _SPEC = "vllm.config.speculative"
 _CONFIG = "vllm.config.vllm"
@@ -19,30 +20,42 @@ _CPU = "vllm.platforms.cpu"
 _CPU_WORKER = "vllm.v1.worker.cpu_worker"
 _LOGITS = "vllm.v1.sample.logits_processor"
 
-# (the logger of the vLLM module that warns, a text of the warning, why it is safe to drop)
-KNOWN_WARNINGS: tuple[tuple[str, str, str], ...] = (
-    (_SPEC, "Using a custom class-based proposer backend",
-     "our proposer (service/engine/proposer.py) is one, by design"),
-    (_CONFIG, "Async scheduling not supported with custom_class-based speculative decoding",
-     "known; on the CPU engine async scheduling made no measurable difference for `none` either "
-     "(docs/results/2026-11-26-shadow-drafts.md)"),
-    (_CPU, "Triton is not installed",
-     "the CPU build has no triton-cpu; vLLM runs its own CPU kernels"),
-    (_CONFIG, "Model Runner V2 requires Triton",
-     "the V1 model runner is the one our CPU fixes build on (cpu_fixes/plugin.py)"),
-    (_CPU_WORKER, "is not found in LD_PRELOAD",
-     "tcmalloc and Intel OpenMP preloads measured no gain here (docs/results/2026-11-25-service-overhead.md, "
-     "docs/results/2026-11-26-server-gap.md); cpu_allocator.py chooses the allocator"),
-    (_CPU_WORKER, "Speculative decoding on CPU without Intel OpenMP",
-     "Intel OpenMP preloaded into a das engine measured no gain (docs/results/2026-11-26-server-gap.md)"),
-    (_CPU_WORKER, "CPU backend doesn't allow to use `torch.set_num_threads`",
-     "vLLM's own thread binding refusing a later call; the binding stays as vLLM set it"),
-    (_CONFIG, "Inductor compilation was disabled by user settings",
-     "vLLM's CPU platform itself picks DYNAMO_TRACE_ONCE with the Inductor backend, which this check misreads"),
-    (_CPU, "Reset SSM cache type to float32",
-     "vLLM's CPU platform says so for every model; the models we serve have no state-space layers"),
-    (_LOGITS, "min_p and logit_bias parameters won't work with speculative decoding",
-     "our sampling spec (service/api.py SamplingSpec) carries neither"),
+
+@dataclass(frozen=True)
+class KnownWarning:
+    """`text` in a WARNING from `logger` (the vLLM module that warns) is dropped, on the CPU only where `cpu_only`
+    (what a CPU engine can ignore may matter on a GPU); `reason` says why it is safe."""
+
+    logger: str
+    text: str
+    reason: str
+    cpu_only: bool = True
+
+
+KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
+    KnownWarning(_SPEC, "Using a custom class-based proposer backend",
+                 "our proposer (service/engine/proposer.py) is one, by design", cpu_only=False),
+    KnownWarning(_CONFIG, "Async scheduling not supported with custom_class-based speculative decoding",
+                 "on the CPU engine async scheduling made no measurable difference for `none` either "
+                 "(docs/results/2026-11-26-shadow-drafts.md); on a GPU it may, so it shows there"),
+    KnownWarning(_CPU, "Triton is not installed", "the CPU build has no triton-cpu; vLLM runs its own CPU kernels"),
+    KnownWarning(_CONFIG, "Model Runner V2 requires Triton",
+                 "the V1 model runner is the one our CPU fixes build on (cpu_fixes/plugin.py)"),
+    KnownWarning(_CPU_WORKER, "is not found in LD_PRELOAD",
+                 "tcmalloc and Intel OpenMP preloads measured no gain here "
+                 "(docs/results/2026-11-25-service-overhead.md, docs/results/2026-11-26-server-gap.md); "
+                 "cpu_allocator.py chooses the allocator"),
+    KnownWarning(_CPU_WORKER, "Speculative decoding on CPU without Intel OpenMP",
+                 "Intel OpenMP preloaded into a das engine measured no gain (docs/results/2026-11-26-server-gap.md)"),
+    KnownWarning(_CPU_WORKER, "CPU backend doesn't allow to use `torch.set_num_threads`",
+                 "vLLM's own thread binding refusing a later call; the binding stays as vLLM set it"),
+    KnownWarning(_CONFIG, "Inductor compilation was disabled by user settings",
+                 "vLLM's CPU platform itself picks DYNAMO_TRACE_ONCE with the Inductor backend, which this check "
+                 "misreads"),
+    KnownWarning(_CPU, "Reset SSM cache type to float32",
+                 "vLLM's CPU platform says so for every model; the models we serve have no state-space layers"),
+    KnownWarning(_LOGITS, "min_p and logit_bias parameters won't work with speculative decoding",
+                 "our sampling spec (service/api.py SamplingSpec) carries neither", cpu_only=False),
 )
 
 # Python warnings vLLM's imports raise in every engine process, for the same reason.
@@ -66,13 +79,14 @@ class KnownWarningsFilter(logging.Filter):
         return not any(text in message for text in self.texts)
 
 
-def install() -> None:
-    """Adds the filter to each warning module's logger in this process (idempotent). On the module loggers, not on
-    vLLM's handler: vLLM replaces its handlers whenever it configures logging, which it does after our plugin
-    loads in some processes."""
+def install(cpu: bool) -> None:
+    """Adds the filter to each warning module's logger in this process (idempotent); `cpu`: this process runs or
+    configures a CPU engine. On the module loggers, not on vLLM's handler: vLLM replaces its handlers whenever it
+    configures logging, which it does after our plugin loads in some processes."""
     by_logger: dict[str, tuple[str, ...]] = {}
-    for name, text, _ in KNOWN_WARNINGS:
-        by_logger[name] = (*by_logger.get(name, ()), text)
+    for known in KNOWN_WARNINGS:
+        if cpu or not known.cpu_only:
+            by_logger[known.logger] = (*by_logger.get(known.logger, ()), known.text)
     for name, texts in by_logger.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, KnownWarningsFilter) for f in logger.filters):

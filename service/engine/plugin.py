@@ -13,7 +13,7 @@ def register() -> None:
 
     from das.service.engine import known_warnings
 
-    known_warnings.install()
+    known_warnings.install(cpu=current_platform.is_cpu())
     if not current_platform.is_cpu():
         return
     from das.service.engine import keyed_sampler

@@ -151,7 +151,7 @@ def test_das_serve_two_epochs_and_openai_requests_then_a_restart_drafts_from_the
         f"history-shard-{i}.msgpack{g}" for i in range(2) for g in ("", ".prev")], out
     # the log a user reads: none of the vLLM warnings known to say nothing (known_warnings.py), no deprecated
     # prompt form, no leak report at exit (from the CUDA triton that setup.sh removes)
-    assert not [text for _, text, _ in KNOWN_WARNINGS if text in out], out
+    assert not [k.text for k in KNOWN_WARNINGS if k.text in out], out
     assert "Passing raw prompts" not in out and "nanobind: leaked" not in out, out
 
     # The restart runs the defaults (the length-aware budget on the engine's live cost fit): what it drafts depends

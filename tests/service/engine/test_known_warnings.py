@@ -12,6 +12,21 @@ import pytest
 from das.service.engine import known_warnings
 
 
+@pytest.fixture(autouse=True)
+def no_filters_installed():
+    """Each test installs the filters afresh (install is idempotent per logger), and leaves none behind."""
+
+    def remove() -> None:
+        for known in known_warnings.KNOWN_WARNINGS:
+            logger = logging.getLogger(known.logger)
+            for f in [f for f in logger.filters if isinstance(f, known_warnings.KnownWarningsFilter)]:
+                logger.removeFilter(f)
+
+    remove()
+    yield
+    remove()
+
+
 @pytest.fixture
 def vllm_stream():
     """The "vllm" logger writing into a string (as vLLM configures it: its own handler, no propagation), and
@@ -29,8 +44,8 @@ def vllm_stream():
 
 
 def test_known_warnings_are_dropped_and_others_kept(vllm_stream):
-    known_warnings.install()
-    known_warnings.install()  # idempotent: one filter per logger
+    known_warnings.install(cpu=True)
+    known_warnings.install(cpu=True)  # idempotent: one filter per logger
     worker = logging.getLogger("vllm.v1.worker.cpu_worker")
     assert sum(isinstance(f, known_warnings.KnownWarningsFilter) for f in worker.filters) == 1
     worker.warning("%s is not found in LD_PRELOAD. For best performance, ...", "libtcmalloc")
@@ -46,7 +61,7 @@ def test_known_warnings_are_dropped_and_others_kept(vllm_stream):
 
 
 def test_the_filter_survives_vllm_configuring_its_logging_again(vllm_stream):
-    known_warnings.install()
+    known_warnings.install(cpu=True)
     # what vLLM's configure_logging does in a process after our plugin loaded: new handlers on "vllm"
     dictConfig({"version": 1, "disable_existing_loggers": False,
                 "handlers": {"vllm": {"class": "logging.StreamHandler", "stream": vllm_stream}},
@@ -56,8 +71,16 @@ def test_the_filter_survives_vllm_configuring_its_logging_again(vllm_stream):
     assert vllm_stream.getvalue() == "Draft model is smaller than expected\n"
 
 
+def test_on_a_gpu_only_the_warnings_known_everywhere_are_dropped(vllm_stream):
+    known_warnings.install(cpu=False)
+    logging.getLogger("vllm.config.speculative").warning("Using a custom class-based proposer backend. ...")
+    # async scheduling overlaps the host's work with the GPU's: that it is off stays visible there
+    logging.getLogger("vllm.config.vllm").warning("Async scheduling not supported with custom_class-based ...")
+    assert vllm_stream.getvalue() == "Async scheduling not supported with custom_class-based ...\n"
+
+
 def test_nothing_is_dropped_when_vllm_logs_at_debug(vllm_stream):
-    known_warnings.install()
+    known_warnings.install(cpu=True)
     logging.getLogger("vllm").setLevel(logging.DEBUG)
     logging.getLogger("vllm.platforms.cpu").warning("Triton is not installed. triton-cpu is expected on x86 CPUs.")
     assert "Triton is not installed" in vllm_stream.getvalue()
@@ -66,7 +89,7 @@ def test_nothing_is_dropped_when_vllm_logs_at_debug(vllm_stream):
 def test_known_python_warnings_are_ignored_and_others_shown():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        known_warnings.install()
+        known_warnings.install(cpu=True)
         warnings.warn("`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead",
                       FutureWarning)
         warnings.warn("something else is deprecated", FutureWarning)
