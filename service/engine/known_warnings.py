@@ -1,7 +1,7 @@
 """vLLM warnings that every engine we start would print and that leave a user nothing to act on.
 
 Each comes from a configuration we chose knowingly or from the CPU build we ship, and each entry says why it is
-safe to drop. A filter on the logger of the vLLM module that warns drops them in every process our plugin loads
+safe to drop, and whether only on the CPU (most: what a CPU engine can ignore may matter on a GPU). A filter on the logger of the vLLM module that warns drops them in every process our plugin loads
 in (service/engine/plugin.py) and in the process that configures an engine (`Engine.create`: vLLM warns there
 before it loads the plugin); vLLM's own logging configuration is untouched and any other warning still shows.
 With VLLM_LOGGING_LEVEL=DEBUG nothing is dropped.
