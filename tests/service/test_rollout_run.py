@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from das.drafter.records import load_rollouts
-from das.service.api import SamplingSpec
+from das.service.api import SampleRecord, SamplingSpec
 from das.service.cli import app
 from das.service.gateway import create_app
 from das.service.prompt_sets import Problem
@@ -40,12 +40,6 @@ def test_das_rollout_runs_epochs_and_writes_a_history_file(tmp_path: Path) -> No
     assert refused.exit_code == 2 and "401" in refused.output
 
 
-class _Sample:
-    def __init__(self, tokens: int, accepted: int) -> None:
-        self.output_token_ids, self.accepted_tokens, self.draft_tokens = [5] * tokens, accepted, 2 * accepted
-        self.finish_reason, self.policy_version, self.problem_id = "length", 0, "q"
-
-
 class _Client:
     """Answers every batch with samples of (tokens, accepted draft tokens) as given."""
 
@@ -53,7 +47,10 @@ class _Client:
         self.samples = samples
 
     def generate(self, groups, return_prompt_token_ids=False, seed=None):
-        return [_Sample(*s) for s in self.samples]
+        return [SampleRecord(group_index=0, problem_id="q", sample_index=i, output_token_ids=[5] * tokens, text=None,
+                             finish_reason="length", policy_version=0, draft_tokens=2 * accepted,
+                             accepted_tokens=accepted, latency_s=0.0)
+                for i, (tokens, accepted) in enumerate(self.samples)]
 
 
 def test_critical_path_is_the_most_steps_any_sample_took_not_the_longest_sample() -> None:
