@@ -36,7 +36,7 @@ step "das-rollout (compiles the C++ suffix index)"
 "$PIP" install --progress-bar off --no-build-isolation --no-deps -e .
 
 # xgrammar pulls in the CUDA build of triton (~1 GB), which vLLM's CPU platform cannot use ("doesn't include CPU
-# backend"); installed, it left nanobind's leak report (~40 lines) at the end of every `das serve`. Removed last,
+# backend"); installed, it left nanobind's leak report (~30 lines) at the end of every `das serve`. Removed last,
 # after every install that could bring it back.
 "$PIP" uninstall -y triton >/dev/null 2>&1 || true
 
