@@ -35,6 +35,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -194,9 +195,12 @@ class RayBackend:
         state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
         # Restarted by Ray when it dies, from its last snapshot; no task retries: engines re-send their pushes.
         shard_actor = ray.remote(HistoryShardActor)
-        shards = [shard_actor.options(num_cpus=0, name=None, max_restarts=config.history.max_restarts,
+        # Named, and named to the engine actors: a restarted NodeEngine re-runs its constructor, and handles among
+        # its arguments would have to outlive it in Ray's object store (Ray logs an error at every start).
+        shard_names = [f"das-history-{uuid.uuid4().hex[:12]}-{i}" for i in range(config.history.shards)]
+        shards = [shard_actor.options(num_cpus=0, name=name, max_restarts=config.history.max_restarts,
                                       max_task_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
-            here, soft=True)).remote(i, config.history, state_dir) for i in range(config.history.shards)]
+            here, soft=True)).remote(i, config.history, state_dir) for i, name in enumerate(shard_names)]
 
         alive = [n for n in ray.nodes() if n["Alive"]]
         gpu_nodes = [n for n in alive if n["Resources"].get("GPU", 0) > 0]
@@ -214,10 +218,10 @@ class RayBackend:
                 num_cpus=0, num_gpus=gpus, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
             if gpus:
-                nodes.append(options.remote(name, engine, shards, gpus, history_push=config.history.push))
+                nodes.append(options.remote(name, engine, shard_names, gpus, history_push=config.history.push))
             else:
-                nodes.extend(options.remote(name, engine, shards, 1, first_index=g, history_push=config.history.push)
-                             for g in range(config.engines_per_node))
+                nodes.extend(options.remote(name, engine, shard_names, 1, first_index=g,
+                                            history_push=config.history.push) for g in range(config.engines_per_node))
         backend = cls(config, shards, nodes)
         _RayInThisProcess.users += 1
         await backend._load_difficulty()

@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 _MAX_SAMPLES_PER_ITEM = 64
 
 
+def _shard_actor(shard: Any) -> Any:
+    """A shard actor handle from its Ray actor name; a handle (or an in-process shard) as it is."""
+    if not isinstance(shard, str):
+        return shard
+    import ray
+
+    return ray.get_actor(shard)
+
+
 @dataclass(frozen=True)
 class NodeStats:
     engines: tuple[EngineLoad, ...]
@@ -46,7 +55,8 @@ class NodeStats:
 
 class NodeEngine:
     """The `engines` engines of one node (named `node/i`, i counted from `first_index`, so several actors on one
-    node name their engines apart). `shards`: the HistoryStore actor handles, in shard order. With several
+    node name their engines apart). `shards`: the HistoryStore shard actors in shard order, as Ray actor names
+    (looked up here, in every incarnation) or as handles (in-process use). With several
     engines, the GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES) are dealt out evenly, one slice per engine.
     A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/models.py).
 
@@ -64,7 +74,7 @@ class NodeEngine:
             raise ValueError(f"engines must be >= 1, got {engines}")
         self.node = node
         self.config = config
-        self.shards = list(shards)
+        self.shards = [_shard_actor(s) for s in shards]
         self.engines: list[Engine | StubEngine] = []
         self.names = [f"{node}/{first_index + i}" for i in range(engines)]
         # What this actor pushes is tagged with a name of this incarnation: after a restart the same engine name

@@ -1,9 +1,10 @@
 """vLLM warnings that every engine we start would print and that leave a user nothing to act on.
 
 Each comes from a configuration we chose knowingly or from the CPU build we ship, and each entry says why it is
-safe to drop, and whether only on the CPU (most: what a CPU engine can ignore may matter on a GPU). A filter on the logger of the vLLM module that warns drops them in every process our plugin loads
-in (service/engine/plugin.py) and in the process that configures an engine (`Engine.create`: vLLM warns there
-before it loads the plugin); vLLM's own logging configuration is untouched and any other warning still shows.
+safe to drop, and whether only on the CPU (most: what a CPU engine can ignore may matter on a GPU). A filter on
+the logger of the vLLM module that warns drops them in every process our plugin loads in
+(service/engine/plugin.py) and in the process that configures an engine (`Engine.create`: vLLM warns there before
+it loads the plugin); vLLM's own logging configuration is untouched and any other warning still shows.
 With VLLM_LOGGING_LEVEL=DEBUG nothing is dropped.
 """
 
@@ -54,6 +55,10 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
                  "misreads"),
     KnownWarning(_CPU, "Reset SSM cache type to float32",
                  "vLLM's CPU platform says so for every model; the models we serve have no state-space layers"),
+    KnownWarning(_CONFIG, "based on the speculative decoding settings. This may lead to suboptimal performance",
+                 "vLLM warns whenever a speculating engine may schedule fewer than 8,192 tokens a step; on the CPU "
+                 "(2,048) a step that large would take seconds, and the budget drafts nowhere near it. On a GPU it "
+                 "shows"),
     KnownWarning(_LOGITS, "min_p and logit_bias parameters won't work with speculative decoding",
                  "our sampling spec (service/api.py SamplingSpec) carries neither", cpu_only=False),
 )

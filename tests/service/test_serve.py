@@ -153,6 +153,7 @@ def test_das_serve_two_epochs_and_openai_requests_then_a_restart_drafts_from_the
     # prompt form, no leak report at exit (from the CUDA triton that setup.sh removes)
     assert not [k.text for k in KNOWN_WARNINGS if k.text in out], out
     assert "Passing raw prompts" not in out and "nanobind: leaked" not in out, out
+    assert "constructor arguments in the object store" not in out, out
 
     # The restart runs the defaults (the length-aware budget on the engine's live cost fit): what it drafts depends
     # on measured step times, so only what cannot depend on them is checked.
