@@ -186,16 +186,22 @@ SHIPPED: dict[str, CostModel] = {
                                     c_prefill_s=6.12e-3, c_spec_req_s=0.25e-3),
 }
 
+# c_prefill at half of c_tok: a prompt token is computed in one wide pass, cheaper than a decoded one (measured
+# 0.34-0.38x in bfloat16 on the Intel machine, docs/results/2026-11-27-goals-rerun.md; 0.69-0.74x in float32 on the
+# AMD one, the shipped calibrations above). Without it the online fit has no prefill price: prompts cost c_tok each.
 GENERIC_PRIOR = CostModel(
     "generic", 20e-3, 0.5e-3, "generic prior: compute-bound (drafts cost 1/40 of a step each) and a drafted step "
-    "dearer by half a step, so an engine drafts little until its own steps say otherwise", c_spec_s=10e-3)
+    "dearer by half a step, so an engine drafts little until its own steps say otherwise", c_spec_s=10e-3,
+    c_prefill_s=0.25e-3)
 
 
 def prior_cost_model(model: str, data_dir: Path | None = None) -> CostModel:
     """The prior an engine serving `model` (a known model name or a model directory) starts its online fit from:
     the `das calibrate` result stored for it (`cpu-<name>`) if there is a readable one, else the shipped
     calibration of a named model, else `GENERIC_PRIOR`. A stored file that is corrupt logs a warning and is
-    skipped, never raises."""
+    skipped, never raises. A model served in another dtype than its registry's is a copy named `<name>-<dtype>`
+    (service/engine/models.py) and is a model of its own here: the shipped calibrations were measured in float32 and
+    do not describe its steps, so it starts from the generic prior unless `das calibrate` stored one for it."""
     name = Path(model).name
     stored = cost_model_dir(data_dir) / f"cpu-{name}.json"
     if stored.exists():

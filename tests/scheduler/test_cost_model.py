@@ -164,6 +164,8 @@ def test_a_fit_that_goes_negative_is_rejected_and_the_last_good_one_kept():
 
 def test_the_prior_is_the_stored_calibration_then_the_shipped_one_then_generic(tmp_path, caplog):
     assert prior_cost_model("/models/some-unknown-model", tmp_path) == GENERIC_PRIOR
+    # a cast copy is served in another dtype than the shipped (float32) calibration was measured in
+    assert prior_cost_model("/data/models/smollm2-bfloat16", tmp_path) == GENERIC_PRIOR
     assert prior_cost_model("/data/models/smollm2", tmp_path) == SHIPPED["smollm2"]
     stored = CostModel("cpu-smollm2", 30e-3, 0.3e-3, "das calibrate here")
     path = save_cost_model(stored, tmp_path)
@@ -174,3 +176,16 @@ def test_the_prior_is_the_stored_calibration_then_the_shipped_one_then_generic(t
             assert prior_cost_model("/data/models/smollm2", tmp_path) == SHIPPED["smollm2"]
         assert "ignoring the stored cost model" in caplog.text
         caplog.clear()
+
+
+def test_every_prior_prices_a_prompt_token_below_a_decoded_one_and_the_live_fit_keeps_the_ratio():
+    """Without a prefill price the live fit would charge every prompt token c_tok (the simulator replaying a run
+    under it was ~30% slow: docs/results/2026-11-27-goals-rerun.md)."""
+    for prior in (GENERIC_PRIOR, *SHIPPED.values()):
+        assert prior.c_prefill_s is not None and 0 < prior.c_prefill_s < prior.c_tok_s
+        fit = OnlineCostModel(prior)
+        for i in range(100):
+            n = 1 + i % 16
+            fit.observe(n, False, prior.c_base_s * 0.8 + prior.c_tok_s * 1.5 * n)
+        live = fit.current()
+        assert live.c_prefill_s == pytest.approx(live.c_tok_s * prior.c_prefill_s / prior.c_tok_s)
