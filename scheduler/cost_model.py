@@ -198,18 +198,24 @@ GENERIC_PRIOR = CostModel(
 def prior_cost_model(model: str, data_dir: Path | None = None) -> CostModel:
     """The prior an engine serving `model` (a known model name or a model directory) starts its online fit from:
     the `das calibrate` result stored for it (`cpu-<name>`) if there is a readable one, else the shipped
-    calibration of a named model, else `GENERIC_PRIOR`. A stored file that is corrupt logs a warning and is
-    skipped, never raises. A model served in another dtype than its registry's is a copy named `<name>-<dtype>`
+    calibration of a named model, else `GENERIC_PRIOR`. A stored file that is corrupt, or that was written for
+    another model (its own name is not the file's: a calibration copied or renamed into place), logs a warning and
+    is skipped, never raises. A model served in another dtype than its registry's is a copy named `<name>-<dtype>`
     (service/engine/models.py) and is a model of its own here: the shipped calibrations were measured in float32 and
     do not describe its steps, so it starts from the generic prior unless `das calibrate` stored one for it."""
     name = Path(model).name
     stored = cost_model_dir(data_dir) / f"cpu-{name}.json"
     if stored.exists():
+        fallback = "shipped" if name in SHIPPED else "generic"
         try:
-            return load_cost_model(str(stored))
+            loaded = load_cost_model(str(stored))
         except (ValueError, OSError) as exc:
-            log.warning("ignoring the stored cost model %s (%s); using the %s prior", stored, exc,
-                        "shipped" if name in SHIPPED else "generic")
+            log.warning("ignoring the stored cost model %s (%s); using the %s prior", stored, exc, fallback)
+        else:
+            if loaded.name == stored.stem:
+                return loaded
+            log.warning("ignoring the stored cost model %s: it was measured for %r, not %r; using the %s prior",
+                        stored, loaded.name, stored.stem, fallback)
     return SHIPPED.get(name, GENERIC_PRIOR)
 
 

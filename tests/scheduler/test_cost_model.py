@@ -176,6 +176,11 @@ def test_the_prior_is_the_stored_calibration_then_the_shipped_one_then_generic(t
             assert prior_cost_model("/data/models/smollm2", tmp_path) == SHIPPED["smollm2"]
         assert "ignoring the stored cost model" in caplog.text
         caplog.clear()
+    # a calibration of another model copied into place: its own name says so
+    path.write_text(CostModel("cpu-qwen2.5-coder-0.5b", 106e-3, 8.32e-3, "das calibrate there").to_json())
+    with caplog.at_level(logging.WARNING, logger="das.scheduler.cost_model"):
+        assert prior_cost_model("/data/models/smollm2", tmp_path) == SHIPPED["smollm2"]
+    assert "measured for 'cpu-qwen2.5-coder-0.5b', not 'cpu-smollm2'" in caplog.text
 
 
 def test_every_prior_prices_a_prompt_token_below_a_decoded_one_and_the_live_fit_keeps_the_ratio():
