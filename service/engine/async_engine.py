@@ -49,6 +49,7 @@ from das.service.engine.cpu_layout import CpuWorker, cpu_worker_layout, usable_c
 from das.service.engine.extra_args import SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
 from das.service.engine.sampling import EngineInputError, sampling_params
+from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
 from das.service.history_store import unstorable
@@ -99,6 +100,8 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+# set for an engine core's spawn only (service/engine/spawn_env.py): one engine's settings are not the next one's
+_SPAWN_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE")
 CPU_BLOCK_SIZE = 32  # the smallest KV-cache block vLLM's CPU attention takes (it takes multiples of 32)
 
 
@@ -272,19 +275,12 @@ class Engine:
 
     @classmethod
     async def create(cls, config: EngineConfig) -> Engine:
-        # vLLM's CPU backend reads its KV cache size from the environment only.
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         # vLLM loads our plugin, which drops the known warnings in its processes, only after configuring the engine.
         known_warnings.install(cpu=current_platform.is_cpu())
-        if current_platform.is_cpu():
-            # vLLM 0.32 cannot reload the AOT compile cache its CPU backend writes ("'function' object has no
-            # attribute 'finalize_loading'"), so every start recompiled (~2 min). Without AOT, Inductor's own
-            # cache makes a warm start ~40 s. Set before the engine core process is spawned; a user's value wins.
-            os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
 
         das = config.speculation == "das"
         dtype = engine_dtype(config.dtype)
@@ -305,7 +301,14 @@ class Engine:
                   else contextlib.nullcontext())
         allocator = (cpu_allocator_env(resolve_allocator(config.cpu_allocator, model_vocab_size(config.model)))
                      if cpu else contextlib.nullcontext())
-        with layout, allocator:
+        with restored_environ(_SPAWN_SETTINGS), layout, allocator:
+            if cpu:
+                # vLLM's CPU backend reads its KV cache size from the environment only.
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_gib)
+                # vLLM 0.32 cannot reload the AOT compile cache its CPU backend writes ("'function' object has no
+                # attribute 'finalize_loading'"), so every start recompiled (~2 min). Without AOT, Inductor's own
+                # cache makes a warm start ~40 s. A user's value wins.
+                os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
         try:
             tokenizer = llm.tokenizer

@@ -437,13 +437,17 @@ def test_engine_core_starts_without_vllms_aot_compile_cache_on_cpu(loop, monkeyp
 
     def spawn(*args, **kwargs):
         seen["aot"] = os.environ.get("VLLM_USE_AOT_COMPILE")
+        seen["kv"] = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
         raise Spawned
 
     monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.setattr(AsyncLLM, "from_engine_args", spawn)
     with pytest.raises(Spawned):
-        loop.run_until_complete(Engine.create(EngineConfig(model=str(smollm2), speculation="none")))
-    assert seen["aot"] == "0"
+        loop.run_until_complete(Engine.create(EngineConfig(model=str(smollm2), speculation="none", kv_cache_gib=3)))
+    assert seen == {"aot": "0", "kv": "3"}
+    # set for the spawn only: the next engine, or the caller, does not inherit this one's settings
+    assert "VLLM_USE_AOT_COMPILE" not in os.environ and "VLLM_CPU_KVCACHE_SPACE" not in os.environ
 
     monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # an operator's explicit choice wins
     with pytest.raises(Spawned):
