@@ -20,6 +20,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 from das.service.api import GroupRequest, PauseMode, SampleResult
@@ -37,12 +38,34 @@ _MAX_SAMPLES_PER_ITEM = 64
 
 
 def _shard_actor(shard: Any) -> Any:
-    """A shard actor handle from its Ray actor name; a handle (or an in-process shard) as it is."""
+    """A shard actor handle from its Ray actor name; a handle (or an in-process shard) as it is. A name Ray no longer
+    knows (a shard past a finite restart cap) gives a `_GoneShard`: this engine then runs without that shard's
+    history, as it does while a shard is down, instead of failing to start."""
     if not isinstance(shard, str):
         return shard
     import ray
 
-    return ray.get_actor(shard)
+    try:
+        return ray.get_actor(shard)
+    except ValueError:
+        log.error("history shard %s is gone for good: this engine drafts without its rollouts", shard)
+        return _GoneShard(shard)
+
+
+class _GoneShard:
+    """Stands in for a shard actor that no longer exists: every call raises RayActorError, which the history
+    client treats as an unavailable shard (service/history_client.py)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, method: str) -> Any:
+        import ray
+
+        def remote(*args: Any, **kwargs: Any) -> Any:
+            raise ray.exceptions.RayActorError(error_msg=f"history shard {self.name} is gone for good")
+
+        return SimpleNamespace(remote=remote)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,10 @@ from das.service.api import GroupRequest
 from das.service.coordinator import RayBackend, ServiceConfig, with_length_predictions
 from das.service.engine.async_engine import EngineInputError
 from das.service.engine.models import prepare_model
+from das.service.history_store import HistoryPushConfig
+from das.service.node_engine import NodeEngine
 from das.service.rollout_backend import GroupInputError
+from das.service.stub_engine import StubEngineConfig
 from tests.tiny_models import build_tiny_model
 
 
@@ -142,6 +145,24 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
         loop.run_until_complete(backend.close())
     assert sorted(p.name for p in tmp_path.glob("history-shard-*")) == ["history-shard-0.msgpack",
                                                                          "history-shard-1.msgpack"]
+
+
+def test_an_engine_actor_whose_shard_is_gone_for_good_still_starts_and_serves(cluster: Cluster,
+                                                                            loop: asyncio.AbstractEventLoop) -> None:
+    """A shard name Ray does not know (a shard past a finite restart cap): the engine runs without its history, as
+    while a shard is down, instead of failing its constructor (which would cost the engine too)."""
+    node = NodeEngine("n0", StubEngineConfig(tokens=3), ["das-history-no-such-shard-0"],
+                      history_push=HistoryPushConfig(retry_s=0))
+
+    async def scenario() -> int:
+        await node.start()
+        group = GroupRequest(problem_id="p", n=2, prompt_token_ids=[1, 2], sampling={"max_tokens": 3})
+        samples = sum([len(items) async for items in node.run(0, [(0, group)])])
+        await node.close()
+        return samples
+
+    assert loop.run_until_complete(scenario()) == 2
+    assert loop.run_until_complete(node.stats()).history_outbox_records == 2  # kept for a shard that may return
 
 
 def test_tiny_model_on_two_nodes_splits_one_batch(cluster: Cluster, loop: asyncio.AbstractEventLoop,
