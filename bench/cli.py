@@ -250,10 +250,11 @@ def bench_e2e(
     try:
         problems = load_prompt_set(prompts)
         spec = budget or "das"
-        budget_settings, cost = _budget_settings(spec, model)
-        cost = cost or prior_cost_model(model)  # suffix-t is tuned from a cost model whichever budget das uses
-        suffix_tuned = suffix_tuned_options(cost, len(problems) * samples)
         model_dir = prepare_model(model, progress=True, dtype=engine_dtype(dtype))
+        # the prior of the directory the engines serve: a cast copy (`<name>-<dtype>`) has its own
+        budget_settings, cost = _budget_settings(spec, str(model_dir))
+        cost = cost or prior_cost_model(str(model_dir))  # suffix-t is tuned from a cost model whichever budget das uses
+        suffix_tuned = suffix_tuned_options(cost, len(problems) * samples)
         config = E2EConfig(model=str(model_dir), prompts=prompts, samples=samples, epochs=epochs,
                            max_tokens=max_tokens, temperature=temperature, arms=arm_names, num_speculative_tokens=k,
                            dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=eager,

@@ -177,11 +177,13 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 # SmolLM2 +3-6 ms at 9-32 and +9-25 ms at 33-64 (docs/results/2026-11-26-fixed-costs.md). Every engine's cost
 # warm-up measures the price at batch sizes 16 to 1 before its first batch (service/engine/cost_warmup.py), so a
 # prior off by a few ms no longer decides.
+# Keyed by the directory an engine serves (service/engine/models.py): the registry name in the model's stored dtype
+# (SmolLM2: float32), `<name>-<dtype>` for a cast copy (Qwen2.5-Coder is stored in bfloat16, measured in float32).
 SHIPPED: dict[str, CostModel] = {
     "smollm2": CostModel("cpu-smollm2", 38.4e-3, 2.23e-3, "das calibrate of the served engine on the 2-core AMD "
                          "development machine, float32", 0.038, c_spec_s=3e-3, c_prefill_s=1.54e-3,
                          c_spec_req_s=0.2e-3),
-    "qwen2.5-coder-0.5b": CostModel("cpu-qwen2.5-coder-0.5b", 106e-3, 8.32e-3, "das calibrate of the served "
+    "qwen2.5-coder-0.5b-float32": CostModel("cpu-qwen2.5-coder-0.5b", 106e-3, 8.32e-3, "das calibrate of the served "
                                     "engine on the 2-core AMD development machine, float32", 0.051, c_spec_s=7e-3,
                                     c_prefill_s=6.12e-3, c_spec_req_s=0.25e-3),
 }
@@ -195,16 +197,23 @@ GENERIC_PRIOR = CostModel(
     c_prefill_s=0.25e-3)
 
 
+def prior_name(model_dir: str | os.PathLike[str]) -> str:
+    """The name a `das calibrate` result is stored under and looked up by as the prior of an engine serving
+    `model_dir` (the prepared directory: a cast copy `<name>-<dtype>` is calibrated apart)."""
+    return f"cpu-{Path(model_dir).name}"
+
+
 def prior_cost_model(model: str, data_dir: Path | None = None) -> CostModel:
     """The prior an engine serving `model` (a known model name or a model directory) starts its online fit from:
-    the `das calibrate` result stored for it (`cpu-<name>`) if there is a readable one, else the shipped
+    the `das calibrate` result stored for it (`prior_name`) if there is a readable one, else the shipped
     calibration of a named model, else `GENERIC_PRIOR`. A stored file that is corrupt, or that was written for
     another model (its own name is not the file's: a calibration copied or renamed into place), logs a warning and
     is skipped, never raises. A model served in another dtype than its registry's is a copy named `<name>-<dtype>`
-    (service/engine/models.py) and is a model of its own here: the shipped calibrations were measured in float32 and
-    do not describe its steps, so it starts from the generic prior unless `das calibrate` stored one for it."""
+    (service/engine/models.py) and a model of its own here: a calibration describes the dtype it was measured in,
+    so `SHIPPED` is keyed by the served directory's name, and a dtype nobody calibrated starts from the generic
+    prior unless `das calibrate` stored one for it."""
     name = Path(model).name
-    stored = cost_model_dir(data_dir) / f"cpu-{name}.json"
+    stored = cost_model_dir(data_dir) / f"{prior_name(model)}.json"
     if stored.exists():
         fallback = "shipped" if name in SHIPPED else "generic"
         try:

@@ -264,7 +264,7 @@ def calibrate_cmd(
 ) -> None:
     """Measure the served engine's step time (speculation off) across tokens per step and the price of a prompt
     token; fit and store c_base + c_tok * n and c_prefill."""
-    from das.scheduler.cost_model import save_cost_model
+    from das.scheduler.cost_model import prior_name, save_cost_model
     from das.service.engine.async_engine import engine_dtype
     from das.service.engine.cost_calibration import ServedEngineTimer, calibrate
     from das.service.engine.models import prepare_model
@@ -272,7 +272,7 @@ def calibrate_cmd(
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]
         model_dir = prepare_model(model, progress=not as_json, dtype=engine_dtype("auto"))
-        label = name or f"cpu-{Path(model).name if Path(model).exists() else model}"
+        label = name or prior_name(model_dir)  # the served directory: what the engine's prior is looked up by
         console.print(f"starting the served engine on {model_dir} (speculation off) ...")
         with ServedEngineTimer(model_dir, max(sizes), decode_tokens) as timer:
             result = calibrate(label, timer, sizes, repeats,

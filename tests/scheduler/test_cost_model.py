@@ -15,6 +15,7 @@ from das.scheduler.cost_model import (
     fit_cost_model,
     load_cost_model,
     prior_cost_model,
+    prior_name,
     save_cost_model,
 )
 
@@ -164,8 +165,17 @@ def test_a_fit_that_goes_negative_is_rejected_and_the_last_good_one_kept():
 
 def test_the_prior_is_the_stored_calibration_then_the_shipped_one_then_generic(tmp_path, caplog):
     assert prior_cost_model("/models/some-unknown-model", tmp_path) == GENERIC_PRIOR
-    # a cast copy is served in another dtype than the shipped (float32) calibration was measured in
+    # a calibration describes the dtype it was measured in (float32 for both shipped ones): SmolLM2 is stored in
+    # float32, Qwen2.5-Coder in bfloat16 and served in float32 as a cast copy
     assert prior_cost_model("/data/models/smollm2-bfloat16", tmp_path) == GENERIC_PRIOR
+    assert prior_cost_model("/data/models/qwen2.5-coder-0.5b-float32", tmp_path).name == "cpu-qwen2.5-coder-0.5b"
+    assert prior_cost_model("/data/models/qwen2.5-coder-0.5b", tmp_path) == GENERIC_PRIOR
+    # what `das calibrate` stores for the directory an engine serves is that engine's prior, dtype and all
+    bf16 = CostModel(prior_name("/data/models/smollm2-bfloat16"), 27e-3, 0.7e-3, "das calibrate here")
+    save_cost_model(bf16, tmp_path)
+    assert prior_cost_model("/data/models/smollm2-bfloat16", tmp_path) == bf16
+    assert prior_cost_model("/data/models/smollm2", tmp_path) == SHIPPED["smollm2"]
+    (tmp_path / "cost-models" / f"{bf16.name}.json").unlink()
     assert prior_cost_model("/data/models/smollm2", tmp_path) == SHIPPED["smollm2"]
     stored = CostModel("cpu-smollm2", 30e-3, 0.3e-3, "das calibrate here")
     path = save_cost_model(stored, tmp_path)
