@@ -1,6 +1,6 @@
 #!/bin/bash
 # The goals of issue 19 re-run on this machine with today's code (2026-11-27); from this folder:
-#   PATH=/work/main/.venv/bin:$PATH bash run.sh
+#   PATH=<repository>/.venv/bin:$PATH bash run.sh
 set -x
 T=../../../tests/fixtures
 for t in traces-smollm2 traces-qwen2.5-coder-0.5b traces-smollm2-66x16; do

@@ -2,14 +2,16 @@
 epoch), the two epochs before as history; each step commits the accepted draft prefix + 1 true token.
 python bench_propose.py [STEPS] [--profile] [--uniform]  (--uniform: every request may draft K = 8 each step)"""
 import sys, time, cProfile, pstats
+from pathlib import Path
 import numpy as np
-sys.path.insert(0, "/work/main")
+ROOT = Path(__file__).resolve().parents[3]  # the repository: its tests hold the runner stand-in
+sys.path.insert(0, str(ROOT))
 from tests.service.engine.test_proposer import make_proposer, FakeRunner
 from das.drafter.records import load_rollouts
 from das.service.engine.proposer import RequestTags
 
 STEPS = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 60
-recs = load_rollouts("/work/main/tests/fixtures/traces-smollm2.jsonl.gz")
+recs = load_rollouts(ROOT / "tests" / "fixtures" / "traces-smollm2.jsonl.gz")
 last = max(r.policy_version for r in recs)
 budget = {"policy": "uniform", "k": 8} if "--uniform" in sys.argv else None
 proposer = make_proposer(k=8, vocab=49152, max_model_len=2048, budget=budget)
