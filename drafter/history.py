@@ -11,6 +11,10 @@ problem has). Memory is bounded by a total token budget; the oldest sealed versi
 A proposal drafts from every source of the request's problem in one native call; a SourceChooser, which learns
 online from the tokens that were really committed, picks the candidate expected to get the most tokens accepted.
 
+The per-step work for a whole batch (feeding committed tokens, scoring the last drafts, drafting) is one native
+call each (`HistoryBank.commit_step`, `HistoryBank.draft_step`; drafter/native/request_table.h); `extend`, `propose`
+and `shadow` are the same calls for one request.
+
 A shadow draft (`HistoryBank.shadow`) is a proposal nobody verifies, followed over the next steps' committed tokens
 until its first wrong one: what the request would have had accepted. vLLM verifies a drafted token (a point draft,
 probability one) by accepting it with exactly the probability that plain decoding samples it, so a shadow draft's
@@ -26,7 +30,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from das.drafter._suffix_index import Choice, SuffixIndex
+from das.drafter._suffix_index import RequestTable, SourceList, SuffixIndex
 from das.drafter.records import RolloutRecord
 from das.drafter.source_choice import SourceChooser
 
@@ -102,6 +106,7 @@ class ProblemHistory:
     live: Segment | None = None
     live_version: int = -1
     prompt_keys: set[bytes] = field(default_factory=set)
+    running: set[str] = field(default_factory=set)  # ids of its in-flight requests
 
     def add_prompt(self, prompt: np.ndarray) -> None:
         key = prompt.tobytes()
@@ -140,16 +145,47 @@ class ShadowOutcome:
     accepted: int
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
+class StepCommit:
+    """What the committed tokens of one step settled, per batch row (int32 arrays of the batch's length).
+
+    drafted / accepted: the row's last proposal (`draft_step` or `propose`) and how many of its tokens the
+    committed ones confirm (the common prefix, at most all but the last committed token: a verification step
+    commits the accepted draft tokens plus one of its own); 0 / 0 without one. source: the proposal's source kind
+    (`HistoryBank.chooser.kinds` index), -1 without one. shadow_drafted / shadow_accepted: a shadow draft these
+    tokens settled, 0 / 0 where none did."""
+
+    drafted: np.ndarray
+    accepted: np.ndarray
+    source: np.ndarray
+    shadow_drafted: np.ndarray
+    shadow_accepted: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class StepDrafts:
+    """The drafts of one step: row r's is tokens[offsets[r]:offsets[r + 1]] (int32) with their cumulative
+    acceptance probabilities probs (float32); sources: its source kind (-1: no draft); match_lens: its matched
+    context tokens; shadowed: whether a shadow draft started for the row (bool)."""
+
+    tokens: np.ndarray
+    probs: np.ndarray
+    offsets: np.ndarray
+    sources: np.ndarray
+    match_lens: np.ndarray
+    shadowed: np.ndarray
+
+    def lists(self) -> list[list[int]]:
+        """Each row's draft as a list of token ids."""
+        flat, bounds = self.tokens.tolist(), self.offsets.tolist()
+        return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+@dataclass(slots=True)
 class _Request:
     problem: ProblemHistory
     live_seq: int
-    # every candidate of the last proposal, scored against the tokens committed next
-    pending: Choice | None = None
-    # the shadow draft being compared with the committed tokens, and how many of its tokens agreed so far
-    shadow: np.ndarray | None = None
-    shadow_matched: int = 0
-    shadow_wait: int = 0  # tokens to commit before the next shadow draft may start
+    slot: int  # its row in the native request table
 
 
 class HistoryBank:
@@ -161,10 +197,13 @@ class HistoryBank:
         self._requests: dict[str, _Request] = {}
         self._seal_order: deque[tuple[str, int]] = deque()  # (problem, version), oldest first
         self._global = Segment.new(self.config.max_depth)  # seq_ids oldest first
-        self._sources: dict[str, tuple[list[SuffixIndex], list[int]]] = {}
+        # per problem: its source indexes, their kinds, and the native list its running requests draft from
+        self._sources: dict[str, tuple[list[SuffixIndex], list[int], SourceList]] = {}
         kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global"]
-        self.chooser = SourceChooser(kinds, self.config.choice_pseudo_count,
-                                           self.config.choice_horizon)
+        self.chooser = SourceChooser(kinds, self.config.choice_pseudo_count, self.config.choice_horizon)
+        self._table = RequestTable(self.chooser, self.config.shadow_gap)
+        self._free_slots: list[int] = []
+        self._next_slot = 0
 
     # ---- problems and requests ----
 
@@ -175,8 +214,9 @@ class HistoryBank:
             self.problems[problem_id] = history
         return history
 
-    def start_request(self, request_id: str, problem_id: str, prompt: np.ndarray, policy_version: int) -> None:
-        """Registers an in-flight sample; its output will feed the problem's live segment for `policy_version`."""
+    def start_request(self, request_id: str, problem_id: str, prompt: np.ndarray, policy_version: int) -> int:
+        """Registers an in-flight sample; its output will feed the problem's live segment for `policy_version`.
+        Returns its slot, the request's name in `commit_step` and `draft_step` (reused once it finishes)."""
         # Everything is checked before anything changes.
         prompt = _tokens(prompt)
         if request_id in self._requests:
@@ -195,54 +235,77 @@ class HistoryBank:
         if history.live is None:
             history.live = Segment.new(self.config.max_depth)
             history.live_version = policy_version
+            self._sources_changed(history)
         history.add_prompt(prompt)
-        self._requests[request_id] = _Request(history, history.live.add(np.zeros(0, np.int32), sealed=False))
-        self._sources.pop(problem_id, None)
+        seq = history.live.add(np.zeros(0, np.int32), sealed=False)
+        slot = self._free_slots.pop() if self._free_slots else self._next_slot
+        self._next_slot = max(self._next_slot, slot + 1)
+        self._table.add(slot, history.live.index, seq, self._source_list(history, native=True))
+        self._requests[request_id] = _Request(history, seq, slot)
+        history.running.add(request_id)
+        return slot
+
+    def commit_step(self, slots: np.ndarray, table: np.ndarray, start: np.ndarray, end: np.ndarray) -> StepCommit:
+        """One step's committed tokens for a batch: request slots[r] committed table[r, start[r]:end[r]] (table:
+        int32, one row per batch row; none where end[r] <= start[r]). Feeds them into the live segments (O(max_depth)
+        per token), scores the last candidates for the source chooser and the last proposals and shadow drafts.
+        Checked before anything changes (ValueError)."""
+        n = len(slots)
+        out = self._table.commit(np.ascontiguousarray(slots, np.int32), _token_table(table),
+                                 np.arange(n, dtype=np.int32), np.ascontiguousarray(start, np.int64),
+                                 np.ascontiguousarray(end, np.int64))
+        return StepCommit(*out)
+
+    def draft_step(self, slots: np.ndarray, table: np.ndarray, end: np.ndarray, k: np.ndarray, min_prob: np.ndarray,
+                   shadow_room: np.ndarray, vocab_size: int = 0) -> StepDrafts:
+        """One step's drafts for a batch: request slots[r], whose prompt + output so far is table[r, :end[r]], gets
+        the chooser's pick of at most k[r] tokens, every source's walk stopping before a token whose cumulative
+        probability is under max(min_prob[r], config.min_prob) (above 1: nothing), cut before its first token >=
+        vocab_size (0: no cut); a request with k[r] == 0 and shadow_room[r] > 0 may start a shadow draft of at most
+        that many tokens (`shadow`). Checked before anything changes (ValueError)."""
+        n, cfg = len(slots), self.config
+        out = self._table.draft(np.ascontiguousarray(slots, np.int32), _token_table(table),
+                                np.arange(n, dtype=np.int32), np.ascontiguousarray(end, np.int64),
+                                np.ascontiguousarray(k, np.int32), np.ascontiguousarray(min_prob, np.float64),
+                                np.ascontiguousarray(shadow_room, np.int32), cfg.min_prob, cfg.match_factor,
+                                cfg.prior, cfg.max_depth, vocab_size)
+        tokens, probs, offsets, sources, match_lens, shadowed = out
+        return StepDrafts(tokens, probs, offsets, sources, match_lens, shadowed.astype(bool))
 
     def extend(self, request_id: str, tokens: np.ndarray) -> ShadowOutcome | None:
-        """Feeds tokens just committed to a request's output into its live segment (O(max_depth) per token), and
-        scores the request's last candidates against them for the calibrator. Returns the outcome of the
-        request's shadow draft where these tokens settled it (its first wrong token or its end reached)."""
+        """Feeds tokens just committed to one request's output (`commit_step` for one row). Returns the outcome of
+        its shadow draft where these tokens settled it (its first wrong token or its end reached)."""
         req = self._request(request_id)
-        if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32):
-            tokens = _tokens(tokens)
-        if req.pending is not None:
-            self.chooser.observe(req.pending, tokens)
-            req.pending = None
-        req.problem.live.index.extend(req.live_seq, tokens)  # type: ignore[union-attr]
-        if req.shadow is None:
-            req.shadow_wait -= tokens.size
-            return None
-        return self._follow_shadow(req, tokens) if tokens.size else None
-
-    def _follow_shadow(self, req: _Request, tokens: np.ndarray) -> ShadowOutcome | None:
-        draft, matched = req.shadow, req.shadow_matched
-        assert draft is not None
-        ahead = draft[matched:matched + tokens.size]
-        wrong = np.flatnonzero(ahead != tokens[:ahead.size])
-        if not wrong.size and matched + ahead.size < draft.size:
-            req.shadow_matched = matched + ahead.size
-            return None
-        req.shadow, req.shadow_wait = None, self.config.shadow_gap
-        return ShadowOutcome(int(draft.size), matched + (int(wrong[0]) if wrong.size else int(ahead.size)))
+        tokens = _tokens(tokens)
+        settled = self.commit_step(np.array([req.slot], np.int32), tokens[None, :], np.zeros(1, np.int64),
+                                   np.array([tokens.size], np.int64))
+        drafted = int(settled.shadow_drafted[0])
+        return ShadowOutcome(drafted, int(settled.shadow_accepted[0])) if drafted else None
 
     def finish_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
-        if req is not None and req.problem.live is not None:
+        if req is not None:
+            self._drop(request_id, req)
+
+    def _drop(self, request_id: str, req: _Request) -> None:
+        self._table.remove(req.slot)
+        self._free_slots.append(req.slot)
+        req.problem.running.discard(request_id)
+        if req.problem.live is not None:
             req.problem.live.index.seal(req.live_seq)
 
     def propose(self, request_id: str, context: np.ndarray, max_tokens: int, min_prob: float = 0.0) -> Proposal:
-        """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`; every
-        source's walk stops before a token whose cumulative probability is under max(min_prob, config.min_prob)
-        (a per-request floor, e.g. the budget's token price; above 1 no token can pass, so nothing is proposed)."""
-        req = self._request(request_id)
+        """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`
+        (`draft_step` for one row); every source's walk stops before a token whose cumulative probability is under
+        max(min_prob, config.min_prob) (a per-request floor, e.g. the budget's token price; above 1 no token can
+        pass, so nothing is proposed)."""
         if max_tokens <= 0 or min_prob > 1.0:
+            self._request(request_id)
             return _no_proposal()
-        req.pending = choice = self._choose(req, context, max_tokens, min_prob)
-        if choice.best < 0:
+        out = self._draft_one(request_id, context, max_tokens, min_prob, 0)
+        if out.sources[0] < 0:
             return _no_proposal()
-        kinds = self._source_list(req.problem)[1]  # cached by _choose's call
-        return Proposal(choice.tokens, choice.probs, self.chooser.kinds[kinds[choice.best]], choice.match_len)
+        return Proposal(out.tokens, out.probs, self.chooser.kinds[int(out.sources[0])], int(out.match_lens[0]))
 
     def shadow(self, request_id: str, context: np.ndarray, max_tokens: int) -> bool:
         """Starts a shadow draft of at most max_tokens tokens for a request that verifies none this step (module
@@ -254,22 +317,14 @@ class HistoryBank:
         The gap bounds the cost: without it a batch of 60 requests whose drafts mostly fail at once started ~33
         shadow drafts a step, +0.5 ms of the proposer's ~1.3 ms a step on the 2-core CPU; with 8 tokens the
         simulated makespans kept most of the gain (docs/results/2026-11-26-shadow-drafts.md)."""
-        req = self._request(request_id)
-        if req.shadow is not None or req.shadow_wait > 0 or max_tokens <= 0:
-            return False
-        choice = self._choose(req, np.ascontiguousarray(context, np.int32), max_tokens, 0.0)
-        if choice.best < 0:
-            return False
-        req.shadow, req.shadow_matched = choice.tokens, 0
-        return True
+        return bool(self._draft_one(request_id, context, 0, 0.0, max(0, max_tokens)).shadowed[0])
 
-    def _choose(self, req: _Request, context: np.ndarray, max_tokens: int, min_prob: float) -> Choice:
-        """Every source's draft for the request and the chooser's pick (native), under max(min_prob,
-        config.min_prob)."""
-        indices, kinds = self._source_list(req.problem)
-        cfg = self.config
-        return self.chooser.choose(indices, kinds, context, max_tokens, max(cfg.min_prob, min_prob), cfg.match_factor,
-                                   cfg.prior)
+    def _draft_one(self, request_id: str, context: np.ndarray, k: int, min_prob: float, shadow_room: int
+                   ) -> StepDrafts:
+        req = self._request(request_id)
+        context = _tokens(context)
+        return self.draft_step(np.array([req.slot], np.int32), context[None, :], np.array([context.size], np.int64),
+                               np.array([k], np.int32), np.array([min_prob]), np.array([shadow_room], np.int32))
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)
@@ -277,25 +332,35 @@ class HistoryBank:
             raise KeyError(f"unknown request {request_id!r}")
         return req
 
-    def _source_list(self, history: ProblemHistory) -> tuple[list[SuffixIndex], list[int]]:
-        """The indices a request of this problem drafts from, and their calibrator kinds (cached until it changes)."""
+    def _source_list(self, history: ProblemHistory, native: bool = False
+                     ) -> tuple[list[SuffixIndex], list[int]] | SourceList:
+        """The indices a request of this problem drafts from and their calibrator kinds, or (`native`) the native
+        list of both that its requests hold (cached until it changes: `_sources_changed`)."""
         cached = self._sources.get(history.problem_id)
-        if cached is not None:
-            return cached
-        kind = self.chooser.kind_index
-        indices, kinds = [history.prompts.index], [kind("prompt")]
-        if history.live is not None:
-            indices.append(history.live.index)
-            kinds.append(kind("live"))
-        newest = history.live_version if history.live is not None else max(history.sealed, default=0) + 1
-        for version, segment in sorted(history.sealed.items(), reverse=True):
-            indices.append(segment.index)
-            kinds.append(kind(f"sealed-age-{min(self.config.window, max(1, newest - version))}"))
-        if self._global.seq_ids:
-            indices.append(self._global.index)
-            kinds.append(kind("global"))
-        self._sources[history.problem_id] = (indices, kinds)
-        return indices, kinds
+        if cached is None:
+            kind = self.chooser.kind_index
+            indices, kinds = [history.prompts.index], [kind("prompt")]
+            if history.live is not None:
+                indices.append(history.live.index)
+                kinds.append(kind("live"))
+            newest = history.live_version if history.live is not None else max(history.sealed, default=0) + 1
+            for version, segment in sorted(history.sealed.items(), reverse=True):
+                indices.append(segment.index)
+                kinds.append(kind(f"sealed-age-{min(self.config.window, max(1, newest - version))}"))
+            if self._global.seq_ids:
+                indices.append(self._global.index)
+                kinds.append(kind("global"))
+            cached = self._sources[history.problem_id] = (indices, kinds, SourceList(indices, kinds))
+        return cached[2] if native else (cached[0], cached[1])
+
+    def _sources_changed(self, history: ProblemHistory) -> None:
+        """A problem's sources changed: its running requests draft from the new list from now on (the old one,
+        and the indexes only it holds, are freed once no request refers to it)."""
+        self._sources.pop(history.problem_id, None)
+        if history.running:
+            sources = self._source_list(history, native=True)
+            for request_id in history.running:
+                self._table.set_sources(self._requests[request_id].slot, sources)
 
     # ---- versions, import, budget ----
 
@@ -312,7 +377,8 @@ class HistoryBank:
             if segment.index.contains(seq):
                 segment.index.seal(seq)
         history.live, history.live_version = None, -1
-        self._requests = {k: r for k, r in self._requests.items() if r.problem is not history}
+        for request_id in list(history.running):
+            self._drop(request_id, self._requests.pop(request_id))
         self.install_sealed(history, version, segment)
 
     def install_sealed(self, history: ProblemHistory, version: int, segment: Segment) -> None:
@@ -331,7 +397,7 @@ class HistoryBank:
         for old in [v for v in history.sealed if v <= version - self.config.window]:
             del history.sealed[old]
         self._feed_global(segment)
-        self._sources.pop(history.problem_id, None)
+        self._sources_changed(history)
         self._enforce_budget()
 
     def _feed_global(self, segment: Segment) -> None:
@@ -347,14 +413,15 @@ class HistoryBank:
         while self._global.tokens > self.config.global_tokens and self._global.seq_ids:
             self._global.index.remove(self._global.seq_ids.pop(0))
         if not had_sources and self._global.seq_ids:
-            self._sources.clear()  # every problem gains the global source
+            for history in self.problems.values():  # every problem gains the global source
+                self._sources_changed(history)
 
     def _enforce_budget(self) -> None:
         while self.stored_tokens() > self.config.token_budget and self._seal_order:
             problem_id, version = self._seal_order.popleft()
             history = self.problems.get(problem_id)
             if history is not None and history.sealed.pop(version, None) is not None:
-                self._sources.pop(problem_id, None)
+                self._sources_changed(history)
 
     def add_rollouts(self, records: Iterable[RolloutRecord]) -> int:
         """Imports finished rollouts as sealed segments, grouped by (problem, policy version). Returns the count."""
@@ -377,6 +444,15 @@ class HistoryBank:
 
     def memory_bytes(self) -> int:
         return self._global.index.memory_bytes() + sum(h.memory_bytes() for h in self.problems.values())
+
+
+def _token_table(table: np.ndarray) -> np.ndarray:
+    """A 2-D int32 token table, read in place when it already is one (the engine's)."""
+    if not (isinstance(table, np.ndarray) and table.dtype == np.int32 and table.ndim == 2):
+        table = np.asarray(table, np.int32)
+        if table.ndim != 2:
+            raise ValueError(f"a token table has one row per request, got shape {table.shape}")
+    return np.ascontiguousarray(table)
 
 
 def _tokens(values: Iterable[int] | np.ndarray) -> np.ndarray:

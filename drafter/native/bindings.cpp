@@ -10,15 +10,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "calibrator.h"
+#include "request_table.h"
 #include "suffix_index.h"
 
 namespace nb = nanobind;
 using das::Calibrator;
 using das::Choice;
 using das::Draft;
+using das::RequestTable;
+using das::SourceList;
 using das::SuffixIndex;
 
 namespace {
@@ -77,6 +81,33 @@ void check_speculate_args(const char* what, int max_tokens, double min_prob, dou
     if (!(match_factor >= 0.0 && match_factor < 1e6)) fail("match_factor must be finite and >= 0");
     if (!(prior >= 0.0 && prior < 1e9)) fail("prior must be finite and >= 0");
 }
+
+template <typename T>
+using Column = nb::ndarray<const T, nb::ndim<1>, nb::device::cpu, nb::c_contig>;
+using TokenTable2D = nb::ndarray<const int32_t, nb::ndim<2>, nb::device::cpu, nb::c_contig>;
+
+// A source list that keeps its indexes' Python objects alive for as long as it lives.
+struct PySourceList : SourceList {
+    std::vector<nb::object> keep;
+};
+
+// A request table that keeps alive what its slots point to: the chooser, each slot's live index and source list.
+struct PyRequestTable : RequestTable {
+    PyRequestTable(nb::object chooser_obj, int shadow_gap)
+        : RequestTable(nb::cast<das::Calibrator*>(chooser_obj), shadow_gap), chooser(std::move(chooser_obj)) {}
+    nb::object chooser;
+    std::vector<std::pair<nb::object, nb::object>> keep;  // per slot: (live index, source list)
+};
+
+template <typename T>
+const T* column(const Column<T>& a, size_t n, const char* what, const char* name) {
+    if (a.shape(0) != n) {
+        throw nb::value_error((std::string(what) + ": " + name + " must have one entry per row").c_str());
+    }
+    return a.data();
+}
+
+das::TokenTable token_table(const TokenTable2D& t) { return {t.data(), t.shape(0), t.shape(1)}; }
 
 }  // namespace
 
@@ -214,4 +245,97 @@ NB_MODULE(_suffix_index, m) {
             nb::arg("choice"), nb::arg("committed"), "Score every candidate of `choice` against the committed tokens.")
         .def_prop_ro("sums", [](const Calibrator& c) { return to_numpy(c.sums()); }, nb::rv_policy::move)
         .def_prop_ro("counts", [](const Calibrator& c) { return to_numpy(c.counts()); }, nb::rv_policy::move);
+    nb::class_<PySourceList>(m, "SourceList", "The indexes a request of one problem drafts from, with their kinds.")
+        .def(
+            "__init__",
+            [](PySourceList* self, nb::list indices, const std::vector<int>& kinds) {
+                if (nb::len(indices) != kinds.size()) throw nb::value_error("SourceList: one kind per index");
+                new (self) PySourceList();
+                for (nb::handle h : indices) {
+                    self->indices.push_back(nb::cast<const SuffixIndex*>(h));
+                    if (self->indices.back() == nullptr) throw nb::type_error("SourceList: an index is None");
+                    self->keep.push_back(nb::borrow(h));
+                }
+                self->kinds = kinds;
+            },
+            nb::arg("indices"), nb::arg("kinds"))
+        .def_prop_ro("kinds", [](const PySourceList& s) { return s.kinds; })
+        .def("__len__", [](const PySourceList& s) { return s.indices.size(); });
+
+    nb::class_<PyRequestTable>(m, "RequestTable",
+                               "The in-flight requests' drafter state, stepped a whole batch per call "
+                               "(request_table.h). Not thread-safe; calls hold the GIL.")
+        .def(
+            "__init__",
+            [](PyRequestTable* self, nb::object chooser, int shadow_gap) {
+                if (!nb::isinstance<das::Calibrator>(chooser)) throw nb::type_error("RequestTable: chooser must be a Calibrator");
+                new (self) PyRequestTable(std::move(chooser), shadow_gap);
+            },
+            nb::arg("chooser"), nb::arg("shadow_gap"))
+        .def(
+            "add",
+            [](PyRequestTable& self, int slot, nb::object live, int32_t seq, nb::object sources) {
+                self.add(slot, nb::cast<SuffixIndex*>(live), seq, nb::cast<PySourceList*>(sources));
+                if (static_cast<size_t>(slot) >= self.keep.size()) self.keep.resize(slot + 1);
+                self.keep[slot] = {std::move(live), std::move(sources)};
+            },
+            nb::arg("slot"), nb::arg("live"), nb::arg("seq"), nb::arg("sources"),
+            "Registers a request: it writes into sequence `seq` of `live` and drafts from `sources`.")
+        .def(
+            "set_sources",
+            [](PyRequestTable& self, int slot, nb::object sources) {
+                self.set_sources(slot, nb::cast<PySourceList*>(sources));
+                self.keep[slot].second = std::move(sources);
+            },
+            nb::arg("slot"), nb::arg("sources"))
+        .def(
+            "remove",
+            [](PyRequestTable& self, int slot) {
+                self.remove(slot);
+                self.keep[slot] = {};
+            },
+            nb::arg("slot"))
+        .def("__contains__", &PyRequestTable::contains, nb::arg("slot"))
+        .def(
+            "commit",
+            [](PyRequestTable& self, const Column<int32_t>& slots, const TokenTable2D& table,
+               const Column<int32_t>& rows, const Column<int64_t>& start, const Column<int64_t>& end) {
+                size_t n = slots.shape(0);
+                std::vector<int32_t> out(5 * n);
+                das::CommitOutcome outcome{out.data(), out.data() + n, out.data() + 2 * n, out.data() + 3 * n,
+                                           out.data() + 4 * n};
+                self.commit(slots.data(), n, token_table(table), column(rows, n, "commit", "rows"),
+                            column(start, n, "commit", "start"), column(end, n, "commit", "end"), outcome);
+                int32_t* data = new int32_t[out.size()];
+                std::copy(out.begin(), out.end(), data);
+                nb::capsule owner(data, [](void* p) noexcept { delete[] static_cast<int32_t*>(p); });
+                return nb::ndarray<nb::numpy, int32_t, nb::ndim<2>>(data, {5, n}, owner);
+            },
+            nb::arg("slots"), nb::arg("table"), nb::arg("rows"), nb::arg("start"), nb::arg("end"),
+            "Feeds each row's committed tokens table[rows[r], start[r]:end[r]] for request slots[r]. Returns an "
+            "int32 array of shape (5, rows): the last proposal's length, its accepted tokens and its source kind "
+            "(-1: none), and a shadow draft settled by these tokens: its length and accepted tokens (0, 0: none).")
+        .def(
+            "draft",
+            [](PyRequestTable& self, const Column<int32_t>& slots, const TokenTable2D& table,
+               const Column<int32_t>& rows, const Column<int64_t>& end, const Column<int32_t>& k,
+               const Column<double>& min_prob, const Column<int32_t>& shadow_room, double base_min_prob,
+               double match_factor, double prior, int context, int vocab_size) {
+                check_speculate_args("draft", 0, base_min_prob, match_factor, prior);
+                size_t n = slots.shape(0);
+                das::Drafts d = self.draft(slots.data(), n, token_table(table), column(rows, n, "draft", "rows"),
+                                           column(end, n, "draft", "end"), column(k, n, "draft", "k"),
+                                           column(min_prob, n, "draft", "min_prob"),
+                                           column(shadow_room, n, "draft", "shadow_room"),
+                                           {base_min_prob, match_factor, prior, context, vocab_size});
+                return nb::make_tuple(to_numpy(d.tokens), to_numpy(d.probs), to_numpy(d.offsets),
+                                      to_numpy(d.sources), to_numpy(d.match_lens), to_numpy(d.shadowed));
+            },
+            nb::arg("slots"), nb::arg("table"), nb::arg("rows"), nb::arg("end"), nb::arg("k"), nb::arg("min_prob"),
+            nb::arg("shadow_room"), nb::arg("base_min_prob") = 0.0, nb::arg("match_factor") = 0.0,
+            nb::arg("prior") = 0.0, nb::arg("context") = 32, nb::arg("vocab_size") = 0,
+            "Drafts for each row from the context table[rows[r], :end[r]] (its last `context` tokens): with "
+            "k[r] > 0 at most k[r] tokens above max(base_min_prob, min_prob[r]); else, with shadow_room[r] > 0, "
+            "a shadow draft may start. Returns (tokens, probs, offsets, sources, match_lens, shadowed): row r's "
+            "draft is tokens[offsets[r]:offsets[r + 1]].");
 }

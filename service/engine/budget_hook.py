@@ -12,6 +12,7 @@ fixed at submission).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -32,31 +33,40 @@ from das.scheduler.exploration import Exploration
 from das.scheduler.length import LengthCurve
 
 
-@dataclass(frozen=True, slots=True)
-class RequestView:
-    """One running request as the budget hook sees it (tokens).
+@dataclass(frozen=True)
+class BatchView:
+    """The running requests as the budget hook sees them, one entry per request (tokens).
 
-    generated: output tokens so far; predicted_tokens: predicted total output length, None if unknown;
-    max_tokens: the request's output cap; room: the most draft tokens that fit before max_tokens or the context;
-    length_curve: the predicted total output length given `generated` (conditioned on the sample having got this
-    far), None if unknown.
+    generated: output tokens so far (int64); predicted_tokens: predicted total output length (float64, NaN where
+    unknown); max_tokens: each request's output cap (int64); length_curves: each request's predicted total output
+    length given its `generated` (conditioned on the sample having got this far), None where unknown.
     """
 
-    generated: int
-    predicted_tokens: float | None
-    max_tokens: int
-    room: int
-    length_curve: LengthCurve | None = None
+    generated: np.ndarray
+    predicted_tokens: np.ndarray
+    max_tokens: np.ndarray
+    length_curves: Sequence[LengthCurve | None]
 
-    @property
-    def remaining(self) -> float:
-        """Predicted remaining output tokens (>= 1): from the curve when there is one (a sample that outlives its
-        problem's usual length is predicted to run on), else from predicted_tokens, else the cap. O(log curve)."""
-        if self.length_curve is not None:
-            total = self.length_curve.at(self.generated)
-        else:
-            total = self.predicted_tokens if self.predicted_tokens is not None else self.max_tokens
-        return float(max(1.0, min(total, self.max_tokens) - self.generated))
+    @classmethod
+    def of(cls, generated: Sequence[int], predicted_tokens: Sequence[float | None], max_tokens: Sequence[int],
+           length_curves: Sequence[LengthCurve | None] | None = None) -> BatchView:
+        """A view from per-request values (None: prediction unknown)."""
+        predicted = np.array([np.nan if p is None else p for p in predicted_tokens], np.float64)
+        curves = list(length_curves) if length_curves is not None else [None] * len(predicted)
+        return cls(np.asarray(generated, np.int64), predicted, np.asarray(max_tokens, np.int64), curves)
+
+    def __len__(self) -> int:
+        return len(self.generated)
+
+    def remaining(self) -> np.ndarray:
+        """Predicted remaining output tokens per request (float64, >= 1): from the curve where there is one (a
+        sample that outlives its problem's usual length is predicted to run on), else from predicted_tokens, else
+        the cap. Vectorised, plus O(log curve) per request with a curve (~0.5 us)."""
+        total = np.where(np.isnan(self.predicted_tokens), self.max_tokens, self.predicted_tokens)
+        for i, curve in enumerate(self.length_curves):
+            if curve is not None:
+                total[i] = curve.at(int(self.generated[i]))
+        return np.maximum(1.0, np.minimum(total, self.max_tokens) - self.generated)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +90,8 @@ class StepSample:
 class BudgetHook(Protocol):
     name: str
 
-    def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
-        """Per request, K_i >= 0 (int32; the proposer clips to room and K_max) and the least estimated acceptance
+    def plan(self, batch: BatchView, drafter: DrafterParams | None = None) -> DraftPlan:
+        """Per request, K_i >= 0 (int32; the proposer clips to its room and K_max) and the least estimated acceptance
         probability a draft token must have. `drafter`: measured per-position acceptance per request (the
         hook's geometric prior where None)."""
         ...
@@ -181,12 +191,12 @@ class PolicyBudget:
         self.acceptance = acceptance
         self.exploration = Exploration()
 
-    def plan(self, batch: list[RequestView], drafter: DrafterParams | None = None) -> DraftPlan:
+    def plan(self, batch: BatchView, drafter: DrafterParams | None = None) -> DraftPlan:
         n = len(batch)
         acceptance = (drafter.acceptance if drafter is not None
                       else geometric_acceptance(self.acceptance, n, max(self.k_max, 1)))
         cost = self.cost
-        state = BatchState(np.fromiter((v.remaining for v in batch), np.float64, n), acceptance, cost.c_base_s,
+        state = BatchState(batch.remaining(), acceptance, cost.c_base_s,
                            cost.c_tok_s, self.k_max, c_spec_s=cost.spec_price(n))
         if self.guard is not None and self.guard.level:
             priced = dataclasses.replace(state, c_spec_s=state.c_spec_s + self.guard.price * cost.step_time(n))

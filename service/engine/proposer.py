@@ -25,11 +25,12 @@ Each step, for every request in the batch (row i of the runner's input batch):
 Drafts are plain token ids inside the vocabulary, never padded: vLLM's CPU rejection kernel has no guard for
 the `-1` placeholder.
 
-Cost per step: O(batch) Python bookkeeping (including a binary search of each request's length curve, a few
-hundred steps at most, ~0.5 us; a new request's curve is decoded and checked once, ~70 us at 321 steps) plus, per
-request, one native `choose` over its sources (O(max_depth) per source for the match, O(K) for the walk; for a
-request without a draft, only on steps that start a shadow draft) and O(max_depth) per committed token in the live
-segment. Measured per step in `stats()["step_us"]`.
+Cost per step: two native calls for the whole batch (`HistoryBank.commit_step`, `draft_step`): O(max_depth) per
+committed token in the live segment, and per request with a draft (or starting a shadow draft) one `choose` over its
+sources (O(max_depth) per source for the match, O(K) for the walk); around them a few vectorised gathers, a binary
+search of each request's length curve (~0.5 us; a new request's curve is decoded and checked once, ~70 us at 321
+steps) and Python work only for the requests that had a draft verified. Measured per step in
+`stats()["step_us"]`; `docs/results/2026-11-27-straggler/bench_propose.py` times it at a batch of 240.
 """
 
 from __future__ import annotations
@@ -43,11 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from das.drafter.history import DrafterConfig, HistoryBank, ShadowOutcome
+from das.drafter.history import DrafterConfig, HistoryBank
 from das.scheduler.acceptance import AcceptanceCounts
-from das.scheduler.budget import DraftPlan
 from das.scheduler.length import LengthCurve
-from das.service.engine.budget_hook import BudgetHook, RequestView, StepSample, budget_hook_from_config
+from das.service.engine.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +129,8 @@ class _Running:
     max_tokens: int
     fed: int                                   # tokens of prompt + output already fed to the bank
     slot: int                                  # its row in the proposer's AcceptanceCounts
-    draft: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
-    draft_source: str = ""                     # source of `draft` (HistoryBank's `Proposal.source`)
-    explored: bool = False                     # `draft` is exploration's token (`DraftPlan.explored`)
+    bank_slot: int                             # its slot in the HistoryBank
+    probe_drafted: int = 0                     # junk draft tokens of a cost probe awaiting verification
     counts: DraftCounts = field(default_factory=DraftCounts)
 
 
@@ -156,12 +155,16 @@ class DasProposer:
         # the last _STATS_WINDOW steps only: a server runs for millions of steps
         self._step_us: deque[float] = deque(maxlen=_STATS_WINDOW)
         self._step_batch: deque[int] = deque(maxlen=_STATS_WINDOW)
-        self.by_source: dict[str, DraftCounts] = {}  # since start, by source kind (steps unused)
+        kinds = len(self.bank.chooser.kinds)
+        self._source_proposed = np.zeros(kinds, np.int64)  # verified draft tokens since start, by source kind
+        self._source_accepted = np.zeros(kinds, np.int64)
         self.shadow = DraftCounts()  # tokens of the shadow drafts settled since start (steps unused)
         self.shadow_drafts = 0  # shadow drafts settled since start
         self.failures = 0
         self._last_propose: float | None = None
         self._probe_turn = False  # whether this step's cost probe drafts (every other step with probes)
+        self._probes = 0  # running cost probes (RequestTags.cost_probe)
+        self._explored = np.zeros(64, bool)  # by acceptance slot: its draft is exploration's (DraftPlan.explored)
 
     def attach(self, runner: Any) -> None:
         self._runner = runner
@@ -189,87 +192,86 @@ class DasProposer:
         t0 = time.perf_counter()
         req_ids = runner.input_batch.req_ids
         self._retire(set(req_ids))
-        views: list[RequestView] = []
-        rows: list[_Running] = []
-        verified: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the drafts this step verified
-        shadowed: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of the shadow drafts settled
-        prefill = False
+        n = len(req_ids)
+        runs = [self._running.get(rid) for rid in req_ids]
+        prefill = any(run is None for run in runs)
+        if prefill:
+            runs = [run or self._start(rid, runner.requests[rid]) for rid, run in zip(req_ids, runs)]
+        table = token_ids_cpu[:n]  # row i is request req_ids[i]
+        ends = np.asarray(num_tokens_no_spec[:n], np.int64)
+        starts = np.fromiter((run.fed for run in runs), np.int64, n)
+        bank_slots = np.fromiter((run.bank_slot for run in runs), np.int32, n)
+        slots = np.fromiter((run.slot for run in runs), np.int64, n)
+        settled = self.bank.commit_step(bank_slots, table, starts, ends)
+        ends_list = ends.tolist()
         probe_drafted = 0  # the cost warm-up's junk draft tokens verified this step
-        explored_accepted = 0  # accepted tokens of exploration's drafts verified this step
-        probe_rooms: list[tuple[int, int]] = []  # (row, draft room) of the batch's cost probes
-        for i, rid in enumerate(req_ids):
-            run = self._running.get(rid)
-            if run is None:
-                run = self._start(rid, runner.requests[rid])
-                prefill = True
-            n = int(num_tokens_no_spec[i])
-            if n > run.fed:
-                drafted = int(run.draft.size)
-                accepted, shadow = self._commit(rid, run, token_ids_cpu[i, run.fed:n])
-                if shadow is not None:
-                    shadowed.append((run.slot, shadow.drafted, shadow.accepted))
-                if drafted and run.tags.cost_probe:
-                    probe_drafted += drafted
-                elif drafted:
-                    verified.append((run.slot, drafted, accepted))
-                    explored_accepted += accepted if run.explored else 0
-                run.fed = n
-            generated = n - run.prompt_len
-            room = max(0, min(run.max_tokens - generated, self.max_model_len - n) - 1)
-            if run.tags.cost_probe:
-                probe_rooms.append((i, room))
-            views.append(RequestView(generated, run.tags.predicted_tokens, run.max_tokens,
-                                     room if run.tags.draft else 0, run.tags.length_curve))
-            rows.append(run)
-        drafted, accepted = self._record(verified)
-        if shadowed:  # a request settles at most one shadow draft a step: distinct slots
-            shadow_drafted, shadow_accepted = self._record(shadowed)
+        for i in np.flatnonzero(ends > starts).tolist():
+            run = runs[i]
+            run.fed = ends_list[i]
+            run.counts.steps += 1
+            probe_drafted += run.probe_drafted
+            run.probe_drafted = 0
+        verified = np.flatnonzero(settled.drafted)
+        drafted, accepted = self._record(slots[verified], settled.drafted[verified], settled.accepted[verified])
+        explored_accepted = int(settled.accepted[verified][self._explored[slots[verified]]].sum())
+        for i in verified.tolist():
+            counts = runs[i].counts
+            counts.proposed += int(settled.drafted[i])
+            counts.accepted += int(settled.accepted[i])
+        np.add.at(self._source_proposed, settled.source[verified], settled.drafted[verified])
+        np.add.at(self._source_accepted, settled.source[verified], settled.accepted[verified])
+        shadowed = np.flatnonzero(settled.shadow_drafted)  # at most one a request: distinct slots
+        if shadowed.size:
+            shadow_drafted, shadow_accepted = self._record(slots[shadowed], settled.shadow_drafted[shadowed],
+                                                           settled.shadow_accepted[shadowed])
             self.shadow.proposed += shadow_drafted
             self.shadow.accepted += shadow_accepted
-            self.shadow_drafts += len(shadowed)
-        self._observe_step(t0, prefill, len(rows), drafted + probe_drafted, accepted, probe_drafted > 0,
-                           explored_accepted)
-        if views:
-            slots = np.fromiter((run.slot for run in rows), np.int64, len(rows))
-            plan = self.budget.plan(views, self.acceptance.params(slots))
-        else:
-            plan = DraftPlan(np.zeros(0, np.int32), np.zeros(0))
-        drafts: list[list[int]] = []
-        for i, (rid, run, view) in enumerate(zip(req_ids, rows, views)):
-            k = min(int(plan.lengths[i]), view.room, self.k_max)
-            # the index matches at most max_depth tokens of context: copy no more than that
-            context = token_ids_cpu[i, max(0, run.fed - self._context):run.fed]
-            run.draft, run.draft_source = self._draft(rid, context, k, float(plan.min_prob[i]))
-            if k == 0 and view.room:  # room is 0 for requests tagged not to draft (the warm-up's probes)
-                self.bank.shadow(rid, context, min(view.room, self.k_max))
-            run.explored = plan.explored is not None and bool(plan.explored[i])
-            drafts.append(run.draft.tolist())
-        if probe_rooms:
-            self._probe_draft(rows, probe_rooms, token_ids_cpu, drafts)
+            self.shadow_drafts += int(shadowed.size)
+        self._observe_step(t0, prefill, n, drafted + probe_drafted, accepted, probe_drafted > 0, explored_accepted)
+        if not n:
+            self._step_us.append((time.perf_counter() - t0) * 1e6)
+            self._step_batch.append(0)
+            return []
+        generated = ends - np.fromiter((run.prompt_len for run in runs), np.int64, n)
+        max_tokens = np.fromiter((run.max_tokens for run in runs), np.int64, n)
+        room = np.maximum(0, np.minimum(max_tokens - generated, self.max_model_len - ends) - 1)
+        may_draft = np.fromiter((run.tags.draft for run in runs), bool, n)
+        view = BatchView(generated, np.fromiter((np.nan if run.tags.predicted_tokens is None
+                                                 else run.tags.predicted_tokens for run in runs), np.float64, n),
+                         max_tokens, [run.tags.length_curve for run in runs])
+        plan = self.budget.plan(view, self.acceptance.params(slots))
+        draft_room = np.where(may_draft, room, 0)  # requests tagged not to draft (the warm-up's probes) get none
+        k = np.minimum(np.minimum(plan.lengths, draft_room), self.k_max).astype(np.int32)
+        shadow_room = np.where(k == 0, np.minimum(draft_room, self.k_max), 0).astype(np.int32)
+        drafts = self.bank.draft_step(bank_slots, table, ends, k, np.asarray(plan.min_prob, np.float64),
+                                      shadow_room, self.vocab_size).lists()
+        self._explored[slots] = plan.explored if plan.explored is not None else False
+        if self._probes:
+            self._probe_draft(runs, room, table, drafts)
         self._step_us.append((time.perf_counter() - t0) * 1e6)
-        self._step_batch.append(len(req_ids))
+        self._step_batch.append(n)
         return drafts
 
-    def _record(self, outcomes: list[tuple[int, int, int]]) -> tuple[int, int]:
-        """Records (slot, drafted, accepted) outcomes of distinct requests in the acceptance counts; returns the
-        draft tokens and accepted tokens they sum to."""
-        if not outcomes:
+    def _record(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> tuple[int, int]:
+        """Records the outcomes of distinct requests' drafts (request slots[j] drafted `drafted[j]` tokens, of
+        which `accepted[j]` were accepted) in the acceptance counts; returns the draft and accepted tokens they sum
+        to."""
+        if not slots.size:
             return 0, 0
-        slots, drafted, accepted = (np.array(col, np.int64) for col in zip(*outcomes))
-        self.acceptance.record(slots, drafted, accepted)
+        self.acceptance.record(slots, drafted.astype(np.int64), accepted.astype(np.int64))
         return int(drafted.sum()), int(accepted.sum())
 
-    def _probe_draft(self, rows: list[_Running], probe_rooms: list[tuple[int, int]], token_ids_cpu: np.ndarray,
-                     drafts: list[list[int]]) -> None:
+    def _probe_draft(self, runs: list[_Running], room: np.ndarray, table: np.ndarray, drafts: list[list[int]]) -> None:
         """On every other step with a cost probe in the batch, the first probe with room for a draft token
         drafts its last token again (`RequestTags.cost_probe`): one drafted step per plain one at each batch size
-        of the warm-up. `probe_rooms`: (row, draft room) of the batch's probes."""
+        of the warm-up. `room`: each row's draft room."""
         self._probe_turn = not self._probe_turn
-        for i, room in probe_rooms if self._probe_turn else ():
-            if room >= 1:
-                run = rows[i]
-                run.draft, run.draft_source = token_ids_cpu[i, run.fed - 1:run.fed].astype(np.int32), ""
-                drafts[i] = run.draft.tolist()
+        if not self._probe_turn:
+            return
+        for i, run in enumerate(runs):
+            if run.tags.cost_probe and room[i] >= 1:
+                drafts[i] = table[i, run.fed - 1:run.fed].tolist()
+                run.probe_drafted = 1
                 return
 
     def _observe_step(self, now: float, prefill: bool, requests: int, drafted: int, accepted: int,
@@ -305,8 +307,8 @@ class DasProposer:
             state = self._runner.requests.get(rid)
             if state is not None:  # else it finished and leaves at the next step
                 prompt = np.asarray(state.prompt_token_ids or [], np.int32)
-                self.bank.start_request(rid, run.tags.problem_id, prompt, version)
-            run.draft, run.draft_source = np.zeros(0, np.int32), ""  # dropped by the preemption, never verified
+                run.bank_slot = self.bank.start_request(rid, run.tags.problem_id, prompt, version)
+            run.probe_drafted = 0  # its draft was dropped by the preemption, never verified
 
     def pop_counts(self, keys: list[str]) -> dict[str, DraftCounts]:
         """Draft counts of finished requests by their tag key (forgotten once returned). A request still
@@ -335,45 +337,30 @@ class DasProposer:
             "cost": self.budget.stats(),
         }
 
+    @property
+    def by_source(self) -> dict[str, DraftCounts]:
+        """Verified draft tokens and their accepted ones since start, by source kind: live, prompt, global or
+        sealed-age-<a> (a <= the history window, so a bounded metric label); steps unused."""
+        kinds = self.bank.chooser.kinds
+        return {kinds[i]: DraftCounts(int(self._source_proposed[i]), int(self._source_accepted[i]))
+                for i in np.flatnonzero(self._source_proposed)}
+
     # ---- internals ----
 
     def _start(self, rid: str, state: Any) -> _Running:
         prompt = list(state.prompt_token_ids or [])
         params = state.sampling_params
         tags = RequestTags.from_extra_args(getattr(params, "extra_args", None), prompt)
-        self.bank.start_request(rid, tags.problem_id, np.asarray(prompt, np.int32), self.policy_version)
+        bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt, np.int32), self.policy_version)
         max_tokens = int(params.max_tokens) if params is not None and params.max_tokens else self.max_model_len
-        run = _Running(tags, len(prompt), max_tokens, fed=len(prompt), slot=self.acceptance.start(rid))
+        run = _Running(tags, len(prompt), max_tokens, fed=len(prompt), slot=self.acceptance.start(rid),
+                       bank_slot=bank_slot)
+        if run.slot >= self._explored.size:
+            self._explored = np.concatenate([self._explored, np.zeros(max(64, self._explored.size), bool)])
+        self._explored[run.slot] = False
+        self._probes += tags.cost_probe
         self._running[rid] = run
         return run
-
-    def _commit(self, rid: str, run: _Running, tokens: np.ndarray) -> tuple[int, ShadowOutcome | None]:
-        """Feeds the committed tokens; returns how many of the last draft's tokens were accepted (0 if none) and
-        the outcome of the request's shadow draft where these tokens settled it."""
-        tokens = np.ascontiguousarray(tokens, dtype=np.int32)
-        accepted = 0
-        if run.draft.size and not run.tags.cost_probe:
-            m = min(run.draft.size, tokens.size - 1)
-            same = run.draft[:m] == tokens[:m]
-            accepted = int(m if same.all() else np.argmin(same))
-            run.counts.accepted += accepted
-            run.counts.proposed += int(run.draft.size)
-            source = self.by_source.setdefault(run.draft_source, DraftCounts())
-            source.accepted += accepted
-            source.proposed += int(run.draft.size)
-        run.counts.steps += 1
-        return accepted, self.bank.extend(rid, tokens)
-
-    def _draft(self, rid: str, context: np.ndarray, k: int, min_prob: float) -> tuple[np.ndarray, str]:
-        """Up to k draft tokens, cut before the first whose estimated probability is under min_prob, and their
-        source: live, prompt, global or sealed-age-<a> (a <= the history window, so a bounded metric label)."""
-        if k <= 0:
-            return np.zeros(0, np.int32), ""
-        proposal = self.bank.propose(rid, np.ascontiguousarray(context, np.int32), k, min_prob)
-        tokens = proposal.tokens
-        if tokens.size and tokens.max() >= self.vocab_size:
-            tokens = tokens[: np.argmax(tokens >= self.vocab_size)]
-        return tokens, proposal.source
 
     def _retire(self, live: set[str]) -> None:
         """Finishes requests that left the runner (finished or aborted), keeping preempted ones."""
@@ -386,6 +373,7 @@ class DasProposer:
 
     def _finish(self, rid: str) -> None:
         run = self._running.pop(rid)
+        self._probes -= run.tags.cost_probe
         self.bank.finish_request(rid)
         self.acceptance.finish(rid)
         self._finished[self._key(rid, run)] = run.counts

@@ -156,3 +156,103 @@ def test_live_samples_of_an_imported_version_join_it_when_sealed():
     assert sorted(sealed[0].sequences()) == [[1, 2, 3, 4], [5, 6, 7]]
     bank.add_rollouts([rec("p", 0, 1, [8, 8])])  # importing into a sealed version adds to it too
     assert len(bank.problems["p"].sealed[0].sequences()) == 3
+
+
+def _history_bank() -> HistoryBank:
+    bank = HistoryBank(DrafterConfig(max_depth=16, shadow_gap=2))
+    bank.add_rollouts([rec("p", 0, 0, [10, 11, 12, 13, 14, 15, 16]), rec("p", 0, 1, [10, 11, 20, 21, 22]),
+                       rec("q", 0, 0, [30, 31, 32, 33, 34])])
+    for rid, problem in (("a", "p"), ("b", "p"), ("c", "q")):
+        bank.start_request(rid, problem, PROMPT, 1)
+    return bank
+
+
+def test_a_batch_step_is_the_single_request_calls_row_by_row():
+    """commit_step and draft_step over a batch give what extend, propose and shadow give one request at a time:
+    the same drafts, the same shadow outcomes, the same chooser table."""
+    batch, single = _history_bank(), _history_bank()
+    rids = ["a", "b", "c"]
+    slots = np.array([batch._requests[r].slot for r in rids], np.int32)
+    steps = [[[10], [10], [30]], [[11, 12], [11], [31]], [[13], [20], [99, 98]], [[14], [21], [32]], [[15], [22], [33]]]
+    k, floor, room = np.array([4, 0, 3], np.int32), np.zeros(3), np.array([0, 4, 0], np.int32)
+    text = {r: list(PROMPT) for r in rids}
+    seen = {"draft": 0, "shadow started": 0, "shadow settled": 0}
+    for step in steps:
+        width = max(len(text[r]) + len(t) for r, t in zip(rids, step)) + 1
+        table = np.zeros((3, width), np.int32)
+        start = np.array([len(text[r]) for r in rids], np.int64)
+        for i, (r, tokens) in enumerate(zip(rids, step)):
+            text[r] += tokens
+            table[i, :len(text[r])] = text[r]
+        end = np.array([len(text[r]) for r in rids], np.int64)
+        settled = batch.commit_step(slots, table, start, end)
+        outcomes = [single.extend(r, np.array(t, np.int32)) for r, t in zip(rids, step)]
+        assert [(int(d), int(a)) if d else None for d, a in zip(settled.shadow_drafted, settled.shadow_accepted)] \
+            == [None if o is None else (o.drafted, o.accepted) for o in outcomes]
+        drafts = batch.draft_step(slots, table, end, k, floor, room)
+        context = {r: np.array(text[r], np.int32) for r in rids}
+        expected = [single.propose(r, context[r], int(n)).tokens.tolist() if n else [] for r, n in zip(rids, k)]
+        started = [single.shadow(r, context[r], int(m)) if m else False for r, m in zip(rids, room)]
+        assert drafts.lists() == expected and drafts.shadowed.tolist() == started
+        seen["draft"] += sum(map(bool, expected))
+        seen["shadow started"] += sum(started)
+        seen["shadow settled"] += sum(o is not None for o in outcomes)
+    assert min(seen.values()) > 0, seen  # every path was taken
+    assert np.array_equal(batch.chooser.sums, single.chooser.sums) and batch.chooser.counts.sum() > 0
+
+
+def test_a_batch_step_scores_the_last_draft_as_a_verifier_accepts_it():
+    """The committed tokens confirm the last draft's common prefix, at most all but the last committed token
+    (a verification step commits the accepted draft tokens plus one of its own); the source is reported."""
+    bank = _history_bank()
+    slot = np.array([bank._requests["a"].slot], np.int32)
+    table = np.array([[1, 2, 3, 10, 11, 12, 13, 14, 0, 0]], np.int32)
+    drafts = bank.draft_step(slot, table, np.array([4]), np.array([4], np.int32), np.zeros(1), np.zeros(1, np.int32))
+    assert drafts.lists() == [[11, 12, 13, 14]] and bank.chooser.kinds[drafts.sources[0]] == "sealed-age-1"
+    settled = bank.commit_step(slot, table, np.array([4]), np.array([7]))  # 11 12 13: two drafts + its own
+    assert (settled.drafted[0], settled.accepted[0], settled.source[0]) == (4, 2, drafts.sources[0])
+    again = bank.commit_step(slot, table, np.array([7]), np.array([8]))  # scored once only
+    assert (again.drafted[0], again.accepted[0], again.source[0]) == (0, 0, -1)
+
+
+def test_a_bad_batch_is_rejected_and_changes_nothing():
+    bank = _history_bank()
+    slots = np.array([bank._requests[r].slot for r in ("a", "b")], np.int32)
+    table = np.array([[1, 2, 3, 10, 11], [1, 2, 3, 10, 0]], np.int32)
+    before = [bank.problems["p"].live.index.num_tokens, bank.chooser.counts.sum()]
+    bad = [(np.array([slots[0], slots[0]], np.int32), table, [3, 3], [5, 4], "twice"),
+           (np.array([slots[0], 99], np.int32), table, [3, 3], [5, 4], "no request"),
+           (slots, table, [3, 3], [5, 6], "outside the token table"),
+           (slots, np.array([[1, 2, 3, 10, 11], [1, 2, 3, -1, 0]], np.int32), [3, 3], [5, 4], "negative token")]
+    for bad_slots, bad_table, start, end, message in bad:
+        with pytest.raises(ValueError, match=message):
+            bank.commit_step(bad_slots, bad_table, np.array(start), np.array(end))
+    with pytest.raises(ValueError, match="one entry per row"):
+        bank.commit_step(slots, table, np.array([3]), np.array([5, 4]))
+    with pytest.raises(ValueError, match="a token table has one row per request"):
+        bank.commit_step(slots, np.array([1, 2, 3], np.int32), np.array([3, 3]), np.array([3, 3]))
+    with pytest.raises(ValueError, match="twice"):
+        bank.draft_step(np.array([slots[0], slots[0]], np.int32), table, np.array([5, 4]), np.array([4, 4], np.int32),
+                        np.zeros(2), np.zeros(2, np.int32))
+    assert [bank.problems["p"].live.index.num_tokens, bank.chooser.counts.sum()] == before
+    assert bank.commit_step(slots, table, np.array([3, 3]), np.array([5, 4])).drafted.tolist() == [0, 0]
+    assert bank.problems["p"].live.index.num_tokens == before[0] + 3
+
+
+def test_running_requests_draft_from_their_problems_sources_as_they_change():
+    """A version imported, a version evicted by the token budget, the global source appearing: a running
+    request's next draft reads the sources as they are now, and an evicted segment is not read again."""
+    bank = HistoryBank(DrafterConfig(max_depth=8, window=10, token_budget=30, global_tokens=0))
+    bank.start_request("r", "p", PROMPT, 5)
+    context = np.array([1, 2, 3, 50], np.int32)
+    assert bank.propose("r", context, 3).source == ""
+    bank.add_rollouts([rec("p", 0, 0, [50, 51, 52, 53, 54, 55, 56, 57, 58, 59])])
+    assert bank.propose("r", context, 3).tokens.tolist() == [51, 52, 53]
+    bank.add_rollouts([rec("p", 1, 0, [50, 61, 62, 63, 64, 65, 66, 67, 68, 69]), rec("p", 2, 0, [70] * 12)])
+    assert 0 not in bank.problems["p"].sealed  # evicted: over the token budget
+    assert bank.propose("r", context, 3).tokens.tolist() == [61, 62, 63]
+    other = HistoryBank(DrafterConfig(max_depth=8))
+    other.start_request("r", "new", PROMPT, 1)
+    assert other.propose("r", context, 2).source == ""
+    other.add_rollouts([rec("seen", 0, 0, [50, 81, 82])])
+    assert other.propose("r", context, 2).source == "global"

@@ -6,11 +6,11 @@ import pytest
 from das.scheduler.budget import DrafterParams, geometric_acceptance
 from das.scheduler.cost_model import GENERIC_PRIOR
 from das.scheduler.length import LengthCurve
-from das.service.engine.budget_hook import GUARD_PRICES, RequestView, StepSample, budget_hook_from_config
+from das.service.engine.budget_hook import GUARD_PRICES, BatchView, StepSample, budget_hook_from_config
 
 
-def views(*remaining: int, max_tokens: int = 1000) -> list[RequestView]:
-    return [RequestView(generated=0, predicted_tokens=float(r), max_tokens=max_tokens, room=64) for r in remaining]
+def views(*remaining: int, max_tokens: int = 1000) -> BatchView:
+    return BatchView.of([0] * len(remaining), [float(r) for r in remaining], [max_tokens] * len(remaining))
 
 
 def test_default_is_the_length_aware_budget_on_an_online_fit_from_the_generic_prior():
@@ -181,9 +181,7 @@ def test_measured_acceptance_decides_who_drafts():
 
 
 def test_remaining_uses_the_prediction_capped_by_max_tokens_and_at_least_one():
-    assert RequestView(100, 400.0, 300, 8).remaining == 200
-    assert RequestView(100, None, 300, 8).remaining == 200
-    assert RequestView(500, 400.0, 600, 8).remaining == 1
+    assert BatchView.of([100, 100, 500], [400.0, None, 400.0], [300, 300, 600]).remaining().tolist() == [200, 200, 1]
 
 
 @pytest.mark.parametrize("config, message", [
@@ -197,21 +195,20 @@ def test_bad_settings_are_named(config, message):
 
 
 def test_empty_batch():
-    assert budget_hook_from_config({"policy": "das"}, k_max=8).plan([]).lengths.shape == (0,)
-    assert np.asarray(budget_hook_from_config({}, k_max=8).plan([]).lengths).dtype == np.int32
+    assert budget_hook_from_config({"policy": "das"}, k_max=8).plan(views()).lengths.shape == (0,)
+    assert np.asarray(budget_hook_from_config({}, k_max=8).plan(views()).lengths).dtype == np.int32
 
 
 def test_a_length_curve_keeps_a_sample_that_outlives_its_prediction_in_the_budget():
     """Predicted 100 tokens at submission; at 150 generated a fixed prediction leaves 1 token to go, the curve
     (conditioned on having got this far) says 400 to go, and the cap still bounds both."""
     curve = LengthCurve((0, 100), (100.0, 550.0), 600, 1.0)
-    fixed = RequestView(generated=150, predicted_tokens=100.0, max_tokens=1000, room=64)
-    curved = RequestView(generated=150, predicted_tokens=100.0, max_tokens=1000, room=64, length_curve=curve)
-    assert fixed.remaining == 1.0 and curved.remaining == 400.0
-    assert RequestView(generated=150, predicted_tokens=None, max_tokens=300, room=64, length_curve=curve).remaining \
-        == 150.0
-    assert RequestView(generated=700, predicted_tokens=None, max_tokens=2000, room=64,
-                       length_curve=curve).remaining == 700.0  # the tail model: 700 * (1 + 1)
+    both = BatchView.of([150, 150, 150, 700], [100.0, 100.0, None, None], [1000, 1000, 300, 2000],
+                        [None, curve, curve, curve])
+    # fixed, curved, curved under a cap, and the tail model: 700 * (1 + 1)
+    assert both.remaining().tolist() == [1.0, 400.0, 150.0, 700.0]
     hook = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5}, k_max=16)
-    batch = [RequestView(generated=20, predicted_tokens=40.0, max_tokens=1000, room=64) for _ in range(15)]
-    assert hook.plan([*batch, curved]).lengths[-1] > hook.plan([*batch, fixed]).lengths[-1]
+    generated, predicted, caps = [20] * 15 + [150], [40.0] * 15 + [100.0], [1000] * 16
+    curved = BatchView.of(generated, predicted, caps, [None] * 15 + [curve])
+    fixed = BatchView.of(generated, predicted, caps)
+    assert hook.plan(curved).lengths[-1] > hook.plan(fixed).lengths[-1]

@@ -212,7 +212,7 @@ def test_a_drafter_failure_costs_the_step_its_drafts_not_the_engine(monkeypatch)
     def broken(*args, **kwargs):
         raise RuntimeError("index corrupted")
 
-    monkeypatch.setattr(proposer.bank, "propose", broken)
+    monkeypatch.setattr(proposer.bank, "draft_step", broken)
     assert runner.step(proposer, {}) == {"b": []}
     assert proposer.stats()["failures"] == 1
 
