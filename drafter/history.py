@@ -245,27 +245,27 @@ class HistoryBank:
         history.running.add(request_id)
         return slot
 
-    def commit_step(self, slots: np.ndarray, table: np.ndarray, start: np.ndarray, end: np.ndarray) -> StepCommit:
-        """One step's committed tokens for a batch: request slots[r] committed table[r, start[r]:end[r]] (table:
-        int32, one row per batch row; none where end[r] <= start[r]). Feeds them into the live segments (O(max_depth)
-        per token), scores the last candidates for the source chooser and the last proposals and shadow drafts.
-        Checked before anything changes (ValueError)."""
-        n = len(slots)
-        out = self._table.commit(np.ascontiguousarray(slots, np.int32), _token_table(table),
-                                 np.arange(n, dtype=np.int32), np.ascontiguousarray(start, np.int64),
-                                 np.ascontiguousarray(end, np.int64))
+    def commit_step(self, slots: np.ndarray, table: np.ndarray, start: np.ndarray, end: np.ndarray,
+                    rows: np.ndarray | None = None) -> StepCommit:
+        """One step's committed tokens for a batch: request slots[r] committed table[rows[r], start[r]:end[r]]
+        (table: int32, a row per request; rows: None for row r; none where end[r] <= start[r]). Feeds them into
+        the live segments (O(max_depth) per token), scores the last candidates for the source chooser and the last
+        proposals and shadow drafts. Checked before anything changes (ValueError)."""
+        out = self._table.commit(np.ascontiguousarray(slots, np.int32), _token_table(table), _rows(rows, len(slots)),
+                                 np.ascontiguousarray(start, np.int64), np.ascontiguousarray(end, np.int64))
         return StepCommit(*out)
 
     def draft_step(self, slots: np.ndarray, table: np.ndarray, end: np.ndarray, k: np.ndarray, min_prob: np.ndarray,
-                   shadow_room: np.ndarray, vocab_size: int = 0) -> StepDrafts:
-        """One step's drafts for a batch: request slots[r], whose prompt + output so far is table[r, :end[r]], gets
+                   shadow_room: np.ndarray, vocab_size: int = 0, rows: np.ndarray | None = None) -> StepDrafts:
+        """One step's drafts for a batch: request slots[r], whose prompt + output so far is table[rows[r], :end[r]]
+        (rows: None for row r), gets
         the chooser's pick of at most k[r] tokens, every source's walk stopping before a token whose cumulative
         probability is under max(min_prob[r], config.min_prob) (above 1: nothing), cut before its first token >=
         vocab_size (0: no cut); a request with k[r] == 0 and shadow_room[r] > 0 may start a shadow draft of at most
         that many tokens (`shadow`). Checked before anything changes (ValueError)."""
-        n, cfg = len(slots), self.config
-        out = self._table.draft(np.ascontiguousarray(slots, np.int32), _token_table(table),
-                                np.arange(n, dtype=np.int32), np.ascontiguousarray(end, np.int64),
+        cfg = self.config
+        out = self._table.draft(np.ascontiguousarray(slots, np.int32), _token_table(table), _rows(rows, len(slots)),
+                                np.ascontiguousarray(end, np.int64),
                                 np.ascontiguousarray(k, np.int32), np.ascontiguousarray(min_prob, np.float64),
                                 np.ascontiguousarray(shadow_room, np.int32), cfg.min_prob, cfg.match_factor,
                                 cfg.prior, cfg.max_depth, vocab_size)
@@ -453,6 +453,10 @@ def _token_table(table: np.ndarray) -> np.ndarray:
         if table.ndim != 2:
             raise ValueError(f"a token table has one row per request, got shape {table.shape}")
     return np.ascontiguousarray(table)
+
+
+def _rows(rows: np.ndarray | None, n: int) -> np.ndarray:
+    return np.arange(n, dtype=np.int32) if rows is None else np.ascontiguousarray(rows, np.int32)
 
 
 def _tokens(values: Iterable[int] | np.ndarray) -> np.ndarray:

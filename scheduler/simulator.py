@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from das.drafter.history import DrafterConfig, HistoryBank, accepted_prefix
+from das.drafter.history import DrafterConfig, HistoryBank, StepDrafts
 from das.drafter.records import RolloutRecord
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget import BatchState, BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy
@@ -135,9 +135,14 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     running: list[list[int]] = [[] for _ in range(engines)]
 
     ids = [f"{r.problem_id}/{i}" for i, r in enumerate(batch)]
+    # every request's whole recorded text, a row each: the drafter reads its context and commits from it in place
+    table = np.zeros((len(batch), max(map(len, full), default=1)), np.int32)
+    for i, tokens in enumerate(full):
+        table[i, :tokens.size] = tokens
+    bank_slot = np.zeros(len(batch), np.int32)
     if policy is not None:
         for i, r in enumerate(batch):
-            bank.start_request(ids[i], r.problem_id, full[i][:prompt_len[i]], r.policy_version)
+            bank_slot[i] = bank.start_request(ids[i], r.problem_id, full[i][:prompt_len[i]], r.policy_version)
     pos = np.zeros(len(batch), dtype=np.int64)
     unprefilled = prompt_len.copy()  # prompt tokens not computed yet
     finish = np.zeros(len(batch))
@@ -170,22 +175,22 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
                 plan = exploration[e].apply(plan, state, drafter.unmeasured, drafter.measured)
             k, floor, explored = plan.lengths.astype(np.int64), plan.min_prob, plan.explored
         drafted = np.zeros(len(active), dtype=np.int64)
-        advanced = np.ones(len(active), dtype=np.int64)
-        shadowed: list[tuple[int, int, int]] = []  # (slot, drafted, accepted) of shadow drafts settled this pass
         accepted = np.zeros(len(active), dtype=np.int64)
-        for j, i in enumerate(active):
-            at = prompt_len[i] + pos[i]
-            if k[j] > 0:
-                draft = bank.propose(ids[i], full[i][:at], int(k[j]), float(floor[j])).tokens
-                drafted[j] = draft.size
-                accepted[j] = accepted_prefix(draft, full[i][at:at + len(draft)])
-                advanced[j] = min(accepted[j] + 1, lengths[i] - pos[i])
-            elif policy is not None:  # as the proposer: acceptance measured where nothing is drafted
-                bank.shadow(ids[i], full[i][:at], k_max)
-            if policy is not None:
-                outcome = bank.extend(ids[i], full[i][at:at + advanced[j]])
-                if outcome is not None:
-                    shadowed.append((slot[i], outcome.drafted, outcome.accepted))
+        advanced = np.ones(len(active), dtype=np.int64)
+        shadowed = None  # (slots, drafted, accepted) of the shadow drafts settled this pass
+        if policy is not None and len(active):
+            # as the proposer: drafts from what every request had committed before this pass, then its commits;
+            # a request the plan leaves without a draft keeps a shadow draft (acceptance where nothing is drafted)
+            at = prompt_len[active] + pos[active]
+            drafts = bank.draft_step(bank_slot[active], table, at, k.astype(np.int32), floor,
+                                     np.where(k > 0, 0, k_max).astype(np.int32), rows=active)
+            drafted = np.diff(drafts.offsets)
+            accepted = _accepted_prefixes(drafts, table, active, at, prompt_len[active] + lengths[active])
+            advanced = np.where(drafted > 0, np.minimum(accepted + 1, lengths[active] - pos[active]), 1)
+            settled = bank.commit_step(bank_slot[active], table, at, at + advanced, rows=active)
+            done_shadows = np.flatnonzero(settled.shadow_drafted)
+            shadowed = (slot[active][done_shadows], settled.shadow_drafted[done_shadows],
+                        settled.shadow_accepted[done_shadows])
         decode_tokens = int(len(active) + drafted.sum())
         room = max(engine.step_tokens - decode_tokens, 0)
         chunks = 0
@@ -207,8 +212,8 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             if policy is not None:
                 bank.extend(ids[i], full[i][prompt_len[i]:prompt_len[i] + pos[i]])
         acceptance.record(slot[active], drafted, accepted)
-        if shadowed:
-            acceptance.record(*(np.array(col, np.int64) for col in zip(*shadowed)))
+        if shadowed is not None and shadowed[0].size:
+            acceptance.record(*(np.asarray(col, np.int64) for col in shadowed))
         if explored is not None:  # as the engine's budget hook
             exploration[e].refund(int(accepted[explored].sum()), cost, len(active))
         passes += 1
@@ -228,6 +233,24 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     makespan = float(finish.max())
     tail = (makespan - float(np.median(finish))) / makespan if makespan > 0 else 0.0
     return makespan, tail, passes, verified, accepted_total
+
+
+def _accepted_prefixes(drafts: StepDrafts, table: np.ndarray, rows: np.ndarray, at: np.ndarray,
+                       ends: np.ndarray) -> np.ndarray:
+    """Per request, the tokens of its draft that a verifier accepts along its recorded text table[rows[r]]: the
+    longest prefix of the draft equal to the text from column at[r], which ends at column ends[r]. Vectorised."""
+    lengths = np.diff(drafts.offsets)
+    accepted = np.zeros(len(rows), dtype=np.int64)
+    drafting = np.flatnonzero(lengths)
+    if not drafting.size:
+        return accepted
+    owner = np.repeat(np.arange(len(rows)), lengths)
+    offset = np.arange(drafts.tokens.size) - drafts.offsets[:-1][owner]
+    column = at[owner] + offset
+    holds = (column < ends[owner]) & (table[rows[owner], np.minimum(column, table.shape[1] - 1)] == drafts.tokens)
+    first_miss = np.where(holds, np.iinfo(np.int64).max, offset)
+    accepted[drafting] = np.minimum(np.minimum.reduceat(first_miss, drafts.offsets[:-1][drafting]), lengths[drafting])
+    return accepted
 
 
 def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, policy_name: str,

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
 from das.bench.cli import app
+from das.drafter.history import StepDrafts, accepted_prefix
 from das.drafter.records import RolloutRecord, write_rollouts
 from das.scheduler.cost_model import CostModel
-from das.scheduler.simulator import simulate
+from das.scheduler.simulator import _accepted_prefixes, simulate
 
 FLAT = CostModel(name="flat", c_base_s=1.0, c_tok_s=0.0, source="test")
 
@@ -103,3 +105,24 @@ def test_cli_labels_everything_as_simulated(tmp_path):
     assert table.exit_code == 0 and "SIMULATED" in table.output
     bad = CliRunner().invoke(app, ["bench", "simulate", "--traces", str(path), "--cost-model", "nope"])
     assert bad.exit_code == 2
+
+
+def test_drafts_are_scored_along_the_recorded_text_as_a_verifier_would():
+    """The vectorised scoring gives each draft the longest prefix equal to its request's recorded text from where
+    it stands, never past the text's end (as accepted_prefix does one draft at a time)."""
+    rng = np.random.default_rng(3)
+    table = rng.integers(0, 3, size=(6, 40)).astype(np.int32)
+    ends = np.array([40, 30, 25, 40, 12, 40])
+    rows, at = np.array([4, 0, 2, 5, 1]), np.array([10, 5, 20, 39, 0])
+    drafts, expected = [], []
+    for r, a in zip(rows, at):
+        truth = table[r, a:ends[r]]
+        tail = rng.integers(0, 3, size=rng.integers(0, 4))
+        draft = np.concatenate([truth[:rng.integers(0, 6)], tail]).astype(np.int32)
+        drafts.append(draft)
+        expected.append(accepted_prefix(draft, truth))
+    offsets = np.concatenate([[0], np.cumsum([d.size for d in drafts])])
+    step = StepDrafts(np.concatenate(drafts), np.zeros(offsets[-1], np.float32), offsets, np.zeros(5, np.int32),
+                      np.zeros(5, np.int32), np.zeros(5, bool))
+    assert _accepted_prefixes(step, table, rows, at, ends[rows]).tolist() == expected
+    assert max(expected) > 0 and any(e < d.size for e, d in zip(expected, drafts))  # both cases were drawn
