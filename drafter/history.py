@@ -276,11 +276,10 @@ class HistoryBank:
         """Feeds tokens just committed to one request's output (`commit_step` for one row). Returns the outcome of
         its shadow draft where these tokens settled it (its first wrong token or its end reached)."""
         req = self._request(request_id)
-        tokens = _tokens(tokens)
-        settled = self.commit_step(np.array([req.slot], np.int32), tokens[None, :], np.zeros(1, np.int64),
-                                   np.array([tokens.size], np.int64))
-        drafted = int(settled.shadow_drafted[0])
-        return ShadowOutcome(drafted, int(settled.shadow_accepted[0])) if drafted else None
+        if not (isinstance(tokens, np.ndarray) and tokens.dtype == np.int32):
+            tokens = _tokens(tokens)
+        drafted, accepted = self._table.commit_one(req.slot, tokens)[3:]
+        return ShadowOutcome(drafted, accepted) if drafted else None
 
     def finish_request(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)
@@ -302,10 +301,10 @@ class HistoryBank:
         if max_tokens <= 0 or min_prob > 1.0:
             self._request(request_id)
             return _no_proposal()
-        out = self._draft_one(request_id, context, max_tokens, min_prob, 0)
-        if out.sources[0] < 0:
+        tokens, probs, source, match_len, _ = self._draft_one(request_id, context, max_tokens, min_prob, 0)
+        if source < 0:
             return _no_proposal()
-        return Proposal(out.tokens, out.probs, self.chooser.kinds[int(out.sources[0])], int(out.match_lens[0]))
+        return Proposal(tokens, probs, self.chooser.kinds[source], match_len)
 
     def shadow(self, request_id: str, context: np.ndarray, max_tokens: int) -> bool:
         """Starts a shadow draft of at most max_tokens tokens for a request that verifies none this step (module
@@ -317,14 +316,18 @@ class HistoryBank:
         The gap bounds the cost: without it a batch of 60 requests whose drafts mostly fail at once started ~33
         shadow drafts a step, +0.5 ms of the proposer's ~1.3 ms a step on the 2-core CPU; with 8 tokens the
         simulated makespans kept most of the gain (docs/results/2026-11-26-shadow-drafts.md)."""
-        return bool(self._draft_one(request_id, context, 0, 0.0, max(0, max_tokens)).shadowed[0])
+        return self._draft_one(request_id, context, 0, 0.0, max(0, max_tokens))[4]
 
     def _draft_one(self, request_id: str, context: np.ndarray, k: int, min_prob: float, shadow_room: int
-                   ) -> StepDrafts:
+                   ) -> tuple[np.ndarray, np.ndarray, int, int, bool]:
+        """`draft_step` for one row: (tokens, probs, source kind or -1, match length, whether a shadow draft
+        started)."""
         req = self._request(request_id)
-        context = _tokens(context)
-        return self.draft_step(np.array([req.slot], np.int32), context[None, :], np.array([context.size], np.int64),
-                               np.array([k], np.int32), np.array([min_prob]), np.array([shadow_room], np.int32))
+        if not (isinstance(context, np.ndarray) and context.dtype == np.int32):
+            context = _tokens(context)
+        cfg = self.config
+        return self._table.draft_one(req.slot, np.ascontiguousarray(context), k, min_prob, shadow_room, cfg.min_prob,
+                                     cfg.match_factor, cfg.prior, cfg.max_depth)
 
     def _request(self, request_id: str) -> _Request:
         req = self._requests.get(request_id)

@@ -316,6 +316,38 @@ NB_MODULE(_suffix_index, m) {
             "int32 array of shape (5, rows): the last proposal's length, its accepted tokens and its source kind "
             "(-1: none), and a shadow draft settled by these tokens: its length and accepted tokens (0, 0: none).")
         .def(
+            "commit_one",
+            [](PyRequestTable& self, int slot, nb::handle tokens) {
+                return with_tokens(tokens, "commit_one", [&](const int32_t* p, size_t n) {
+                    int32_t out[5], row = 0;
+                    int64_t start = 0, end = static_cast<int64_t>(n);
+                    self.commit(&slot, 1, {p, 1, n}, &row, &start, &end,
+                                {out, out + 1, out + 2, out + 3, out + 4});
+                    return nb::make_tuple(out[0], out[1], out[2], out[3], out[4]);
+                });
+            },
+            nb::arg("slot"), nb::arg("tokens"),
+            "commit() for one request: returns (drafted, accepted, source, shadow_drafted, shadow_accepted).")
+        .def(
+            "draft_one",
+            [](PyRequestTable& self, int slot, nb::handle context, int k, double min_prob, int shadow_room,
+               double base_min_prob, double match_factor, double prior, int context_len, int vocab_size) {
+                check_speculate_args("draft_one", 0, base_min_prob, match_factor, prior);
+                return with_tokens(context, "draft_one", [&](const int32_t* p, size_t n) {
+                    int32_t row = 0;
+                    int64_t end = static_cast<int64_t>(n);
+                    das::Drafts d = self.draft(&slot, 1, {p, 1, n}, &row, &end, &k, &min_prob, &shadow_room,
+                                               {base_min_prob, match_factor, prior, context_len, vocab_size});
+                    return nb::make_tuple(to_numpy(d.tokens), to_numpy(d.probs), d.sources[0], d.match_lens[0],
+                                          d.shadowed[0] != 0);
+                });
+            },
+            nb::arg("slot"), nb::arg("context"), nb::arg("k"), nb::arg("min_prob"), nb::arg("shadow_room"),
+            nb::arg("base_min_prob") = 0.0, nb::arg("match_factor") = 0.0, nb::arg("prior") = 0.0,
+            nb::arg("context_len") = 32, nb::arg("vocab_size") = 0,
+            "draft() for one request whose prompt + output so far is `context`: returns (tokens, probs, source, "
+            "match_len, shadowed).")
+        .def(
             "draft",
             [](PyRequestTable& self, const Column<int32_t>& slots, const TokenTable2D& table,
                const Column<int32_t>& rows, const Column<int64_t>& end, const Column<int32_t>& k,
