@@ -11,7 +11,8 @@ of the draft equal to the recorded continuation; a pass verifies the draft token
 advances by accepted + 1 and ends at its recorded length; a request the policy leaves without a draft keeps a
 shadow draft (`HistoryBank.shadow`) whose outcome feeds its measured acceptance, as in the engine. So the
 modelled parts are the step cost and the scheduler's limits; preemption and prefix-cache hits are not modelled
-(every prompt is computed). Engines interleave in simulated time because they share the drafter.
+(every prompt is computed). Each engine drafts from its own bank, holding the history of the problems placed on
+it (what it pulls from the history store), and measures acceptance on its own, as in the service.
 
 Three references run beside the arms, to show where a policy's time goes (`SimulationBench.references`):
   * every group alone: one engine per group, so no group shares its steps (what placement could reach at best
@@ -108,9 +109,6 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     book = DifficultyBook()
     book.add_records(history)
     predictor = LengthPredictor(book)
-    bank = HistoryBank(drafter_config)
-    if policy is not None:
-        bank.add_rollouts(history)
 
     problems = [r.problem_id for r in batch]
     lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.int64)
@@ -133,6 +131,18 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
         # longest predicted first: the order in which an engine admits and schedules them
         waiting.append(deque(sorted(members, key=lambda i: -predicted[i])))
     running: list[list[int]] = [[] for _ in range(engines)]
+    engine_of = np.zeros(len(batch), dtype=np.int64)
+    for e in range(engines):
+        for gi in plan.order[e]:
+            engine_of[groups[group_ids[gi]]] = e
+    # as in the service, each engine drafts from its own bank, holding the history of the problems it was given
+    # (what it pulls from the history store), and measures acceptance on its own
+    banks = [HistoryBank(drafter_config) for _ in range(engines)]
+    if policy is not None:
+        placed = {problems[i]: int(engine_of[i]) for i in range(len(batch))}
+        for e, bank in enumerate(banks):
+            bank.add_rollouts(r for r in history if placed.get(r.problem_id) == e)
+    acceptance = [AcceptanceCounts(k_max) for _ in range(engines)]
 
     ids = [f"{r.problem_id}/{i}" for i, r in enumerate(batch)]
     # every request's whole recorded text, a row each: the drafter reads its context and commits from it in place
@@ -142,18 +152,19 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
     bank_slot = np.zeros(len(batch), np.int32)
     if policy is not None:
         for i, r in enumerate(batch):
-            bank_slot[i] = bank.start_request(ids[i], r.problem_id, full[i][:prompt_len[i]], r.policy_version)
+            bank_slot[i] = banks[engine_of[i]].start_request(ids[i], r.problem_id, full[i][:prompt_len[i]],
+                                                             r.policy_version)
     pos = np.zeros(len(batch), dtype=np.int64)
     unprefilled = prompt_len.copy()  # prompt tokens not computed yet
     finish = np.zeros(len(batch))
-    acceptance = AcceptanceCounts(k_max)
-    slot = np.array([acceptance.start(i) for i in ids], dtype=np.int64)
+    slot = np.array([acceptance[engine_of[i]].start(rid) for i, rid in enumerate(ids)], dtype=np.int64)
     clock = [(0.0, e) for e in range(engines) if waiting[e]]
     exploration = [Exploration() for _ in range(engines)]  # each engine explores on its own credit
     heapq.heapify(clock)
     passes = verified = accepted_total = 0
     while clock:
         now, e = heapq.heappop(clock)
+        bank, counts = banks[e], acceptance[e]
         while waiting[e] and len(running[e]) < engine.max_num_seqs:
             running[e].append(waiting[e].popleft())
         admitted = np.array(running[e], dtype=np.int64)
@@ -166,7 +177,7 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
                 ends = lengths[active]
             else:  # the engine cannot know where a sample ends: it reads this p90 from the request's LengthCurve
                 ends = predictor.predict([problems[i] for i in active], pos[active]).p90
-            drafter = acceptance.params(slot[active])
+            drafter = counts.params(slot[active])
             state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), acceptance=drafter.acceptance,
                                c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s, k_max=k_max,
                                c_spec_s=cost.spec_price(len(active)))
@@ -211,9 +222,9 @@ def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutReco
             pos[i] = min(1, lengths[i])
             if policy is not None:
                 bank.extend(ids[i], full[i][prompt_len[i]:prompt_len[i] + pos[i]])
-        acceptance.record(slot[active], drafted, accepted)
+        counts.record(slot[active], drafted, accepted)
         if shadowed is not None and shadowed[0].size:
-            acceptance.record(*(np.asarray(col, np.int64) for col in shadowed))
+            counts.record(*(np.asarray(col, np.int64) for col in shadowed))
         if explored is not None:  # as the engine's budget hook
             exploration[e].refund(int(accepted[explored].sum()), cost, len(active))
         passes += 1
