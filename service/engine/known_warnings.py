@@ -1,4 +1,4 @@
-"""vLLM warnings that every engine we start would print and that leave a user nothing to act on.
+"""vLLM warnings (and one of torch's) that every engine we start would print and that leave a user nothing to act on.
 
 Each comes from a configuration we chose knowingly or from the CPU build we ship, and each entry says why it is
 safe to drop, and whether only on the CPU (most: what a CPU engine can ignore may matter on a GPU). A filter on
@@ -20,6 +20,7 @@ _CONFIG = "vllm.config.vllm"
 _CPU = "vllm.platforms.cpu"
 _CPU_WORKER = "vllm.v1.worker.cpu_worker"
 _LOGITS = "vllm.v1.sample.logits_processor"
+_TORCH_TRITON = "torch._library.triton"  # torch's, not vLLM's: it warns on every engine start on the CPU
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
                  "shows"),
     KnownWarning(_LOGITS, "min_p and logit_bias parameters won't work with speculative decoding",
                  "our sampling spec (service/api.py SamplingSpec) carries neither", cpu_only=False),
+    KnownWarning(_TORCH_TRITON, "Triton not available, find_triton_kernels",
+                 "torch notes it whenever it inspects a custom op; setup.sh removes the CUDA build of triton that "
+                 "xgrammar pulls in, which the CPU platform cannot use"),
 )
 
 # Python warnings vLLM's imports raise in every engine process, for the same reason.

@@ -18,7 +18,7 @@ Each step, for every request in the batch (row i of the runner's input batch):
      engine's recent pooled acceptance); K_i is capped so that no draft runs past `max_tokens` or the context,
      the bank proposes at most K_i tokens, and the draft is cut before its first token whose estimated
      probability (that it and every token before it are accepted) is under the floor;
-  4. a request the plan gives no draft gets a shadow draft of up to K_max tokens (`HistoryBank.shadow`), which
+  4. a request the plan gives no draft gets a shadow draft of up to K_max tokens (`HistoryBank.draft_step`), which
      vLLM never sees: the tokens it commits over the next steps settle it, and its outcome is recorded with the
      verified drafts' (step 2), so acceptance is measured where the budget drafts nothing, at no cost to the
      engine. One at a time per request, and the next only `DrafterConfig.shadow_gap` tokens after one settles.

@@ -94,3 +94,15 @@ def test_known_python_warnings_are_ignored_and_others_shown():
                       FutureWarning)
         warnings.warn("something else is deprecated", FutureWarning)
     assert [str(w.message) for w in caught] == ["something else is deprecated"]
+
+
+def test_torch_noting_the_missing_triton_is_dropped_on_the_cpu_only():
+    """setup.sh removes the CUDA triton on the CPU; torch notes its absence at every engine start."""
+    torch_triton = logging.getLogger("torch._library.triton")
+    record = torch_triton.makeRecord(torch_triton.name, logging.WARNING, __file__, 1,
+                                     "Triton not available, find_triton_kernels = []", (), None)
+    other = torch_triton.makeRecord(torch_triton.name, logging.WARNING, __file__, 1, "something else", (), None)
+    known_warnings.install(cpu=False)
+    assert torch_triton.filter(record)
+    known_warnings.install(cpu=True)
+    assert not torch_triton.filter(record) and torch_triton.filter(other)
