@@ -258,11 +258,10 @@ class HistoryBank:
     def draft_step(self, slots: np.ndarray, table: np.ndarray, end: np.ndarray, k: np.ndarray, min_prob: np.ndarray,
                    shadow_room: np.ndarray, vocab_size: int = 0, rows: np.ndarray | None = None) -> StepDrafts:
         """One step's drafts for a batch: request slots[r], whose prompt + output so far is table[rows[r], :end[r]]
-        (rows: None for row r), gets
-        the chooser's pick of at most k[r] tokens, every source's walk stopping before a token whose cumulative
-        probability is under max(min_prob[r], config.min_prob) (above 1: nothing), cut before its first token >=
-        vocab_size (0: no cut); a request with k[r] == 0 and shadow_room[r] > 0 may start a shadow draft of at most
-        that many tokens (`shadow`). Checked before anything changes (ValueError)."""
+        (rows: None for row r), gets the chooser's pick of at most k[r] tokens, every source's walk stopping before
+        a token whose cumulative probability is under max(min_prob[r], config.min_prob) (above 1: nothing), cut
+        before its first token >= vocab_size (0: no cut); a request with k[r] == 0 and shadow_room[r] > 0 may start
+        a shadow draft of at most that many tokens (`shadow`). Checked before anything changes (ValueError)."""
         cfg = self.config
         out = self._table.draft(np.ascontiguousarray(slots, np.int32), _token_table(table), _rows(rows, len(slots)),
                                 np.ascontiguousarray(end, np.int64),
