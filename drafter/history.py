@@ -181,6 +181,16 @@ class StepDrafts:
         return [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])]
 
 
+@dataclass(frozen=True, slots=True)
+class _Sources:
+    """The indexes a request of one problem drafts from, their calibrator kinds, and the native list of both that
+    the problem's running requests hold."""
+
+    indices: list[SuffixIndex]
+    kinds: list[int]
+    native: SourceList
+
+
 @dataclass(slots=True)
 class _Request:
     problem: ProblemHistory
@@ -197,8 +207,7 @@ class HistoryBank:
         self._requests: dict[str, _Request] = {}
         self._seal_order: deque[tuple[str, int]] = deque()  # (problem, version), oldest first
         self._global = Segment.new(self.config.max_depth)  # seq_ids oldest first
-        # per problem: its source indexes, their kinds, and the native list its running requests draft from
-        self._sources: dict[str, tuple[list[SuffixIndex], list[int], SourceList]] = {}
+        self._sources: dict[str, _Sources] = {}  # per problem, cached until they change (`_sources_changed`)
         kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global"]
         self.chooser = SourceChooser(kinds, self.config.choice_pseudo_count, self.config.choice_horizon)
         self._table = RequestTable(self.chooser, self.config.shadow_gap)
@@ -240,7 +249,7 @@ class HistoryBank:
         seq = history.live.add(np.zeros(0, np.int32), sealed=False)
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         self._next_slot = max(self._next_slot, slot + 1)
-        self._table.add(slot, history.live.index, seq, self._source_list(history, native=True))
+        self._table.add(slot, history.live.index, seq, self._source_list(history).native)
         self._requests[request_id] = _Request(history, seq, slot)
         history.running.add(request_id)
         return slot
@@ -334,10 +343,8 @@ class HistoryBank:
             raise KeyError(f"unknown request {request_id!r}")
         return req
 
-    def _source_list(self, history: ProblemHistory, native: bool = False
-                     ) -> tuple[list[SuffixIndex], list[int]] | SourceList:
-        """The indices a request of this problem drafts from and their calibrator kinds, or (`native`) the native
-        list of both that its requests hold (cached until it changes: `_sources_changed`)."""
+    def _source_list(self, history: ProblemHistory) -> _Sources:
+        """The sources a request of this problem drafts from (cached until they change: `_sources_changed`)."""
         cached = self._sources.get(history.problem_id)
         if cached is None:
             kind = self.chooser.kind_index
@@ -352,15 +359,15 @@ class HistoryBank:
             if self._global.seq_ids:
                 indices.append(self._global.index)
                 kinds.append(kind("global"))
-            cached = self._sources[history.problem_id] = (indices, kinds, SourceList(indices, kinds))
-        return cached[2] if native else (cached[0], cached[1])
+            cached = self._sources[history.problem_id] = _Sources(indices, kinds, SourceList(indices, kinds))
+        return cached
 
     def _sources_changed(self, history: ProblemHistory) -> None:
         """A problem's sources changed: its running requests draft from the new list from now on (the old one,
         and the indexes only it holds, are freed once no request refers to it)."""
         self._sources.pop(history.problem_id, None)
         if history.running:
-            sources = self._source_list(history, native=True)
+            sources = self._source_list(history).native
             for request_id in history.running:
                 self._table.set_sources(self._requests[request_id].slot, sources)
 

@@ -47,14 +47,6 @@ class BatchView:
     max_tokens: np.ndarray
     length_curves: Sequence[LengthCurve | None]
 
-    @classmethod
-    def of(cls, generated: Sequence[int], predicted_tokens: Sequence[float | None], max_tokens: Sequence[int],
-           length_curves: Sequence[LengthCurve | None] | None = None) -> BatchView:
-        """A view from per-request values (None: prediction unknown)."""
-        predicted = np.array([np.nan if p is None else p for p in predicted_tokens], np.float64)
-        curves = list(length_curves) if length_curves is not None else [None] * len(predicted)
-        return cls(np.asarray(generated, np.int64), predicted, np.asarray(max_tokens, np.int64), curves)
-
     def __len__(self) -> int:
         return len(self.generated)
 

@@ -38,11 +38,12 @@ class ChooserDrafter(DasDrafter):
         self.caps, self.alpha = caps, alpha
         self.sums, self.counts = defaultdict(float), defaultdict(float)
         self.agreement = defaultdict(lambda: 0.5)  # (request, source kind) -> recent share of first tokens held
-        self.pending = {}  # request -> [(cell, draft tokens, kind)] of its last proposal
+        self.pending = {}  # request -> [(cell, draft tokens, kind, score)] of its last proposal
 
     def propose(self, request_id, context, max_tokens):
         bank = self.bank
-        indices, kinds = bank._source_list(bank._requests[request_id].problem)
+        sources = bank._source_list(bank._requests[request_id].problem)
+        indices, kinds = sources.indices, sources.kinds
         ctx = np.ascontiguousarray(context, np.int32)
         candidates = []
         for index, kind in zip(indices, kinds):
@@ -58,21 +59,29 @@ class ChooserDrafter(DasDrafter):
             agree = min(3, sum(c[4][0] == tokens[0] for c in candidates))
             recent = min(3, int(self.agreement[(request_id, kind)] * 4)) if self.alpha is not None else 0
             cell = (kind, match_bucket(match_len), min(7, int(first_prob * 8)), agree, recent)
-            value = (self.sums[cell] + PSEUDO_COUNT * score) / (self.counts[cell] + PSEUDO_COUNT)
-            cells.append((cell, tokens, kind))
+            value = self.value(cell, score)
+            cells.append((cell, tokens, kind, score))
             if value > best_value:
                 best, best_value = tokens, value
         self.pending[request_id] = cells
         return np.asarray(best, np.int32)
 
+    def value(self, cell, score):
+        """Expected accepted tokens of a candidate: its cell's mean, starting from PSEUDO_COUNT times its score."""
+        return (self.sums[cell] + PSEUDO_COUNT * score) / (self.counts[cell] + PSEUDO_COUNT)
+
+    def learn(self, cell, draft, score, committed, accepted):
+        """A candidate of `cell` had `accepted` of its tokens committed (censored at the committed tokens)."""
+        if self.counts[cell] >= HORIZON:
+            self.sums[cell] *= (HORIZON - 1) / HORIZON
+            self.counts[cell] *= (HORIZON - 1) / HORIZON
+        self.sums[cell] += accepted
+        self.counts[cell] += 1
+
     def extend(self, request_id, tokens):
-        for cell, draft, kind in self.pending.pop(request_id, ()):
+        for cell, draft, kind, score in self.pending.pop(request_id, ()):
             k = accepted_prefix(np.asarray(draft, np.int32), tokens)  # censored at the committed tokens
-            if self.counts[cell] >= HORIZON:
-                self.sums[cell] *= (HORIZON - 1) / HORIZON
-                self.counts[cell] *= (HORIZON - 1) / HORIZON
-            self.sums[cell] += k
-            self.counts[cell] += 1
+            self.learn(cell, draft, score, tokens, k)
             if self.alpha is not None:
                 key = (request_id, kind)
                 self.agreement[key] = (1 - self.alpha) * self.agreement[key] + self.alpha * (k > 0)

@@ -28,15 +28,17 @@ for vi, v in enumerate(sorted(by_v)):
         for i in active:
             seq, at = full[i], pos[i]
             truth = seq[at:at + K]
+            ctx = np.ascontiguousarray(seq[:at], np.int32)
+            # every source's candidate, as the proposal below sees them (choose has no side effects)
+            sources, cfg = bank._source_list(bank._requests[ids[i]].problem), bank.config
+            choice = bank.chooser.choose(sources.indices, sources.kinds, ctx[-cfg.max_depth:], K, cfg.min_prob,
+                                         cfg.match_factor, cfg.prior)
             prop = bank.propose(ids[i], seq[:at], K)
             acc = accepted_prefix(prop.tokens, truth)
-            choice = bank._requests[ids[i]].pending
             best_src = max([accepted_prefix(np.asarray(d.tokens, np.int32), truth) for d in choice.drafts] + [0])
             # shorter matches of every source
-            indices, _ = bank._source_list(bank._requests[ids[i]].problem)
             best_all = best_src
-            ctx = np.ascontiguousarray(seq[:at], np.int32)
-            for ix in indices:
+            for ix in sources.indices:
                 for m in (1, 2, 3, 4, 6, 8, 12, 16):
                     d = ix.speculate(ctx[-m:], K, 0.0, 0.0, 2.0)
                     best_all = max(best_all, accepted_prefix(np.asarray(d.tokens, np.int32), truth))

@@ -9,8 +9,15 @@ from das.scheduler.length import LengthCurve
 from das.service.engine.budget_hook import GUARD_PRICES, BatchView, StepSample, budget_hook_from_config
 
 
+def batch_view(generated: list[int], predicted: list[float | None], max_tokens: list[int],
+               curves: list[LengthCurve | None] | None = None) -> BatchView:
+    """A BatchView from per-request values (None: prediction unknown)."""
+    return BatchView(np.asarray(generated, np.int64), np.array([np.nan if p is None else p for p in predicted]),
+                     np.asarray(max_tokens, np.int64), curves if curves is not None else [None] * len(generated))
+
+
 def views(*remaining: int, max_tokens: int = 1000) -> BatchView:
-    return BatchView.of([0] * len(remaining), [float(r) for r in remaining], [max_tokens] * len(remaining))
+    return batch_view([0] * len(remaining), [float(r) for r in remaining], [max_tokens] * len(remaining))
 
 
 def test_default_is_the_length_aware_budget_on_an_online_fit_from_the_generic_prior():
@@ -181,7 +188,7 @@ def test_measured_acceptance_decides_who_drafts():
 
 
 def test_remaining_uses_the_prediction_capped_by_max_tokens_and_at_least_one():
-    assert BatchView.of([100, 100, 500], [400.0, None, 400.0], [300, 300, 600]).remaining().tolist() == [200, 200, 1]
+    assert batch_view([100, 100, 500], [400.0, None, 400.0], [300, 300, 600]).remaining().tolist() == [200, 200, 1]
 
 
 @pytest.mark.parametrize("config, message", [
@@ -203,12 +210,12 @@ def test_a_length_curve_keeps_a_sample_that_outlives_its_prediction_in_the_budge
     """Predicted 100 tokens at submission; at 150 generated a fixed prediction leaves 1 token to go, the curve
     (conditioned on having got this far) says 400 to go, and the cap still bounds both."""
     curve = LengthCurve((0, 100), (100.0, 550.0), 600, 1.0)
-    both = BatchView.of([150, 150, 150, 700], [100.0, 100.0, None, None], [1000, 1000, 300, 2000],
+    both = batch_view([150, 150, 150, 700], [100.0, 100.0, None, None], [1000, 1000, 300, 2000],
                         [None, curve, curve, curve])
     # fixed, curved, curved under a cap, and the tail model: 700 * (1 + 1)
     assert both.remaining().tolist() == [1.0, 400.0, 150.0, 700.0]
     hook = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5}, k_max=16)
     generated, predicted, caps = [20] * 15 + [150], [40.0] * 15 + [100.0], [1000] * 16
-    curved = BatchView.of(generated, predicted, caps, [None] * 15 + [curve])
-    fixed = BatchView.of(generated, predicted, caps)
+    curved = batch_view(generated, predicted, caps, [None] * 15 + [curve])
+    fixed = batch_view(generated, predicted, caps)
     assert hook.plan(curved).lengths[-1] > hook.plan(fixed).lengths[-1]
