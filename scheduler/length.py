@@ -120,6 +120,93 @@ class LengthCurve:
             raise ValueError(f"not a length curve: {exc!r}") from None
 
 
+class LengthCurveTable:
+    """The length curves of an engine's running requests, by slot (a small int per request), evaluated for a whole
+    batch at once: `at(slots, generated)[r]` is `curve.at(generated[r])` for the curve of slots[r] (NaN where the
+    slot has none). The budget reads one per request every decode step.
+
+    Every curve's starts sit in one sorted pool of keys block * KEY_STRIDE + start (a block per curve, numbered in
+    the order curves came), so one `searchsorted` finds every request's segment. Cost: O(n log pool) vectorised per
+    call; `set` appends O(len(curve)); blocks of removed curves are dropped once they fill half the pool (O(pool)).
+    """
+
+    KEY_STRIDE = 1 << 32  # above any token count; block numbers stay far below 2**31
+
+    def __init__(self) -> None:
+        self._keys = np.zeros(0, np.int64)      # block * KEY_STRIDE + start, sorted
+        self._ends = np.zeros(0, np.float64)    # the curve's end for each key
+        self._owner = np.zeros(0, np.int64)     # the slot each key belongs to
+        self._block = np.full(16, -1, np.int64)  # by slot: its curve's block (-1: none)
+        self._tail_from = np.zeros(16, np.int64)
+        self._tail_ratio = np.zeros(16, np.float64)
+        self._next_block = 0
+        self._live_keys = 0
+
+    def set(self, slot: int, curve: LengthCurve | None) -> None:
+        """Gives `slot` this curve (None: no curve), replacing whatever it had."""
+        self.clear(slot)
+        if slot >= self._block.size:
+            grow = max(slot + 1, 2 * self._block.size) - self._block.size
+            self._block = np.concatenate([self._block, np.full(grow, -1, np.int64)])
+            self._tail_from = np.concatenate([self._tail_from, np.zeros(grow, np.int64)])
+            self._tail_ratio = np.concatenate([self._tail_ratio, np.zeros(grow)])
+        if curve is None:
+            return
+        block = self._next_block
+        self._next_block += 1
+        # A curve without starts is all tail (tail_from 0); one key at 0 keeps every lookup inside its block.
+        starts = np.asarray(curve.starts or (0,), np.int64)
+        ends = np.asarray(curve.ends or (1.0,), np.float64)
+        self._keys = np.concatenate([self._keys, block * self.KEY_STRIDE + starts])
+        self._ends = np.concatenate([self._ends, ends])
+        self._owner = np.concatenate([self._owner, np.full(starts.size, slot, np.int64)])
+        self._block[slot] = block
+        self._tail_from[slot] = curve.tail_from
+        self._tail_ratio[slot] = curve.tail_ratio
+        self._live_keys += starts.size
+
+    def clear(self, slot: int) -> None:
+        """Forgets `slot`'s curve (if any)."""
+        if slot < self._block.size and self._block[slot] >= 0:
+            block = self._block[slot]
+            lo, hi = np.searchsorted(self._keys, [block * self.KEY_STRIDE, (block + 1) * self.KEY_STRIDE])
+            self._live_keys -= int(hi - lo)
+            self._block[slot] = -1
+            if 2 * self._live_keys < self._keys.size:
+                self._compact()
+
+    def at(self, slots: np.ndarray, generated: np.ndarray) -> np.ndarray:
+        """float64 [n]: each slot's (>= 0) predicted final length at its `generated` (>= 0) output tokens; NaN
+        where the slot has no curve."""
+        slots = np.asarray(slots, np.int64)
+        g = np.asarray(generated, np.int64)
+        block = np.full(slots.size, -1, np.int64)
+        inside = slots < self._block.size
+        block[inside] = self._block[slots[inside]]
+        has = block >= 0
+        out = np.full(slots.size, np.nan)
+        if not has.any():
+            return out
+        b, gen, s = block[has], g[has], slots[has]
+        # a start is <= g for every g >= 0 (each block begins at 0), so the match stays in the slot's block
+        found = self._ends[np.searchsorted(self._keys, b * self.KEY_STRIDE + gen, "right") - 1]
+        tail = gen >= self._tail_from[s]
+        final = np.where(tail, gen * (1.0 + self._tail_ratio[s]), found)
+        out[has] = np.maximum(final, gen + 1.0)
+        return out
+
+    def _compact(self) -> None:
+        """Drops the keys of removed curves and renumbers the live blocks 0.. in their order."""
+        live = self._block[self._owner] == self._keys // self.KEY_STRIDE
+        self._keys, self._ends, self._owner = self._keys[live], self._ends[live], self._owner[live]
+        old = self._keys // self.KEY_STRIDE
+        renumbered = np.cumsum(np.concatenate([[True], old[1:] != old[:-1]])) - 1 if old.size else old
+        self._keys = renumbered * self.KEY_STRIDE + self._keys % self.KEY_STRIDE
+        used = self._block >= 0
+        self._block[used] = renumbered[np.searchsorted(old, self._block[used])] if old.size else -1
+        self._next_block = int(renumbered[-1]) + 1 if old.size else 0
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class _Prior:
     atoms: np.ndarray  # sorted int64 lengths (tokens), each of weight prior_weight / len(atoms)

@@ -27,10 +27,12 @@ the `-1` placeholder.
 
 Cost per step: two native calls for the whole batch (`HistoryBank.commit_step`, `draft_step`): O(max_depth) per
 committed token in the live segment, and per request with a draft (or starting a shadow draft) one `choose` over its
-sources (O(max_depth) per source for the match, O(K) for the walk); around them a few vectorised gathers, a binary
-search of each request's length curve (~0.5 us; a new request's curve is decoded and checked once, ~70 us at 321
-steps) and Python work only for the requests that had a draft verified. Measured per step in
-`stats()["step_us"]`; `docs/results/2026-11-27-straggler/bench_propose.py` times it at a batch of 240.
+sources (O(max_depth) per source for the match, O(K) for the walk); around them the budget (scheduler/) and
+vectorised gathers from the per-request columns (request_columns.py), length curves included (one `searchsorted`
+for the batch); Python work per request only where the batch changed (a request arrived or left: the batch's
+slots are looked up again, a new request's curve is decoded and checked once, ~70 us at 321 steps). Measured per
+step in `stats()["step_us"]`; `docs/results/2026-11-27-proposer-fixed-cost/bench_small.py` times it at batches of
+1-240.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import hashlib
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,7 @@ from das.drafter.history import DrafterConfig, HistoryBank
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.length import LengthCurve
 from das.service.engine.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
+from das.service.engine.request_columns import RequestColumns
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +125,10 @@ class DraftCounts:
     steps: int = 0
 
 
-@dataclass
+@dataclass(frozen=True)
 class _Running:
     tags: RequestTags
-    prompt_len: int
-    max_tokens: int
-    fed: int                                   # tokens of prompt + output already fed to the bank
-    slot: int                                  # its row in the proposer's AcceptanceCounts
-    bank_slot: int                             # its slot in the HistoryBank
-    probe_drafted: int = 0                     # junk draft tokens of a cost probe awaiting verification
-    counts: DraftCounts = field(default_factory=DraftCounts)
+    slot: int  # its row in the proposer's AcceptanceCounts and RequestColumns
 
 
 class DasProposer:
@@ -164,7 +161,9 @@ class DasProposer:
         self._last_propose: float | None = None
         self._probe_turn = False  # whether this step's cost probe drafts (every other step with probes)
         self._probes = 0  # running cost probes (RequestTags.cost_probe)
-        self._explored = np.zeros(64, bool)  # by acceptance slot: its draft is exploration's (DraftPlan.explored)
+        self._columns = RequestColumns()
+        self._batch_ids: list[str] | None = None  # the last step's input batch, and its requests' slots
+        self._batch_slots = np.zeros(0, np.int64)
 
     def attach(self, runner: Any) -> None:
         self._runner = runner
@@ -188,36 +187,28 @@ class DasProposer:
             return [[] for _ in sampled_token_ids]
 
     def _propose(self, num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray) -> list[list[int]]:
-        runner = self._runner
         t0 = time.perf_counter()
-        req_ids = runner.input_batch.req_ids
-        self._retire(set(req_ids))
-        n = len(req_ids)
-        runs = [self._running.get(rid) for rid in req_ids]
-        prefill = any(run is None for run in runs)
-        if prefill:
-            runs = [run or self._start(rid, runner.requests[rid]) for rid, run in zip(req_ids, runs)]
-        table = token_ids_cpu[:n]  # row i is request req_ids[i]
+        slots, prefill = self._batch()
+        n = slots.size
+        cols = self._columns
+        table = token_ids_cpu[:n]  # row i is the input batch's request i
         ends = np.asarray(num_tokens_no_spec[:n], np.int64)
-        starts = np.fromiter((run.fed for run in runs), np.int64, n)
-        bank_slots = np.fromiter((run.bank_slot for run in runs), np.int32, n)
-        slots = np.fromiter((run.slot for run in runs), np.int64, n)
+        starts = cols.fed[slots]
+        bank_slots = cols.bank_slot[slots].astype(np.int32)
         settled = self.bank.commit_step(bank_slots, table, starts, ends)
-        ends_list = ends.tolist()
+        advanced = slots[ends > starts]
+        cols.fed[slots] = np.maximum(starts, ends)
+        cols.steps[advanced] += 1
         probe_drafted = 0  # the cost warm-up's junk draft tokens verified this step
-        for i in np.flatnonzero(ends > starts).tolist():
-            run = runs[i]
-            run.fed = ends_list[i]
-            run.counts.steps += 1
-            probe_drafted += run.probe_drafted
-            run.probe_drafted = 0
+        if self._probes:
+            probe_drafted = int(cols.probe_drafted[advanced].sum())
+            cols.probe_drafted[advanced] = 0
         verified = np.flatnonzero(settled.drafted)
-        drafted, accepted = self._record(slots[verified], settled.drafted[verified], settled.accepted[verified])
-        explored_accepted = int(settled.accepted[verified][self._explored[slots[verified]]].sum())
-        for i in verified.tolist():
-            counts = runs[i].counts
-            counts.proposed += int(settled.drafted[i])
-            counts.accepted += int(settled.accepted[i])
+        verified_slots = slots[verified]  # distinct, so += on fancy indices counts each once
+        drafted, accepted = self._record(verified_slots, settled.drafted[verified], settled.accepted[verified])
+        explored_accepted = int(settled.accepted[verified][cols.explored[verified_slots]].sum())
+        cols.proposed[verified_slots] += settled.drafted[verified]
+        cols.accepted[verified_slots] += settled.accepted[verified]
         np.add.at(self._source_proposed, settled.source[verified], settled.drafted[verified])
         np.add.at(self._source_accepted, settled.source[verified], settled.accepted[verified])
         shadowed = np.flatnonzero(settled.shadow_drafted)  # at most one a request: distinct slots
@@ -232,25 +223,39 @@ class DasProposer:
             self._step_us.append((time.perf_counter() - t0) * 1e6)
             self._step_batch.append(0)
             return []
-        generated = ends - np.fromiter((run.prompt_len for run in runs), np.int64, n)
-        max_tokens = np.fromiter((run.max_tokens for run in runs), np.int64, n)
+        generated = ends - cols.prompt_len[slots]
+        max_tokens = cols.max_tokens[slots]
         room = np.maximum(0, np.minimum(max_tokens - generated, self.max_model_len - ends) - 1)
-        may_draft = np.fromiter((run.tags.draft for run in runs), bool, n)
-        view = BatchView(generated, np.fromiter((np.nan if run.tags.predicted_tokens is None
-                                                 else run.tags.predicted_tokens for run in runs), np.float64, n),
-                         max_tokens, [run.tags.length_curve for run in runs])
+        view = BatchView(generated, cols.predicted[slots], max_tokens, cols.curves.at(slots, generated))
         plan = self.budget.plan(view, self.acceptance.params(slots))
-        draft_room = np.where(may_draft, room, 0)  # requests tagged not to draft (the warm-up's probes) get none
+        draft_room = np.where(cols.may_draft[slots], room, 0)  # the warm-up's plain probes get no draft
         k = np.minimum(np.minimum(plan.lengths, draft_room), self.k_max).astype(np.int32)
         shadow_room = np.where(k == 0, np.minimum(draft_room, self.k_max), 0).astype(np.int32)
         drafts = self.bank.draft_step(bank_slots, table, ends, k, np.asarray(plan.min_prob, np.float64),
                                       shadow_room, self.vocab_size).lists()
-        self._explored[slots] = plan.explored if plan.explored is not None else False
+        cols.explored[slots] = plan.explored if plan.explored is not None else False
         if self._probes:
-            self._probe_draft(runs, room, table, drafts)
+            self._probe_draft(slots, room, table, drafts)
         self._step_us.append((time.perf_counter() - t0) * 1e6)
         self._step_batch.append(n)
         return drafts
+
+    def _batch(self) -> tuple[np.ndarray, bool]:
+        """The slots of the runner's input batch, in its order, and whether a request in it is new (its prompt is
+        prefilled in this step). Where the batch changed, requests that left the runner are finished (a preempted
+        one that is aborted while out of the batch, at the next change or when its counts are claimed) and new
+        ones started; an unchanged batch (most steps) costs one list comparison."""
+        req_ids = self._runner.input_batch.req_ids
+        if req_ids == self._batch_ids:
+            return self._batch_slots, False
+        self._retire(set(req_ids))
+        runs = [self._running.get(rid) for rid in req_ids]
+        prefill = any(run is None for run in runs)
+        if prefill:
+            runs = [run or self._start(rid, self._runner.requests[rid]) for rid, run in zip(req_ids, runs)]
+        self._batch_ids = list(req_ids)
+        self._batch_slots = np.fromiter((run.slot for run in runs), np.int64, len(runs))
+        return self._batch_slots, prefill
 
     def _record(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> tuple[int, int]:
         """Records the outcomes of distinct requests' drafts (request slots[j] drafted `drafted[j]` tokens, of
@@ -261,18 +266,20 @@ class DasProposer:
         self.acceptance.record(slots, drafted.astype(np.int64), accepted.astype(np.int64))
         return int(drafted.sum()), int(accepted.sum())
 
-    def _probe_draft(self, runs: list[_Running], room: np.ndarray, table: np.ndarray, drafts: list[list[int]]) -> None:
+    def _probe_draft(self, slots: np.ndarray, room: np.ndarray, table: np.ndarray, drafts: list[list[int]]) -> None:
         """On every other step with a cost probe in the batch, the first probe with room for a draft token
         drafts its last token again (`RequestTags.cost_probe`): one drafted step per plain one at each batch size
-        of the warm-up. `room`: each row's draft room."""
+        of the warm-up. `slots`, `room`: each row's slot and draft room."""
         self._probe_turn = not self._probe_turn
         if not self._probe_turn:
             return
-        for i, run in enumerate(runs):
-            if run.tags.cost_probe and room[i] >= 1:
-                drafts[i] = table[i, run.fed - 1:run.fed].tolist()
-                run.probe_drafted = 1
-                return
+        cols = self._columns
+        rows = np.flatnonzero(cols.cost_probe[slots] & (room >= 1))
+        if rows.size:
+            i, slot = int(rows[0]), int(slots[rows[0]])
+            fed = int(cols.fed[slot])
+            drafts[i] = table[i, fed - 1:fed].tolist()
+            cols.probe_drafted[slot] = 1
 
     def _observe_step(self, now: float, prefill: bool, requests: int, drafted: int, accepted: int,
                       probe: bool = False, explored_accepted: int = 0) -> None:
@@ -307,8 +314,9 @@ class DasProposer:
             state = self._runner.requests.get(rid)
             if state is not None:  # else it finished and leaves at the next step
                 prompt = np.asarray(state.prompt_token_ids or [], np.int32)
-                run.bank_slot = self.bank.start_request(rid, run.tags.problem_id, prompt, version)
-            run.probe_drafted = 0  # its draft was dropped by the preemption, never verified
+                self._columns.bank_slot[run.slot] = self.bank.start_request(rid, run.tags.problem_id, prompt,
+                                                                            version)
+            self._columns.probe_drafted[run.slot] = 0  # its draft was dropped by the preemption, never verified
 
     def pop_counts(self, keys: list[str]) -> dict[str, DraftCounts]:
         """Draft counts of finished requests by their tag key (forgotten once returned). A request still
@@ -353,11 +361,10 @@ class DasProposer:
         tags = RequestTags.from_extra_args(getattr(params, "extra_args", None), prompt)
         bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt, np.int32), self.policy_version)
         max_tokens = int(params.max_tokens) if params is not None and params.max_tokens else self.max_model_len
-        run = _Running(tags, len(prompt), max_tokens, fed=len(prompt), slot=self.acceptance.start(rid),
-                       bank_slot=bank_slot)
-        if run.slot >= self._explored.size:
-            self._explored = np.concatenate([self._explored, np.zeros(max(64, self._explored.size), bool)])
-        self._explored[run.slot] = False
+        run = _Running(tags, self.acceptance.start(rid))
+        self._columns.start(run.slot, prompt_len=len(prompt), max_tokens=max_tokens, bank_slot=bank_slot,
+                            predicted=tags.predicted_tokens, curve=tags.length_curve, may_draft=tags.draft,
+                            cost_probe=tags.cost_probe)
         self._probes += tags.cost_probe
         self._running[rid] = run
         return run
@@ -373,9 +380,13 @@ class DasProposer:
 
     def _finish(self, rid: str) -> None:
         run = self._running.pop(rid)
+        self._batch_ids = None  # the slot may be reused: the next step looks its batch up again
         self._probes -= run.tags.cost_probe
         self.bank.finish_request(rid)
         self.acceptance.finish(rid)
-        self._finished[self._key(rid, run)] = run.counts
+        cols = self._columns
+        self._finished[self._key(rid, run)] = DraftCounts(int(cols.proposed[run.slot]), int(cols.accepted[run.slot]),
+                                                          int(cols.steps[run.slot]))
+        cols.curves.clear(run.slot)
         while len(self._finished) > _MAX_UNCLAIMED:  # nobody asked (plain vLLM use): drop the oldest
             self._finished.pop(next(iter(self._finished)))

@@ -16,6 +16,7 @@ from das.scheduler.length import (
     PRIOR_ATOMS,
     PRIOR_REFRESH,
     LengthCurve,
+    LengthCurveTable,
     LengthForecast,
     LengthPredictor,
     calibration_report,
@@ -326,3 +327,35 @@ def test_curve_round_trip_and_bad_curves() -> None:
             LengthCurve(*bad)
     with pytest.raises(ValueError, match="not a length curve"):
         LengthCurve.from_dict({"starts": [0]})
+
+
+def test_the_curve_table_reads_every_slot_as_its_curve_does_through_starts_clears_and_compaction():
+    rng = np.random.default_rng(5)
+    table, held = LengthCurveTable(), {}
+
+    def random_curve() -> LengthCurve | None:
+        kind = rng.integers(4)
+        if kind == 0:
+            return None
+        if kind == 1:  # no starts: the tail model from 0
+            return LengthCurve((), (), 0, float(rng.uniform(0, 2)))
+        starts = np.unique(np.concatenate([[0], rng.integers(1, 400, rng.integers(1, 30))]))
+        ends = starts + rng.uniform(1, 300, starts.size)
+        return LengthCurve(tuple(int(s) for s in starts), tuple(float(e) for e in ends),
+                           int(starts[-1]) + int(rng.integers(1, 50)), float(rng.uniform(0, 2)))
+
+    for _ in range(300):
+        slot = int(rng.integers(0, 40))
+        if rng.random() < 0.3:
+            table.clear(slot)
+            held.pop(slot, None)
+        else:
+            held[slot] = random_curve()
+            table.set(slot, held[slot])
+        slots = rng.integers(0, 48, 25)  # slots never given a curve included
+        generated = rng.integers(0, 700, 25)
+        got = table.at(slots, generated)
+        want = [held[s].at(int(g)) if held.get(s) is not None else np.nan for s, g in zip(slots, generated)]
+        np.testing.assert_array_equal(got, want)
+        assert table._keys.size <= 2 * table._live_keys  # removed curves' keys are dropped as they pile up
+    assert table.at(np.zeros(0, np.int64), np.zeros(0, np.int64)).shape == (0,)

@@ -11,9 +11,11 @@ from das.service.engine.budget_hook import GUARD_PRICES, BatchView, StepSample, 
 
 def batch_view(generated: list[int], predicted: list[float | None], max_tokens: list[int],
                curves: list[LengthCurve | None] | None = None) -> BatchView:
-    """A BatchView from per-request values (None: prediction unknown)."""
+    """A BatchView from per-request values (None: prediction unknown), each curve read at its `generated`."""
+    curves = curves if curves is not None else [None] * len(generated)
     return BatchView(np.asarray(generated, np.int64), np.array([np.nan if p is None else p for p in predicted]),
-                     np.asarray(max_tokens, np.int64), curves if curves is not None else [None] * len(generated))
+                     np.asarray(max_tokens, np.int64),
+                     np.array([np.nan if c is None else c.at(g) for c, g in zip(curves, generated)]))
 
 
 def views(*remaining: int, max_tokens: int = 1000) -> BatchView:

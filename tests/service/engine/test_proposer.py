@@ -342,3 +342,39 @@ def test_the_das_floor_cuts_drafts_the_drafter_itself_doubts(monkeypatch):
     assert drafts["r"] == RESPONSE[1:1 + int(np.sum(probs >= floor))]
     monkeypatch.setattr(proposer.budget, "plan", floor_at(np.inf))
     assert runner.step(proposer, {"r": [11]})["r"] == []
+
+
+def test_the_budget_sees_every_requests_curve_prediction_and_cap_as_requests_come_go_and_reuse_slots():
+    proposer, runner = attached(k=4, max_model_len=512)
+    seen = []
+    plan = proposer.budget.plan
+
+    def recording(view, drafter=None):
+        seen.append(view)
+        return plan(view, drafter)
+    proposer.budget.plan = recording
+    curve_a = LengthCurve((0, 3), (5.0, 40.0), 20, 0.5)
+    curve_c = LengthCurve((0,), (9.0,), 6, 1.0)
+    runner.add("a", PROMPT, max_tokens=100, tags=RequestTags("p", key="a", length_curve=curve_a))
+    runner.add("b", PROMPT, max_tokens=50, tags=RequestTags("p", key="b", predicted_tokens=40.0))
+    expected = {"a": (curve_a, np.nan, 100), "b": (None, 40.0, 50)}
+    runner.step(proposer, {})
+    for step in range(30):
+        previous = list(runner.input_batch.req_ids)  # each commits one token a step from its second step on
+        if step == 4:
+            runner.remove("b")  # b leaves; c arrives a step later and takes its slot
+            del expected["b"]
+        if step == 5:
+            runner.add("c", PROMPT, max_tokens=60, tags=RequestTags("p", key="c", length_curve=curve_c))
+            expected["c"] = (curve_c, np.nan, 60)
+        runner.step(proposer, {rid: [10] for rid in previous if rid in runner.requests})
+        view = seen[-1]
+        rows = runner.input_batch.req_ids
+        generated = [len(runner.tokens[rid]) - len(PROMPT) for rid in rows]
+        assert view.generated.tolist() == generated
+        want_final = [np.nan if expected[r][0] is None else expected[r][0].at(g) for r, g in zip(rows, generated)]
+        np.testing.assert_array_equal(view.curve_final, want_final)
+        np.testing.assert_array_equal(view.predicted_tokens, [expected[r][1] for r in rows])
+        assert view.max_tokens.tolist() == [expected[r][2] for r in rows]
+    counts = proposer.pop_counts(["a", "b", "c"])
+    assert counts["b"].steps == 4 and counts["a"].steps == 30 and counts["c"].steps == 24
