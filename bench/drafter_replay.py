@@ -74,11 +74,11 @@ class DasDrafter:
         return self.bank.stored_tokens()
 
 
-def _arm_factories() -> dict[str, Callable[[], ReplayDrafter]]:
+def _arm_factories(max_draft: int) -> dict[str, Callable[[], ReplayDrafter]]:
     from das.bench import peers
 
     return {
-        "das": lambda: DasDrafter(),
+        "das": lambda: DasDrafter(DrafterConfig.for_drafts(max_draft)),
         "arctic-d24": lambda: peers.ArcticSuffixDrafter(max_depth=24),
         "arctic-d64": lambda: peers.ArcticSuffixDrafter(max_depth=64),
         "ngram": lambda: peers.NgramDrafter(),
@@ -278,7 +278,7 @@ def run_drafter_bench(traces: Path, max_draft: int = 16, arms: Sequence[str] = (
                       progress: bool = True, frontier: bool = False) -> DrafterBenchResult:
     """Every arm `repeats` times (medians); with `frontier` and the das arm, das once more per frontier_grid point
     (tokens per step do not depend on timing, so once is enough)."""
-    factories = _arm_factories()
+    factories = _arm_factories(max_draft)
     unknown = [a for a in arms if a not in factories]
     if unknown:
         raise ValueError(f"unknown arm(s) {unknown}; known: {sorted(factories)}")
@@ -303,7 +303,7 @@ def run_drafter_bench(traces: Path, max_draft: int = 16, arms: Sequence[str] = (
                                              on_version=lambda _v: bar.advance(task)))
         for cap, floor in grid:
             bar.update(task, description=f"das frontier: K={cap}, floor {floor:g}")
-            stats = replay_arm(DasDrafter(DrafterConfig(min_prob=floor)), records, cap,
+            stats = replay_arm(DasDrafter(DrafterConfig.for_drafts(max_draft, min_prob=floor)), records, cap,
                                on_version=lambda _v: bar.advance(task))
             result.frontier.append(FrontierPoint(cap, floor, stats.draft_tokens_per_step, stats.tokens_per_step))
     result.arms = {name: _median_stats(r) for name, r in runs.items()}

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -34,10 +35,14 @@ from das.drafter._suffix_index import RequestTable, SourceList, SuffixIndex
 from das.drafter.records import RolloutRecord
 from das.drafter.source_choice import SourceChooser
 
+# Matched context a draft is chosen on beyond its own tokens: an index of depth K + 8 drafted as far as depth 32 on
+# every bundled trace set at K = 8 and 16 (K + 4 lost 1% on one set; docs/results/2026-11-27-proposer-fixed-cost.md).
+MATCH_CONTEXT = 8
+
 
 @dataclass(frozen=True)
 class DrafterConfig:
-    """Drafter settings. Sizes and budgets are in tokens."""
+    """Drafter settings. Sizes and budgets are in tokens. `for_drafts` sizes the index to a draft length."""
 
     max_depth: int = 32          # suffix index depth D: longest match + draft that can be followed
     window: int = 4              # sealed policy versions kept per problem
@@ -66,6 +71,16 @@ class DrafterConfig:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"invalid drafter config field(s): {', '.join(bad)} ({self})")
+
+    @classmethod
+    def for_drafts(cls, max_draft: int, **settings: Any) -> DrafterConfig:
+        """Settings for drafts of at most `max_draft` (>= 1) tokens: `max_depth` max_draft + MATCH_CONTEXT (at most
+        255) unless `settings` name one. The index costs O(max_depth) per stored token and per lookup, and a deeper
+        one drafts no further."""
+        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 1:
+            raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
+        settings.setdefault("max_depth", min(255, max_draft + MATCH_CONTEXT))
+        return cls(**settings)
 
 
 @dataclass

@@ -289,8 +289,8 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
         batch = sorted(by_version[v], key=lambda r: (r.problem_id, r.sample_index))
         batch_engines = len({r.problem_id for r in batch}) if engine_per_group else engines
         makespan, tail, passes, verified, accepted = simulate_batch(
-            batch, history, cost, batch_engines, policy, placement, k_max, DrafterConfig(window=window),
-            oracle_lengths, engine)
+            batch, history, cost, batch_engines, policy, placement, k_max,
+            DrafterConfig.for_drafts(k_max, window=window), oracle_lengths, engine)
         result.makespan_s += makespan
         result.batches.append(makespan)
         result.forward_passes += passes
@@ -332,7 +332,8 @@ def replay_versions(records: Sequence[RolloutRecord], cost: CostModel, policy_na
         history = [r for u in sorted(by_version) if v - window <= u < v for r in by_version[u]]
         batch = sorted(by_version[v], key=lambda r: (r.problem_id, r.sample_index))
         makespan, tail, passes, verified, accepted = simulate_batch(
-            batch, history, cost, engines, policy, placement, k_max, DrafterConfig(window=window), engine=engine)
+            batch, history, cost, engines, policy, placement, k_max, DrafterConfig.for_drafts(k_max, window=window),
+            engine=engine)
         out.append(BatchReplay(v, makespan, tail, passes, verified, accepted))
     return out
 

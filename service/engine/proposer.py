@@ -141,8 +141,7 @@ class DasProposer:
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         extra = (vllm_config.additional_config or {}).get(CONFIG_KEY, {})
-        self.bank = HistoryBank(DrafterConfig(**extra.get("drafter", {})))
-        self._context = self.bank.config.max_depth
+        self.bank = HistoryBank(DrafterConfig.for_drafts(self.k_max, **extra.get("drafter", {})))
         self.budget: BudgetHook = budget_hook_from_config(extra.get("budget", {}), self.k_max)
         self.acceptance = AcceptanceCounts(self.k_max)
         self.policy_version = 0

@@ -256,3 +256,22 @@ def test_running_requests_draft_from_their_problems_sources_as_they_change():
     assert other.propose("r", context, 2).source == ""
     other.add_rollouts([rec("seen", 0, 0, [50, 81, 82])])
     assert other.propose("r", context, 2).source == "global"
+
+
+def test_the_index_is_sized_to_the_draft_length_unless_named():
+    assert DrafterConfig.for_drafts(8).max_depth == 16
+    assert DrafterConfig.for_drafts(16, window=2) == DrafterConfig(max_depth=24, window=2)
+    assert DrafterConfig.for_drafts(8, max_depth=40).max_depth == 40
+    assert DrafterConfig.for_drafts(250).max_depth == 255
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="max_draft"):
+            DrafterConfig.for_drafts(bad)
+    # a draft of K tokens after a match of up to MATCH_CONTEXT fits: depth K + 8 follows a repeat as far as 32 does
+    seq = np.arange(100, 160, dtype=np.int32)
+    drafts = []
+    for depth in (16, 32):
+        bank = HistoryBank(DrafterConfig(max_depth=depth))
+        bank.add_rollouts([RolloutRecord("p", 0, 0, (1, 2), tuple(seq.tolist()))])
+        bank.start_request("r", "p", np.asarray([1, 2], np.int32), 1)
+        drafts.append(bank.propose("r", np.concatenate([[1, 2], seq[:20]]).astype(np.int32), 8).tokens.tolist())
+    assert drafts[0] == drafts[1] == seq[20:28].tolist()

@@ -3,11 +3,11 @@ makespan's critical path: async scheduling is off for a custom proposer): B requ
 epoch (the first sample of every problem, then the second, ...), each with its problem's length curve as the
 service gives it, the epochs before as history; each step commits the accepted draft prefix + 1 true token (a
 sample that reaches its end starts over, so the batch stays at B).
-python bench_small.py B[,B...] [STEPS] [--forward-ms F] [--parts] [--profile]
+python bench_small.py B[,B...] [STEPS] [--forward-ms F] [--max-depth D] [--parts] [--profile]
 prints median / p90 ms of the proposer's `propose` per step and drafts per step. --forward-ms: sleep F ms between
 steps (a forward pass for the online cost fit to time, and cold caches at each call as in an engine; default 0);
---parts: median ms of the bank's two batch calls, the budget's plan, the acceptance estimate and the cost fit's
-update."""
+--max-depth: the suffix index's depth (default: the proposer's, K_max + 8 = 16); --parts: median ms of the bank's
+two batch calls, the budget's plan, the acceptance estimate and the cost fit's update."""
 import cProfile
 import pstats
 import sys
@@ -26,6 +26,7 @@ from tests.service.engine.test_proposer import FakeRunner, make_proposer  # noqa
 
 sizes = [int(x) for x in sys.argv[1].split(",")]
 FORWARD_S = float(sys.argv[sys.argv.index("--forward-ms") + 1]) / 1e3 if "--forward-ms" in sys.argv else 0.0
+DRAFTER = {"max_depth": int(sys.argv[sys.argv.index("--max-depth") + 1])} if "--max-depth" in sys.argv else None
 
 
 def timed_parts(proposer) -> dict[str, list[float]]:
@@ -50,7 +51,7 @@ book = DifficultyBook()
 book.add_records(sorted((r for r in recs if r.policy_version < last), key=lambda r: r.policy_version))
 predictor = LengthPredictor(book)  # every request carries its problem's length curve, as the service's do
 for size in sizes:
-    proposer = make_proposer(k=8, vocab=49152, max_model_len=2048)
+    proposer = make_proposer(k=8, vocab=49152, max_model_len=2048, drafter=DRAFTER)
     proposer.bank.add_rollouts([r for r in recs if r.policy_version < last])
     runner = FakeRunner(width=2048)
     proposer.attach(runner)

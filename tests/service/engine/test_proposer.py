@@ -378,3 +378,9 @@ def test_the_budget_sees_every_requests_curve_prediction_and_cap_as_requests_com
         assert view.max_tokens.tolist() == [expected[r][2] for r in rows]
     counts = proposer.pop_counts(["a", "b", "c"])
     assert counts["b"].steps == 4 and counts["a"].steps == 30 and counts["c"].steps == 24
+
+
+def test_the_proposers_index_depth_follows_its_draft_length_unless_configured():
+    assert make_proposer(k=8).bank.config.max_depth == 16
+    assert make_proposer(k=16).bank.config.max_depth == 24
+    assert make_proposer(k=8, drafter={"max_depth": 32}).bank.config.max_depth == 32
