@@ -367,6 +367,11 @@ def test_the_budget_sees_every_requests_curve_prediction_and_cap_as_requests_com
         if step == 5:
             runner.add("c", PROMPT, max_tokens=60, tags=RequestTags("p", key="c", length_curve=curve_c))
             expected["c"] = (curve_c, np.nan, 60)
+        if step == 12:  # c leaves and d arrives in the same step: a batch of the same size, other requests
+            runner.remove("c")
+            del expected["c"]
+            runner.add("d", PROMPT, max_tokens=70, tags=RequestTags("p", key="d", predicted_tokens=33.0))
+            expected["d"] = (None, 33.0, 70)
         runner.step(proposer, {rid: [10] for rid in previous if rid in runner.requests})
         view = seen[-1]
         rows = runner.input_batch.req_ids
@@ -376,8 +381,8 @@ def test_the_budget_sees_every_requests_curve_prediction_and_cap_as_requests_com
         np.testing.assert_array_equal(view.curve_final, want_final)
         np.testing.assert_array_equal(view.predicted_tokens, [expected[r][1] for r in rows])
         assert view.max_tokens.tolist() == [expected[r][2] for r in rows]
-    counts = proposer.pop_counts(["a", "b", "c"])
-    assert counts["b"].steps == 4 and counts["a"].steps == 30 and counts["c"].steps == 24
+    counts = proposer.pop_counts(["a", "b", "c", "d"])
+    assert [counts[key].steps for key in "abcd"] == [30, 4, 6, 17]
 
 
 def test_the_proposers_index_depth_follows_its_draft_length_unless_configured():
