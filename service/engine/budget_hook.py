@@ -89,6 +89,11 @@ class BudgetHook(Protocol):
         """A measured step (decode only: prefill steps and idle gaps are not passed)."""
         ...
 
+    def refund(self, explored_accepted: int, requests: int) -> None:
+        """Exploration's accepted draft tokens of a step `observe` is not given (a prefill in it, or after an idle
+        gap: not a decode step of its shape, but its accepted tokens did a plain token's work all the same)."""
+        ...
+
     def stats(self) -> dict[str, Any]:
         """The live cost fit and the guard's state, plain data."""
         ...
@@ -205,7 +210,10 @@ class PolicyBudget:
             self.cost = self.fit.current()
         if self.guard is not None and not step.probe:
             self.guard.observe(step, self.cost)
-        self.exploration.refund(step.explored_accepted, self.cost, step.requests)
+        self.refund(step.explored_accepted, step.requests)
+
+    def refund(self, explored_accepted: int, requests: int) -> None:
+        self.exploration.refund(explored_accepted, self.cost, requests)
 
     def stats(self) -> dict[str, Any]:
         cost = self.cost

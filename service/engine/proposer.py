@@ -285,10 +285,11 @@ class DasProposer:
         """Hands the budget the step that just ran (`drafted` draft tokens verified in it, `accepted` of them,
         `explored_accepted` of those from exploration's drafts; `probe`: cost-probe drafts among them): from the
         previous proposal to this one is one whole engine step. A step with a prefill in it (a request seen for the
-        first time) or after an idle gap is not a decode step of this shape and is skipped (with the exploration
-        refund it carried: a few tokens a batch)."""
+        first time) or after an idle gap is not a decode step of this shape: the cost fit and the guard skip it,
+        exploration still gets its accepted tokens back."""
         last, self._last_propose = self._last_propose, now
         if last is None or prefill or not requests or now - last > IDLE_GAP_S:
+            self.budget.refund(explored_accepted, requests)
             return
         self.budget.observe(StepSample(now - last, requests + drafted, requests, drafted, accepted, probe,
                                        explored_accepted))

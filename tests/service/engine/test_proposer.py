@@ -389,3 +389,24 @@ def test_the_proposers_index_depth_follows_its_draft_length_unless_configured():
     assert make_proposer(k=8).bank.config.max_depth == 16
     assert make_proposer(k=16).bank.config.max_depth == 24
     assert make_proposer(k=8, drafter={"max_depth": 32}).bank.config.max_depth == 32
+
+
+def test_exploration_gets_its_accepted_tokens_back_on_a_step_the_cost_fit_skips():
+    """A new request arriving makes the step a prefill step: the fit and the guard skip it, but the explored draft
+    verified in it still refunds its accepted tokens."""
+    proposer, runner = attached()
+    proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), tuple(RESPONSE))])
+    observed, refunded = [], []
+    proposer.budget.observe = observed.append
+    proposer.budget.refund = lambda accepted, requests: refunded.append((accepted, requests))
+    proposer.budget.plan = lambda views, drafter=None: DraftPlan(
+        np.full(len(views), 2, np.int32), np.zeros(len(views)), np.ones(len(views), bool))
+    runner.add("r", PROMPT, tags=RequestTags("p", key="r"))
+    drafts = runner.step(proposer, {})
+    drafts = runner.step(proposer, {"r": [RESPONSE[0]]})
+    assert drafts["r"] == RESPONSE[1:3]
+    before = len(observed)
+    runner.add("s", PROMPT, tags=RequestTags("q", key="s"))  # arrives: this step prefills it
+    runner.step(proposer, {"r": RESPONSE[1:4]})  # both draft tokens accepted, then the bonus token
+    assert len(observed) == before  # not a decode step of its shape
+    assert refunded[-1] == (2, 2)
