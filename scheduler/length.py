@@ -135,7 +135,6 @@ class LengthCurveTable:
     def __init__(self) -> None:
         self._keys = np.zeros(0, np.int64)      # block * KEY_STRIDE + start, sorted
         self._ends = np.zeros(0, np.float64)    # the curve's end for each key
-        self._owner = np.zeros(0, np.int64)     # the slot each key belongs to
         self._block = np.full(16, -1, np.int64)  # by slot: its curve's block (-1: none)
         self._tail_from = np.zeros(16, np.int64)
         self._tail_ratio = np.zeros(16, np.float64)
@@ -159,7 +158,6 @@ class LengthCurveTable:
         ends = np.asarray(curve.ends or (1.0,), np.float64)
         self._keys = np.concatenate([self._keys, block * self.KEY_STRIDE + starts])
         self._ends = np.concatenate([self._ends, ends])
-        self._owner = np.concatenate([self._owner, np.full(starts.size, slot, np.int64)])
         self._block[slot] = block
         self._tail_from[slot] = curve.tail_from
         self._tail_ratio[slot] = curve.tail_ratio
@@ -197,8 +195,8 @@ class LengthCurveTable:
 
     def _compact(self) -> None:
         """Drops the keys of removed curves and renumbers the live blocks 0.. in their order."""
-        live = self._block[self._owner] == self._keys // self.KEY_STRIDE
-        self._keys, self._ends, self._owner = self._keys[live], self._ends[live], self._owner[live]
+        live = np.isin(self._keys // self.KEY_STRIDE, self._block[self._block >= 0])
+        self._keys, self._ends = self._keys[live], self._ends[live]
         old = self._keys // self.KEY_STRIDE
         renumbered = np.cumsum(np.concatenate([[True], old[1:] != old[:-1]])) - 1 if old.size else old
         self._keys = renumbered * self.KEY_STRIDE + self._keys % self.KEY_STRIDE

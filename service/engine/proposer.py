@@ -193,7 +193,7 @@ class DasProposer:
         table = token_ids_cpu[:n]  # row i is the input batch's request i
         ends = np.asarray(num_tokens_no_spec[:n], np.int64)
         starts = cols.fed[slots]
-        bank_slots = cols.bank_slot[slots].astype(np.int32)
+        bank_slots = cols.bank_slot[slots]
         settled = self.bank.commit_step(bank_slots, table, starts, ends)
         advanced = slots[ends > starts]
         cols.fed[slots] = np.maximum(starts, ends)

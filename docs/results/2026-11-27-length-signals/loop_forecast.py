@@ -1,12 +1,12 @@
 """Would the budget gain from knowing that a sample repeats itself? A sample whose last W output tokens already
 occurred earlier in its own output is forecast to run to the cap (max over the traces' lengths); everything else
 as the engine forecasts (its length curve's p90). The package's `simulate_batch` is patched from its source (two
-asserted one-line edits), das only, against the unpatched simulator and the oracle lengths.
+asserted one-line edits, patched.py), das only, against the unpatched simulator and the oracle lengths.
 python loop_forecast.py COST ENGINES W TRACES..."""
-import inspect
 import sys
 
 import numpy as np
+from patched import patched_simulate_batch, simulate_with
 
 from das.drafter.records import load_rollouts
 from das.scheduler import simulator
@@ -29,8 +29,7 @@ def loop_positions(batch, w: int = window) -> np.ndarray:
     return out
 
 
-source = inspect.getsource(simulator.simulate_batch)
-edits = [
+EDITS = [
     ("    lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.int64)\n",
      "    lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.int64)\n"
      "    loop_at = LOOP_POSITIONS(batch)\n"),
@@ -38,23 +37,14 @@ edits = [
      "                ends = predictor.predict([problems[i] for i in active], pos[active]).p90\n"
      "                ends = np.where(loop_at[active] <= pos[active], CAP, ends)\n"),
 ]
-for old, new in edits:
-    assert source.count(old) == 1, old
-    source = source.replace(old, new)
-namespace = dict(vars(simulator))
-exec(compile(source, simulator.__file__, "exec"), namespace)
-patched = namespace["simulate_batch"]
-original = simulator.simulate_batch
 for traces in sys.argv[4:]:
     records = load_rollouts(traces)
-    namespace["CAP"] = float(max(len(r.output_token_ids) for r in records))
-    namespace["LOOP_POSITIONS"] = loop_positions
+    cap = float(max(len(r.output_token_ids) for r in records))
+    patched = patched_simulate_batch(*EDITS, CAP=cap, LOOP_POSITIONS=loop_positions)
     results = {}
-    for name, fn, oracle in (("as is", original, False), ("loop forecast", patched, False),
-                             ("oracle lengths", original, True)):
-        simulator.simulate_batch = fn
-        results[name] = simulator.simulate(records, cost, engines, "das", oracle_lengths=oracle).makespan_s
-    simulator.simulate_batch = original
+    for name, fn, oracle in (("as is", simulator.simulate_batch, False), ("loop forecast", patched, False),
+                             ("oracle lengths", simulator.simulate_batch, True)):
+        results[name] = simulate_with(fn, records, cost, engines, "das", oracle_lengths=oracle).makespan_s
     print(f"{traces.split('/')[-1]}, {sys.argv[1]}, {engines} engines, W={window}: "
           + ", ".join(f"{k} {v:.3f} s" for k, v in results.items())
           + f"; loop / as is {results['loop forecast'] / results['as is']:.3f}, "

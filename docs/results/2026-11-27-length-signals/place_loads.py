@@ -1,12 +1,12 @@
 """Group loads for length-aware placement other than the sum of the samples' predicted mean lengths: the sum of
 their p90s, or of their squared means (weighing the samples that would run long, which under das set an engine's
 tail). LPT with each against round robin in the traces' order and over random group orders (as place5.py).
-The package's `simulate_batch` patched from its source (one asserted one-line edit), das only.
+The package's `simulate_batch` patched from its source (one asserted one-line edit, patched.py), das only.
 python place_loads.py COST ENGINES SHUFFLES TRACES..."""
-import inspect
 import sys
 
 import numpy as np
+from patched import patched_simulate_batch
 
 from das.drafter.history import DrafterConfig
 from das.drafter.records import load_rollouts
@@ -21,13 +21,7 @@ loads = {
            "    group_load = np.array([p90[groups[g]].sum() for g in group_ids])\n",
     "mean squared": "    group_load = np.array([(predicted[groups[g]] ** 2).sum() for g in group_ids])\n",
 }
-source = inspect.getsource(simulator.simulate_batch)
-assert source.count(line) == 1
-variants = {}
-for name, replacement in loads.items():
-    namespace = dict(vars(simulator))
-    exec(compile(source.replace(line, replacement), simulator.__file__, "exec"), namespace)
-    variants[name] = namespace["simulate_batch"]
+variants = {name: patched_simulate_batch((line, replacement)) for name, replacement in loads.items()}
 policy = simulator.make_policy("das")
 for traces in sys.argv[4:]:
     by_version: dict[int, list] = {}
