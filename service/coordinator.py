@@ -11,7 +11,10 @@ and relays, and keeping it beside the gateway saves every sample one more hop. P
 length from the difficulty records (scheduler.length; the records are loaded from the store at start and updated
 from every sample that passes), places groups on engines longest-predicted first onto the least loaded engine
 (scheduler.placement; a group's samples stay together so they share the drafter's live segment), starts each
-engine's groups longest first, and merges the engines' streams as samples finish.
+engine's groups longest first, and merges the engines' streams as samples finish. An engine's load counts every
+batch running at once: the predicted output tokens of the samples placed there that have not arrived, charged
+when a batch is placed and taken off as its samples arrive, so batches of one group each (a trainer that sends a
+request per prompt, as OpenAI-style clients do) spread over the engines instead of all landing on the first.
 
 Locally `RayBackend.start(config)` starts an embedded single-node cluster; with `address` it joins a running one
 (`ray start --head` on the head node, `ray start --address=...` on the others, or KubeRay).
@@ -68,6 +71,12 @@ def _describe(exc: BaseException) -> str:
     """The first line of `exc` with its type (Ray's death messages run to many lines)."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _sample_load(group: GroupRequest) -> float:
+    """What one sample of a group placed by `with_length_predictions` weighs in placement: its predicted output
+    tokens."""
+    return float(group.predicted_tokens or 0.0)
 
 
 def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRequest]) -> list[GroupRequest]:
@@ -167,7 +176,9 @@ class RayBackend:
         self._background: list[asyncio.Task[None]] = []
         self._closing = False
         self._changed = asyncio.Event()  # replaced at every change of an actor's state
-        self._outstanding: Counter[str] = Counter()  # per engine, samples dispatched and not yet arrived
+        # per engine, the predicted output tokens of the samples placed there that have not arrived (every batch
+        # running at once): what placement balances
+        self._outstanding: Counter[str] = Counter()
         self._restarts: Counter[str] = Counter()  # per engine
         self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
         self._redispatched = 0
@@ -327,22 +338,34 @@ class RayBackend:
         raise RuntimeError("no engine serves: the groups cannot be checked")
 
     def place(self, groups: Sequence[GroupRequest]) -> list[list[tuple[int, GroupRequest]]]:
-        """Per serving engine (in `serving_engines` order), the (batch index, group) pairs it runs, longest
-        predicted first (`with_length_predictions` tags the groups)."""
-        return self._place(groups, len(self._serving()))
+        """Per serving engine (in `serving_engines` order), the (batch index, group) pairs it would run, longest
+        predicted first (`with_length_predictions` tags the groups), given the work already placed there."""
+        return self._place(groups, self._serving())
 
-    def _place(self, groups: Sequence[GroupRequest], engines: int) -> list[list[tuple[int, GroupRequest]]]:
+    def _place(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> list[list[tuple[int,
+                                                                                                    GroupRequest]]]:
         tagged = with_length_predictions(self._predictor, groups)
-        placement = place_groups([g.n * float(g.predicted_tokens) for g in tagged], engines)
+        placement = place_groups([g.n * _sample_load(g) for g in tagged], len(serving),
+                                 existing_loads=[max(self._outstanding[name], 0.0) for _, _, name in serving])
         return [[(int(i), tagged[int(i)]) for i in order] for order in placement.order]
+
+    def _charge(self, name: str, work: Sequence[tuple[Share, GroupRequest]]) -> float:
+        """Adds the predicted tokens of `work`'s samples not yet arrived to engine `name`'s outstanding load;
+        returns them."""
+        load = sum(len(share.missing()) * _sample_load(group) for share, group in work)
+        self._outstanding[name] += load
+        return load
 
     async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
         serving = self._serving() or [await self._wait_serving()]
         placed = [(engine, [(Share(i, tuple(range(g.n))), g) for i, g in items])
-                  for engine, items in zip(serving, self._place(groups, len(serving))) if items]
+                  for engine, items in zip(serving, self._place(groups, serving)) if items]
+        # Charged now, before anything awaits: a batch placed at the same moment sees this one's load.
+        charged = [self._charge(engine[2], work) for engine, work in placed]
         # Each job puts (group index, sample) pairs, then None at its end, or the exception that ended it.
         out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None] = asyncio.Queue()
-        jobs = [asyncio.create_task(self._job(engine, work, out)) for engine, work in placed]
+        jobs = [asyncio.create_task(self._job(engine, work, out, load))
+                for (engine, work), load in zip(placed, charged)]
         try:
             running = len(jobs)
             while running:
@@ -363,19 +386,20 @@ class RayBackend:
             await asyncio.gather(*jobs, return_exceptions=True)
 
     async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
-                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None], charged: float) -> None:
         """Runs `work` on `engine` and puts its samples on `out` as they arrive, renumbered as the batch's; when
         the engine dies, runs what had not arrived on a serving engine (the restarted one, if it is the first
-        to serve again). Ends with None on `out`, or the exception that failed the batch."""
+        to serve again). Ends with None on `out`, or the exception that failed the batch. `charged`: the load
+        the caller put on `engine` for `work` (`_charge`); every sample that arrives takes its share off, and what
+        is left comes off when the job ends or moves."""
         import ray
 
         lost = _lost_errors()
+        name = engine[2]
         try:
             while work:
                 actor, local, name = engine
                 incarnation = actor.incarnation
-                owed = sum(len(share.indices) for share, _ in work)
-                self._outstanding[name] += owed
                 generator = actor.handle.run.remote(local, [(k, share.request(group))
                                                             for k, (share, group) in enumerate(work)])
                 try:
@@ -383,8 +407,9 @@ class RayBackend:
                         for k, sample in await ref:
                             taken = work[k][0].take(sample)
                             if taken is not None:
-                                owed -= 1
-                                self._outstanding[name] -= 1
+                                load = _sample_load(work[k][1])
+                                self._outstanding[name] -= load
+                                charged -= load
                                 out.put_nowait((work[k][0].group_index, taken))
                 except lost as exc:
                     self._engine_died(actor, incarnation, exc)
@@ -395,10 +420,13 @@ class RayBackend:
                     self._redispatched += count
                     log.warning("engine %s died; %d of its samples in this batch are run again elsewhere",
                                 name, count)
+                    self._outstanding[name] -= charged
+                    charged = 0.0
                     engine = await self._wait_serving()
+                    name = engine[2]
+                    charged = self._charge(name, work)
                     continue
                 finally:
-                    self._outstanding[name] -= owed
                     with contextlib.suppress(Exception):
                         ray.cancel(generator)
                 missing = sum(len(share.missing()) for share, _ in work)
@@ -408,6 +436,8 @@ class RayBackend:
             out.put_nowait(None)
         except Exception as exc:  # handed to the batch, which owns the error
             out.put_nowait(exc)
+        finally:
+            self._outstanding[name] -= charged
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
         """Reloads every serving engine; an engine that is restarting loads these weights before it serves."""
@@ -435,7 +465,8 @@ class RayBackend:
 
     def stats(self) -> BackendStats:
         return replace(self._stats, engines_ready=len(self._serving()), engine_restarts=dict(self._restarts),
-                       samples_redispatched=self._redispatched, engine_recovery_s=dict(self._recovery_s))
+                       samples_redispatched=self._redispatched, engine_recovery_s=dict(self._recovery_s),
+                       engine_placed_tokens={name: max(self._outstanding[name], 0.0) for name in self.engine_names})
 
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
 
@@ -479,8 +510,8 @@ class RayBackend:
         self._changed = asyncio.Event()
 
     async def _wait_serving(self) -> _Engine:
-        """The serving engine with the fewest samples outstanding, once one serves. RuntimeError once none ever
-        will."""
+        """The serving engine with the least predicted work outstanding, once one serves. RuntimeError once none
+        ever will."""
         while True:
             serving = self._serving()
             if serving:

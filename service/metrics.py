@@ -242,6 +242,12 @@ class GatewayMetrics:
             recovery.add_metric([engine], seconds)
         yield restarts
         yield recovery
+        placed = GaugeMetricFamily("das_engine_placed_tokens", "Predicted output tokens of the samples placed on the "
+                                   "engine that have not reached the client, over every batch running (what "
+                                   "placement balances).", labels=["engine"])
+        for engine, tokens in sorted(stats.engine_placed_tokens.items()):
+            placed.add_metric([engine], tokens)
+        yield placed
         yield CounterMetricFamily("das_samples_redispatched", "Samples a dead engine owed that had not reached the "
                                   "client, run again on a serving engine.", value=stats.samples_redispatched)
         yield GaugeMetricFamily("das_history_problems_stored", "Problems with rollouts in the history store.",

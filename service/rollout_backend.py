@@ -72,7 +72,8 @@ class BackendStats:
     to serving again. `history_outbox_records`: finished rollouts the engine actors hold because no history snapshot
     has them yet (lost if their actor dies); `history_records_given_up`: rollouts the engine actors dropped (an
     outbox over its token cap while a shard stayed down, or a record a shard refused), summed over the actors'
-    current processes."""
+    current processes. `engine_placed_tokens`: per engine, the predicted output tokens of the samples placed there
+    that have not reached the client (current; what placement balances)."""
 
     engines: tuple[EngineLoad, ...] = ()
     engines_ready: int = 0
@@ -85,6 +86,7 @@ class BackendStats:
     engine_recovery_s: dict[str, float] = field(default_factory=dict)
     history_outbox_records: int = 0
     history_records_given_up: int = 0
+    engine_placed_tokens: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutBackend(Protocol):

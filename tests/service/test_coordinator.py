@@ -147,6 +147,28 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
                                                                          "history-shard-1.msgpack"]
 
 
+def test_batches_running_at_once_are_placed_by_the_load_already_placed(cluster: Cluster,
+                                                                        loop: asyncio.AbstractEventLoop) -> None:
+    """One group per batch, as an OpenAI-style trainer sends them (a request per prompt): each batch is placed
+    onto the engine with the least predicted work outstanding, not onto the first engine every time."""
+    backend = start(loop, ServiceConfig(stub_engine={"tokens": 6, "token_s": 0.02}))
+    try:
+        async def one_group_each(count: int) -> list[list]:
+            async def collect(i: int) -> list:
+                batch = [GroupRequest(problem_id=f"q{i}", prompt_token_ids=[5, 6, 7 + i], n=2,
+                                      sampling={"max_tokens": 6})]
+                return [sample async for _, sample in backend.generate(batch)]
+            return await asyncio.gather(*(collect(i) for i in range(count)))
+        results = loop.run_until_complete(one_group_each(4))
+        per_engine = Counter(sample.engine for samples in results for sample in samples)
+        assert per_engine == Counter({name: 4 for name in backend.engine_names})  # 2 groups of 2 on each
+        assert all(len({sample.engine for sample in samples}) == 1 for samples in results)  # siblings together
+        # every sample arrived, so no engine is charged with work any more
+        assert all(abs(backend._outstanding[name]) < 1e-6 for name in backend.engine_names)  # noqa: SLF001
+    finally:
+        loop.run_until_complete(backend.close())
+
+
 def test_an_engine_actor_whose_shard_is_gone_for_good_still_starts_and_serves(cluster: Cluster,
                                                                             loop: asyncio.AbstractEventLoop) -> None:
     """A shard name Ray does not know (a shard past a finite restart cap): the engine runs without its history, as

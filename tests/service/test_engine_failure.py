@@ -243,6 +243,9 @@ def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(t
         assert service.get("/metrics").text.count("das_engine_last_recovery_seconds{engine=") == 2
         redispatched = service.metric("das_samples_redispatched")
         assert redispatched > 0
+        # what the dead engines owed was taken off their load when it moved: nothing is left placed anywhere
+        assert service.get("/metrics").text.count("das_engine_placed_tokens{engine=") == 2
+        assert abs(service.metric("das_engine_placed_tokens")) < 1e-6
         print(f"{len(results)} batches, 20 kills, {redispatched:.0f} samples re-dispatched")
     finally:
         stop.set()
