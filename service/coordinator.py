@@ -12,9 +12,10 @@ length from the difficulty records (scheduler.length; the records are loaded fro
 from every sample that passes), places groups on engines longest-predicted first onto the least loaded engine
 (scheduler.placement; a group's samples stay together so they share the drafter's live segment), starts each
 engine's groups longest first, and merges the engines' streams as samples finish. An engine's load counts every
-batch running at once: the predicted output tokens of the samples placed there that have not arrived, charged
-when a batch is placed and taken off as its samples arrive, so batches of one group each (a trainer that sends a
-request per prompt, as OpenAI-style clients do) spread over the engines instead of all landing on the first.
+batch running at once (`_PlacedWork`): the predicted output tokens of the samples placed there that have not
+arrived, so batches of one group each (a trainer that sends a request per prompt, as OpenAI-style clients do)
+spread over the engines instead of all landing on the first; and a problem whose samples already run on an engine
+gets its next groups there, so siblings from separate requests share the live segment too.
 
 Locally `RayBackend.start(config)` starts an embedded single-node cluster; with `address` it joins a running one
 (`ray start --head` on the head node, `ray start --address=...` on the others, or KubeRay).
@@ -77,6 +78,48 @@ def _sample_load(group: GroupRequest) -> float:
     """What one sample of a group placed by `with_length_predictions` weighs in placement: its predicted output
     tokens."""
     return float(group.predicted_tokens or 0.0)
+
+
+class _PlacedWork:
+    """The samples placed on the engines that have not arrived, over every batch running at once: per engine their
+    predicted output tokens (what placement balances), per problem the engines they run on (so that a problem's
+    groups running at once share an engine, and its drafter's live segment sees all of them). Every sample is added
+    once when placed (`hold`) and removed once: when it arrives (`arrived`) or when its job ends or moves without
+    it (`release`)."""
+
+    def __init__(self) -> None:
+        self.tokens: Counter[str] = Counter()
+        self._problems: dict[str, Counter[str]] = {}
+
+    def hold(self, name: str, work: Sequence[tuple[Share, GroupRequest]]) -> None:
+        for share, group in work:
+            self._add(name, group, len(share.missing()))
+
+    def arrived(self, name: str, group: GroupRequest) -> None:
+        self._add(name, group, -1)
+
+    def release(self, name: str, work: Sequence[tuple[Share, GroupRequest]]) -> None:
+        for share, group in work:
+            self._add(name, group, -len(share.missing()))
+
+    def engine_of(self, problem_id: str, names: Sequence[str]) -> int | None:
+        """The index in `names` of the engine running most of the problem's samples, None if none of them does."""
+        engines = self._problems.get(problem_id)
+        if not engines:
+            return None
+        running = [(count, -i) for i, name in enumerate(names) if (count := engines[name]) > 0]
+        return -max(running)[1] if running else None
+
+    def _add(self, name: str, group: GroupRequest, samples: int) -> None:
+        if not samples:
+            return
+        self.tokens[name] += samples * _sample_load(group)
+        engines = self._problems.setdefault(group.problem_id, Counter())
+        engines[name] += samples
+        if engines[name] <= 0:
+            del engines[name]
+            if not engines:
+                del self._problems[group.problem_id]
 
 
 def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRequest]) -> list[GroupRequest]:
@@ -176,9 +219,7 @@ class RayBackend:
         self._background: list[asyncio.Task[None]] = []
         self._closing = False
         self._changed = asyncio.Event()  # replaced at every change of an actor's state
-        # per engine, the predicted output tokens of the samples placed there that have not arrived (every batch
-        # running at once): what placement balances
-        self._outstanding: Counter[str] = Counter()
+        self._placed = _PlacedWork()
         self._restarts: Counter[str] = Counter()  # per engine
         self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
         self._redispatched = 0
@@ -344,28 +385,40 @@ class RayBackend:
 
     def _place(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> list[list[tuple[int,
                                                                                                     GroupRequest]]]:
+        """A problem's groups go where its samples already run, if they run on a serving engine; the others, a
+        problem's groups of this batch together, by LPT from the engines' placed loads."""
         tagged = with_length_predictions(self._predictor, groups)
-        placement = place_groups([g.n * _sample_load(g) for g in tagged], len(serving),
-                                 existing_loads=[max(self._outstanding[name], 0.0) for _, _, name in serving])
-        return [[(int(i), tagged[int(i)]) for i in order] for order in placement.order]
-
-    def _charge(self, name: str, work: Sequence[tuple[Share, GroupRequest]]) -> float:
-        """Adds the predicted tokens of `work`'s samples not yet arrived to engine `name`'s outstanding load;
-        returns them."""
-        load = sum(len(share.missing()) * _sample_load(group) for share, group in work)
-        self._outstanding[name] += load
-        return load
+        names = [name for _, _, name in serving]
+        loads = np.array([g.n * _sample_load(g) for g in tagged])
+        existing = np.array([max(self._placed.tokens[name], 0.0) for name in names])
+        assignment = np.empty(len(tagged), np.int64)
+        units: dict[str, list[int]] = {}  # problem -> its groups of this batch placed by LPT
+        for i, group in enumerate(tagged):
+            engine = self._placed.engine_of(group.problem_id, names)
+            if engine is None:
+                units.setdefault(group.problem_id, []).append(i)
+            else:
+                assignment[i] = engine
+                existing[engine] += loads[i]
+        members = list(units.values())
+        if members:
+            placement = place_groups([loads[m].sum() for m in members], len(names), existing_loads=existing)
+            for unit, engine in zip(members, placement.assignment.tolist()):
+                assignment[unit] = engine
+        # inside an engine, longest predicted first (ties in batch order)
+        by_load = np.argsort(-loads, kind="stable")
+        return [[(int(i), tagged[int(i)]) for i in by_load[assignment[by_load] == e]] for e in range(len(names))]
 
     async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
         serving = self._serving() or [await self._wait_serving()]
         placed = [(engine, [(Share(i, tuple(range(g.n))), g) for i, g in items])
                   for engine, items in zip(serving, self._place(groups, serving)) if items]
-        # Charged now, before anything awaits: a batch placed at the same moment sees this one's load.
-        charged = [self._charge(engine[2], work) for engine, work in placed]
+        # Held now, before anything awaits: a batch placed at the same moment sees this one's work.
+        for engine, work in placed:
+            self._placed.hold(engine[2], work)
         # Each job puts (group index, sample) pairs, then None at its end, or the exception that ended it.
         out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None] = asyncio.Queue()
-        jobs = [asyncio.create_task(self._job(engine, work, out, load))
-                for (engine, work), load in zip(placed, charged)]
+        jobs = [asyncio.create_task(self._job(engine, work, out)) for engine, work in placed]
         try:
             running = len(jobs)
             while running:
@@ -386,16 +439,16 @@ class RayBackend:
             await asyncio.gather(*jobs, return_exceptions=True)
 
     async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
-                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None], charged: float) -> None:
+                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
         """Runs `work` on `engine` and puts its samples on `out` as they arrive, renumbered as the batch's; when
         the engine dies, runs what had not arrived on a serving engine (the restarted one, if it is the first
-        to serve again). Ends with None on `out`, or the exception that failed the batch. `charged`: the load
-        the caller put on `engine` for `work` (`_charge`); every sample that arrives takes its share off, and what
-        is left comes off when the job ends or moves."""
+        to serve again). Ends with None on `out`, or the exception that failed the batch. The caller has put
+        `work` in `_placed` on `engine`; the job takes each sample out as it arrives, and what never arrived when it
+        ends or moves."""
         import ray
 
         lost = _lost_errors()
-        name = engine[2]
+        name, held = engine[2], True
         try:
             while work:
                 actor, local, name = engine
@@ -407,9 +460,7 @@ class RayBackend:
                         for k, sample in await ref:
                             taken = work[k][0].take(sample)
                             if taken is not None:
-                                load = _sample_load(work[k][1])
-                                self._outstanding[name] -= load
-                                charged -= load
+                                self._placed.arrived(name, work[k][1])
                                 out.put_nowait((work[k][0].group_index, taken))
                 except lost as exc:
                     self._engine_died(actor, incarnation, exc)
@@ -420,11 +471,11 @@ class RayBackend:
                     self._redispatched += count
                     log.warning("engine %s died; %d of its samples in this batch are run again elsewhere",
                                 name, count)
-                    self._outstanding[name] -= charged
-                    charged = 0.0
+                    self._placed.release(name, work)
+                    held = False
                     engine = await self._wait_serving()
-                    name = engine[2]
-                    charged = self._charge(name, work)
+                    name, held = engine[2], True
+                    self._placed.hold(name, work)
                     continue
                 finally:
                     with contextlib.suppress(Exception):
@@ -437,7 +488,8 @@ class RayBackend:
         except Exception as exc:  # handed to the batch, which owns the error
             out.put_nowait(exc)
         finally:
-            self._outstanding[name] -= charged
+            if held:
+                self._placed.release(name, work)
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
         """Reloads every serving engine; an engine that is restarting loads these weights before it serves."""
@@ -466,7 +518,7 @@ class RayBackend:
     def stats(self) -> BackendStats:
         return replace(self._stats, engines_ready=len(self._serving()), engine_restarts=dict(self._restarts),
                        samples_redispatched=self._redispatched, engine_recovery_s=dict(self._recovery_s),
-                       engine_placed_tokens={name: max(self._outstanding[name], 0.0) for name in self.engine_names})
+                       engine_placed_tokens={name: max(self._placed.tokens[name], 0.0) for name in self.engine_names})
 
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
 
@@ -515,7 +567,7 @@ class RayBackend:
         while True:
             serving = self._serving()
             if serving:
-                return min(serving, key=lambda engine: self._outstanding[engine[2]])
+                return min(serving, key=lambda engine: self._placed.tokens[engine[2]])
             if all(actor.state == "failed" for actor in self._actors):
                 raise RuntimeError("no engine can serve: " + "; ".join(str(a.error) for a in self._actors))
             await self._changed.wait()

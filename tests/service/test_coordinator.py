@@ -150,7 +150,8 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
 def test_batches_running_at_once_are_placed_by_the_load_already_placed(cluster: Cluster,
                                                                         loop: asyncio.AbstractEventLoop) -> None:
     """One group per batch, as an OpenAI-style trainer sends them (a request per prompt): each batch is placed
-    onto the engine with the least predicted work outstanding, not onto the first engine every time."""
+    onto the engine with the least predicted work outstanding, not onto the first engine every time; a problem's
+    groups running at once share an engine."""
     backend = start(loop, ServiceConfig(stub_engine={"tokens": 6, "token_s": 0.02}))
     try:
         async def one_group_each(count: int) -> list[list]:
@@ -163,8 +164,35 @@ def test_batches_running_at_once_are_placed_by_the_load_already_placed(cluster: 
         per_engine = Counter(sample.engine for samples in results for sample in samples)
         assert per_engine == Counter({name: 4 for name in backend.engine_names})  # 2 groups of 2 on each
         assert all(len({sample.engine for sample in samples}) == 1 for samples in results)  # siblings together
-        # every sample arrived, so no engine is charged with work any more
-        assert all(abs(backend._outstanding[name]) < 1e-6 for name in backend.engine_names)  # noqa: SLF001
+        # every sample arrived, so no engine holds placed work any more
+        assert all(abs(tokens) < 1e-6 for tokens in backend.stats().engine_placed_tokens.values())
+
+        def engine_of(placed: list[list], index: int) -> int:
+            (engine,) = [e for e, items in enumerate(placed) if any(i == index for i, _ in items)]
+            return engine
+
+        # a problem's groups of one batch stay together; a problem already running keeps its engine for a group
+        # that arrives later, though the other engine is idle
+        same = [GroupRequest(problem_id="r", prompt_token_ids=[5, 6, 7], n=2, sampling={"max_tokens": 6}),
+                *groups(3, 2), GroupRequest(problem_id="r", prompt_token_ids=[5, 6, 7], n=3,
+                                            sampling={"max_tokens": 6, "temperature": 0.5})]
+        placed = backend.place(same)
+        assert engine_of(placed, 0) == engine_of(placed, 4)
+
+        async def while_running() -> tuple[int, int, list]:
+            stream = backend.generate([GroupRequest(problem_id="r", prompt_token_ids=[5, 6, 7], n=2,
+                                                    sampling={"max_tokens": 6})])
+            first = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0)  # the batch is placed and its work held
+            later = backend.place([GroupRequest(problem_id="r", prompt_token_ids=[5, 6, 7], n=1,
+                                                sampling={"max_tokens": 6}), *groups(1, 1)])
+            sample = await first
+            rest = [s async for s in stream]
+            return backend.engine_names.index(sample[1].engine), engine_of(later, 0), [sample, *rest]
+        running_on, placed_on, samples = loop.run_until_complete(while_running())
+        assert placed_on == running_on and len(samples) == 2
+        assert backend._placed.engine_of("r", backend.engine_names) is None  # noqa: SLF001 -- nothing runs: free
+        assert all(abs(tokens) < 1e-6 for tokens in backend.stats().engine_placed_tokens.values())
     finally:
         loop.run_until_complete(backend.close())
 
