@@ -1,0 +1,125 @@
+"""Does the model's own end-of-sequence probability tell which sibling will run longest? Samples the quick start's
+workload with Hugging Face transformers (SmolLM2-135M-Instruct as `das serve` prepares it, float32, the chat
+template, T = 0.8, 512 tokens), records at every step each running sample's probability of ending (the EOS ids'
+mass under the sampling distribution), then asks, within each problem's group, among the samples still running at
+G tokens: does the mean ending probability over their last W tokens rank the final lengths (Spearman), and does it
+flag the samples that end within the next D tokens (AUC)?
+python eos_signal.py PROBLEMS SAMPLES SEED OUT.npz        (sampling; finished samples leave the batch)
+python eos_signal.py --analyse OUT.npz [OUT.npz ...]"""
+import sys
+
+import numpy as np
+
+
+def _ranks(v: np.ndarray) -> np.ndarray:
+    r = np.argsort(np.argsort(v, kind="stable"), kind="stable").astype(float)
+    for value in np.unique(v):
+        tied = v == value
+        r[tied] = r[tied].mean()
+    return r
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    rx, ry = _ranks(x), _ranks(y)
+    return float(np.corrcoef(rx, ry)[0, 1]) if rx.std() and ry.std() else float("nan")
+
+
+def auc(score: np.ndarray, positive: np.ndarray) -> float:
+    """P(score of a positive > score of a negative), ties half."""
+    pos, neg = score[positive], score[~positive]
+    if not pos.size or not neg.size:
+        return float("nan")
+    r = _ranks(np.concatenate([pos, neg]))
+    return float((r[:pos.size].sum() - pos.size * (pos.size - 1) / 2) / (pos.size * neg.size))
+
+
+def sample(problems: int, samples: int, seed: int, out: str) -> None:
+    import time
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from das.service.engine.models import prepare_model
+    from das.service.prompt_sets import reasoning_gym_problems
+
+    torch.manual_seed(seed)
+    path = prepare_model("smollm2", progress=False)
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    eos = sorted(set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id})
+    probs = reasoning_gym_problems(problems, seed=seed)
+    prompts = [tok(tok.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False).input_ids for p in probs]
+    rows = [(g, prompts[g]) for g in range(len(probs)) for _ in range(samples)]
+    width = max(len(p) for _, p in rows)
+    ids = torch.tensor([[tok.pad_token_id or 0] * (width - len(p)) + list(p) for _, p in rows])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p in rows])
+    n, max_new = len(rows), 512
+    p_end = np.full((n, max_new), np.nan, np.float32)
+    length = np.full(n, max_new, np.int64)
+    alive = np.ones(n, bool)
+    past, step_in, start = None, ids, time.time()
+    batch = np.arange(n)  # the sample each row of the running batch is (finished rows are dropped)
+    with torch.no_grad():
+        for t in range(max_new):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_in.shape[1]:]
+            outputs = model(input_ids=step_in, attention_mask=mask, past_key_values=past, position_ids=positions,
+                            use_cache=True)
+            past = outputs.past_key_values
+            probs_t = torch.softmax(outputs.logits[:, -1].float() / 0.8, dim=-1)
+            p_end[batch, t] = probs_t[:, eos].sum(-1).numpy()
+            nxt = torch.multinomial(probs_t, 1)
+            ended = np.isin(nxt[:, 0].numpy(), eos)
+            length[batch[ended]] = t + 1
+            alive[batch[ended]] = False
+            if t % 64 == 0:
+                print(f"step {t}: {alive.sum()} of {n} running, {time.time() - start:.0f} s", flush=True)
+            if not alive.any():
+                break
+            keep = np.flatnonzero(~ended)
+            if ended.any():
+                index = torch.from_numpy(keep)
+                past.batch_select_indices(index)
+                batch, nxt, mask = batch[keep], nxt[index], mask[index]
+            step_in = nxt
+            mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=mask.dtype)], dim=1)
+    np.savez_compressed(out, p_end=p_end, length=length, group=np.array([g for g, _ in rows]))
+    print(f"{n} samples, lengths p50 {np.median(length):.0f}, max {length.max()}, at the cap "
+          f"{(length == max_new).sum()}; {time.time() - start:.0f} s", flush=True)
+
+
+def analyse(paths: list[str]) -> None:
+    """Pooled over the sampled files (each file's groups kept apart)."""
+    runs = [np.load(path) for path in paths]
+    p_end = np.concatenate([r["p_end"] for r in runs])
+    length = np.concatenate([r["length"] for r in runs])
+    group = np.concatenate([r["group"] + 1000 * k for k, r in enumerate(runs)])
+    log_p = np.log(np.maximum(p_end, 1e-12))
+    for g_at in (32, 64, 128, 256):
+        for window in (16, 64):
+            if window > g_at:
+                continue
+            running = length > g_at
+            feature = np.full(len(length), np.nan)
+            feature[running] = log_p[running, g_at - window:g_at].mean(axis=1)
+            rhos, weights = [], []
+            for gid in np.unique(group):
+                m = (group == gid) & (length > g_at)
+                if m.sum() >= 3 and len(set(length[m])) > 1:
+                    rho = spearman(feature[m], length[m])
+                    if np.isfinite(rho):
+                        rhos.append(rho)
+                        weights.append(m.sum())
+            ends = {d: auc(feature[running], (length[running] <= g_at + d)) for d in (16, 64, 256)}
+            print(f"G={g_at:3d} W={window:2d}: {running.sum():3d} running; within-group Spearman(mean log p_end, "
+                  f"length) {np.average(rhos, weights=weights) if rhos else float('nan'):+.3f} over {len(rhos)} "
+                  f"groups; AUC for ending within 16 / 64 / 256 tokens "
+                  + " / ".join(f"{v:.3f}" for v in ends.values()), flush=True)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--analyse":
+        analyse(sys.argv[2:])
+    else:
+        sample(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
