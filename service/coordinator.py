@@ -103,12 +103,11 @@ class _PlacedWork:
             self._add(name, group, -len(share.missing()))
 
     def engine_of(self, problem_id: str, names: Sequence[str]) -> int | None:
-        """The index in `names` of the engine running most of the problem's samples, None if none of them does."""
-        engines = self._problems.get(problem_id)
-        if not engines:
-            return None
-        running = [(count, -i) for i, name in enumerate(names) if (count := engines[name]) > 0]
-        return -max(running)[1] if running else None
+        """The index in `names` of the engine running most of the problem's samples (ties: the first), None if
+        none of them runs any."""
+        engines = self._problems.get(problem_id, Counter())
+        running = [i for i, name in enumerate(names) if engines[name] > 0]
+        return max(running, key=lambda i: (engines[names[i]], -i)) if running else None
 
     def _add(self, name: str, group: GroupRequest, samples: int) -> None:
         if not samples:
@@ -186,6 +185,7 @@ class _Actor:
 
 
 _Engine = tuple[_Actor, int, str]  # (actor, engine index in the actor, engine name)
+_Placement = list[list[tuple[int, GroupRequest]]]  # per engine, (batch index, group) pairs in start order
 
 
 class _RayInThisProcess:
@@ -378,13 +378,12 @@ class RayBackend:
             return
         raise RuntimeError("no engine serves: the groups cannot be checked")
 
-    def place(self, groups: Sequence[GroupRequest]) -> list[list[tuple[int, GroupRequest]]]:
+    def place(self, groups: Sequence[GroupRequest]) -> _Placement:
         """Per serving engine (in `serving_engines` order), the (batch index, group) pairs it would run, longest
         predicted first (`with_length_predictions` tags the groups), given the work already placed there."""
         return self._place(groups, self._serving())
 
-    def _place(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> list[list[tuple[int,
-                                                                                                    GroupRequest]]]:
+    def _place(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> _Placement:
         """A problem's groups go where its samples already run, if they run on a serving engine; the others, a
         problem's groups of this batch together, by LPT from the engines' placed loads."""
         tagged = with_length_predictions(self._predictor, groups)
