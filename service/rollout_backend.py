@@ -397,10 +397,12 @@ class StubBackend:
         raise HistoryUnavailable("the stub backend keeps no history")
 
     def stats(self) -> BackendStats:
-        """One synthetic engine, so every engine series of /metrics exists with the stub too."""
+        """One synthetic engine, so every engine series of /metrics exists with the stub too; its placed tokens are
+        the samples not yet emitted at the stub's output length."""
         return BackendStats(engines=(EngineLoad("stub-0", running=0, waiting=0, speculate_p50_s=0.0,
                                                 speculate_p99_s=0.0, drafts_by_source={"live": (0, 0)}),),
-                            engines_ready=1 if self._ready else 0, resident_bytes={"node_engine": 0})
+                            engines_ready=1 if self._ready else 0, resident_bytes={"node_engine": 0},
+                            engine_placed_tokens={"stub-0": float(self._unemitted * self.output_tokens)})
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         self._mode = mode

@@ -221,6 +221,7 @@ def test_dashboard_shows_what_straggler_monitoring_needs() -> None:
     assert shown("das_draft_tokens_accepted_total", "length_class")
     assert shown("das_engine_requests_running", "engine")
     assert shown("das_engine_requests_waiting", "engine")
+    assert shown("das_engine_placed_tokens", "engine")
     assert shown("das_history_tokens_stored")
     assert shown("das_weight_reload_seconds_bucket")
 
