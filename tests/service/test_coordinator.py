@@ -14,10 +14,11 @@ from ray.cluster_utils import Cluster
 
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
-from das.service.api import GroupRequest
-from das.service.coordinator import RayBackend, ServiceConfig, with_length_predictions
+from das.service.api import GroupRequest, SampleResult
+from das.service.coordinator import RayBackend, ServiceConfig, _PlacedWork, with_length_predictions
 from das.service.engine.async_engine import EngineInputError
 from das.service.engine.models import prepare_model
+from das.service.engine_failure import Share
 from das.service.history_store import HistoryPushConfig
 from das.service.node_engine import NodeEngine
 from das.service.rollout_backend import GroupInputError
@@ -79,6 +80,31 @@ def test_groups_get_the_predicted_mean_and_the_curve_unless_they_bring_a_predict
     assert curve.at(301) > 302  # past p0's longest sample, still predicted to run on
     assert [g.model_copy(update={"predicted_tokens": None, "length_curve": None}) for g in tagged[:2]] == \
         batch[:2]  # nothing else changes
+
+
+def test_the_placed_work_ledger_holds_each_sample_once_and_names_a_problems_engine() -> None:
+    ledger = _PlacedWork()
+    a = GroupRequest(problem_id="a", prompt_token_ids=[1], n=3, predicted_tokens=10.0)
+    b = GroupRequest(problem_id="b", prompt_token_ids=[1], n=2, predicted_tokens=5.0)
+    share_a, share_b = Share(0, (0, 1, 2)), Share(1, (0, 1))
+    ledger.hold("e0", [(share_a, a)])
+    ledger.hold("e1", [(share_b, b)])
+    assert ledger.tokens == {"e0": 30.0, "e1": 10.0}
+    assert ledger.engine_of("a", ["e0", "e1"]) == 0 and ledger.engine_of("a", ["e1", "e0"]) == 1
+    assert ledger.engine_of("a", ["e1"]) is None  # its engine is not serving
+    assert ledger.engine_of("c", ["e0", "e1"]) is None
+    # a second group of "a" on e1 with more samples: e1 runs most of it
+    ledger.hold("e1", [(Share(2, (0, 1, 2, 3)), a)])
+    assert ledger.engine_of("a", ["e0", "e1"]) == 1
+    # one sample of the first arrives, then its job ends without the rest (cancelled): all of it is gone
+    share_a.take(SampleResult(problem_id="a", sample_index=0, token_ids=[], logprobs=[], finish_reason="stop",
+                              policy_version=0))
+    ledger.arrived("e0", a)
+    ledger.release("e0", [(share_a, a)])
+    assert ledger.tokens["e0"] == 0.0 and ledger.engine_of("a", ["e0", "e1"]) == 1
+    ledger.release("e1", [(Share(2, (0, 1, 2, 3)), a), (share_b, b)])
+    assert ledger.tokens["e1"] == 0.0
+    assert ledger.engine_of("a", ["e0", "e1"]) is None and ledger.engine_of("b", ["e0", "e1"]) is None
 
 
 def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEventLoop, tmp_path: Path,
