@@ -91,6 +91,10 @@ class _PlacedWork:
         self.tokens: Counter[str] = Counter()
         self._problems: dict[str, Counter[str]] = {}
 
+    def load(self, name: str) -> float:
+        """Engine `name`'s predicted output tokens placed and not arrived (>= 0: the float sums may round below)."""
+        return max(self.tokens[name], 0.0)
+
     def hold(self, name: str, work: Sequence[tuple[Share, GroupRequest]]) -> None:
         for share, group in work:
             self._add(name, group, len(share.missing()))
@@ -389,7 +393,7 @@ class RayBackend:
         tagged = with_length_predictions(self._predictor, groups)
         names = [name for _, _, name in serving]
         loads = np.array([g.n * _sample_load(g) for g in tagged])
-        existing = np.array([max(self._placed.tokens[name], 0.0) for name in names])
+        existing = np.array([self._placed.load(name) for name in names])
         assignment = np.empty(len(tagged), np.int64)
         units: dict[str, list[int]] = {}  # problem -> its groups of this batch placed by LPT
         for i, group in enumerate(tagged):
@@ -517,7 +521,7 @@ class RayBackend:
     def stats(self) -> BackendStats:
         return replace(self._stats, engines_ready=len(self._serving()), engine_restarts=dict(self._restarts),
                        samples_redispatched=self._redispatched, engine_recovery_s=dict(self._recovery_s),
-                       engine_placed_tokens={name: max(self._placed.tokens[name], 0.0) for name in self.engine_names})
+                       engine_placed_tokens={name: self._placed.load(name) for name in self.engine_names})
 
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
 
@@ -566,7 +570,7 @@ class RayBackend:
         while True:
             serving = self._serving()
             if serving:
-                return min(serving, key=lambda engine: self._placed.tokens[engine[2]])
+                return min(serving, key=lambda engine: self._placed.load(engine[2]))
             if all(actor.state == "failed" for actor in self._actors):
                 raise RuntimeError("no engine can serve: " + "; ".join(str(a.error) for a in self._actors))
             await self._changed.wait()

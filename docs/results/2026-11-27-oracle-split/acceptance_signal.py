@@ -8,24 +8,14 @@ import sys
 import numpy as np
 
 sys.path.insert(0, "../2026-11-27-length-signals")
+sys.path.insert(0, "../2026-11-27-eos-signal")
+from eos_signal import spearman  # noqa: E402
 from patched import patched_simulate_batch, simulate_with  # noqa: E402
 
 from das.drafter.records import load_rollouts  # noqa: E402
 from das.scheduler.cost_model import load_cost_model  # noqa: E402
 
 STATS: list[tuple] = []
-
-
-def _spearman(x: np.ndarray, y: np.ndarray) -> float:
-    """Pearson correlation of average ranks."""
-    rx, ry = (np.argsort(np.argsort(v, kind="stable"), kind="stable").astype(float) for v in (x, y))
-    for v, r in ((x, rx), (y, ry)):
-        for value in np.unique(v):
-            tied = v == value
-            r[tied] = r[tied].mean()
-    return float(np.corrcoef(rx, ry)[0, 1]) if rx.std() and ry.std() else float("nan")
-
-
 COUNT = ("        counts.record(slot[active], drafted, accepted)\n",
          "        counts.record(slot[active], drafted, accepted)\n"
          "        TRACK.setdefault(id(finish), [np.zeros((len(batch), GMAX + 1)), np.zeros((len(batch), GMAX + 1))])\n"
@@ -52,7 +42,7 @@ for traces in sys.argv[2:]:
                     groups.setdefault(p, []).append(i)
             for members in groups.values():
                 if len(members) >= 4 and len(set(lengths[members])) > 1:
-                    rho = _spearman(rate[members], lengths[members])
+                    rho = spearman(rate[members], lengths[members])
                     if np.isfinite(rho):
                         rhos.append(rho)
                         weights.append(len(members))
