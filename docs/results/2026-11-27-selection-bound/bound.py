@@ -12,7 +12,8 @@ an approximation of in-flight sharing) and the request's own text. Two choices a
 
 Prints tokens per step and draft tokens per step for each K, then the oracle's tokens per step over frequency's at
 the oracle's draft tokens per step (frequency's frontier interpolated, anchored at (0, 1)).
-python bound.py TRACES K[,K...]"""
+--all-levels: the candidates of every matched suffix length, not only the longest (a looser bound).
+python bound.py TRACES K[,K...] [--all-levels]"""
 import sys
 from collections import defaultdict
 
@@ -40,21 +41,20 @@ class Index:
         return s
 
 
-def continuations(index: Index, context: list[int], limit: dict[int, int], k: int) -> list[np.ndarray]:
-    """Continuations (up to k tokens) of the longest suffix of `context` with occurrences; a sequence in `limit` is
-    readable only up to that many tokens."""
+def continuations(index: Index, context: list[int], limit: dict[int, int], k: int,
+                  all_levels: bool = False) -> list[np.ndarray]:
+    """Continuations (up to k tokens) of the longest suffix of `context` with occurrences (all_levels: of every
+    suffix of 2-16 tokens with occurrences, longest first); a sequence in `limit` is readable only up to that many
+    tokens."""
+    out = []
     for n in range(min(MAX_MATCH, len(context)), MIN_MATCH - 1, -1):
-        occ = index.at.get(tuple(context[-n:]))
-        if not occ:
-            continue
-        out = []
-        for s, end in occ[-CANDIDATES:]:
+        for s, end in index.at.get(tuple(context[-n:]), [])[-CANDIDATES:]:
             stop = min(end + k, limit.get(s, len(index.seqs[s])))
             if stop > end:
                 out.append(index.seqs[s][end:stop])
-        if out:
+        if out and not all_levels:
             return out
-    return []
+    return out
 
 
 def frequency_draft(cands: list[np.ndarray], k: int) -> np.ndarray:
@@ -77,7 +77,7 @@ def agree(draft: np.ndarray, truth: np.ndarray) -> int:
     return int(miss[0]) if miss.size else n
 
 
-def replay(records, k: int) -> dict[str, tuple[float, float]]:
+def replay(records, k: int, all_levels: bool = False) -> dict[str, tuple[float, float]]:
     by = defaultdict(list)
     for r in records:
         by[(r.problem_id, r.policy_version)].append(r)
@@ -100,7 +100,7 @@ def replay(records, k: int) -> dict[str, tuple[float, float]]:
                     at = prompt[me] + p
                     # siblings (and the request itself) readable up to the same output position
                     limit = {ids[j]: prompt[j] + p for j in range(len(group))}
-                    cands = continuations(index, full[:at].tolist(), limit, k)
+                    cands = continuations(index, full[:at].tolist(), limit, k, all_levels)
                     truth = full[at:at + k]
                     if not cands:
                         draft = np.zeros(0, np.int64)
@@ -125,7 +125,7 @@ if __name__ == "__main__":
     name = sys.argv[1].split("/")[-1]
     frontier: dict[str, list[tuple[float, float]]] = defaultdict(list)  # (draft tokens/step, tokens/step)
     for k in (int(x) for x in sys.argv[2].split(",")):
-        res = replay(records, k)
+        res = replay(records, k, "--all-levels" in sys.argv[3:])
         print(f"{name} K={k}: " + ", ".join(
             f"{arm} {tps:.3f} tokens/step at {dps:.2f} draft tokens/step" for arm, (tps, dps) in res.items()),
               flush=True)
