@@ -1,9 +1,10 @@
 """Does the model's probability of ending, read at every token, make the length-aware budget better? The budget's
 end-of-sample forecast (the request's LengthCurve p90, conditional on the tokens it has generated) is scaled by the
-sample's recent ending probability: remaining' = remaining * exp(beta * (f - f0)) (or, "shrink-only", never more than remaining), f the mean log probability of
-ending over the request's last W tokens (none before its first token). beta and f0 are fitted on the other trace set
-(cross-fitting: the least-squares slope of log(true remaining / forecast remaining) on f at every 16th token of
-every sample after the first epoch, with the forecast from the epochs before it; f0 the mean f there).
+sample's recent ending probability: remaining' = remaining * exp(beta * (f - f0)) (or, "shrink-only", never more
+than remaining), f the mean log probability of ending over the request's last W tokens (none before its first
+token). beta and f0 are fitted on the other trace set (cross-fitting: the least-squares slope of log(true
+remaining / forecast remaining) on f at every 16th token of every sample after the first epoch, with the forecast
+from the epochs before it; f0 the mean f there).
 Replayed with the package's simulator (`simulate_batch` with the budget's one line patched, patched.py); das only;
 "budget oracle" = the true lengths in the budget alone (the oracle split's "budget" row).
 python eos_forecast.py COST ENGINES K_MAX W A B       (A, B: trace prefixes from sample_traces.py)"""

@@ -117,8 +117,8 @@ def sample_without_draft_probs(draft_token_ids: torch.Tensor, num_draft_tokens: 
     row_keyed = ~row_greedy & row_keys[1] if row_keys is not None else torch.zeros_like(row_greedy)
     k_rows = row_keyed.nonzero().squeeze(1)
     if k_rows.numel():
-        correction[k_rows] = keyed_tokens(_rows(target_logits, k_rows), row_keys[0][k_rows])
-        accept[k_rows] = correction[k_rows] == draft[k_rows]
+        _draw_keyed_until_rejection(target_logits, row_keys[0], draft, req, k_rows[pos[k_rows] == 0], correction,
+                                    accept)
     known = row_greedy | row_keyed  # rows whose correction is already drawn
     r_rows = (~known).nonzero().squeeze(1)
     weights = None
@@ -150,6 +150,30 @@ def sample_without_draft_probs(draft_token_ids: torch.Tensor, num_draft_tokens: 
                                          stopped[rand], sampling_metadata.generators)
         out[stopped, accepted[stopped]] = recovered.to(torch.int32)
     return out
+
+
+def _draw_keyed_until_rejection(target_logits: torch.Tensor, keys: torch.Tensor, draft: torch.Tensor,
+                                req: torch.Tensor, first_rows: torch.Tensor, correction: torch.Tensor,
+                                accept: torch.Tensor) -> None:
+    """Keyed draws position by position, from the keyed requests' first target rows (`first_rows`): a row is drawn
+    only if every earlier draft of its request was accepted. Rows after a request's first rejection are never read
+    (the accepted prefix stops there and only the first rejected row's correction is emitted), so they are left
+    rejected, undrawn. In place: `correction` and `accept` of the rows drawn.
+
+    Cost: one kernel pass over the vocabulary per row drawn, i.e. per request its accepted drafts plus one instead
+    of all its drafts (~0.14 ms a row for SmolLM2's 49,152 entries, ~0.45 ms for Qwen2.5's 151,936, on this
+    machine's two cores), plus one row copy and a few small tensor operations per position."""
+    live = first_rows
+    while live.numel():
+        drawn = keyed_tokens(_rows(target_logits, live), keys[live])
+        correction[live] = drawn
+        hit = drawn == draft[live]
+        accept[live] = hit
+        taken = live[hit]
+        following = taken + 1  # the request's next target row, if it has one (rows are request by request)
+        inside = following < req.numel()
+        taken, following = taken[inside], following[inside]
+        live = following[req[following] == req[taken]]
 
 
 def _recovered(weights: torch.Tensor, drafts: torch.Tensor, requests: torch.Tensor,

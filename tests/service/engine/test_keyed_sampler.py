@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from das.service.engine import keyed_sampler
+from das.service.engine.cpu_fixes import rejection
 from das.service.engine.cpu_fixes.rejection import PLACEHOLDER, sample_without_draft_probs
 from das.service.engine.extra_args import SAMPLE_KEY
 from das.service.engine.keyed_sampler import StepKeys, keyed_tokens, step_keys
@@ -80,6 +81,34 @@ def test_verification_emits_the_tokens_plain_keyed_decoding_draws():
         else:  # accepted up to the first wrong draft, which is corrected to the keyed draw there
             assert out[i, :right + 1].tolist() == plain[i, :right + 1].tolist()
             assert (out[i, right + 1:] == PLACEHOLDER).all()
+
+
+def test_verification_draws_no_row_after_a_requests_first_rejection(monkeypatch: pytest.MonkeyPatch):
+    """Rows after a request's first rejected draft are never read, so they are not drawn: the keyed kernel sees each
+    request's accepted drafts plus one row (all k when every draft is accepted), and the grid is the one plain
+    keyed decoding gives."""
+    torch.manual_seed(5)
+    requests, k = 40, 4
+    rows = torch.randn(requests * k, VOCAB)
+    step = StepKeys(keys_of(requests, seed=9).numpy(), np.ones(requests, bool), np.zeros(requests, np.int64),
+                    np.full(requests, k, dtype=np.int64))
+    plain = keyed_tokens(rows, step.target_row_keys()[0]).view(requests, k)
+    drafts = [[int(t) for t in plain[i, :i % (k + 1)]] + [(int(t) + 1) % VOCAB for t in plain[i, i % (k + 1):]]
+              for i in range(requests)]
+    drawn: list[int] = []
+
+    def counted(logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        drawn.append(logits.shape[0])
+        return keyed_tokens(logits, keys)
+
+    monkeypatch.setattr(rejection, "keyed_tokens", counted)
+    out, bonus = verify(rows, drafts, step)
+    assert sum(drawn) == sum(min(i % (k + 1) + 1, k) for i in range(requests))  # 100 rows of 160
+    assert len(drawn) == k  # one kernel call per position
+    for i in range(requests):
+        right = i % (k + 1)
+        emitted = plain[i].tolist() + [int(bonus[i])] if right == k else plain[i, :right + 1].tolist()
+        assert out[i, :len(emitted)].tolist() == emitted and (out[i, len(emitted):] == PLACEHOLDER).all()
 
 
 def test_a_draft_is_accepted_with_its_target_probability():
