@@ -103,7 +103,7 @@ def test_verification_draws_no_row_after_a_requests_first_rejection(monkeypatch:
 
     monkeypatch.setattr(rejection, "keyed_tokens", counted)
     out, bonus = verify(rows, drafts, step)
-    assert sum(drawn) == sum(min(i % (k + 1) + 1, k) for i in range(requests))  # 100 rows of 160
+    assert sum(drawn) == sum(min(i % (k + 1) + 1, k) for i in range(requests))  # 112 rows of 160
     assert len(drawn) == k  # one kernel call per position
     for i in range(requests):
         right = i % (k + 1)
