@@ -13,10 +13,9 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from das.service.engine.models import prepare_model
-from das.service.prompt_sets import reasoning_gym_problems
+sys.path.insert(0, "../2026-11-27-eos-signal")
+from eos_signal import quick_start
 
 MAX_NEW, TEMPERATURE = 512, 0.8
 
@@ -58,15 +57,7 @@ def sample_epoch(model, prompts: list[list[int]], samples: int, pad: int, eos: l
 
 
 def main(problems: int, samples: int, epochs: int, seed: int, out: str) -> None:
-    torch.manual_seed(seed)
-    path = prepare_model("smollm2", progress=False)
-    tok = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    eos = sorted(set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id})
-    probs = reasoning_gym_problems(problems, seed=seed)
-    prompts = [tok(tok.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False).input_ids for p in probs]
+    model, tok, eos, probs, prompts = quick_start(problems, seed)
     all_p_end = []
     with gzip.open(out + ".jsonl.gz", "wt") as f:
         for epoch in range(epochs):

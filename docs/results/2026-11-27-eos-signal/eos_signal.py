@@ -33,9 +33,9 @@ def auc(score: np.ndarray, positive: np.ndarray) -> float:
     return float((r[:pos.size].sum() - pos.size * (pos.size - 1) / 2) / (pos.size * neg.size))
 
 
-def sample(problems: int, samples: int, seed: int, out: str) -> None:
-    import time
-
+def quick_start(problems: int, seed: int):
+    """(model, tokenizer, EOS ids, problems, chat prompts' token ids) of the quick start's workload, torch seeded:
+    SmolLM2 float32 as `das serve` prepares it, `reasoning_gym_problems(problems, seed)`."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,6 +51,15 @@ def sample(problems: int, samples: int, seed: int, out: str) -> None:
     probs = reasoning_gym_problems(problems, seed=seed)
     prompts = [tok(tok.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False).input_ids for p in probs]
+    return model, tok, eos, probs, prompts
+
+
+def sample(problems: int, samples: int, seed: int, out: str) -> None:
+    import time
+
+    import torch
+
+    model, tok, eos, probs, prompts = quick_start(problems, seed)
     rows = [(g, prompts[g]) for g in range(len(probs)) for _ in range(samples)]
     width = max(len(p) for _, p in rows)
     ids = torch.tensor([[tok.pad_token_id or 0] * (width - len(p)) + list(p) for _, p in rows])
