@@ -124,6 +124,10 @@ def serve(
                                               "stays down.")] = 5,
     restart_window: Annotated[float, typer.Option("--restart-window", min=1.0, help="Seconds over which "
                                                   "--max-restarts counts.")] = 600.0,
+    max_deaths_per_group: Annotated[int, typer.Option("--max-deaths-per-group", min=1, help="Engine deaths a "
+                                                      "group's samples may run through; then they end with an "
+                                                      "error instead of running again (a prompt that crashes the "
+                                                      "engine).")] = 3,
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
@@ -156,7 +160,8 @@ def serve(
         config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
                                                "engines_per_node": engines_per_node,
                                                "failure": {"max_restarts": max_restarts,
-                                                           "restart_window_s": restart_window},
+                                                           "restart_window_s": restart_window,
+                                                           "max_deaths_per_group": max_deaths_per_group},
                                                "history": {"shards": history_shards,
                                                            "snapshot_interval_s": snapshot_interval}})
         if not stub_engine:

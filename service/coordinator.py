@@ -55,9 +55,9 @@ from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
 from das.service.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
 from das.service.engine.async_engine import EngineConfig, validate_rollouts
-from das.service.engine_failure import FailureConfig, RestartWindow, Share
+from das.service.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
 from das.service.history_store import HistoryConfig, HistoryShardActor, shard_of
-from das.service.node_engine import NodeEngine
+from das.service.node_engine import EngineNotStarted, NodeEngine
 from das.service.rollout_backend import BackendStats, GroupInputError
 from das.service.stub_engine import StubEngineConfig
 
@@ -166,12 +166,13 @@ class ServiceConfig(BaseModel):
 _DEAD_FOR_GOOD_S = 30.0
 
 
-# A stream or call that raises one of these lost its engine actor (or the object holding its samples): what it
-# owed is re-dispatched. Anything else an engine raises fails the batch.
+# A stream or call that raises one of these lost its engine actor (or the object holding its samples, or reached
+# the restarted actor before its death was noticed): what it owed is re-dispatched. Anything else an engine raises
+# fails the batch.
 def _lost_errors() -> tuple[type[BaseException], ...]:
     import ray
 
-    return ray.exceptions.RayActorError, ray.exceptions.ObjectLostError
+    return ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, EngineNotStarted
 
 
 @dataclass(eq=False)
@@ -227,6 +228,8 @@ class RayBackend:
         self._restarts: Counter[str] = Counter()  # per engine
         self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
         self._redispatched = 0
+        self._given_up = 0  # samples ended with an error after max_deaths_per_group engine deaths
+        self._given_up_prompts = GivenUpPrompts(config.failure)  # what `check` refuses for a while after that
         self.load_error: str | None = None  # why the service is not ready: an engine failed its first load
 
     # ---- lifecycle ----
@@ -371,6 +374,9 @@ class RayBackend:
         return not all(actor.state == "failed" for actor in self._actors)
 
     async def check(self, groups: Sequence[GroupRequest]) -> None:
+        held = self._given_up_prompts.refused(list(groups), time.monotonic())
+        if held is not None:
+            raise GroupInputError(*held)
         lost = _lost_errors()
         for actor in dict.fromkeys(actor for actor, _, _ in self._serving()):
             try:
@@ -443,56 +449,111 @@ class RayBackend:
 
     async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
                    out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
-        """Runs `work` on `engine` and puts its samples on `out` as they arrive, renumbered as the batch's; when
-        the engine dies, runs what had not arrived on a serving engine (the restarted one, if it is the first
-        to serve again). Ends with None on `out`, or the exception that failed the batch. The caller has put
-        `work` in `_placed` on `engine`; the job takes each sample out as it arrives, and what never arrived when it
-        ends or moves."""
-        import ray
-
-        lost = _lost_errors()
-        name, held = engine[2], True
+        """Runs `work` on `engine` (`_run`), putting its samples on `out` as they arrive, renumbered as the batch's.
+        Ends with None on `out`, or the exception that failed the batch. The caller has put `work` in `_placed` on
+        `engine`."""
         try:
-            while work:
-                actor, local, name = engine
-                incarnation = actor.incarnation
-                generator = actor.handle.run.remote(local, [(k, share.request(group))
-                                                            for k, (share, group) in enumerate(work)])
-                try:
-                    async for ref in generator:
-                        for k, sample in await ref:
-                            taken = work[k][0].take(sample)
-                            if taken is not None:
-                                self._placed.arrived(name, work[k][1])
-                                out.put_nowait((work[k][0].group_index, taken))
-                except lost as exc:
-                    self._engine_died(actor, incarnation, exc)
-                    if actor.state == "failed":
-                        raise RuntimeError(actor.error) from None
-                    work = [(rest, group) for share, group in work if (rest := share.remainder()) is not None]
-                    count = sum(len(share.indices) for share, _ in work)
-                    self._redispatched += count
-                    log.warning("engine %s died; %d of its samples in this batch are run again elsewhere",
-                                name, count)
-                    self._placed.release(name, work)
-                    held = False
-                    engine = await self._wait_serving()
-                    name, held = engine[2], True
-                    self._placed.hold(name, work)
-                    continue
-                finally:
-                    with contextlib.suppress(Exception):
-                        ray.cancel(generator)
-                missing = sum(len(share.missing()) for share, _ in work)
-                if missing:
-                    raise RuntimeError(f"engine {name} ended its stream with {missing} samples missing")
-                work = []
+            await self._run(engine, work, out)
             out.put_nowait(None)
         except Exception as exc:  # handed to the batch, which owns the error
             out.put_nowait(exc)
+
+    async def _run(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
+                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+        """Runs `work` (held in `_placed` on `engine`) there; the samples go to `out` as they arrive and leave the
+        ledger, and what never arrived leaves it when this ends. When the engine dies, what had not arrived runs
+        again (`_run_again`). Returns once every sample of `work` has reached `out`."""
+        import ray
+
+        actor, local, name = engine
+        incarnation = actor.incarnation
+        held = True
+        try:
+            generator = actor.handle.run.remote(local, [(k, share.request(group))
+                                                        for k, (share, group) in enumerate(work)])
+            try:
+                async for ref in generator:
+                    for k, sample in await ref:
+                        taken = work[k][0].take(sample)
+                        if taken is not None:
+                            self._placed.arrived(name, work[k][1])
+                            out.put_nowait((work[k][0].group_index, taken))
+            except _lost_errors() as exc:
+                self._engine_died(actor, incarnation, exc)
+                if actor.state == "failed":
+                    raise RuntimeError(actor.error) from None
+                self._placed.release(name, work)
+                held = False
+                rest = [(share, group) for owed, group in work if (share := owed.remainder()) is not None]
+                await self._run_again(name, rest, out)
+                return
+            finally:
+                with contextlib.suppress(Exception):
+                    ray.cancel(generator)
+            missing = sum(len(share.missing()) for share, _ in work)
+            if missing:
+                raise RuntimeError(f"engine {name} ended its stream with {missing} samples missing")
         finally:
             if held:
                 self._placed.release(name, work)
+
+    async def _run_again(self, dead: str, work: list[tuple[Share, GroupRequest]],
+                         out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+        """Runs the shares that engine `dead` owed. A share that has run through `max_deaths_per_group` deaths is
+        given up (`_give_up`). One whose next death would give it up runs alone, one share after another, so that a
+        group that only ran beside the one that kills engines is not given up with it; the rest are placed again over
+        the serving engines (`_place`, as a batch is) and run at once."""
+        limit = self.config.failure.max_deaths_per_group
+        alone = [item for item in work if item[0].deaths == limit - 1]
+        together = [item for item in work if item[0].deaths < limit - 1]
+        self._give_up([item for item in work if item[0].deaths >= limit], out)
+        count = sum(len(share.indices) for share, _ in alone + together)
+        self._redispatched += count
+        if count:
+            log.warning("engine %s died; %d of its samples in this batch are run again elsewhere%s", dead, count,
+                        f" ({len(alone)} group(s) alone, one after another)" if alone else "")
+        runs = []
+        if together:
+            serving = self._serving() or [await self._wait_serving()]
+            placement = self._place([share.request(group) for share, group in together], serving)
+            for engine, items in zip(serving, placement):
+                part = [together[i] for i, _ in items]
+                if part:
+                    self._placed.hold(engine[2], part)
+                    runs.append(self._run(engine, part, out))
+        if alone:
+            runs.append(self._one_at_a_time(alone, out))
+        tasks = [asyncio.create_task(run) for run in runs]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _one_at_a_time(self, work: list[tuple[Share, GroupRequest]],
+                             out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+        """Runs the shares one after another, each on the serving engine with the least work placed at its turn."""
+        for item in work:
+            engine = await self._wait_serving()
+            self._placed.hold(engine[2], [item])
+            await self._run(engine, [item], out)
+
+    def _give_up(self, work: list[tuple[Share, GroupRequest]],
+                 out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+        """Ends the shares' missing samples with finish_reason "error": their group ran through
+        `max_deaths_per_group` engine deaths, the last one alone on its engine."""
+        for share, group in work:
+            error = (f"not run again: the samples of group {share.group_index} (problem {group.problem_id!r}) were "
+                     f"running on an engine each of the {share.deaths} times one died"
+                     f"{', the last time alone' if share.deaths > 1 else ''} (FailureConfig.max_deaths_per_group, "
+                     f"das serve --max-deaths-per-group): the prompt may crash the engine")
+            log.error("%s; %d sample(s) end with this error", error, len(share.indices))
+            self._given_up += len(share.indices)
+            self._given_up_prompts.add(group, time.monotonic())
+            for index in share.indices:
+                out.put_nowait((share.group_index, SampleResult(
+                    problem_id=group.problem_id, sample_index=index, token_ids=[], logprobs=[],
+                    finish_reason="error", policy_version=self._version, error=error)))
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
         """Reloads every serving engine; an engine that is restarting loads these weights before it serves."""
@@ -520,7 +581,8 @@ class RayBackend:
 
     def stats(self) -> BackendStats:
         return replace(self._stats, engines_ready=len(self._serving()), engine_restarts=dict(self._restarts),
-                       samples_redispatched=self._redispatched, engine_recovery_s=dict(self._recovery_s),
+                       samples_redispatched=self._redispatched, samples_given_up=self._given_up,
+                       engine_recovery_s=dict(self._recovery_s),
                        engine_placed_tokens={name: self._placed.load(name) for name in self.engine_names})
 
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----

@@ -5,11 +5,17 @@ bookkeeping, no Ray, so it is tested without processes.
 - `RestartWindow`: one engine actor's recent restarts; says whether one more is allowed.
 - `Share`: the samples of one group that one engine owes a batch, and how the engine's sample indices map back to
   the batch's. When the engine dies, `remainder()` is the share of the samples that never arrived, which the
-  coordinator sends to another engine (or the restarted one) as a group with n = their count.
+  coordinator sends to another engine (or the restarted one) as a group with n = their count. A share counts the
+  engine deaths its group ran through: a group that kills every engine it reaches (a "query of death") is given
+  up after `FailureConfig.max_deaths_per_group` of them instead of taking down one engine after another.
+- `GivenUpPrompts`: the prompts given up that way, refused at admission for `FailureConfig.given_up_hold_s`, so a
+  client that retries the error does not crash the engines again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +34,14 @@ class FailureConfig(BaseModel):
     restart_window_s: float = Field(600.0, gt=0, description="seconds over which max_restarts counts")
     recovery_timeout_s: float = Field(1800.0, gt=0, description="seconds a restarted engine may take to load the "
                                       "model and the served weights; longer fails it like an exhausted cap")
+    max_deaths_per_group: int = Field(3, ge=1, description="engine deaths a group's unfinished samples may run "
+                                      "through: at this many they end with finish_reason 'error' instead of running "
+                                      "again, so a prompt that crashes the engine takes down this many engines, not "
+                                      "every one in turn; a group's last try runs alone, so what only ran beside it "
+                                      "is not given up with it")
+    given_up_hold_s: float = Field(3600.0, ge=0, description="seconds a given-up group's prompt (with its sampling "
+                                   "settings) is refused at admission, so a client retrying the error does not "
+                                   "crash the engines again; 0: not refused")
 
 
 class RestartWindow:
@@ -51,11 +65,13 @@ class RestartWindow:
 class Share:
     """The samples of the batch's group `group_index` that one engine was asked for. The engine draws
     len(indices) samples numbered 0.. by itself; its sample j is the batch's sample `indices[j]`. `received`: the
-    batch's sample indices that have arrived (each is delivered once: a repeat is dropped)."""
+    batch's sample indices that have arrived (each is delivered once: a repeat is dropped). `deaths`: the engine
+    deaths the group's samples ran through before this share (0 for the first engine it is sent to)."""
 
     group_index: int
     indices: tuple[int, ...]
     received: set[int] = field(default_factory=set)
+    deaths: int = 0
 
     def request(self, group: GroupRequest) -> GroupRequest:
         """What the engine is sent: the group, with n = the samples of this share, drawn with their own keys."""
@@ -83,6 +99,44 @@ class Share:
         return tuple(i for i in self.indices if i not in self.received)
 
     def remainder(self) -> Share | None:
-        """A share of the missing samples (None: nothing is missing)."""
+        """After the engine running this share died: a share of the missing samples, one more death counted (None:
+        nothing is missing)."""
         missing = self.missing()
-        return Share(self.group_index, missing) if missing else None
+        return Share(self.group_index, missing, deaths=self.deaths + 1) if missing else None
+
+
+def crash_digest(group: GroupRequest) -> str:
+    """What identifies a group as one that crashed engines: its prompt (token ids, text or messages) and its
+    sampling settings except the seed (sha256 hex)."""
+    body = group.model_dump(mode="json", include={"prompt_token_ids", "prompt", "messages", "sampling"})
+    body["sampling"].pop("seed", None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class GivenUpPrompts:
+    """The groups given up after `max_deaths_per_group` engine deaths, by `crash_digest`, each held for
+    `given_up_hold_s` seconds (monotonic clock) from its latest give-up."""
+
+    def __init__(self, config: FailureConfig) -> None:
+        self._config = config
+        self._since: dict[str, float] = {}
+
+    def add(self, group: GroupRequest, now: float) -> None:
+        if self._config.given_up_hold_s > 0:
+            self._since[crash_digest(group)] = now
+
+    def refused(self, groups: list[GroupRequest], now: float) -> tuple[int, str] | None:
+        """The first group whose prompt is held, as (index, message), or None."""
+        hold = self._config.given_up_hold_s
+        for digest in [d for d, since in self._since.items() if since <= now - hold]:
+            del self._since[digest]
+        if not self._since:
+            return None
+        for i, group in enumerate(groups):
+            since = self._since.get(crash_digest(group))
+            if since is not None:
+                return i, (f"this prompt, with these sampling settings, was given up {now - since:.0f} s ago: its "
+                           f"samples were running at {self._config.max_deaths_per_group} engine death(s) (it may "
+                           f"crash the engine); it is refused for {hold:g} s after that "
+                           f"(FailureConfig.given_up_hold_s)")
+        return None

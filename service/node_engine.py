@@ -68,6 +68,11 @@ class _GoneShard:
         return SimpleNamespace(remote=remote)
 
 
+class EngineNotStarted(RuntimeError):
+    """A call reached an incarnation of the actor that has not loaded its engines: the incarnation the caller knew
+    died and Ray restarted the actor before the caller noticed. The coordinator treats it as that death."""
+
+
 @dataclass(frozen=True)
 class NodeStats:
     engines: tuple[EngineLoad, ...]
@@ -137,8 +142,13 @@ class NodeEngine:
             self.engines.append(engine)
         return self.names
 
+    def _started(self) -> None:
+        if not self.engines:
+            raise EngineNotStarted(f"{', '.join(self.names)}: this actor restarted and has not loaded its engines")
+
     async def check(self, groups: Sequence[GroupRequest]) -> tuple[int, str] | None:
         """The first group an engine would refuse, as (index, message), or None."""
+        self._started()
         for i, group in enumerate(groups):
             try:
                 self.engines[0].prompt_token_ids(group)
@@ -150,6 +160,7 @@ class NodeEngine:
                   ) -> AsyncGenerator[list[tuple[int, SampleResult]], None]:
         """Runs (batch index, group) pairs on engine `engine`, starting them in the given order; yields lists of
         (batch index, sample) as samples finish. Cancelling the Ray task aborts the samples still running."""
+        self._started()
         target = self.engines[engine]
         name, origin = self.names[engine], self._origins[engine]
         try:

@@ -64,16 +64,17 @@ class EngineLoad:
 
 @dataclass(frozen=True)
 class BackendStats:
-    """What /metrics shows of the backend, as of its latest refresh (a few seconds old at most; the engine
-    failure figures are current). `engines_ready`: engines serving now. `resident_bytes`: memory by component
-    (history_store, node_engine), summed over that component's processes. `engine_restarts`: per engine, restarts
-    after a death since the service started; `samples_redispatched`: samples a dead engine owed that were run again
-    on another (or the restarted) engine; `engine_recovery_s`: per engine, seconds from its latest death noticed
-    to serving again. `history_outbox_records`: finished rollouts the engine actors hold because no history snapshot
-    has them yet (lost if their actor dies); `history_records_given_up`: rollouts the engine actors dropped (an
-    outbox over its token cap while a shard stayed down, or a record a shard refused), summed over the actors'
-    current processes. `engine_placed_tokens`: per engine, the predicted output tokens of the samples placed there
-    that have not reached the client (current; what placement balances)."""
+    """What /metrics shows of the backend, as of its latest refresh (a few seconds old at most; the engine failure
+    figures are current). `engines_ready`: engines serving now. `resident_bytes`: memory by component (history_store,
+    node_engine), summed over that component's processes. `engine_restarts`: per engine, restarts after a death
+    since the service started; `samples_redispatched`: samples a dead engine owed that were run again on another (or
+    the restarted) engine; `samples_given_up`: samples ended with an error instead, their group having run through
+    `FailureConfig.max_deaths_per_group` engine deaths; `engine_recovery_s`: per engine, seconds from its latest
+    death noticed to serving again. `history_outbox_records`: finished rollouts the engine actors hold because no
+    history snapshot has them yet (lost if their actor dies); `history_records_given_up`: rollouts the engine actors
+    dropped (an outbox over its token cap while a shard stayed down, or a record a shard refused), summed over the
+    actors' current processes. `engine_placed_tokens`: per engine, the predicted output tokens of the samples placed
+    there that have not reached the client (current; what placement balances)."""
 
     engines: tuple[EngineLoad, ...] = ()
     engines_ready: int = 0
@@ -83,6 +84,7 @@ class BackendStats:
     resident_bytes: dict[str, int] = field(default_factory=dict)
     engine_restarts: dict[str, int] = field(default_factory=dict)
     samples_redispatched: int = 0
+    samples_given_up: int = 0
     engine_recovery_s: dict[str, float] = field(default_factory=dict)
     history_outbox_records: int = 0
     history_records_given_up: int = 0

@@ -35,6 +35,8 @@ class StubEngineConfig(BaseModel):
     token_s: float = Field(0.0, ge=0, description="seconds per output token of a sample")
     max_model_len: int = Field(2048, ge=2)
     vocab_size: int = Field(32000, ge=2)
+    exit_on_problem: str | None = Field(None, description="a problem_id whose group, once started, ends the "
+                                        "engine's process at once: a prompt that crashes the engine, for tests")
 
 
 class StubEngine:
@@ -83,6 +85,8 @@ class StubEngine:
         epoch = self._abort_epoch
         while self._mode is not None and self._abort_epoch == epoch:  # held while paused, as vLLM queues them
             await self._changed.wait()
+        if group.problem_id == self.config.exit_on_problem:
+            os._exit(1)
         start = time.perf_counter()
         pace = self.config.token_s / group.n  # the group's samples share the engine's steps
         self.tally.running += group.n  # the group's samples, until the group ends

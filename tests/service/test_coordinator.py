@@ -15,12 +15,12 @@ from ray.cluster_utils import Cluster
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
 from das.service.api import GroupRequest, SampleResult
-from das.service.coordinator import RayBackend, ServiceConfig, _PlacedWork, with_length_predictions
+from das.service.coordinator import RayBackend, ServiceConfig, _lost_errors, _PlacedWork, with_length_predictions
 from das.service.engine.async_engine import EngineInputError
 from das.service.engine.models import prepare_model
 from das.service.engine_failure import Share
 from das.service.history_store import HistoryPushConfig
-from das.service.node_engine import NodeEngine
+from das.service.node_engine import EngineNotStarted, NodeEngine
 from das.service.rollout_backend import GroupInputError
 from das.service.stub_engine import StubEngineConfig
 from tests.tiny_models import build_tiny_model
@@ -239,6 +239,21 @@ def test_an_engine_actor_whose_shard_is_gone_for_good_still_starts_and_serves(cl
 
     assert loop.run_until_complete(scenario()) == 2
     assert loop.run_until_complete(node.stats()).history_outbox_records == 2  # kept for a shard that may return
+
+
+def test_an_engine_actor_not_started_answers_as_a_lost_engine(cluster: Cluster) -> None:
+    """A call that reaches a restarted actor before the coordinator noticed the death (its engines not loaded yet)
+    raises EngineNotStarted through Ray, which the coordinator counts as the death of the incarnation it knew,
+    instead of an IndexError that failed the batch (or answered 500 to a check)."""
+    actor = ray.remote(NodeEngine).options(num_cpus=0).remote("n0", StubEngineConfig(tokens=3), [])
+    group = GroupRequest(problem_id="p", n=1, prompt_token_ids=[1, 2], sampling={"max_tokens": 3})
+    with pytest.raises(EngineNotStarted, match="has not loaded its engines"):
+        ray.get(actor.check.remote([group]))
+    with pytest.raises(EngineNotStarted):
+        for ref in actor.run.remote(0, [(0, group)]):
+            ray.get(ref)
+    assert issubclass(EngineNotStarted, _lost_errors())
+    ray.kill(actor)
 
 
 def test_tiny_model_on_two_nodes_splits_one_batch(cluster: Cluster, loop: asyncio.AbstractEventLoop,

@@ -24,7 +24,7 @@ import pytest
 
 from das.service.api import GroupRequest, SampleResult
 from das.service.engine.models import prepare_model
-from das.service.engine_failure import FailureConfig, RestartWindow, Share
+from das.service.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
 from das.service.sample_keys import derive
 from das.service.stub_engine import StubEngineConfig
 from tests.service.test_serve import TOKEN, Server, free_port, metric
@@ -58,12 +58,31 @@ def test_a_share_maps_the_engines_indices_back_and_its_remainder_is_what_never_a
     assert [rest.take(sample(j)).sample_index for j in (2, 0)] == [3, 0]
     again = rest.remainder()
     assert again is not None and again.indices == (2, 5) and again.request(group).key_indices == (2, 5)
+    assert (first.deaths, rest.deaths, again.deaths) == (0, 1, 2)  # the engine deaths the group ran through
     assert again.take(sample(1)).sample_index == 5 and again.take(sample(0)).sample_index == 2
     assert again.remainder() is None and again.missing() == ()
     delivered = sorted([1, 4] + [3, 0] + [5, 2])
     assert delivered == list(range(6))  # every index exactly once over the three engines
     with pytest.raises(ValueError, match="asked for 2 samples"):
         again.take(sample(2))
+
+
+def test_a_given_up_prompt_is_refused_for_the_hold_whatever_its_seed_problem_or_n() -> None:
+    held = GivenUpPrompts(FailureConfig(given_up_hold_s=60))
+    crashing = GroupRequest(problem_id="p", prompt_token_ids=[1, 2], n=4, sampling={"max_tokens": 8, "seed": 1})
+    other = GroupRequest(problem_id="p", prompt_token_ids=[1, 3], n=4, sampling={"max_tokens": 8})
+    assert held.refused([crashing], 0.0) is None
+    held.add(crashing, 10.0)
+    retry = crashing.model_copy(update={"problem_id": "q", "n": 1, "sampling": crashing.sampling.model_copy(
+        update={"seed": 2})})
+    index, message = held.refused([other, retry], 20.0)
+    assert index == 1 and "given_up_hold_s" in message
+    longer = crashing.model_copy(update={"sampling": crashing.sampling.model_copy(update={"max_tokens": 9})})
+    assert held.refused([other, longer], 20.0) is None  # other sampling settings are another request
+    assert held.refused([retry], 69.9) is not None and held.refused([retry], 70.0) is None  # the hold ends
+    never = GivenUpPrompts(FailureConfig(given_up_hold_s=0))
+    never.add(crashing, 0.0)
+    assert never.refused([crashing], 0.0) is None
 
 
 def test_the_restart_window_allows_max_restarts_then_refuses_until_old_ones_age_out() -> None:
@@ -192,7 +211,8 @@ def stub_groups(count: int, n: int) -> list[dict[str, Any]]:
 
 def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(tmp_path: Path) -> None:
     service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.05}, "engines_per_node": 2,
-                                     "failure": {"max_restarts": 100}})
+                                     # healthy engines killed at random: no group is given up
+                                     "failure": {"max_restarts": 100, "max_deaths_per_group": 100}})
     groups = stub_groups(6, 4)
     expected = Counter((g, j) for g in range(6) for j in range(4))
     results: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
@@ -297,6 +317,43 @@ def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path) -> Non
         held.join(30)
         records, summary = done[0]
         assert summary["status"] == "done" and sorted(r["sample_index"] for r in records) == [0, 1]
+    finally:
+        service.stop()
+
+
+def test_a_group_that_kills_every_engine_it_reaches_is_given_up_and_nothing_else(tmp_path: Path) -> None:
+    """A prompt that crashes the engine (a "query of death"): after max_deaths_per_group deaths under it, its
+    samples end with an error instead of running again; the groups that ran beside it (the first time on its
+    engine, the second time on the other one) all arrive, and both engines serve again. Without the limit the
+    restart caps run out and the batch fails; without the last try alone, the groups beside it are given up too."""
+    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.05, "exit_on_problem": "p0"},
+                                     "engines_per_node": 2,
+                                     "failure": {"max_restarts": 2, "max_deaths_per_group": 2}})
+    try:
+        service.wait_ready(engines=2)
+        records, summary = run_batch(service.url, {"groups": stub_groups(6, 4)})
+        assert summary["status"] == "done", summary
+        assert Counter((r["group_index"], r["sample_index"]) for r in records) == \
+            Counter((g, j) for g in range(6) for j in range(4))
+        given_up = [r for r in records if r["finish_reason"] == "error"]
+        assert sorted((r["group_index"], r["sample_index"]) for r in given_up) == [(0, j) for j in range(4)]
+        assert all("max_deaths_per_group" in r["error"] and r["output_token_ids"] == [] for r in given_up)
+        for r in records:
+            if r["group_index"] != 0:  # every other sample as the stub draws it
+                key = derive(derive(summary["seed"], r["group_index"]), r["sample_index"])
+                assert r["output_token_ids"] == [(7 * p + key) % STUB_VOCAB for p in range(8)], r
+        assert service.metric("das_samples_given_up") == 4
+        assert service.metric("das_engine_restarts") == 2  # one engine per death, never more
+        service.wait_ready(engines=2)
+        assert service.get("/healthz").status_code == 200
+        # the same prompt again (under another problem id and seed) is refused before it reaches an engine
+        again = {**stub_groups(1, 4)[0], "problem_id": "retry", "sampling": {"max_tokens": 8, "seed": 7}}
+        refused = httpx.post(f"{service.url}/v1/rollouts", json={"groups": [again]}, timeout=30)
+        assert refused.status_code == 422 and "given_up_hold_s" in refused.text, refused.text
+        assert service.metric("das_engine_restarts") == 2
+        records, summary = run_batch(service.url, {"groups": stub_groups(6, 2)[1:]})
+        assert summary["status"] == "done" and len(records) == 10
+        assert all(r["finish_reason"] != "error" for r in records)
     finally:
         service.stop()
 
