@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import psutil
 import pytest
 
@@ -354,6 +355,24 @@ def test_a_group_that_kills_every_engine_it_reaches_is_given_up_and_nothing_else
         records, summary = run_batch(service.url, {"groups": stub_groups(6, 2)[1:]})
         assert summary["status"] == "done" and len(records) == 10
         assert all(r["finish_reason"] != "error" for r in records)
+    finally:
+        service.stop()
+
+
+def test_the_official_openai_client_retrying_a_given_up_prompt_crashes_no_more_engines(tmp_path: Path) -> None:
+    """The OpenAI route answers a given-up sample with a 500, which the official client retries (twice by default):
+    the retry is refused at admission (400, which it does not retry) instead of crashing two more engines."""
+    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02, "exit_on_problem": "poison"},
+                                     "engines_per_node": 2, "failure": {"max_deaths_per_group": 2}})
+    try:
+        service.wait_ready(engines=2)
+        client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=2, timeout=120)
+        with pytest.raises(openai.BadRequestError, match="given_up_hold_s"):
+            client.completions.create(model="das", prompt=[5, 6, 7], n=2, max_tokens=8,
+                                      extra_body={"problem_id": "poison"})
+        assert service.metric("das_engine_restarts") == 2 and service.metric("das_samples_given_up") == 2
+        fine = client.completions.create(model="das", prompt=[5, 6, 8], n=2, max_tokens=8)
+        assert [c.finish_reason for c in fine.choices] == ["length", "length"]
     finally:
         service.stop()
 
