@@ -4,7 +4,8 @@ Actors (Ray's own scheduling, node affinity and failure reporting; no cluster ma
 - `HistoryShard` x S (service/history_store.py), on the coordinator's node: rollouts and difficulty by problem,
   snapshotted to the state directory every `history.snapshot_interval_s` and at shutdown.
 - `NodeEngine` x nodes (service/node_engine.py), one per node, pinned there with a hard node-affinity strategy:
-  every GPU node, or every node when the cluster has no GPU (a CPU machine; the embedded default).
+  every GPU node, or every node when the cluster has no GPU (a CPU machine; the embedded default). A node that
+  joins later (a worker pod added, or replacing a lost one) gets its actors within `adopt_nodes_interval_s`.
 
 The coordinator itself runs in the gateway's process (the Ray driver), not as an actor: it only predicts, places
 and relays, and keeping it beside the gateway saves every sample one more hop. Per batch it predicts each group's
@@ -154,6 +155,9 @@ class ServiceConfig(BaseModel):
                                   "actor of its own so that one dying leaves the others serving (a GPU node runs "
                                   "one engine per GPU in one actor)")
     failure: FailureConfig = FailureConfig()
+    adopt_nodes_interval_s: float = Field(10.0, gt=0, description="seconds between looks for Ray nodes that joined "
+                                          "after the start (a replaced or added worker pod) and have no engine yet; "
+                                          "each gets its engine actors")
 
     @model_validator(mode="after")
     def _one_engine(self) -> ServiceConfig:
@@ -166,13 +170,38 @@ class ServiceConfig(BaseModel):
 _DEAD_FOR_GOOD_S = 30.0
 
 
-# A stream or call that raises one of these lost its engine actor (or the object holding its samples, or reached
-# the restarted actor before its death was noticed): what it owed is re-dispatched. Anything else an engine raises
-# fails the batch.
+# A stream or call that raises one of these lost its engine actor (its process, or its node: Ray cannot place an
+# actor pinned to a node that left), or the object holding its samples, or reached the restarted actor before its
+# death was noticed: what it owed is re-dispatched. Anything else an engine raises fails the batch.
 def _lost_errors() -> tuple[type[BaseException], ...]:
     import ray
 
-    return ray.exceptions.RayActorError, ray.exceptions.ObjectLostError, EngineNotStarted
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError, ray.exceptions.ObjectLostError,
+            EngineNotStarted)
+
+
+def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool
+                   ) -> list[Any]:
+    """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one for its GPUs, or
+    `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
+    `short_name` (a cluster of one node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    gpus = int(node["Resources"].get("GPU", 0))
+    name = node["NodeManagerAddress"] if short_name else f"{node['NodeManagerAddress']}:{node['NodeID'][:6]}"
+    engine = config.engine or config.stub_engine
+    assert engine is not None
+    # Restarted by Ray on the same node (the hard affinity holds for every incarnation) as often as it dies: the
+    # coordinator applies the cap per window. No task retries: what a dead actor owed is re-dispatched by the
+    # coordinator, so nothing runs twice.
+    options = ray.remote(NodeEngine).options(
+        num_cpus=0, num_gpus=gpus, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+    if gpus:
+        return [options.remote(name, engine, shard_names, gpus, history_push=config.history.push)]
+    return [options.remote(name, engine, shard_names, 1, first_index=g, history_push=config.history.push)
+            for g in range(config.engines_per_node)]
 
 
 @dataclass(eq=False)
@@ -182,10 +211,12 @@ class _Actor:
 
     handle: Any
     restarts: RestartWindow
+    node_id: str = ""  # the Ray node it is pinned to
     names: list[str] = field(default_factory=list)
     state: Literal["loading", "serving", "recovering", "failed"] = "loading"
     incarnation: int = 0
     error: str | None = None  # why it failed for good
+    node_left: bool = False  # failed because its node left the cluster (its batches' work moves on)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # its watcher and recovery
 
 
@@ -205,11 +236,13 @@ class _RayInThisProcess:
 class RayBackend:
     """Use `await RayBackend.start(config)`; `await close()` at the end (snapshots the history)."""
 
-    def __init__(self, config: ServiceConfig, shards: list[Any], nodes: list[Any]) -> None:
+    def __init__(self, config: ServiceConfig, shards: list[Any], shard_names: list[str],
+                 actors: list[tuple[str, Any]], gpu_nodes: bool) -> None:
         self.config = config
         self._shards = shards
-        self._nodes = nodes
-        self._actors = [_Actor(node, RestartWindow(config.failure)) for node in nodes]
+        self._shard_names = shard_names  # what an engine actor created later is given
+        self._actors = [_Actor(handle, RestartWindow(config.failure), node_id) for node_id, handle in actors]
+        self._gpu_nodes = gpu_nodes  # engines on the GPU nodes only (else on every node)
         self._uses_ray = True  # until close: counted in _RayInThisProcess.users
         self._engines: list[_Engine] = []  # every engine, serving or not, once the first load is done
         self._version = 0
@@ -263,37 +296,23 @@ class RayBackend:
 
         alive = [n for n in ray.nodes() if n["Alive"]]
         gpu_nodes = [n for n in alive if n["Resources"].get("GPU", 0) > 0]
-        node_actor = ray.remote(NodeEngine)
-        nodes = []
-        for n in gpu_nodes or alive:
-            gpus = int(n["Resources"].get("GPU", 0))
-            name = n["NodeManagerAddress"] if len(alive) == 1 else f"{n['NodeManagerAddress']}:{n['NodeID'][:6]}"
-            engine = config.engine or config.stub_engine
-            assert engine is not None
-            # Restarted by Ray on the same node (the hard affinity holds for every incarnation) as often as it
-            # dies: the coordinator applies the cap per window. No task retries: what a dead actor owed is
-            # re-dispatched by the coordinator, so nothing runs twice.
-            options = node_actor.options(
-                num_cpus=0, num_gpus=gpus, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(n["NodeID"], soft=False))
-            if gpus:
-                nodes.append(options.remote(name, engine, shard_names, gpus, history_push=config.history.push))
-            else:
-                nodes.extend(options.remote(name, engine, shard_names, 1, first_index=g,
-                                            history_push=config.history.push) for g in range(config.engines_per_node))
-        backend = cls(config, shards, nodes)
+        actors = [(n["NodeID"], handle) for n in gpu_nodes or alive
+                  for handle in _engine_actors(config, n, shard_names, short_name=len(alive) == 1)]
+        backend = cls(config, shards, shard_names, actors, bool(gpu_nodes))
         _RayInThisProcess.users += 1
         await backend._load_difficulty()
-        progress(f"{len(shards)} history shards, {len(nodes)} engine actors; loading engines")
+        progress(f"{len(shards)} history shards, {len(actors)} engine actors; loading engines")
         backend._loading = asyncio.create_task(backend._load_engines(progress))
         backend._background = [asyncio.create_task(backend._every(config.stats_interval_s, backend.refresh_stats)),
                                asyncio.create_task(backend._every(config.history.snapshot_interval_s,
-                                                                  backend._snapshot))]
+                                                                  backend._snapshot)),
+                               asyncio.create_task(backend._every(config.adopt_nodes_interval_s,
+                                                                  backend._adopt_nodes))]
         return backend
 
     async def _load_engines(self, progress: Callable[[str], None]) -> None:
         try:
-            names = await asyncio.gather(*(node.start.remote() for node in self._nodes))
+            names = await asyncio.gather(*(actor.handle.start.remote() for actor in self._actors))
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             log.error("an engine failed to load: %s", self.load_error)
@@ -340,8 +359,8 @@ class RayBackend:
         # Not those restarting: a call would wait for their model to load.
         await asyncio.gather(*(actor.handle.close.remote() for actor in self._actors
                                if actor.state in ("loading", "serving")), return_exceptions=True)
-        for actor in (*self._nodes, *self._shards):
-            ray.kill(actor)
+        for handle in (*(actor.handle for actor in self._actors), *self._shards):
+            ray.kill(handle)
         if self._uses_ray:
             self._uses_ray = False
             _RayInThisProcess.users -= 1
@@ -480,7 +499,7 @@ class RayBackend:
                             out.put_nowait((work[k][0].group_index, taken))
             except _lost_errors() as exc:
                 self._engine_died(actor, incarnation, exc)
-                if actor.state == "failed":
+                if actor.state == "failed" and not actor.node_left:  # past its restart cap: its batches fail
                     raise RuntimeError(actor.error) from None
                 self._placed.release(name, work)
                 held = False
@@ -664,7 +683,11 @@ class RayBackend:
         actor.incarnation += 1
         names = ", ".join(actor.names)
         failure = self.config.failure
-        if actor.restarts.allow(time.monotonic()):
+        if isinstance(exc, ray.exceptions.ActorUnschedulableError):  # pinned to a node that left: no restart
+            actor.node_left = True
+            self._fail(actor, f"engine {names} lost its node, which left the Ray cluster; it stays down (a node that "
+                              f"joins gets engines of its own): {_describe(exc)}")
+        elif actor.restarts.allow(time.monotonic()):
             actor.state = "recovering"
             for name in actor.names:
                 self._restarts[name] += 1
@@ -695,12 +718,7 @@ class RayBackend:
                     try:
                         await actor.handle.start.remote()
                         async with self._weights_lock, self._control_lock:
-                            # An actor that only seemed dead (unreachable for a moment) kept its weights.
-                            if self._weights is not None and \
-                                    await actor.handle.policy_version.remote() != self._weights[1]:
-                                await actor.handle.reload_weights.remote(*self._weights)
-                            if self._paused is not None:  # it holds new work until /resume, as the others do
-                                await actor.handle.pause.remote(*self._paused)
+                            await self._catch_up(actor)
                             elapsed = time.monotonic() - died
                             for name in actor.names:
                                 self._recovery_s[name] = elapsed
@@ -726,6 +744,52 @@ class RayBackend:
                 ray.kill(actor.handle, no_restart=True)
         except Exception as exc:
             self._fail(actor, f"engine {', '.join(actor.names)} failed to restart: {_describe(exc)}")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
+
+    async def _catch_up(self, actor: _Actor) -> None:
+        """Brings a loaded actor to the others' state: the weights last served, the pause in force. Called under
+        `_weights_lock` and `_control_lock`."""
+        # An actor that only seemed dead (unreachable for a moment) kept its weights.
+        if self._weights is not None and await actor.handle.policy_version.remote() != self._weights[1]:
+            await actor.handle.reload_weights.remote(*self._weights)
+        if self._paused is not None:  # it holds new work until /resume, as the others do
+            await actor.handle.pause.remote(*self._paused)
+
+    async def _adopt_nodes(self) -> None:
+        """Gives engine actors to the nodes that joined after the start (a worker pod replaced, which Ray sees as a
+        new node, or added): every live node of the kind that runs engines and has none. They load in the
+        background and serve once loaded and caught up. Nothing while the first load runs or after it failed."""
+        import ray
+
+        if self._loading is None or not self._loading.done() or self.load_error is not None or self._closing:
+            return
+        known = {actor.node_id for actor in self._actors}
+        nodes = [n for n in await asyncio.to_thread(ray.nodes) if n["Alive"] and n["NodeID"] not in known
+                 and (not self._gpu_nodes or n["Resources"].get("GPU", 0) > 0)]
+        for node in nodes:
+            handles = _engine_actors(self.config, node, self._shard_names, short_name=False)
+            log.warning("node %s joined: starting %d engine actor(s) there", node["NodeManagerAddress"], len(handles))
+            for handle in handles:
+                actor = _Actor(handle, RestartWindow(self.config.failure), node["NodeID"])
+                self._actors.append(actor)
+                self._spawn(actor, self._join(actor))
+
+    async def _join(self, actor: _Actor) -> None:
+        """Loads an actor created after the start, catches it up, adds its engines, and lets it serve; an actor
+        that fails to load is failed for good (the engines already serving go on)."""
+        import ray
+
+        try:
+            async with asyncio.timeout(self.config.failure.recovery_timeout_s):
+                actor.names = list(await actor.handle.start.remote())
+                async with self._weights_lock, self._control_lock:
+                    await self._catch_up(actor)
+                    self._engines.extend((actor, i, name) for i, name in enumerate(actor.names))
+                    log.warning("engine %s joined and serves", ", ".join(actor.names))
+                    self._serve(actor)
+        except Exception as exc:
+            self._fail(actor, f"an engine actor on a node that joined failed to load: {_describe(exc)}")
             with contextlib.suppress(Exception):
                 ray.kill(actor.handle, no_restart=True)
 
