@@ -222,6 +222,7 @@ def test_dashboard_shows_what_straggler_monitoring_needs() -> None:
     assert shown("das_engine_requests_running", "engine")
     assert shown("das_engine_requests_waiting", "engine")
     assert shown("das_engine_placed_tokens", "engine")
+    assert shown("das_samples_redispatched_total") and shown("das_samples_given_up_total")
     assert shown("das_history_tokens_stored")
     assert shown("das_weight_reload_seconds_bucket")
 
