@@ -486,7 +486,7 @@ class RayBackend:
 
         actor, local, name = engine
         incarnation = actor.incarnation
-        held = True
+        rest: list[tuple[Share, GroupRequest]] | None = None  # what a death left owed
         try:
             generator = actor.handle.run.remote(local, [(k, share.request(group))
                                                         for k, (share, group) in enumerate(work)])
@@ -501,20 +501,17 @@ class RayBackend:
                 self._engine_died(actor, incarnation, exc)
                 if actor.state == "failed" and not actor.node_left:  # past its restart cap: its batches fail
                     raise RuntimeError(actor.error) from None
-                self._placed.release(name, work)
-                held = False
                 rest = [(share, group) for owed, group in work if (share := owed.remainder()) is not None]
-                await self._run_again(name, rest, out)
-                return
             finally:
                 with contextlib.suppress(Exception):
                     ray.cancel(generator)
             missing = sum(len(share.missing()) for share, _ in work)
-            if missing:
+            if rest is None and missing:
                 raise RuntimeError(f"engine {name} ended its stream with {missing} samples missing")
         finally:
-            if held:
-                self._placed.release(name, work)
+            self._placed.release(name, work)
+        if rest is not None:
+            await self._run_again(name, rest, out)
 
     async def _run_again(self, dead: str, work: list[tuple[Share, GroupRequest]],
                          out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
