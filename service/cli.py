@@ -124,7 +124,7 @@ def serve(
                                               "stays down.")] = 5,
     restart_window: Annotated[float, typer.Option("--restart-window", min=1.0, help="Seconds over which "
                                                   "--max-restarts counts.")] = 600.0,
-    max_deaths_per_group: Annotated[int, typer.Option("--max-deaths-per-group", min=1, help="Engine deaths a "
+    max_group_deaths: Annotated[int, typer.Option("--max-group-deaths", min=1, help="Engine deaths a "
                                                       "group's samples may run through; then they end with an "
                                                       "error instead of running again (a prompt that crashes the "
                                                       "engine).")] = 3,
@@ -161,7 +161,7 @@ def serve(
                                                "engines_per_node": engines_per_node,
                                                "failure": {"max_restarts": max_restarts,
                                                            "restart_window_s": restart_window,
-                                                           "max_deaths_per_group": max_deaths_per_group},
+                                                           "max_group_deaths": max_group_deaths},
                                                "history": {"shards": history_shards,
                                                            "snapshot_interval_s": snapshot_interval}})
         if not stub_engine:

@@ -261,7 +261,7 @@ class RayBackend:
         self._restarts: Counter[str] = Counter()  # per engine
         self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
         self._redispatched = 0
-        self._given_up = 0  # samples ended with an error after max_deaths_per_group engine deaths
+        self._given_up = 0  # samples ended with an error after max_group_deaths engine deaths
         self._given_up_prompts = GivenUpPrompts(config.failure)  # what `check` refuses for a while after that
         self.load_error: str | None = None  # why the service is not ready: an engine failed its first load
 
@@ -515,11 +515,11 @@ class RayBackend:
 
     async def _run_again(self, dead: str, work: list[tuple[Share, GroupRequest]],
                          out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
-        """Runs the shares that engine `dead` owed. A share that has run through `max_deaths_per_group` deaths is
+        """Runs the shares that engine `dead` owed. A share that has run through `max_group_deaths` deaths is
         given up (`_give_up`). One whose next death would give it up runs alone, one share after another, so that a
         group that only ran beside the one that kills engines is not given up with it; the rest are placed again over
         the serving engines (`_place`, as a batch is) and run at once."""
-        limit = self.config.failure.max_deaths_per_group
+        limit = self.config.failure.max_group_deaths
         alone = [item for item in work if item[0].deaths == limit - 1]
         together = [item for item in work if item[0].deaths < limit - 1]
         self._give_up([item for item in work if item[0].deaths >= limit], out)
@@ -557,12 +557,12 @@ class RayBackend:
     def _give_up(self, work: list[tuple[Share, GroupRequest]],
                  out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
         """Ends the shares' missing samples with finish_reason "error": their group ran through
-        `max_deaths_per_group` engine deaths, the last one alone on its engine."""
+        `max_group_deaths` engine deaths, the last one alone on its engine."""
         for share, group in work:
             error = (f"not run again: the samples of group {share.group_index} (problem {group.problem_id!r}) were "
                      f"running on an engine each of the {share.deaths} times one died"
-                     f"{', the last time alone' if share.deaths > 1 else ''} (FailureConfig.max_deaths_per_group, "
-                     f"das serve --max-deaths-per-group): the prompt may crash the engine")
+                     f"{', the last time alone' if share.deaths > 1 else ''} (FailureConfig.max_group_deaths, "
+                     f"das serve --max-group-deaths): the prompt may crash the engine")
             log.error("%s; %d sample(s) end with this error", error, len(share.indices))
             self._given_up += len(share.indices)
             self._given_up_prompts.add(group, time.monotonic())

@@ -7,7 +7,7 @@ bookkeeping, no Ray, so it is tested without processes.
   the batch's. When the engine dies, `remainder()` is the share of the samples that never arrived, which the
   coordinator sends to another engine (or the restarted one) as a group with n = their count. A share counts the
   engine deaths its group ran through: a group that kills every engine it reaches (a "query of death") is given
-  up after `FailureConfig.max_deaths_per_group` of them instead of taking down one engine after another.
+  up after `FailureConfig.max_group_deaths` of them instead of taking down one engine after another.
 - `GivenUpPrompts`: the prompts given up that way, refused at admission for `FailureConfig.given_up_hold_s`, so a
   client that retries the error does not crash the engines again.
 """
@@ -34,7 +34,7 @@ class FailureConfig(BaseModel):
     restart_window_s: float = Field(600.0, gt=0, description="seconds over which max_restarts counts")
     recovery_timeout_s: float = Field(1800.0, gt=0, description="seconds a restarted engine may take to load the "
                                       "model and the served weights; longer fails it like an exhausted cap")
-    max_deaths_per_group: int = Field(3, ge=1, description="engine deaths a group's unfinished samples may run "
+    max_group_deaths: int = Field(3, ge=1, description="engine deaths a group's unfinished samples may run "
                                       "through: at this many they end with finish_reason 'error' instead of running "
                                       "again, so a prompt that crashes the engine takes down this many engines, not "
                                       "every one in turn; a group's last try runs alone, so what only ran beside it "
@@ -114,7 +114,7 @@ def crash_digest(group: GroupRequest) -> str:
 
 
 class GivenUpPrompts:
-    """The groups given up after `max_deaths_per_group` engine deaths, by `crash_digest`, each held for
+    """The groups given up after `max_group_deaths` engine deaths, by `crash_digest`, each held for
     `given_up_hold_s` seconds (monotonic clock) from its latest give-up."""
 
     def __init__(self, config: FailureConfig) -> None:
@@ -136,7 +136,7 @@ class GivenUpPrompts:
             since = self._since.get(crash_digest(group))
             if since is not None:
                 return i, (f"this prompt, with these sampling settings, was given up {now - since:.0f} s ago: its "
-                           f"samples were running at {self._config.max_deaths_per_group} engine death(s) (it may "
+                           f"samples were running at {self._config.max_group_deaths} engine death(s) (it may "
                            f"crash the engine); it is refused for {hold:g} s after that "
                            f"(FailureConfig.given_up_hold_s)")
         return None

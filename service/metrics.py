@@ -251,7 +251,7 @@ class GatewayMetrics:
         yield CounterMetricFamily("das_samples_redispatched", "Samples a dead engine owed that had not reached the "
                                   "client, run again on a serving engine.", value=stats.samples_redispatched)
         yield CounterMetricFamily("das_samples_given_up", "Samples ended with finish_reason error, not run again: "
-                                  "their group was running on an engine at each of max_deaths_per_group engine "
+                                  "their group was running on an engine at each of max_group_deaths engine "
                                   "deaths (a prompt that may crash the engine).", value=stats.samples_given_up)
         yield GaugeMetricFamily("das_history_problems_stored", "Problems with rollouts in the history store.",
                                 value=stats.history_problems)

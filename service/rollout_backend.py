@@ -69,7 +69,7 @@ class BackendStats:
     node_engine), summed over that component's processes. `engine_restarts`: per engine, restarts after a death
     since the service started; `samples_redispatched`: samples a dead engine owed that were run again on another (or
     the restarted) engine; `samples_given_up`: samples ended with an error instead, their group having run through
-    `FailureConfig.max_deaths_per_group` engine deaths; `engine_recovery_s`: per engine, seconds from its latest
+    `FailureConfig.max_group_deaths` engine deaths; `engine_recovery_s`: per engine, seconds from its latest
     death noticed to serving again. `history_outbox_records`: finished rollouts the engine actors hold because no
     history snapshot has them yet (lost if their actor dies); `history_records_given_up`: rollouts the engine actors
     dropped (an outbox over its token cap while a shard stayed down, or a record a shard refused), summed over the

@@ -35,7 +35,7 @@ EXAMPLE = "values-8xh100.yaml"
 # Every optional feature on (and the alternatives to the defaults: existing claim, no auth), so each template
 # branch is rendered and validated at least once.
 ALL_OPTIONS: dict[str, Any] = {
-    "engine": {"maxModelLen": 4096, "eager": True, "maxDeathsPerGroup": 2, "extraArgs": ["--history-shards", "4"]},
+    "engine": {"maxModelLen": 4096, "eager": True, "maxGroupDeaths": 2, "extraArgs": ["--history-shards", "4"]},
     "gateway": {"ingress": {"enabled": True, "className": "nginx",
                             "tls": [{"secretName": "das-tls", "hosts": ["das.example.test"]}],
                             "hosts": [{"host": "das.example.test", "paths": [{"path": "/", "pathType": "Prefix"}]}]}},
@@ -109,7 +109,7 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     assert params["budget"] == values["engine"]["budget"]
     assert params["max_restarts"] == values["engine"]["maxRestarts"]
     assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
-    assert params["max_deaths_per_group"] == values["engine"]["maxDeathsPerGroup"]
+    assert params["max_group_deaths"] == values["engine"]["maxGroupDeaths"]
     assert params["snapshot_interval"] == values["history"]["snapshotIntervalSeconds"]
     assert params["token"] is None  # never on the command line (visible in the pod spec): DAS_TOKEN from a Secret
 

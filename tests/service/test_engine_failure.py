@@ -213,7 +213,7 @@ def stub_groups(count: int, n: int) -> list[dict[str, Any]]:
 def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(tmp_path: Path) -> None:
     service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.05}, "engines_per_node": 2,
                                      # healthy engines killed at random: no group is given up
-                                     "failure": {"max_restarts": 100, "max_deaths_per_group": 100}})
+                                     "failure": {"max_restarts": 100, "max_group_deaths": 100}})
     groups = stub_groups(6, 4)
     expected = Counter((g, j) for g in range(6) for j in range(4))
     results: dict[str, tuple[list[dict[str, Any]], dict[str, Any]]] = {}
@@ -323,13 +323,13 @@ def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path) -> Non
 
 
 def test_a_group_that_kills_every_engine_it_reaches_is_given_up_and_nothing_else(tmp_path: Path) -> None:
-    """A prompt that crashes the engine (a "query of death"): after max_deaths_per_group deaths under it, its
+    """A prompt that crashes the engine (a "query of death"): after max_group_deaths deaths under it, its
     samples end with an error instead of running again; the groups that ran beside it (the first time on its
     engine, the second time on the other one) all arrive, and both engines serve again. Without the limit the
     restart caps run out and the batch fails; without the last try alone, the groups beside it are given up too."""
     service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.05, "exit_on_problem": "p0"},
                                      "engines_per_node": 2,
-                                     "failure": {"max_restarts": 2, "max_deaths_per_group": 2}})
+                                     "failure": {"max_restarts": 2, "max_group_deaths": 2}})
     try:
         service.wait_ready(engines=2)
         records, summary = run_batch(service.url, {"groups": stub_groups(6, 4)})
@@ -338,7 +338,7 @@ def test_a_group_that_kills_every_engine_it_reaches_is_given_up_and_nothing_else
             Counter((g, j) for g in range(6) for j in range(4))
         given_up = [r for r in records if r["finish_reason"] == "error"]
         assert sorted((r["group_index"], r["sample_index"]) for r in given_up) == [(0, j) for j in range(4)]
-        assert all("max_deaths_per_group" in r["error"] and r["output_token_ids"] == [] for r in given_up)
+        assert all("max_group_deaths" in r["error"] and r["output_token_ids"] == [] for r in given_up)
         for r in records:
             if r["group_index"] != 0:  # every other sample as the stub draws it
                 key = derive(derive(summary["seed"], r["group_index"]), r["sample_index"])
@@ -363,7 +363,7 @@ def test_the_official_openai_client_retrying_a_given_up_prompt_crashes_no_more_e
     """The OpenAI route answers a given-up sample with a 500, which the official client retries (twice by default):
     the retry is refused at admission (400, which it does not retry) instead of crashing two more engines."""
     service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02, "exit_on_problem": "poison"},
-                                     "engines_per_node": 2, "failure": {"max_deaths_per_group": 2}})
+                                     "engines_per_node": 2, "failure": {"max_group_deaths": 2}})
     try:
         service.wait_ready(engines=2)
         client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="unused", max_retries=2, timeout=120)
