@@ -12,48 +12,9 @@ import sys
 import time
 
 import numpy as np
-import torch
 
 sys.path.insert(0, "../2026-11-27-eos-signal")
-from eos_signal import quick_start
-
-MAX_NEW, TEMPERATURE = 512, 0.8
-
-
-def sample_epoch(model, prompts: list[list[int]], samples: int, pad: int, eos: list[int]):
-    rows = [g for g in range(len(prompts)) for _ in range(samples)]
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(prompts[g])) + prompts[g] for g in rows])
-    mask = torch.tensor([[0] * (width - len(prompts[g])) + [1] * len(prompts[g]) for g in rows])
-    n = len(rows)
-    p_end = np.full((n, MAX_NEW), np.nan, np.float32)
-    out: list[list[int]] = [[] for _ in range(n)]
-    batch, past, step_in, start = np.arange(n), None, ids, time.time()
-    with torch.no_grad():
-        for t in range(MAX_NEW):
-            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_in.shape[1]:]
-            outputs = model(input_ids=step_in, attention_mask=mask, past_key_values=past, position_ids=positions,
-                            use_cache=True)
-            past = outputs.past_key_values
-            probs = torch.softmax(outputs.logits[:, -1].float() / TEMPERATURE, dim=-1)
-            p_end[batch, t] = probs[:, eos].sum(-1).numpy()
-            nxt = torch.multinomial(probs, 1)
-            for row, token in zip(batch, nxt[:, 0].tolist()):
-                out[row].append(token)
-            ended = np.isin(nxt[:, 0].numpy(), eos)
-            if t % 128 == 0:
-                print(f"  step {t}: {len(batch) - ended.sum()} of {n} running, {time.time() - start:.0f} s",
-                      flush=True)
-            keep = np.flatnonzero(~ended)
-            if not keep.size:
-                break
-            if ended.any():
-                index = torch.from_numpy(keep)
-                past.batch_select_indices(index)
-                batch, nxt, mask = batch[keep], nxt[index], mask[index]
-            step_in = nxt
-            mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=mask.dtype)], dim=1)
-    return rows, out, p_end
+from eos_signal import decode, quick_start
 
 
 def main(problems: int, samples: int, epochs: int, seed: int, out: str) -> None:
@@ -62,7 +23,7 @@ def main(problems: int, samples: int, epochs: int, seed: int, out: str) -> None:
     with gzip.open(out + ".jsonl.gz", "wt") as f:
         for epoch in range(epochs):
             start = time.time()
-            rows, outputs, p_end = sample_epoch(model, prompts, samples, tok.pad_token_id or 0, eos)
+            rows, outputs, p_end = decode(model, prompts, samples, tok.pad_token_id or 0, eos, report_every=128)
             all_p_end.append(p_end)
             lengths = [len(o) for o in outputs]
             for i, (g, tokens) in enumerate(zip(rows, outputs)):

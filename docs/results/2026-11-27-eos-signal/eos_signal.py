@@ -54,48 +54,62 @@ def quick_start(problems: int, seed: int):
     return model, tok, eos, probs, prompts
 
 
-def sample(problems: int, samples: int, seed: int, out: str) -> None:
+MAX_NEW, TEMPERATURE = 512, 0.8
+
+
+def decode(model, prompts: list[list[int]], samples: int, pad: int, eos: list[int], report_every: int):
+    """Samples `samples` rollouts of every prompt at once (left-padded batch, T = 0.8, at most 512 tokens; a finished
+    sample leaves the batch). Returns (prompt index per rollout, output token ids per rollout (ending with its EOS
+    token if it ended), p_end float32 [rollouts, 512]: the EOS ids' mass before each token, NaN after the end)."""
     import time
 
     import torch
 
-    model, tok, eos, probs, prompts = quick_start(problems, seed)
-    rows = [(g, prompts[g]) for g in range(len(probs)) for _ in range(samples)]
-    width = max(len(p) for _, p in rows)
-    ids = torch.tensor([[tok.pad_token_id or 0] * (width - len(p)) + list(p) for _, p in rows])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for _, p in rows])
-    n, max_new = len(rows), 512
-    p_end = np.full((n, max_new), np.nan, np.float32)
-    length = np.full(n, max_new, np.int64)
-    alive = np.ones(n, bool)
-    past, step_in, start = None, ids, time.time()
-    batch = np.arange(n)  # the sample each row of the running batch is (finished rows are dropped)
+    rows = [g for g in range(len(prompts)) for _ in range(samples)]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(prompts[g])) + prompts[g] for g in rows])
+    mask = torch.tensor([[0] * (width - len(prompts[g])) + [1] * len(prompts[g]) for g in rows])
+    n = len(rows)
+    p_end = np.full((n, MAX_NEW), np.nan, np.float32)
+    out: list[list[int]] = [[] for _ in range(n)]
+    batch, past, step_in, start = np.arange(n), None, ids, time.time()
     with torch.no_grad():
-        for t in range(max_new):
+        for t in range(MAX_NEW):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -step_in.shape[1]:]
             outputs = model(input_ids=step_in, attention_mask=mask, past_key_values=past, position_ids=positions,
                             use_cache=True)
             past = outputs.past_key_values
-            probs_t = torch.softmax(outputs.logits[:, -1].float() / 0.8, dim=-1)
-            p_end[batch, t] = probs_t[:, eos].sum(-1).numpy()
-            nxt = torch.multinomial(probs_t, 1)
+            probs = torch.softmax(outputs.logits[:, -1].float() / TEMPERATURE, dim=-1)
+            p_end[batch, t] = probs[:, eos].sum(-1).numpy()
+            nxt = torch.multinomial(probs, 1)
+            for row, token in zip(batch, nxt[:, 0].tolist()):
+                out[row].append(token)
             ended = np.isin(nxt[:, 0].numpy(), eos)
-            length[batch[ended]] = t + 1
-            alive[batch[ended]] = False
-            if t % 64 == 0:
-                print(f"step {t}: {alive.sum()} of {n} running, {time.time() - start:.0f} s", flush=True)
-            if not alive.any():
-                break
+            if t % report_every == 0:
+                print(f"  step {t}: {len(batch) - ended.sum()} of {n} running, {time.time() - start:.0f} s",
+                      flush=True)
             keep = np.flatnonzero(~ended)
+            if not keep.size:
+                break
             if ended.any():
                 index = torch.from_numpy(keep)
                 past.batch_select_indices(index)
                 batch, nxt, mask = batch[keep], nxt[index], mask[index]
             step_in = nxt
             mask = torch.cat([mask, torch.ones(len(batch), 1, dtype=mask.dtype)], dim=1)
-    np.savez_compressed(out, p_end=p_end, length=length, group=np.array([g for g, _ in rows]))
-    print(f"{n} samples, lengths p50 {np.median(length):.0f}, max {length.max()}, at the cap "
-          f"{(length == max_new).sum()}; {time.time() - start:.0f} s", flush=True)
+    return rows, out, p_end
+
+
+def sample(problems: int, samples: int, seed: int, out: str) -> None:
+    import time
+
+    model, tok, eos, probs, prompts = quick_start(problems, seed)
+    start = time.time()
+    rows, outputs, p_end = decode(model, prompts, samples, tok.pad_token_id or 0, eos, report_every=64)
+    length = np.array([len(o) for o in outputs], np.int64)
+    np.savez_compressed(out, p_end=p_end, length=length, group=np.array(rows))
+    print(f"{len(rows)} samples, lengths p50 {np.median(length):.0f}, max {length.max()}, at the cap "
+          f"{(length == MAX_NEW).sum()}; {time.time() - start:.0f} s", flush=True)
 
 
 def analyse(paths: list[str]) -> None:
