@@ -328,3 +328,22 @@ def bench_serve(
     if markdown is not None:
         markdown.write_text(result.markdown())
     emit(result, as_json)
+
+
+@bench_app.command("architecture")
+def bench_architecture(
+    root: Annotated[Path, typer.Option(help="Repository root (holds pyproject.toml).")] = Path("."),
+    out: Annotated[Optional[Path], typer.Option(help="The .dot file to write (default ROOT/docs/architecture.dot); "
+                                                     "the .svg goes beside it.")] = None,
+    svg: Annotated[bool, typer.Option(help="Also render the .svg with Graphviz's `dot`, when installed.")] = True,
+    depth: Annotated[int, typer.Option(min=2, help="Dotted names a room keeps (3: das.service.engine).")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Regenerate the architecture picture from the code's imports: one box per package folder, arrows between."""
+    from das.bench.architecture import ArchitectureError, write_architecture
+
+    try:
+        result = write_architecture(root, out or root / "docs" / "architecture.dot", svg=svg, depth=depth)
+    except (ArchitectureError, OSError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
