@@ -36,7 +36,7 @@ from das.drafter.records import RolloutRecord
 from das.drafter.source_choice import SourceChooser
 
 # Matched context a draft is chosen on beyond its own tokens: an index of depth K + 8 drafted as far as depth 32 on
-# every bundled trace set at K = 8 and 16 (K + 4 lost 1% on one set; docs/results/2026-11-27-proposer-fixed-cost.md).
+# every bundled trace set at K = 8 and 16 (K + 4 lost 1% on one set; docs/design.md#the-drafter).
 MATCH_CONTEXT = 8
 
 
@@ -338,7 +338,7 @@ class HistoryBank:
 
         The gap bounds the cost: without it a batch of 60 requests whose drafts mostly fail at once started ~33
         shadow drafts a step, +0.5 ms of the proposer's ~1.3 ms a step on the 2-core CPU; with 8 tokens the
-        simulated makespans kept most of the gain (docs/results/2026-11-26-shadow-drafts.md)."""
+        simulated makespans kept most of the gain (docs/design.md#from-the-optimum-to-a-step)."""
         return self._draft_one(request_id, context, 0, 0.0, max(0, max_tokens))[4]
 
     def _draft_one(self, request_id: str, context: np.ndarray, k: int, min_prob: float, shadow_room: int

@@ -72,7 +72,7 @@ _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 def serving_dtype(requested: str, *, cpu: bool, cpu_flags: frozenset[str] | None = None) -> str:
     """The dtype an engine serves in: `requested` unless it is "auto", which means bfloat16 on a GPU or on a CPU
     with native bfloat16 arithmetic, else float32. Without it vLLM's CPU kernels emulate bfloat16: SmolLM2-135M
-    decoded 5.4x slower in bfloat16 than in float32 on a 2-core AVX2 machine (docs/results/2026-11-23-dtype.md).
+    decoded 5.4x slower in bfloat16 than in float32 on a 2-core AVX2 machine (docs/design.md#the-engine-inside-vllm).
     `cpu_flags`: the CPU's feature flags (default: read from /proc/cpuinfo; none where it cannot be read)."""
     if requested != "auto":
         return requested
@@ -111,7 +111,7 @@ def kv_block_size(requested: int | None, *, cpu: bool) -> int | None:
     Why not vLLM's CPU default of 128: prefix caching shares only whole blocks, and the n samples of a group are
     scheduled together, so with prompts shorter than a block (most RL prompts on a small model) every sample
     recomputed the whole prompt. With 32-token blocks the first sample's full blocks serve its siblings in the same
-    step (measured in docs/results/2026-11-26-cpu-block-size.md). On a GPU vLLM's 16 already shares them.
+    step (measured: docs/design.md#vllm-cpu-defects-we-work-around). On a GPU vLLM's 16 already shares them.
     Raises ValueError for a CPU block size vLLM's CPU attention refuses (its own error comes from deep inside the
     engine core's start)."""
     if requested is None:

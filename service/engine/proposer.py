@@ -31,8 +31,8 @@ sources (O(max_depth) per source for the match, O(K) for the walk); around them 
 vectorised gathers from the per-request columns (request_columns.py), length curves included (one `searchsorted`
 for the batch); Python work per request only where the batch changed (a request arrived or left: the batch's
 slots are looked up again, a new request's curve is decoded and checked once, ~70 us at 321 steps). Measured per
-step in `stats()["step_us"]`; `docs/results/2026-11-27-proposer-fixed-cost/bench_small.py` times it at batches of
-1-240.
+step in `stats()["step_us"]`; its cost at batches of 1-240 is in docs/design.md#not-done-yet
+(the proposer's host time).
 """
 
 from __future__ import annotations
