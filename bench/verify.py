@@ -70,7 +70,8 @@ class VerifyBenchResult:
             table.add_row(str(case.requests), str(case.drafts), f"{case.vllm_ms:.1f}", f"{case.das_ms:.1f}",
                           f"{case.keyed_ms:.1f}", f"{case.speedup:.1f}x", f"{case.plain_ms:.1f}",
                           f"{case.plain_keyed_ms:.1f}", f"{case.plain_keyed_ms / case.plain_ms:.3f}",
-                          f"{case.draw_fused_ms:.1f}", f"{case.draw_torch_ms:.1f}", "yes" if case.draw_identical else "NO")
+                          f"{case.draw_fused_ms:.1f}", f"{case.draw_torch_ms:.1f}",
+                          "yes" if case.draw_identical else "NO")
         console.print(table)
 
 

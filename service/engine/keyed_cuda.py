@@ -25,6 +25,7 @@ sampler, which the baseline arms may run on a GPU), ROCm's aiter and XPU's fused
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from typing import Any, Callable
 
@@ -157,8 +158,6 @@ def keyed_verify(draft_token_ids: torch.Tensor, num_draft_tokens: list[int], max
 
 
 def _resolve(module: str, owner: str | None, name: str) -> tuple[Any, Any]:
-    import importlib
-
     holder = importlib.import_module(module)
     if owner is not None:
         holder = getattr(holder, owner)
