@@ -72,6 +72,16 @@ def bench_verify(
     emit(result, as_json)
 
 
+@bench_app.command("gpu-cost", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                                  "help_option_names": []})
+def bench_gpu_cost(ctx: typer.Context) -> None:
+    """The keyed draw on the device and a 7B-shaped decode step-cost surface, with torch and transformers only
+    (no vLLM): a --cost-model for the simulator. Options: `das bench gpu-cost --help`."""
+    from das.bench.gpu_cost import main
+
+    main(ctx.args)
+
+
 @bench_app.command("simulate")
 def bench_simulate(
     traces: Annotated[Optional[Path], typer.Option(help="History file to replay (default: bundled fixture).")] = None,
