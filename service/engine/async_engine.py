@@ -52,6 +52,7 @@ from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
+from das.service.engine.vllm_version import check_vllm_version
 from das.service.history_store import unstorable
 from das.service.sample_keys import fresh_seed
 
@@ -279,6 +280,7 @@ class Engine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_vllm_version()
         # vLLM loads our plugin, which drops the known warnings in its processes, only after configuring the engine.
         known_warnings.install(cpu=current_platform.is_cpu())
 
