@@ -83,3 +83,9 @@ def test_each_check_fails_when_vllm_changes_what_it_checks(wheel_sources: Source
 
 def test_every_check_has_a_mutation_that_breaks_it() -> None:
     assert {m[0] for m in MUTATIONS} == set(CHECKS)
+
+
+def test_a_failed_download_fails_with_what_to_do(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DAS_VLLM_GPU_CACHE", str(tmp_path))
+    with pytest.raises(WheelUnavailable, match=r"(?s)could not fetch the vLLM 0\.0\.1 GPU wheel .* put the wheel in"):
+        gpu_wheel("0.0.1")
