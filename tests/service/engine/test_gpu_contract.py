@@ -87,5 +87,5 @@ def test_every_check_has_a_mutation_that_breaks_it() -> None:
 
 def test_a_failed_download_fails_with_what_to_do(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("DAS_VLLM_GPU_CACHE", str(tmp_path))
-    with pytest.raises(WheelUnavailable, match=r"(?s)could not fetch the vLLM 0\.0\.1 GPU wheel .* put the wheel in"):
+    with pytest.raises(WheelUnavailable, match=r"(?s)could not fetch the vLLM 0\.0\.1 GPU wheel .*\(put the wheel in"):
         gpu_wheel("0.0.1")
