@@ -357,3 +357,43 @@ def bench_architecture(
     except (ArchitectureError, OSError) as exc:
         fail(str(exc))
     emit(result, as_json)
+
+
+@bench_app.command("gpu-check")
+def bench_gpu_check(
+    model: Annotated[str, typer.Option(help="Model name (`das models list`) or directory.")] = "smollm2",
+    problems: Annotated[str, typer.Option(help="JSONL prompt file, reasoning-gym:N or code:N.")] = "code:4",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.01, help="> 0: the identity check is of random sampling.")]
+        = 0.8,
+    dtype: Annotated[str, typer.Option(help="float32: the arms' logits agree bit for bit, so their keyed samples "
+                                            "must be identical.")] = "float32",
+    seed: Annotated[int, typer.Option(help="Batch seed (the same for every arm).")] = 1,
+    port: Annotated[int, typer.Option(help="Port of the servers (one at a time).")] = 8124,
+    serve_args: Annotated[str, typer.Option("--serve-args", help="More `das serve` flags for every server, as "
+                                                                  "one string (e.g. '--eager').")] = "",
+    log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each server's log goes.")] = Path("bench-logs"),
+    out: Annotated[Path, typer.Option("--out", help="The report as JSON.")] = Path("gpu-check.json"),
+) -> None:
+    """The acceptance run on one GPU: `das serve` for none, suffix and das; identical samples at T > 0, a short
+    e2e, the RL control plane (pause, update_weights, resume) and an engine kill. Exits 1 if a check fails."""
+    import shlex
+
+    from das.bench.gpu_check import GpuCheckConfig, run_gpu_check
+    from das.service.prompt_sets import PromptSetError, load_prompt_set
+
+    try:
+        config = GpuCheckConfig(model=model, problems=problems, samples=samples, max_tokens=max_tokens,
+                                temperature=temperature, dtype=dtype, seed=seed, port=port,
+                                serve_args=tuple(shlex.split(serve_args)))
+        report = run_gpu_check(config, load_prompt_set(problems), log_dir,
+                               progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+    except (PromptSetError, OSError, ValueError) as exc:
+        fail(str(exc))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    emit(report, False)
+    console.print(f"report: {out}")
+    if not report.passed:
+        raise typer.Exit(1)

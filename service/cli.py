@@ -167,6 +167,9 @@ def serve(
         if not stub_engine:
             from das.service.engine.async_engine import engine_dtype
             from das.service.engine.models import prepare_model
+            from das.service.engine.vllm_version import check_vllm_version
+
+            check_vllm_version()  # UnsupportedVllmVersion is a ValueError: refused below, before anything starts
 
             # here first, in the dtype the engines serve: they reuse it, and a bad name fails now
             prepare_model(model, progress=True, dtype=engine_dtype(dtype))

@@ -48,10 +48,12 @@ from das.service.engine.cpu_allocator import CpuAllocator, cpu_allocator_env, mo
 from das.service.engine.cpu_layout import CpuWorker, cpu_worker_layout, usable_cpus, worker_in_process
 from das.service.engine.extra_args import SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
+from das.service.engine.runner_choice import V2_SWITCH, ModelRunner, RunnerChoice
 from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
+from das.service.engine.vllm_version import check_vllm_version
 from das.service.history_store import unstorable
 from das.service.sample_keys import fresh_seed
 
@@ -101,7 +103,7 @@ def _cpu_flags() -> frozenset[str]:
 
 
 # set for an engine core's spawn only (service/engine/spawn_env.py): one engine's settings are not the next one's
-_SPAWN_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE")
+_SPAWN_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", V2_SWITCH)
 CPU_BLOCK_SIZE = 32  # the smallest KV-cache block vLLM's CPU attention takes (it takes multiples of 32)
 
 
@@ -161,6 +163,9 @@ class EngineConfig(BaseModel):
     block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block; None: vLLM's default on a "
                                    "GPU, CPU_BLOCK_SIZE on the CPU (`kv_block_size`)")
     enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
+    model_runner: ModelRunner = Field("auto", description="auto: vLLM's choice (on a GPU: V2 with async scheduling, "
+                                      "but V1 without it for das and suffix); v1: V1 with async scheduling off for "
+                                      "every speculation, so arms compare like for like (runner_choice.py)")
     cpu_worker: CpuWorker = Field("auto", description="a CPU engine's model worker: in_process (in the engine core "
                                   "process, every core computes), separate (vLLM's CPU layout: a worker process, one "
                                   "core reserved for the engine core), auto: in_process on up to 4 usable CPUs "
@@ -256,6 +261,7 @@ class Engine:
                  tally: EngineTally | None = None) -> None:
         self.config = config
         self.tally = tally or EngineTally()
+        self.runner: RunnerChoice | None = None  # what vLLM runs, set by `create`
         self.policy_version = 0
         self._llm = llm
         self._tokenizer = tokenizer
@@ -279,6 +285,7 @@ class Engine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_vllm_version()
         # vLLM loads our plugin, which drops the known warnings in its processes, only after configuring the engine.
         known_warnings.install(cpu=current_platform.is_cpu())
 
@@ -289,6 +296,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             block_size=kv_block_size(config.block_size, cpu=current_platform.is_cpu()),
             enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
+            async_scheduling=False if config.model_runner == "v1" else None,
             # No progress bar per checkpoint load: an RL run reloads every step, three log lines each time.
             use_tqdm_on_load=False,
             speculative_config=config.speculative_config(),
@@ -309,7 +317,10 @@ class Engine:
                 # attribute 'finalize_loading'"), so every start recompiled (~2 min). Without AOT, Inductor's own
                 # cache makes a warm start ~40 s. A user's value wins.
                 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+            if config.model_runner == "v1":
+                os.environ[V2_SWITCH] = "0"
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
+            runner = RunnerChoice.of(llm.vllm_config, "cpu" if cpu else current_platform.device_type)
         try:
             tokenizer = llm.tokenizer
             vocab_size = llm.model_config.get_vocab_size()
@@ -321,6 +332,7 @@ class Engine:
             llm.shutdown()
             raise
         engine = cls(config, llm, tokenizer, vocab_size, tally)
+        engine.runner = runner
         # This frame outlives the call (an exception vLLM keeps from its imports above holds it through a
         # traceback): it must not hold the AsyncLLM, or `close` could not release it (see there).
         del llm

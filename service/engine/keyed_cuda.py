@@ -202,11 +202,3 @@ def install_cuda() -> None:
     if not getattr(GPUModelRunner._sample, "_das_keyed", False):
         GPUModelRunner._sample = publish_step_keys(GPUModelRunner._sample)
         GPUModelRunner._sample._das_keyed = True  # type: ignore[attr-defined]
-
-
-def install_off_cpu(platform: Any) -> bool:
-    """The keyed paths for a non-CPU vLLM platform: installed on CUDA (True); elsewhere nothing (False)."""
-    if platform.is_cuda():
-        install_cuda()
-        return True
-    return False

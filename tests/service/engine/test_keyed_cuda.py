@@ -204,9 +204,12 @@ def test_install_cuda_wraps_each_path_once(monkeypatch: pytest.MonkeyPatch):
     assert GPUModelRunner._sample._das_keyed and not getattr(GPUModelRunner._sample.__wrapped__, "_das_keyed", False)
 
 
-def test_the_plugin_installs_nothing_off_cuda():
-    from types import SimpleNamespace
+def test_the_patch_registry_installs_keyed_cuda_on_cuda_only():
+    from das.service.engine.patches import patches_for
 
-    from das.service.engine.plugin import install_keyed_off_cpu
-
-    assert install_keyed_off_cpu(SimpleNamespace(is_cuda=lambda: False)) is False
+    cuda = {patch.name: patch for patch in patches_for("cuda")}
+    assert "keyed-sampling-cuda" in cuda and "keyed-sampling-cpu" not in cuda
+    assert not any(patch.name.startswith("keyed") for patch in patches_for("xpu"))
+    wrapped = {f"vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.{name}"
+               for name in ("forward_native", "forward_cuda")}
+    assert wrapped <= set(cuda["keyed-sampling-cuda"].targets)
