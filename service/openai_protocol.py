@@ -18,6 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from das.service.api import INT64_MAX
 
+# vLLM's default --max-logprobs: the most logprobs (completions) or top_logprobs (chat) a request may ask for;
+# vLLM refuses more with a 400 naming this bound, and so does this service.
+MAX_LOGPROBS = 20
+
 # --- requests ---------------------------------------------------------------------------------------------------
 
 
@@ -54,7 +58,8 @@ class SamplingRequest(BaseModel):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="text or token ids; a list holding one of them is taken as that one")
-    logprobs: int | None = Field(None, ge=0, description="return the sampled tokens' logprobs")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="return the sampled tokens' logprobs "
+                                 "(the alternatives are not served: top_logprobs holds the sampled token)")
 
 
 class ContentPart(BaseModel):
@@ -77,7 +82,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageParam]
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens; wins over it")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 # --- responses --------------------------------------------------------------------------------------------------
