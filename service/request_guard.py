@@ -20,6 +20,7 @@ import json
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+import uvicorn
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import SecretStr
@@ -180,6 +181,12 @@ def header_deadline_protocol(header_timeout_s: float) -> type[asyncio.Protocol]:
     return HeaderDeadline
 
 
+def server_config(app: ASGIApp, header_timeout_s: float, **options: Any) -> uvicorn.Config:
+    """uvicorn's Config for serving the gateway: its HTTP protocol with the header deadline
+    (`header_deadline_protocol`); `options` are uvicorn's own (host, port, log_level, ...)."""
+    return uvicorn.Config(app, http=header_deadline_protocol(header_timeout_s), **options)
+
+
 def _dict_yielding(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     # A Python-level hook: the interpreter may switch threads here, between objects (the C parser never releases
     # the GIL by itself), so the event loop's thread runs while a large body parses.
@@ -200,7 +207,9 @@ class OffloopJsonRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def parse_off_loop(request: Request) -> Response:
-            if _body_may_follow(request.scope) and "json" in request.headers.get("content-type", ""):
+            content_type = request.headers.get("content-type")
+            # FastAPI parses a body as JSON with a JSON content type or with none
+            if _body_may_follow(request.scope) and (content_type is None or "json" in content_type):
                 body = await request.body()
                 if len(body) >= OFFLOOP_JSON_BYTES:
                     try:
