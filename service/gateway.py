@@ -1,6 +1,7 @@
 """The HTTP gateway: `create_app(backend, settings)` builds the FastAPI app over a `RolloutBackend`.
 
-Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.token` is set):
+Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.token` is set, checked from the headers
+before the body is read: service/request_guard.py, which also bounds how long a request's head and body may take):
 
 - `POST /v1/rollouts` (`RolloutRequest`): runs a batch and streams one `SampleRecord` per sample as it finishes,
   then one `{"summary": BatchSummary}` object, the last of the stream. Wire formats: NDJSON (one JSON object a
@@ -24,7 +25,9 @@ Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.toke
 
 Batches run as their own tasks, not tied to a connection: a client that drops its connection loses nothing, and a
 request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
-instead of running it again. Results are held msgpack-encoded (a few bytes a token); ended batches stay
+instead of running it again. A batch requested without a `batch_id` is aborted once the last connection streaming it
+leaves before it ended (nothing could name it again), counted in `das_requests_abandoned_total`. Results are held
+msgpack-encoded (a few bytes a token); ended batches stay
 replayable within `retained_batches` / `retained_bytes`; a repeated id older than that gets 410, never a second
 run. A batch always ends: whatever goes wrong in its task ends it
 `failed` with the error in its summary and a log line, and a batch in which no sample finished for
@@ -42,10 +45,13 @@ process, so the trainer resubmits what it still needs under a new batch_id (`das
 `BatchFromPreviousRunError`). Without a journal (no state directory) the registry is in memory only: after a
 restart a retried id is unknown and runs again from the start.
 
-Errors: 401 bad or missing token; 403 weights path outside the root; 404 unknown batch; 409 a batch id reused for
+Errors: 401 bad or missing token (before the body is read; the connection is closed when a body may follow); 403
+weights path outside the root; 404 unknown batch; 408 the body did not arrive within `body_timeout_s` of the head,
+or the head within `header_timeout_s` (server_config), the connection closed; 409 a batch id reused for
 a different batch or accepted by an earlier run (`batch_from_previous_run`, above), or a weights version not newer
 than the served one; 410 batch results no longer retained;
-413 a request body over `max_body_bytes` (refused before it is parsed), a batch over `max_batch_samples` samples
+413 a request body over `max_body_bytes` (refused before it is read when its Content-Length says so), a batch over
+`max_batch_samples` samples
 or a history import over `max_history_records`; 422 invalid input, naming the field (request validation, or the
 backend refusing a group before anything runs, e.g. sampling the engine would refuse: `loc` names the group);
 429 too many batches in flight (`max_batches_in_flight`, never exceeded however many requests arrive at once);

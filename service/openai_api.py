@@ -45,13 +45,14 @@ What the responses carry:
 - text: "" where the backend has no tokenizer (the stub).
 
 Errors, all in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid input (the body, n < 1,
-more than one prompt, a prompt the engine refuses, e.g. one over the context); 401 bad or missing token; 404
-unknown model; 413 a body over `max_body_bytes` (one whose Content-Length says so is refused before any route,
-in the gateway's own shape); 429 too many batches in flight; 503 not ready, or the batch was aborted; 500 a
-failed batch or sample. Unknown body fields are ignored, as OpenAI's API does (logged at debug).
+more than one prompt, a prompt the engine refuses, e.g. one over the context, `logprobs` over vLLM's 20); 401 bad or
+missing token (before the body is read); 404 unknown model; 408 a body too slow; 413 a body over `max_body_bytes`;
+429 too many batches in flight; 503 not ready, or the batch was aborted; 500 a failed batch or sample. Unknown body fields are ignored, as OpenAI's API does (logged at debug).
 
-A client that drops a stream before all its samples came aborts the batch once no request of its group still
-reads it: unlike a `/v1/rollouts` batch, nothing could attach to it again.
+A client that disconnects before all its samples came (a stream it stops reading, or a non-streaming request it
+gives up on: the route watches for the disconnect while it waits) aborts the batch once no request of its group
+still reads it: unlike a named `/v1/rollouts` batch, nothing could attach to it again. Each such request counts in
+`das_requests_abandoned_total{route}`.
 """
 
 from __future__ import annotations
