@@ -18,6 +18,9 @@ Phases, one after another, with a `/healthz` poller (its own thread, one kept-al
    comes after 60 s); seconds from the drop until `das_batches_in_flight` is back to where it was, and the
    `das_requests_abandoned_total` count.
 
+4. (with `--import-mib N`, informational) one authenticated history import of about N MiB: its status and
+   seconds, and `/healthz` p99 while it ran (its parse runs off the event loop; its validation does not).
+
 Verdicts (`passed`): memory growth < 50 MB and every big-body connection answered 401 before it had sent its body;
 every slow head and stalled body cut off within its timeout + `--slack` s; every dropped request's batch ended
 within 1 s; `/healthz` p99 < 100 ms over the whole run.
@@ -62,6 +65,7 @@ class HostileConfig:
     header_timeout_s: float = 3.0
     body_timeout_s: float = 3.0
     slack_s: float = 1.0  # scheduling allowance over a timeout on a busy machine
+    import_mib: int = 0  # > 0: a last, informational phase: one authenticated history import of about this size
     phase_limit_s: float = 60.0  # no phase runs longer
 
 
@@ -89,6 +93,8 @@ class HostileResult:
     healthz_latency_ms: dict[str, float] = field(default_factory=dict)
     healthz_p99_ms_by_phase: dict[str, float] = field(default_factory=dict)
     healthz_failures: int = 0
+    import_status: int | None = None
+    import_s: float | None = None
     verdicts: dict[str, bool] = field(default_factory=dict)
 
     @property
@@ -271,6 +277,14 @@ def _cut_off(sock: socket.socket, start: float, limit_s: float, trickle: bytes |
         sock.close()
 
 
+def _history_body(size: int) -> bytes:
+    """A history import of about `size` bytes: records of 100 prompt and 1000 output tokens."""
+    record = {"problem_id": "p", "policy_version": 0, "sample_index": 0, "prompt_token_ids": list(range(100)),
+              "output_token_ids": list(range(1000, 2000))}
+    one = len(json.dumps(record))
+    return json.dumps({"records": [{**record, "sample_index": i} for i in range(max(1, size // one))]}).encode()
+
+
 def _p99(latencies: list[float]) -> float | None:
     ordered = sorted(latencies)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else None
@@ -359,9 +373,21 @@ def run(config: HostileConfig) -> HostileResult:
             time.sleep(0.02)
         result.abandoned = gateway.metric("das_requests_abandoned_total", 'route="/v1/completions"')
 
+        # 4. (informational) one large authenticated import: how long /healthz waits behind its parse and checks
+        if config.import_mib > 0:
+            phases["import"] = time.monotonic()
+            body = _history_body(config.import_mib * MIB)
+            start = time.monotonic()
+            response = httpx.post(f"{gateway.url}/v1/history", content=body, timeout=config.phase_limit_s,
+                                  headers={"Authorization": f"Bearer {gateway.token}",
+                                           "Content-Type": "application/json"})
+            result.import_status, result.import_s = response.status_code, time.monotonic() - start
+            time.sleep(0.2)
+
         poller.stopping.set()
         poller.join()
-    latencies = [seconds for _, seconds in poller.latencies]
+    # The verdict covers the attack phases; the informational import phase is reported on its own.
+    latencies = [seconds for at, seconds in poller.latencies if at < phases.get("import", float("inf"))]
     result.healthz_failures = poller.failures
     result.healthz_latency_ms = {"p50": 1000 * statistics.median(latencies), "p99": 1000 * (_p99(latencies) or 0),
                                  "max": 1000 * max(latencies), "polls": float(len(latencies))}
@@ -411,6 +437,8 @@ def summary(result: HostileResult) -> dict[str, Any]:
                   "batches_back_s": result.drop_end_s},
         "healthz_ms": result.healthz_latency_ms, "healthz_p99_ms_by_phase": result.healthz_p99_ms_by_phase,
         "healthz_failures": result.healthz_failures,
+        "import": {"mib": result.config.import_mib, "status": result.import_status, "seconds": result.import_s,
+                   "healthz_p99_ms": result.healthz_p99_ms_by_phase.get("import")},
         "verdicts": result.verdicts, "passed": result.passed,
     }
 
@@ -429,13 +457,15 @@ def main() -> None:
     parser.add_argument("--header-timeout", type=float, default=defaults.header_timeout_s)
     parser.add_argument("--body-timeout", type=float, default=defaults.body_timeout_s)
     parser.add_argument("--slack", type=float, default=defaults.slack_s)
+    parser.add_argument("--import-mib", type=int, default=defaults.import_mib,
+                        help="then one authenticated history import of this size (informational, no verdict)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     config = HostileConfig(big_connections=args.big_connections, big_body_mib=args.big_body_mib,
                            big_sent_mib=args.big_sent_mib, slowloris=args.slowloris,
                            slowloris_interval_s=args.slowloris_interval, stalled_bodies=args.stalled_bodies,
                            drops=args.drops, header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
-                           slack_s=args.slack)
+                           slack_s=args.slack, import_mib=args.import_mib)
     figures = summary(run(config))
     print(json.dumps(figures, indent=None if args.json else 2))
     sys.exit(0 if figures["passed"] else 1)

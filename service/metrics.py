@@ -173,8 +173,9 @@ class GatewayMetrics:
         yield CounterMetricFamily("das_batches_from_previous_run_refused", "Requests refused (409) because an "
                                   "earlier run of the service accepted their batch id.",
                                   value=self.previous_run_refusals)
-        yield _labelled("das_requests_abandoned", "Requests whose client left before their samples were all "
-                        "delivered, and whose work was aborted for it, by route.", "route", self.requests_abandoned)
+        yield _labelled("das_requests_abandoned", "Requests whose client left before all their samples came, by "
+                        "route; their work is given up (a batch is aborted once nothing reads it).", "route",
+                        self.requests_abandoned)
         yield CounterMetricFamily("das_request_body_timeouts", "Requests answered 408 because their body did not "
                                   "arrive within body_timeout_s.", value=self.body_timeouts)
         if self.batch_journal is not None:
