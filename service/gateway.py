@@ -140,7 +140,7 @@ class GatewaySettings(BaseModel):
     header_timeout_s: float = Field(10.0, gt=0, le=3600, description="a request's line and headers must arrive "
                                     "within this many seconds of the connection opening (or of the first byte of "
                                     "its next request), else 408 and the connection is closed (slowloris); applied "
-                                    "by the server (das serve, serve_app), not the ASGI app")
+                                    "by the server (das serve: request_guard.server_config), not the ASGI app")
     body_timeout_s: float = Field(60.0, gt=0, le=3600, description="a request body must have fully arrived this "
                                   "many seconds after its headers, else 408 and the connection is closed; at least "
                                   "max_body_bytes over the slowest client link")
@@ -665,6 +665,7 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
     api = APIRouter(route_class=OffloopJsonRoute,
                     dependencies=[Depends(HTTPBearer(auto_error=False))] if token is not None else [],
                     responses=error_responses({401: "missing or wrong bearer token"}) if token is not None else None)
+
     def known(batch_id: str) -> _Batch:
         batch = gateway.batches.get(batch_id)
         if batch is None:
