@@ -21,6 +21,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidatorFunctionWrapHandler,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -110,11 +111,39 @@ class ChatMessage(BaseModel):
 MAX_CURVE_POINTS = 4096
 
 
+# The one-prompt rule in JSON Schema, so a client generating requests from the OpenAPI schema knows it: exactly one
+# of the three is present and not null (a prompt list or chat non-empty). `key_indices` holding n distinct indices is
+# the one rule the schema cannot state; it names it in `x-key-indices`.
+_PROMPT_SHAPES: dict[str, dict[str, Any]] = {
+    "prompt_token_ids": {"type": "array", "minItems": 1}, "prompt": {"type": "string"},
+    "messages": {"type": "array", "minItems": 1}}
+_ONE_PROMPT_SCHEMA: dict[str, Any] = {
+    "oneOf": [{"required": [name], "properties": {other: shape if other == name else {"type": "null"}
+                                                  for other in _PROMPT_SHAPES}}
+              for name, shape in _PROMPT_SHAPES.items()],
+    "x-key-indices": "key_indices, when given, holds exactly n distinct indices"}
+
+
+# LengthCurve (a dataclass of the scheduler) with the bounds its validation applies: int64 ints, at most
+# MAX_CURVE_POINTS steps. Its ordering invariants (starts strictly increasing from 0, each end above its start,
+# tail_from above the last start) are the part no JSON Schema keyword states: `x-invariants`.
+_LENGTH_CURVE_SCHEMA: dict[str, Any] = {"anyOf": [{
+    "type": "object", "required": ["starts", "ends", "tail_from", "tail_ratio"],
+    "properties": {
+        "starts": {"type": "array", "maxItems": MAX_CURVE_POINTS,
+                   "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}},
+        "ends": {"type": "array", "maxItems": MAX_CURVE_POINTS, "items": {"type": "number"}},
+        "tail_from": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+        "tail_ratio": {"type": "number", "minimum": 0}},
+    "x-invariants": "one end per start; starts strictly increasing from 0; ends[j] > starts[j]; tail_from 0 "
+                    "without starts, else above the last start"}, {"type": "null"}]}
+
+
 class GroupRequest(BaseModel):
     """One prompt, `n` samples: the unit an RL trainer asks for. Exactly one of `prompt_token_ids`, `prompt`
     (text) and `messages` (chat; the model's template is applied)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, json_schema_extra=_ONE_PROMPT_SCHEMA)
 
     problem_id: Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_unicode)]
     n: int = Field(1, ge=1, le=4096)
@@ -128,7 +157,7 @@ class GroupRequest(BaseModel):
         None, description="sample j draws with the keys of sample key_indices[j] of the group's seed (default j); "
                           "the service sets it when it re-draws the samples an engine lost, so they come out as "
                           "first drawn. Results are still numbered 0..n-1")
-    length_curve: LengthCurve | None = Field(
+    length_curve: Annotated[LengthCurve | None, WithJsonSchema(_LENGTH_CURVE_SCHEMA)] = Field(
         None, description="the scheduler's predicted output length as a function of the tokens a sample has "
                           "generated (what the draft budget reads every step); the service fills it in when neither "
                           "this nor predicted_tokens is given")
@@ -307,11 +336,26 @@ class WeightsResponse(BaseModel):
     reload_s: float = Field(description="seconds, including the wait for running batches")
 
 
+_TOKEN_IDS_SCHEMA: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX}}
+# A history-file record (drafter/records.py, RolloutRecord): what the store checks, stated in the schema.
+HISTORY_RECORD_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "required": ["problem_id", "policy_version", "sample_index", "prompt_token_ids", "output_token_ids"],
+    "properties": {
+        "problem_id": {"type": "string", "minLength": 1},
+        "policy_version": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+        "sample_index": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+        "prompt_token_ids": {**_TOKEN_IDS_SCHEMA, "minItems": 1},
+        "output_token_ids": _TOKEN_IDS_SCHEMA,
+        "finish_reason": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "reward": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}
+
+
 class HistoryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    records: list[dict[str, Any]] = Field(description="history-file records (problem_id, policy_version, "
-                                                      "sample_index, prompt_token_ids, output_token_ids, ...)")
+    records: list[dict[str, Any]] = Field(description="history-file records (drafter/records.py)",
+                                          json_schema_extra={"items": HISTORY_RECORD_SCHEMA})
 
     @field_validator("records")
     @classmethod

@@ -128,6 +128,12 @@ def serve(
                                                       "group's samples may run through; then they end with an "
                                                       "error instead of running again (a prompt that crashes the "
                                                       "engine).")] = 3,
+    header_timeout: Annotated[float, typer.Option("--header-timeout", min=0.1, max=3600, help="Seconds a request's "
+                                                  "line and headers may take to arrive; then 408 and the "
+                                                  "connection is closed.")] = 10.0,
+    body_timeout: Annotated[float, typer.Option("--body-timeout", min=0.1, max=3600, help="Seconds a request's "
+                                                "body may take to arrive after its headers; then 408 and the "
+                                                "connection is closed.")] = 60.0,
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
@@ -148,12 +154,14 @@ def serve(
     from das.service.batch_journal import BatchJournalConfig
     from das.service.coordinator import RayBackend, ServiceConfig
     from das.service.gateway import GatewaySettings, create_app
+    from das.service.request_guard import server_config
 
     try:
         if budget not in ("das", "uniform", "classes"):
             raise ValueError(f"--budget {budget!r}: expected das, uniform or classes")
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
-        settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True)
+        settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
+                                   header_timeout_s=header_timeout, body_timeout_s=body_timeout)
         engine = ({"stub_engine": {}} if stub_engine else {"engine": {
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget}}})
@@ -214,7 +222,8 @@ def serve(
             app = create_app(backend, settings)
             console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if token else 'off'}; "
                           f"/readyz turns 200 once the engines have loaded)")
-            await Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
+            await Server(server_config(app, settings.header_timeout_s, host=host, port=port,
+                                       log_level="warning")).serve()
         finally:
             console.print("[cyan]stopping: snapshotting the history, stopping the engines[/cyan]")
             for done in await asyncio.gather(*snapshots, return_exceptions=True):

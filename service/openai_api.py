@@ -45,13 +45,14 @@ What the responses carry:
 - text: "" where the backend has no tokenizer (the stub).
 
 Errors, all in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid input (the body, n < 1,
-more than one prompt, a prompt the engine refuses, e.g. one over the context); 401 bad or missing token; 404
-unknown model; 413 a body over `max_body_bytes` (one whose Content-Length says so is refused before any route,
-in the gateway's own shape); 429 too many batches in flight; 503 not ready, or the batch was aborted; 500 a
-failed batch or sample. Unknown body fields are ignored, as OpenAI's API does (logged at debug).
+more than one prompt, a prompt the engine refuses, e.g. one over the context, `logprobs` over vLLM's 20); 401 bad or
+missing token (before the body is read); 404 unknown model; 408 a body too slow; 413 a body over `max_body_bytes`;
+429 too many batches in flight; 503 not ready, or the batch was aborted; 500 a failed batch or sample. Unknown body fields are ignored, as OpenAI's API does (logged at debug).
 
-A client that drops a stream before all its samples came aborts the batch once no request of its group still
-reads it: unlike a `/v1/rollouts` batch, nothing could attach to it again.
+A client that disconnects before all its samples came (a stream it stops reading, or a non-streaming request it
+gives up on: the route watches for the disconnect while it waits) aborts the batch once no request of its group
+still reads it: unlike a named `/v1/rollouts` batch, nothing could attach to it again. Each such request counts in
+`das_requests_abandoned_total{route}`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,6 @@ from annotated_types import Le
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -100,6 +100,7 @@ from das.service.openai_protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from das.service.request_guard import OffloopJsonRoute
 
 if TYPE_CHECKING:
     from das.service.gateway import _Gateway
@@ -165,7 +166,7 @@ def invalid_request(errors: Sequence[Any], rename: dict[str, str] | None = None,
     return OpenAIError(400, message, param=first[0] if first else default)
 
 
-class OpenAIErrorRoute(APIRoute):
+class OpenAIErrorRoute(OffloopJsonRoute):
     """Answers every error of its routes in OpenAI's shape: ours, the gateway's HTTPExceptions (the bearer-token
     dependency included) and FastAPI's body validation, which app-wide handlers would answer in FastAPI's."""
 
@@ -416,14 +417,34 @@ class _Reply:
                        draft_tokens=sum(r["draft_tokens"] for r in records),
                        accepted_tokens=sum(r["accepted_tokens"] for r in records))
 
-    async def complete(self, build: Callable[[list[Record]], BaseModel]) -> Response:
-        async with contextlib.aclosing(self.share.samples()) as samples:
-            records = sorted([r async for r in samples], key=lambda r: r["sample_index"])
-        return Response(build(records).model_dump_json(), media_type="application/json", headers=self.headers)
+    async def complete(self, build: Callable[[list[Record]], BaseModel], request: Request,
+                       abandoned: Callable[[], None]) -> Response:
+        """The whole answer once every sample came; if the client disconnects first, its share is given up (the
+        batch aborted once no request of its group reads it: nothing can attach to it again) and `abandoned`
+        called."""
+        async def collect() -> list[Record]:
+            async with contextlib.aclosing(self.share.samples()) as samples:
+                return sorted([r async for r in samples], key=lambda r: r["sample_index"])
 
-    def stream(self, chunk: Callable[[Record, bool], BaseModel], usage: Callable[[UsageInfo], BaseModel]) \
-            -> StreamingResponse:
-        """A chunk per sample as it finishes (`chunk(record, first)`), the usage chunk if asked, [DONE]."""
+        collecting = asyncio.ensure_future(collect())
+        leaving = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([collecting, leaving], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not collecting.done():
+                collecting.cancel()  # closes the share's stream: its finally gives the share up
+                await asyncio.gather(collecting, return_exceptions=True)
+                abandoned()
+        if collecting.cancelled():  # the client left: nobody reads this answer
+            return Response(status_code=499)
+        return Response(build(collecting.result()).model_dump_json(), media_type="application/json",
+                        headers=self.headers)
+
+    def stream(self, chunk: Callable[[Record, bool], BaseModel], usage: Callable[[UsageInfo], BaseModel],
+               abandoned: Callable[[], None]) -> StreamingResponse:
+        """A chunk per sample as it finishes (`chunk(record, first)`), the usage chunk if asked, [DONE]. A client
+        that disconnects before its last sample gives its share up (as `complete`) and `abandoned` is called."""
         async def events() -> AsyncIterator[str]:
             records: list[Record] = []
             try:
@@ -433,11 +454,22 @@ class _Reply:
                         yield f"data: {chunk(record, len(records) == 1).model_dump_json()}\n\n"
                 if self.include_usage:
                     yield f"data: {usage(_usage(records)).model_dump_json()}\n\n"
+            except (asyncio.CancelledError, GeneratorExit):  # the server stopped reading it: the client left
+                if len(records) < self.share.n:
+                    abandoned()
+                raise
             except OpenAIError as exc:
                 yield f"data: {exc.body().model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=self.headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone. The body has been read by now, so what the server has left to say is the
+    disconnect (uvicorn answers receive() with it as soon as the connection drops)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 # --- the router -------------------------------------------------------------------------------------------------
@@ -449,6 +481,9 @@ def openai_router(gateway: _Gateway) -> APIRouter:
     served = gateway.settings.served_model_name or getattr(gateway.backend, "served_model_name", None) or "das"
     created = int(time.time())
     coalescer = _Coalescer(gateway)
+
+    def abandoned(route: str) -> None:
+        gateway.metrics.requests_abandoned[route] += 1
 
     def check(body: SamplingRequest, path: str) -> None:
         if body.model != served:
@@ -483,7 +518,7 @@ def openai_router(gateway: _Gateway) -> APIRouter:
     @router.post("/v1/completions", response_model=None, responses={200: {
         "model": CompletionResponse, "content": {"text/event-stream": {}},
         "description": "a CompletionResponse, or with stream server-sent CompletionResponse chunks"}, **errors})
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI's text completions: n samples of one prompt, run as one group of a batch."""
         check(body, "/v1/completions")
         prompt = _completion_prompt(body.prompt)
@@ -493,15 +528,16 @@ def openai_router(gateway: _Gateway) -> APIRouter:
             return reply.stream(
                 lambda r, first: CompletionResponse(**reply.header(), choices=[_completion_choice(r, body)],
                                                     das=reply.das([r])),
-                lambda usage: CompletionResponse(**reply.header(), choices=[], usage=usage))
+                lambda usage: CompletionResponse(**reply.header(), choices=[], usage=usage),
+                lambda: abandoned("/v1/completions"))
         return await reply.complete(lambda records: CompletionResponse(
             **reply.header(), choices=[_completion_choice(r, body) for r in records], usage=_usage(records),
-            das=reply.das(records)))
+            das=reply.das(records)), request, lambda: abandoned("/v1/completions"))
 
     @router.post("/v1/chat/completions", response_model=None, responses={200: {
         "model": ChatCompletionResponse, "content": {"text/event-stream": {}},
         "description": "a ChatCompletionResponse, or with stream server-sent ChatCompletionChunk events"}, **errors})
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions: n samples of one conversation, run as one group of a batch."""
         check(body, "/v1/chat/completions")
         if body.top_logprobs is not None and not body.logprobs:
@@ -527,9 +563,11 @@ def openai_router(gateway: _Gateway) -> APIRouter:
                                           policy_spans=r.get("policy_spans"))])
 
         if body.stream:
-            return reply.stream(chunk, lambda usage: ChatCompletionChunk(**reply.header(), choices=[], usage=usage))
+            return reply.stream(chunk, lambda usage: ChatCompletionChunk(**reply.header(), choices=[], usage=usage),
+                                lambda: abandoned("/v1/chat/completions"))
         return await reply.complete(lambda records: ChatCompletionResponse(
             **reply.header(), choices=[choice(r) for r in records], usage=_usage(records),
-            prompt_token_ids=records[0]["prompt_token_ids"] if ids else None, das=reply.das(records)))
+            prompt_token_ids=records[0]["prompt_token_ids"] if ids else None, das=reply.das(records)), request,
+            lambda: abandoned("/v1/chat/completions"))
 
     return router

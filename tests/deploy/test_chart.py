@@ -101,6 +101,8 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     params = serve.make_context("serve", serve_argv(docs)).params  # raises on any flag das serve lacks
     assert params["address"] == "auto" and params["host"] == "0.0.0.0"
     assert params["port"] == values["gateway"]["port"]
+    assert params["header_timeout"] == values["gateway"]["headerTimeoutSeconds"]
+    assert params["body_timeout"] == values["gateway"]["bodyTimeoutSeconds"]
     assert params["model"] == values["engine"]["model"] and params["k"] == values["engine"]["k"]
     assert params["speculation"] == values["engine"]["speculation"]
     if values["engine"]["maxModelLen"]:
