@@ -39,6 +39,7 @@ from das.service.api import (
     ProblemSummary,
     SampleRecord,
 )
+from das.service.history_chunks import history_bodies
 
 Wire = Literal["msgpack", "ndjson"]
 
@@ -196,7 +197,15 @@ class _BatchProgress:
                                + (f": {self.summary.error}" if self.summary.error else ""), summary=self.summary)
 
 
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 class _ClientBase:
+    # A history import is cut into requests within the server's limits (GatewaySettings.max_body_bytes and
+    # max_history_records, at their defaults here): set these to a server's own if it was started with others.
+    max_body_bytes: int = 64 << 20
+    max_history_records: int = 1_000_000
+
     def __init__(self, url: str, token: str | None, wire: Wire, retries: int, backoff_s: float) -> None:
         if wire not in ("msgpack", "ndjson"):
             raise ValueError(f"wire must be 'msgpack' or 'ndjson', got {wire!r}")
@@ -266,11 +275,14 @@ class RolloutClient(_ClientBase):
         refuses the batch, gives up retrying, or the batch ends aborted or failed."""
         return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed))
 
-    def _call(self, method: str, path: str, json_body: Any = None, params: Mapping[str, Any] | None = None) -> Any:
+    def _call(self, method: str, path: str, json_body: Any = None, params: Mapping[str, Any] | None = None,
+              content: bytes | None = None) -> Any:
         idempotent = method in ("GET", "DELETE")
+        headers = _JSON_HEADERS if content is not None else None
         for attempt in range(self.retries + 1):
             try:
-                response = self.http.request(method, path, json=json_body, params=params)
+                response = self.http.request(method, path, json=json_body, params=params, content=content,
+                                             headers=headers)
                 _raise_for(response, response.content)
                 return response.json()
             except (httpx.TransportError, _Retryable) as exc:
@@ -290,7 +302,17 @@ class RolloutClient(_ClientBase):
         return int(self._call("POST", "/v1/weights", {"path": path, "version": version})["policy_version"])
 
     def add_history(self, records: list[dict[str, Any]]) -> int:
-        return int(self._call("POST", "/v1/history", {"records": records})["added"])
+        """Imports finished rollouts for drafting; returns how many were stored. Sent in as many requests as the
+        server's body and record limits need (`max_body_bytes`, `max_history_records`): a failure partway leaves
+        the earlier requests' records imported (RolloutError says how many)."""
+        added = 0
+        for body in history_bodies(records, self.max_body_bytes, self.max_history_records):
+            try:
+                added += int(self._call("POST", "/v1/history", content=body)["added"])
+            except RolloutError as exc:
+                raise RolloutError(f"{exc} ({added} records imported before it)", status_code=exc.status_code,
+                                   detail=exc.detail) from exc
+        return added
 
     def pause(self, mode: PauseMode = "abort") -> None:
         """vLLM's /pause on every engine: "abort" ends the samples in flight (delivered with finish_reason
@@ -375,11 +397,13 @@ class AsyncRolloutClient(_ClientBase):
         return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed))
 
     async def _call(self, method: str, path: str, json_body: Any = None,
-                    params: Mapping[str, Any] | None = None) -> Any:
+                    params: Mapping[str, Any] | None = None, content: bytes | None = None) -> Any:
         idempotent = method in ("GET", "DELETE")
+        headers = _JSON_HEADERS if content is not None else None
         for attempt in range(self.retries + 1):
             try:
-                response = await self.http.request(method, path, json=json_body, params=params)
+                response = await self.http.request(method, path, json=json_body, params=params, content=content,
+                                                   headers=headers)
                 _raise_for(response, response.content)
                 return response.json()
             except (httpx.TransportError, _Retryable) as exc:
@@ -400,7 +424,15 @@ class AsyncRolloutClient(_ClientBase):
         return int(body["policy_version"])
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
-        return int((await self._call("POST", "/v1/history", {"records": records}))["added"])
+        """See RolloutClient.add_history."""
+        added = 0
+        for body in history_bodies(records, self.max_body_bytes, self.max_history_records):
+            try:
+                added += int((await self._call("POST", "/v1/history", content=body))["added"])
+            except RolloutError as exc:
+                raise RolloutError(f"{exc} ({added} records imported before it)", status_code=exc.status_code,
+                                   detail=exc.detail) from exc
+        return added
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         """See RolloutClient.pause."""
