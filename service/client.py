@@ -40,6 +40,7 @@ from das.service.api import (
     SampleRecord,
 )
 from das.service.history_chunks import history_bodies
+from das.service.sample_progress import ProgressRecord
 
 Wire = Literal["msgpack", "ndjson"]
 
@@ -127,8 +128,10 @@ class _BatchProgress:
     summary."""
 
     def __init__(self, groups: list[dict[str, Any]], batch_id: str, logprobs: bool, prompts: bool,
-                 wire: Wire, seed: int | None) -> None:
+                 wire: Wire, seed: int | None, progress: bool = False) -> None:
         self.batch_id = batch_id
+        self.progress = progress
+        self._delivered: dict[tuple[int, int], int] = {}  # per sample in flight, tokens its progress carried
         self.seed = seed
         self.wire = wire
         self.summary: BatchSummary | None = None
@@ -151,6 +154,8 @@ class _BatchProgress:
     def body(self) -> dict[str, Any]:
         body = {"batch_id": self.batch_id, "groups": self._groups, "logprobs": self._logprobs,
                 "return_prompt_token_ids": self._prompts, "resume_from": self._received}
+        if self.progress:
+            body["progress"] = True
         return body if self.seed is None else {**body, "seed": self.seed}
 
     def begin(self, response: httpx.Response) -> None:
@@ -164,8 +169,9 @@ class _BatchProgress:
         self._attempt_records = 0
         self._attempt_offset = offset
 
-    def feed(self, chunk: bytes) -> list[SampleRecord]:
-        """New records in `chunk` (a piece of the stream, cut anywhere)."""
+    def feed(self, chunk: bytes) -> list[SampleRecord | ProgressRecord]:
+        """New records in `chunk` (a piece of the stream, cut anywhere), and progress objects if asked for (a
+        repeat of tokens already yielded, after a retry, is dropped)."""
         if self.wire == "msgpack":
             self._unpacker.feed(chunk)
             objects: Iterator[Any] = iter(self._unpacker)
@@ -173,8 +179,15 @@ class _BatchProgress:
             lines = (self._pending + chunk).split(b"\n")
             self._pending = lines.pop()
             objects = (json.loads(line) for line in lines if line)
-        out = []
+        out: list[SampleRecord | ProgressRecord] = []
         for obj in objects:
+            if "progress" in obj:
+                report = ProgressRecord.model_validate(obj["progress"])
+                key = (report.group_index, report.sample_index)
+                if key not in self._seen and report.offset >= self._delivered.get(key, 0):
+                    self._delivered[key] = report.offset + len(report.token_ids)
+                    out.append(report)
+                continue
             if "summary" in obj:
                 self.summary = BatchSummary.model_validate(obj["summary"])
                 continue
@@ -184,6 +197,7 @@ class _BatchProgress:
             key = (record.group_index, record.sample_index)
             if key not in self._seen:
                 self._seen.add(key)
+                self._delivered.pop(key, None)
                 out.append(record)
         return out
 
@@ -217,8 +231,9 @@ class _ClientBase:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _progress(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None,
-                  logprobs: bool, prompts: bool, seed: int | None) -> _BatchProgress:
-        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, prompts, self.wire, seed)
+                  logprobs: bool, prompts: bool, seed: int | None, progress: bool = False) -> _BatchProgress:
+        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, prompts, self.wire, seed,
+                              progress)
 
     def _delay(self, attempt: int) -> float:
         """Seconds before retry `attempt` (1-based): exponential, capped at 10 s."""
@@ -237,7 +252,7 @@ class RolloutStream:
     def summary(self) -> BatchSummary | None:
         return self._progress.summary
 
-    def __iter__(self) -> Iterator[SampleRecord]:
+    def __iter__(self) -> Iterator[SampleRecord | ProgressRecord]:
         client, progress = self._client, self._progress
         for attempt in range(client.retries + 1):
             try:
@@ -269,11 +284,13 @@ class RolloutClient(_ClientBase):
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
                  logprobs: bool = False, return_prompt_token_ids: bool = False,
-                 seed: int | None = None) -> RolloutStream:
+                 seed: int | None = None, progress: bool = False) -> RolloutStream:
         """The batch's samples as they finish (iterate the result). `seed`: the batch's seed (the same seed draws
-        the same samples; None: the server draws one, in `summary.seed`). Raises RolloutError when the server
-        refuses the batch, gives up retrying, or the batch ends aborted or failed."""
-        return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed))
+        the same samples; None: the server draws one, in `summary.seed`). `progress`: also yield each running
+        sample's new tokens as `ProgressRecord`s as they are made (each sample's before its record). Raises
+        RolloutError when the server refuses the batch, gives up retrying, or the batch ends aborted or failed."""
+        return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed,
+                                                  progress))
 
     def _call(self, method: str, path: str, json_body: Any = None, params: Mapping[str, Any] | None = None,
               content: bytes | None = None) -> Any:
@@ -358,7 +375,7 @@ class AsyncRolloutStream:
     def summary(self) -> BatchSummary | None:
         return self._progress.summary
 
-    async def __aiter__(self) -> AsyncIterator[SampleRecord]:
+    async def __aiter__(self) -> AsyncIterator[SampleRecord | ProgressRecord]:
         client, progress = self._client, self._progress
         for attempt in range(client.retries + 1):
             try:
@@ -391,10 +408,11 @@ class AsyncRolloutClient(_ClientBase):
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
                  logprobs: bool = False, return_prompt_token_ids: bool = False,
-                 seed: int | None = None) -> AsyncRolloutStream:
-        """The batch's samples as they finish (`async for` the result); `seed` and errors as
+                 seed: int | None = None, progress: bool = False) -> AsyncRolloutStream:
+        """The batch's samples as they finish (`async for` the result); `seed`, `progress` and errors as
         `RolloutClient.generate`."""
-        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed))
+        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed,
+                                                       progress))
 
     async def _call(self, method: str, path: str, json_body: Any = None,
                     params: Mapping[str, Any] | None = None, content: bytes | None = None) -> Any:

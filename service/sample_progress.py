@@ -15,6 +15,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 
 @dataclass(slots=True)
 class SampleProgress:
@@ -76,3 +78,18 @@ class ProgressBatcher:
         taken = list(self.pending.items())
         self.pending.clear()
         return taken
+
+
+class ProgressRecord(BaseModel):
+    """One progress object of a batch stream that asked for progress (RolloutRequest.progress), as the client
+    yields it: sample (group_index, sample_index)'s tokens at positions offset .. offset + len(token_ids) - 1."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_index: int
+    sample_index: int
+    offset: int
+    token_ids: list[int]
+    text: str
+    policy_version: int
+    logprobs: list[float] | None = None
