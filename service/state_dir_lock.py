@@ -34,8 +34,8 @@ def lock_state_dir(state_dir: Path) -> IO[str]:
         handle.close()
         raise StateDirInUse(f"--state-dir {state_dir} is in use by another das serve (pid {holder}; lock file "
                             f"{path}): two services on one state directory would overwrite each other's history "
-                            f"snapshots and batch journal. Stop that one, or give this one another --state-dir")
-        from None
+                            f"snapshots and batch journal. Stop that one, or give this one another --state-dir"
+                            ) from None
     handle.seek(0)
     handle.truncate()
     handle.write(f"{os.getpid()}\n")
