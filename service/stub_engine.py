@@ -132,7 +132,8 @@ class StubEngine:
                     problem_id=group.problem_id, sample_index=index, token_ids=tokens,
                     logprobs=[-1.0] * (len(tokens) - resumed), finish_reason=finish,
                     policy_version=spans[0][0] if spans else self.policy_version,
-                    policy_spans=spans if len(spans) > 1 or (resumed and spans) else None, decode_steps=len(tokens) - resumed,
+                    policy_spans=spans if len(spans) > 1 or (resumed and spans) else None,
+                    decode_steps=len(tokens) - resumed,
                     total_s=time.perf_counter() - start, prompt_token_ids=prompt)
         finally:
             self.tally.running -= group.n
