@@ -445,7 +445,7 @@ class Engine:
                       on_progress: Callable[[SampleProgress], None] | None = None) -> None:
         prefix = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
         params = self._sampling_params(group, key, index)
-        live = self._live[key] = _Spans([(self.policy_version, len(prefix))])
+        live = self._live[key] = _Spans([(self.policy_version, len(prefix))], base=len(prefix))
         start = time.perf_counter()
         first: float | None = None
         tokens: list[int] = []  # new tokens (after the prefix)
@@ -625,13 +625,14 @@ class _Spans:
 
     spans: list[tuple[int, int]]
     received: int = 0
+    base: int = 0  # a resumed sample's delivered tokens: its request's output starts after them
 
     def update(self, version: int, produced: int | None) -> None:
-        """New weights serve from token `produced` on (None: the engine no longer holds the sample: finished,
-        its last tokens still on their way, or not started if none came)."""
-        if produced is None and self.received:
+        """New weights serve from the request's output token `produced` on (None: the engine no longer holds the
+        sample: finished, its last tokens still on their way, or not started if none came)."""
+        if produced is None and self.received > self.base:
             return  # finished under the old weights
-        at = produced or 0
+        at = self.base + (produced or 0)
         if at == self.spans[-1][1]:
             self.spans[-1] = (version, at)  # no token of the old weights since its span began
         else:
