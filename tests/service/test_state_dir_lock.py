@@ -32,3 +32,16 @@ def test_the_lock_is_held_across_processes_and_freed_when_its_holder_dies(tmp_pa
         holder.kill()
         holder.wait()
     lock_state_dir(tmp_path).close()  # the kernel dropped the dead holder's lock
+
+
+def test_das_serve_on_a_state_dir_in_use_refuses_to_start_with_a_clear_message(tmp_path: Path) -> None:
+    held = lock_state_dir(tmp_path)  # as a running das serve holds it
+    try:
+        das = Path(sys.executable).with_name("das")
+        done = subprocess.run([str(das), "serve", "--stub-engine", "--port", "1", "--state-dir", str(tmp_path)],
+                              capture_output=True, text=True, timeout=120, env={"COLUMNS": "300", "PATH": ""})
+    finally:
+        held.close()
+    assert done.returncode == 2, done.stdout + done.stderr
+    said = " ".join((done.stdout + done.stderr).split())
+    assert f"--state-dir {tmp_path} is in use by another das serve (pid " in said, said
