@@ -145,7 +145,7 @@ class Share:
             sample.logprobs = delivered.logprobs[:resumed] + sample.logprobs
             spans = [span for span in delivered.spans if span[1] < resumed]
             for span in sample.policy_spans or ():
-                if not spans or spans[-1][0] != span[0]:
+                if span[1] < len(sample.token_ids) and (not spans or spans[-1][0] != span[0]):
                     spans.append(span)
             sample.policy_version = spans[0][0] if spans else sample.policy_version
             sample.policy_spans = spans if len(spans) > 1 else None
