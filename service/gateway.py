@@ -173,7 +173,7 @@ class _Batch:
         self.fingerprint = fingerprint
         self.expected = sum(g.n for g in groups)
         self.frames: list[bytes] = []
-        self.size = 0  # bytes in frames
+        self.size = 0  # bytes in frames (and progress frames, where kept)
         self.status: BatchStatus = "queued"
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
@@ -223,7 +223,9 @@ class _Batch:
     def progress(self, group_index: int, report: SampleProgress) -> None:
         """A sample's new tokens: into the progress log if the batch keeps one."""
         if self.progress_log is not None:
+            before = self.progress_log.size
             self.progress_log.progress(group_index, report)
+            self.size += self.progress_log.size - before  # retained with the batch, so counted in retained_bytes
             self._notify()
 
     def end(self, status: BatchStatus, error: str | None) -> None:
