@@ -2,8 +2,8 @@
 body limit (`GatewaySettings.max_body_bytes`, 64 MiB by default), so an import of any size goes through.
 
 The gateway (StubBackend, which validates and counts the records as the engines do) runs in this process, called
-through httpx's ASGI transport (no socket), with its default limits. Prints the import's size in JSON bytes, the requests it took, records
-stored and seconds.
+through httpx's ASGI transport (no socket), with its default limits. Prints the import's size in JSON bytes, the
+requests it took, the records stored and the seconds.
 
 Run: .venv/bin/python loadtests/history_import.py --mb 100
 """
