@@ -161,6 +161,12 @@ class GroupRequest(BaseModel):
         None, description="the scheduler's predicted output length as a function of the tokens a sample has "
                           "generated (what the draft budget reads every step); the service fills it in when neither "
                           "this nor predicted_tokens is given")
+    prefix_token_ids: tuple[tuple[TokenId, ...], ...] | None = Field(
+        None, description="per sample (n entries), output tokens it already has: the service sets it when it resumes "
+                          "the samples an engine lost from the tokens they had delivered. Sample j continues from the "
+                          "prompt + prefix_token_ids[j] as the undisturbed sample would (its keyed positions and "
+                          "max_tokens count the prefix); its result's token_ids and text include the prefix, its "
+                          "logprobs only the new tokens")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GroupRequest:
@@ -174,6 +180,12 @@ class GroupRequest(BaseModel):
         if self.key_indices is not None and (len(self.key_indices) != self.n
                                              or len(set(self.key_indices)) != self.n):
             raise ValueError(f"key_indices must be n = {self.n} distinct indices")
+        if self.prefix_token_ids is not None:
+            if len(self.prefix_token_ids) != self.n:
+                raise ValueError(f"prefix_token_ids must have n = {self.n} entries")
+            if any(len(p) >= self.sampling.max_tokens for p in self.prefix_token_ids):
+                raise ValueError(f"prefix_token_ids: a prefix must be shorter than sampling.max_tokens "
+                                 f"({self.sampling.max_tokens})")
         return self
 
     def sample_key(self, index: int) -> int | None:
@@ -260,6 +272,9 @@ class RolloutRequest(BaseModel):
                                                              "a history file needs)")
     resume_from: int = Field(0, ge=0, le=INT64_MAX, description="when attaching to an existing batch, skip its "
                                                                "first records (the number the client already has)")
+    progress: bool = Field(False, description="the stream also carries each running sample's new tokens as they "
+                                              "are made, as {\"progress\": {...}} objects before its record "
+                                              "(service/gateway.py says what they hold)")
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description=(
         "the batch's seed: group g without a sampling.seed of its own samples with seed derive(seed, g), so the "
         "same batch with the same seed gives the same samples; None: a fresh one (BatchSummary.seed says which)"))

@@ -155,10 +155,13 @@ def serve(
     from das.service.coordinator import RayBackend, ServiceConfig
     from das.service.gateway import GatewaySettings, create_app
     from das.service.request_guard import server_config
+    from das.service.state_dir_lock import StateDirInUse, lock_state_dir
 
     try:
         if budget not in ("das", "uniform", "classes"):
             raise ValueError(f"--budget {budget!r}: expected das, uniform or classes")
+        # held until the process ends: a second das serve on this state directory refuses to start
+        state_lock = lock_state_dir(state_dir) if state_dir is not None else None
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
         settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
                                    header_timeout_s=header_timeout, body_timeout_s=body_timeout)
@@ -181,7 +184,7 @@ def serve(
 
             # here first, in the dtype the engines serve: they reuse it, and a bad name fails now
             prepare_model(model, progress=True, dtype=engine_dtype(dtype))
-    except (ValidationError, OSError, ValueError) as exc:
+    except (ValidationError, OSError, ValueError, StateDirInUse) as exc:
         fail(str(exc))
 
     signals: list[int] = []
@@ -231,7 +234,11 @@ def serve(
                     console.print(f"[red]history snapshot at the signal failed: {escape(str(done))}[/red]")
             await backend.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        if state_lock is not None:
+            state_lock.close()  # the state directory is free for the next das serve
 
 
 @app.command("rollout")

@@ -29,7 +29,10 @@ death is noticed by the stream that breaks or by a call the coordinator keeps pe
 reloads the model and pulls its drafter history from the store with fresh cursors) and reloads the weights last
 served, then it serves again. The samples the dead engine owed that had not arrived are sent to a serving engine
 (or the restarted one) as a group with n = their count, and renumbered back to the missing indices
-(service/engine_failure.py `Share`), so every sample index reaches the client exactly once. `ready()` while at
+(service/engine_failure.py `Share`), so every sample index reaches the client exactly once. Each resumes from the
+tokens it had delivered (the engines report each sample's new tokens every `node_engine.PROGRESS_INTERVAL_S`; the
+coordinator keeps them per sample and hands them to the caller's `on_progress`), so a death costs the
+recomputation of prompt + prefix and the tokens of the last interval, not the sample. `ready()` while at
 least one engine serves; `live()` False once no engine can ever serve again.
 """
 
@@ -59,7 +62,8 @@ from das.service.engine.async_engine import EngineConfig, validate_rollouts
 from das.service.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
 from das.service.history_store import HistoryConfig, HistoryShardActor, shard_of
 from das.service.node_engine import EngineNotStarted, NodeEngine
-from das.service.rollout_backend import BackendStats, GroupInputError
+from das.service.rollout_backend import BackendStats, GroupInputError, ProgressSink
+from das.service.sample_progress import SampleProgress
 from das.service.stub_engine import StubEngineConfig
 
 log = logging.getLogger(__name__)
@@ -221,6 +225,8 @@ class _Actor:
 
 
 _Engine = tuple[_Actor, int, str]  # (actor, engine index in the actor, engine name)
+# What a batch's jobs hand its stream: (group index, sample or progress), None at a job's end, or its error.
+_Out = asyncio.Queue[tuple[int, SampleResult | SampleProgress] | BaseException | None]
 _Placement = list[list[tuple[int, GroupRequest]]]  # per engine, (batch index, group) pairs in start order
 
 
@@ -437,15 +443,16 @@ class RayBackend:
         by_load = np.argsort(-loads, kind="stable")
         return [[(int(i), tagged[int(i)]) for i in by_load[assignment[by_load] == e]] for e in range(len(names))]
 
-    async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
+                       ) -> AsyncGenerator[tuple[int, SampleResult], None]:
         serving = self._serving() or [await self._wait_serving()]
         placed = [(engine, [(Share(i, tuple(range(g.n))), g) for i, g in items])
                   for engine, items in zip(serving, self._place(groups, serving)) if items]
         # Held now, before anything awaits: a batch placed at the same moment sees this one's work.
         for engine, work in placed:
             self._placed.hold(engine[2], work)
-        # Each job puts (group index, sample) pairs, then None at its end, or the exception that ended it.
-        out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None] = asyncio.Queue()
+        # Each job puts (group index, sample or progress) pairs, then None at its end, or the exception that ended it.
+        out: _Out = asyncio.Queue()
         jobs = [asyncio.create_task(self._job(engine, work, out)) for engine, work in placed]
         try:
             running = len(jobs)
@@ -457,6 +464,10 @@ class RayBackend:
                 if isinstance(item, BaseException):
                     raise item
                 index, sample = item
+                if isinstance(sample, SampleProgress):
+                    if on_progress is not None:
+                        on_progress(index, sample)
+                    continue
                 if sample.finish_reason in ("stop", "length"):
                     self._book.history(sample.problem_id).add_length(sample.policy_version, len(sample.token_ids),
                                                                      sample.finish_reason)
@@ -467,7 +478,7 @@ class RayBackend:
             await asyncio.gather(*jobs, return_exceptions=True)
 
     async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
-                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                   out: _Out) -> None:
         """Runs `work` on `engine` (`_run`), putting its samples on `out` as they arrive, renumbered as the batch's.
         Ends with None on `out`, or the exception that failed the batch. The caller has put `work` in `_placed` on
         `engine`."""
@@ -478,7 +489,7 @@ class RayBackend:
             out.put_nowait(exc)
 
     async def _run(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
-                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                   out: _Out) -> None:
         """Runs `work` (held in `_placed` on `engine`) there; the samples go to `out` as they arrive and leave the
         ledger, and what never arrived leaves it when this ends. When the engine dies, what had not arrived runs
         again (`_run_again`). Returns once every sample of `work` has reached `out`."""
@@ -493,6 +504,11 @@ class RayBackend:
             try:
                 async for ref in generator:
                     for k, sample in await ref:
+                        if isinstance(sample, SampleProgress):
+                            report = work[k][0].progress(sample)
+                            if report is not None:
+                                out.put_nowait((work[k][0].group_index, report))
+                            continue
                         taken = work[k][0].take(sample)
                         if taken is not None:
                             self._placed.arrived(name, work[k][1])
@@ -514,7 +530,7 @@ class RayBackend:
             await self._run_again(name, rest, out)
 
     async def _run_again(self, dead: str, work: list[tuple[Share, GroupRequest]],
-                         out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                         out: _Out) -> None:
         """Runs the shares that engine `dead` owed. A share that has run through `max_group_deaths` deaths is
         given up (`_give_up`). One whose next death would give it up runs alone, one share after another, so that a
         group that only ran beside the one that kills engines is not given up with it; the rest are placed again over
@@ -547,7 +563,7 @@ class RayBackend:
                 task.cancel()
 
     async def _one_at_a_time(self, work: list[tuple[Share, GroupRequest]],
-                             out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                             out: _Out) -> None:
         """Runs the shares one after another, each on the serving engine with the least work placed at its turn."""
         for item in work:
             engine = await self._wait_serving()
@@ -555,7 +571,7 @@ class RayBackend:
             await self._run(engine, [item], out)
 
     def _give_up(self, work: list[tuple[Share, GroupRequest]],
-                 out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                 out: _Out) -> None:
         """Ends the shares' missing samples with finish_reason "error": their group ran through
         `max_group_deaths` engine deaths, the last one alone on its engine."""
         for share, group in work:

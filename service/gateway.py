@@ -30,9 +30,15 @@ leaves before it ended (nothing could name it again), counted in `das_requests_a
 msgpack-encoded (a few bytes a token); ended batches stay
 replayable within `retained_batches` / `retained_bytes`; a repeated id older than that gets 410, never a second
 run. A batch always ends: whatever goes wrong in its task ends it
-`failed` with the error in its summary and a log line, and a batch in which no sample finished for
+`failed` with the error in its summary and a log line, and a batch in which no sample made a token for
 `batch_stall_timeout_s` is failed and its running samples aborted, so a reload never waits on a batch that cannot
-finish.
+finish. A stall is judged by token progress (the engines report each sample's new tokens every ~50 ms): a batch
+fails only when no sample made a token for the timeout, so a long sample generating steadily is never one.
+
+With `"progress": true` in the request, the stream also carries each running sample's new tokens as they are made,
+as `{"progress": {"group_index", "sample_index", "offset", "token_ids", "text", "policy_version"}}` objects (plus
+"logprobs" when the batch asked for them; ~50 ms apart per engine at most), each sample's before its record;
+`offset` is the position of the first of `token_ids` in the sample's output, and the record holds every token.
 
 Across restarts (`settings.batch_journal`, on with `das serve --state-dir`): every batch a request names (batch_id
 given) is journaled before it runs and when it ends (service/batch_journal.py: id, request digest, status, sample
@@ -106,6 +112,7 @@ from das.service.api import (
     seeded_groups,
 )
 from das.service.batch_journal import BatchJournal, BatchJournalConfig
+from das.service.batch_progress import ProgressLog
 from das.service.engine.async_engine import EngineInputError
 from das.service.metrics import CONTENT_TYPE, GatewayMetrics
 from das.service.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
@@ -113,6 +120,7 @@ from das.service.request_guard import OffloopJsonRoute, RequestGuard
 from das.service.rl_control import rl_control_router
 from das.service.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 from das.service.sample_keys import fresh_seed
+from das.service.sample_progress import SampleProgress
 
 log = logging.getLogger(__name__)
 
@@ -129,9 +137,9 @@ class GatewaySettings(BaseModel):
     weights_root: Path | None = Field(None, description="weights paths must lie under it; None: reloads refused")
     max_batch_samples: int = Field(65536, ge=1, description="samples (sum of n) one batch may ask for")
     max_batches_in_flight: int = Field(64, ge=1, description="batches queued or running at once")
-    batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample finished "
-                                         "for this long is failed and its running samples aborted; set it above "
-                                         "the longest a single sample may take")
+    batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample made a "
+                                         "token for this long is failed and its running samples aborted (a sample "
+                                         "generating steadily for longer is no stall)")
     stalls_until_unlive: int = Field(2, ge=1, description="batches failed in a row by batch_stall_timeout_s, no "
                                      "sample finishing anywhere in between, after which /healthz answers 503: the "
                                      "engines make no progress and only a restart of the process can help")
@@ -168,8 +176,10 @@ class _Batch:
     they are, and results held for replay cost bytes per token rather than Python objects."""
 
     def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, prompts: bool,
-                 fingerprint: str, seed: int) -> None:
+                 fingerprint: str, seed: int, progress: bool = False) -> None:
         self.batch_id = batch_id
+        # Token progress and records in one order, for streams that asked for progress (service/batch_progress.py)
+        self.progress_log = ProgressLog(_pack, logprobs) if progress else None
         self.seed = seed
         self.groups = groups
         self.logprobs = logprobs
@@ -177,7 +187,7 @@ class _Batch:
         self.fingerprint = fingerprint
         self.expected = sum(g.n for g in groups)
         self.frames: list[bytes] = []
-        self.size = 0  # bytes in frames
+        self.size = 0  # bytes in frames (and progress frames, where kept)
         self.status: BatchStatus = "queued"
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
@@ -217,6 +227,8 @@ class _Batch:
         frame = _pack(record)
         self.frames.append(frame)
         self.size += len(frame)
+        if self.progress_log is not None:
+            self.progress_log.record(frame)
         self.finish_times.append(latency)
         self.lengths.append(len(sample.token_ids))
         self.tokens += len(sample.token_ids)
@@ -225,13 +237,22 @@ class _Batch:
         self.errors += sample.finish_reason == "error"
         self._notify()
 
+    def progress(self, group_index: int, report: SampleProgress) -> None:
+        """A sample's new tokens: into the progress log if the batch keeps one."""
+        if self.progress_log is not None:
+            before = self.progress_log.size
+            self.progress_log.progress(group_index, report)
+            self.size += self.progress_log.size - before  # retained with the batch, so counted in retained_bytes
+            self._notify()
+
     def end(self, status: BatchStatus, error: str | None) -> None:
         self.status, self.error = status, error
         self._notify()
 
-    async def wait_beyond(self, count: int) -> None:
-        """Returns once there are more than `count` records or the batch has ended."""
-        while len(self.frames) <= count and not self.ended:
+    async def wait_beyond(self, count: int, frames: list[bytes] | None = None) -> None:
+        """Returns once there are more than `count` records (or frames of `frames`) or the batch has ended."""
+        frames = self.frames if frames is None else frames
+        while len(frames) <= count and not self.ended:
             await self._changed.wait()
 
     def summary(self) -> BatchSummary:
@@ -453,7 +474,7 @@ class _Gateway:
             # Seeds are fixed here, once: a sample re-run after its engine died draws the same tokens.
             seed = body.seed if body.seed is not None else fresh_seed()
             batch = _Batch(body.batch_id or uuid.uuid4().hex, seeded_groups(body.groups, seed), body.logprobs,
-                           body.return_prompt_token_ids, fingerprint, seed)
+                           body.return_prompt_token_ids, fingerprint, seed, body.progress)
             self.batches.add(batch)
             if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id
                 self.journal.accepted(batch.batch_id, fingerprint, batch.expected)
@@ -476,7 +497,14 @@ class _Gateway:
                 loop = asyncio.get_running_loop()
                 # Started here, not before the gate: a batch held behind a reload is waiting, not stalled.
                 stalled = batch.stall = asyncio.timeout(None if self.paused else stall_s)
-                async with stalled, contextlib.aclosing(self.backend.generate(batch.groups)) as stream:
+                def heard(group_index: int, report: SampleProgress) -> None:
+                    # a token made anywhere in the batch: it is not stalled (a long sample is not a stall)
+                    assert stalled is not None
+                    stalled.reschedule(None if self.paused else loop.time() + stall_s)
+                    self.stalls_in_a_row = 0
+                    batch.progress(group_index, report)
+
+                async with stalled, contextlib.aclosing(self.backend.generate(batch.groups, heard)) as stream:
                     async for group_index, sample in stream:
                         stalled.reschedule(None if self.paused else loop.time() + stall_s)
                         self.stalls_in_a_row = 0
@@ -491,8 +519,8 @@ class _Gateway:
             status = "aborted"
         except Exception as exc:
             if stalled is not None and stalled.expired():
-                error = (f"no sample finished for {stall_s:g} s (batch_stall_timeout_s); the samples still running "
-                         f"were aborted")
+                error = (f"no sample made a token for {stall_s:g} s (batch_stall_timeout_s); the samples still "
+                         f"running were aborted")
                 self.stalls_in_a_row += 1
                 log.error("batch %s failed: %s", batch.batch_id, error)
             else:
@@ -515,30 +543,33 @@ class _Gateway:
         self.metrics.observe_batch(status, makespan, batch.finish_times, batch.lengths)
 
     @staticmethod
-    async def stream(batch: _Batch, start: int, wire: str) -> AsyncIterator[bytes]:
+    async def stream(batch: _Batch, start: int, wire: str, progress: bool = False) -> AsyncIterator[bytes]:
         """The batch's records from position `start`, as they come, then its summary. Whatever is ready goes out
-        in one chunk: one write per burst, not per sample."""
+        in one chunk: one write per burst, not per sample. With `progress` (and a batch that keeps progress), the
+        samples' progress frames too, each before its sample's record."""
         encode = _encoder(wire)
-        sent = start
+        log = batch.progress_log if progress else None
+        frames = log.frames if log is not None else batch.frames
+        sent = log.start(start) if log is not None else start
         while True:
-            available = len(batch.frames)
+            available = len(frames)
             if sent < available:
                 end = min(available, sent + _CHUNK_RECORDS)
-                yield encode(batch.frames[sent:end])
+                yield encode(frames[sent:end])
                 sent = end
             elif batch.ended:
                 yield encode([_pack({"summary": batch.summary().model_dump()})])
                 return
             else:
-                await batch.wait_beyond(sent)
+                await batch.wait_beyond(sent, frames)
 
-    async def follow(self, batch: _Batch, start: int, wire: str) -> AsyncIterator[bytes]:
+    async def follow(self, batch: _Batch, start: int, wire: str, progress: bool) -> AsyncIterator[bytes]:
         """`stream` for one client connection of POST /v1/rollouts. A tied batch (no batch_id) that its last reader
         leaves before it ended is aborted, and counted abandoned: nothing could attach to it again. A named batch
         runs on, replayable under its retention."""
         batch.readers += 1
         try:
-            async with contextlib.aclosing(self.stream(batch, start, wire)) as chunks:
+            async with contextlib.aclosing(self.stream(batch, start, wire, progress)) as chunks:
                 async for chunk in chunks:
                     yield chunk
         finally:
@@ -690,7 +721,7 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         if body.batch_id is None:
             batch.tied = True  # a new batch (an unnamed request never attaches): its client alone can read it
         wire = MSGPACK if MSGPACK in request.headers.get("accept", "") else NDJSON
-        return StreamingResponse(gateway.follow(batch, start, wire), media_type=wire,
+        return StreamingResponse(gateway.follow(batch, start, wire, body.progress), media_type=wire,
                                  headers={"X-Batch-Id": batch.batch_id, "X-Stream-Offset": str(start)})
 
     unknown_batch = error_responses({404: "no batch has this id",

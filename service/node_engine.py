@@ -29,12 +29,16 @@ from das.service.engine.spawn_env import restored_environ
 from das.service.history_client import HistoryClient
 from das.service.history_store import HistoryPushConfig, resident_bytes, shard_of
 from das.service.rollout_backend import EngineLoad, merge_batches
+from das.service.sample_progress import ProgressBatcher, SampleProgress
 from das.service.stub_engine import StubEngine, StubEngineConfig
 
 log = logging.getLogger(__name__)
 
 # Samples a stream item carries at most: samples that finish together travel in one Ray object.
 _MAX_SAMPLES_PER_ITEM = 64
+# Seconds between an engine's progress reports at most (docs/design.md "Token progress"): often enough for a stream
+# of deltas to look live and for a death to lose little, rare enough to cost one Ray object per engine per interval.
+PROGRESS_INTERVAL_S = 0.05
 
 
 def _shard_actor(shard: Any) -> Any:
@@ -156,10 +160,13 @@ class NodeEngine:
                 return i, str(exc)
         return None
 
-    async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]]
-                  ) -> AsyncGenerator[list[tuple[int, SampleResult]], None]:
+    async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]],
+                  progress_interval_s: float = PROGRESS_INTERVAL_S
+                  ) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
         """Runs (batch index, group) pairs on engine `engine`, starting them in the given order; yields lists of
-        (batch index, sample) as samples finish. Cancelling the Ray task aborts the samples still running."""
+        (batch index, sample) as samples finish, and (batch index, progress) of the samples in flight: each
+        sample's new tokens since its last report, every `progress_interval_s` seconds at most (merged per sample,
+        all samples' reports in one item). Cancelling the Ray task aborts the samples still running."""
         self._started()
         target = self.engines[engine]
         name, origin = self.names[engine], self._origins[engine]
@@ -169,24 +176,49 @@ class NodeEngine:
             if target.dead:
                 self._engine_died(engine)
             raise
+        batcher = ProgressBatcher()
+        running = len(groups)
+        ended = asyncio.Event()
 
         async def one(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
+            nonlocal running
             records: list[dict[str, Any]] = []
-            async for sample in target.generate(group):
-                if sample.finish_reason == "error" and target.dead:
-                    self._engine_died(engine)  # the sample is owed, not failed: it is drawn again elsewhere
-                sample.engine = name
-                if sample.finish_reason in ("stop", "length") and sample.prompt_token_ids:
-                    records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
-                                    "sample_index": sample.sample_index, "prompt_token_ids": sample.prompt_token_ids,
-                                    "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason})
-                yield index, sample
-            await self._push(origin, records)
 
-        async with contextlib.aclosing(merge_batches([one(i, g) for i, g in groups],
-                                                     _MAX_SAMPLES_PER_ITEM)) as merged:
+            def report(progress: SampleProgress) -> None:
+                batcher.add((index, progress.sample_index), progress)
+
+            try:
+                async for sample in target.generate(group, report):
+                    batcher.drop((index, sample.sample_index))  # its result carries those tokens
+                    if sample.finish_reason == "error" and target.dead:
+                        self._engine_died(engine)  # the sample is owed, not failed: it is drawn again elsewhere
+                    sample.engine = name
+                    if sample.finish_reason in ("stop", "length") and sample.prompt_token_ids:
+                        records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
+                                        "sample_index": sample.sample_index,
+                                        "prompt_token_ids": sample.prompt_token_ids,
+                                        "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason})
+                    yield index, sample
+                await self._push(origin, records)
+            finally:
+                running -= 1
+                if not running:
+                    ended.set()
+
+        async def progress() -> AsyncIterator[list[tuple[int, SampleProgress]]]:
+            while not ended.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ended.wait(), progress_interval_s)
+                taken = batcher.take()
+                if taken and not ended.is_set():
+                    yield [(key[0], report) for key, report in taken]  # type: ignore[index]
+
+        streams: list[AsyncIterator[Any]] = [one(i, g) for i, g in groups]
+        if groups:
+            streams.append(progress())
+        async with contextlib.aclosing(merge_batches(streams, _MAX_SAMPLES_PER_ITEM)) as merged:
             async for items in merged:
-                yield items
+                yield [pair for item in items for pair in (item if isinstance(item, list) else [item])]
 
     def _engine_died(self, engine: int) -> None:
         """Ends this process: Ray restarts the actor, and the coordinator re-dispatches what it had not received."""

@@ -24,7 +24,8 @@ back, indexed from 0. The merged group stays within GroupRequest's n bound and `
 
 What the responses carry:
 - choices in sample order; a stream (server-sent events in OpenAI's chunk format, then `data: [DONE]`) sends
-  each choice whole when its sample finishes (samples finish whole), then a usage chunk when
+  each choice's tokens as the engine makes them (a chunk per progress report: every engine step, batched to one
+  report per ~50 ms per engine), its last chunk with the rest and its finish_reason, then a usage chunk when
   `stream_options.include_usage`. An error after the stream began goes out as an error event, which the official
   client raises.
 - `seed` is the group's `sampling.seed`: choice i draws with keys of (seed, i, position) (service/sample_keys.py), so
@@ -250,18 +251,22 @@ def _group(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max
 class _Share:
     """One request's part of a group: the group's samples [offset, offset + n), handed over renumbered from 0."""
 
-    def __init__(self, group: _Group, offset: int, n: int) -> None:
-        self.group, self.offset, self.n = group, offset, n
+    def __init__(self, group: _Group, offset: int, n: int, stream: bool = False) -> None:
+        self.group, self.offset, self.n, self.stream = group, offset, n, stream
         self.batch_id: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.queue: asyncio.Queue[Record] = asyncio.Queue()
         self.done = False
 
     async def samples(self) -> AsyncIterator[Record]:
-        """This request's samples as they finish; OpenAIError if one failed or the batch ended without them."""
+        """This request's samples as they finish; OpenAIError if one failed or the batch ended without them. A
+        streaming request's share also gets its samples' progress (`{"progress": ...}`) as they run."""
         received = 0
         try:
             while received < self.n:
                 record = await self.queue.get()
+                if "progress" in record:
+                    yield record
+                    continue
                 if "summary" in record:
                     summary = record["summary"]
                     if summary["status"] == "aborted":
@@ -287,8 +292,8 @@ class _Group:
         self.n = 0
         self.abort: Callable[[], None] | None = None  # set once its batch runs
 
-    def join(self, n: int) -> _Share:
-        share = _Share(self, self.n, n)
+    def join(self, n: int, stream: bool = False) -> _Share:
+        share = _Share(self, self.n, n, stream)
         self.shares.append(share)
         self.n += n
         return share
@@ -298,9 +303,13 @@ class _Group:
             for share in self.shares:
                 share.queue.put_nowait(record)
             return
-        index = record["sample_index"]
+        progress = record.get("progress")
+        index = (progress or record)["sample_index"]
         share = next(s for s in self.shares if s.offset <= index < s.offset + s.n)
-        share.queue.put_nowait({**record, "sample_index": index - share.offset})
+        if progress is None:
+            share.queue.put_nowait({**record, "sample_index": index - share.offset})
+        elif share.stream:
+            share.queue.put_nowait({"progress": {**progress, "sample_index": index - share.offset}})
 
     def abandoned(self) -> None:
         """A request stopped reading before all its samples came: once none reads any more, the rest is waste."""
@@ -318,9 +327,9 @@ class _Coalescer:
         self._open: dict[str, _Group] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop holds tasks weakly
 
-    async def submit(self, group: GroupRequest) -> tuple[_Share, str]:
+    async def submit(self, group: GroupRequest, stream: bool = False) -> tuple[_Share, str]:
         """This request's share of a group and the id of the batch running it, once the gateway admitted it;
-        HTTPException as the gateway refused it."""
+        HTTPException as the gateway refused it. `stream`: the share also gets its samples' token progress."""
         key = group.model_dump_json(exclude={"n"})
         target = self._open.get(key)
         if target is None or target.n + group.n > self._max_n or group.sampling.seed is not None:
@@ -328,7 +337,7 @@ class _Coalescer:
             if self._window_s > 0 and group.sampling.seed is None:
                 self._open[key] = target
             self._spawn(self._launch(key, target))
-        share = target.join(group.n)
+        share = target.join(group.n, stream)
         # Shielded: a request cancelled while it waits must leave its future for _launch to resolve (resolving a
         # cancelled one raises there, and its siblings would never hear back).
         return share, await asyncio.shield(share.batch_id)
@@ -344,9 +353,10 @@ class _Coalescer:
             if self._open.get(key) is group:
                 del self._open[key]
         merged = group.template.model_copy(update={"n": group.n})
+        progress = any(share.stream for share in group.shares)  # token deltas only where a request streams
         try:
             batch, _ = await self._gateway.admit(RolloutRequest(groups=[merged], logprobs=True,
-                                                                return_prompt_token_ids=True))
+                                                                return_prompt_token_ids=True, progress=progress))
         except Exception as exc:  # the gateway's refusal is every joined request's answer
             for share in group.shares:
                 share.batch_id.set_exception(exc)
@@ -355,7 +365,7 @@ class _Coalescer:
         for share in group.shares:
             share.batch_id.set_result(batch.batch_id)
         unpacker = msgpack.Unpacker()
-        async with contextlib.aclosing(self._gateway.stream(batch, 0, MSGPACK)) as stream:
+        async with contextlib.aclosing(self._gateway.stream(batch, 0, MSGPACK, progress)) as stream:
             async for chunk in stream:
                 unpacker.feed(chunk)
                 for record in unpacker:
@@ -443,15 +453,21 @@ class _Reply:
 
     def stream(self, chunk: Callable[[Record, bool], BaseModel], usage: Callable[[UsageInfo], BaseModel],
                abandoned: Callable[[], None]) -> StreamingResponse:
-        """A chunk per sample as it finishes (`chunk(record, first)`), the usage chunk if asked, [DONE]. A client
-        that disconnects before its last sample gives its share up (as `complete`) and `abandoned` is called."""
+        """A chunk per progress report (the sample's new tokens as the engine made them) and a last one per sample
+        with the rest of its tokens and its finish_reason (`chunk(record, first)`, a record holding only the
+        delta), the usage chunk if asked, [DONE]. A client that disconnects before its last sample gives its share
+        up (as `complete`) and `abandoned` is called."""
         async def events() -> AsyncIterator[str]:
             records: list[Record] = []
+            deltas = _Deltas()
             try:
                 async with contextlib.aclosing(self.share.samples()) as samples:
-                    async for record in samples:
-                        records.append(record)
-                        yield f"data: {chunk(record, len(records) == 1).model_dump_json()}\n\n"
+                    async for item in samples:
+                        if "progress" not in item:
+                            records.append(item)
+                        delta = deltas.next(item)
+                        if delta is not None:
+                            yield f"data: {chunk(delta, deltas.chunks == 1).model_dump_json()}\n\n"
                 if self.include_usage:
                     yield f"data: {usage(_usage(records)).model_dump_json()}\n\n"
             except (asyncio.CancelledError, GeneratorExit):  # the server stopped reading it: the client left
@@ -470,6 +486,36 @@ async def _disconnected(request: Request) -> None:
     disconnect (uvicorn answers receive() with it as soon as the connection drops)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+class _Deltas:
+    """Turns a stream's progress reports and records into delta records: what each sample made since the last
+    chunk. A record's delta is the rest of its tokens (its text past what progress sent, when that is a prefix of
+    it: a stop string cut the text, or text vLLM held back while it could still become one)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, str]] = {}  # sample index -> (tokens sent, text sent)
+        self.chunks = 0
+
+    def next(self, item: Record) -> Record | None:
+        progress = item.get("progress")
+        if progress is not None:
+            index = progress["sample_index"]
+            tokens, text = self.sent.get(index, (0, ""))
+            if progress["offset"] != tokens or not progress["token_ids"]:
+                return None  # a repeat (after a re-dispatch) or nothing new
+            self.sent[index] = (tokens + len(progress["token_ids"]), text + progress["text"])
+            self.chunks += 1
+            return {"sample_index": index, "output_token_ids": progress["token_ids"],
+                    "logprobs": progress.get("logprobs") or [], "text": progress["text"], "finish_reason": None,
+                    "prompt_token_ids": None, "policy_version": progress["policy_version"], "draft_tokens": 0,
+                    "accepted_tokens": 0}
+        tokens, text = self.sent.pop(item["sample_index"], (0, ""))
+        full = item["text"] or ""
+        self.chunks += 1
+        return {**item, "output_token_ids": item["output_token_ids"][tokens:],
+                "logprobs": (item.get("logprobs") or [])[tokens:],
+                "text": full[len(text):] if full.startswith(text) else full}
 
 
 # --- the router -------------------------------------------------------------------------------------------------
@@ -496,7 +542,7 @@ def openai_router(gateway: _Gateway) -> APIRouter:
                     prefix: str) -> _Reply:
         group = _group(body, prompt, prompt_param, max_tokens)
         try:
-            share, batch_id = await coalescer.submit(group)
+            share, batch_id = await coalescer.submit(group, bool(body.stream))
         except HTTPException as exc:
             # Refused input (too many samples, a group the backend refuses) is a 400 in OpenAI's terms.
             param = {413: "n", 422: prompt_param}.get(exc.status_code)

@@ -4,7 +4,8 @@ Each sample is `tokens` tokens long (capped by max_tokens) of a fixed pattern, p
 token. It drafts nothing: `draft_tokens` and `accepted_tokens` are 0, so no figure from it can pass for a
 speedup. It counts the history it was given (`history_records`), which is what service tests check. It refuses
 what the engine refuses without needing vLLM: the API's bounds (service/api.py, vLLM's own sampling limits) and the
-model's (prompt and stop token ids within the vocabulary, the prompt within the context).
+model's (prompt and stop token ids within the vocabulary, the prompt and max_tokens within the context). It reports
+progress and resumes samples from a prefix as `Engine.generate` does.
 
 Pause and resume as vLLM's engine does them (`pause`, docs/design.md "vLLM's RL control plane"): a group's n
 samples are all in flight from the moment `generate` is called (they are produced one after another, as if the
@@ -19,13 +20,15 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine.async_engine import EngineInputError, EngineTally, validate_rollouts
+from das.service.engine.sampling import context_error
+from das.service.sample_progress import SampleProgress
 
 
 class StubEngineConfig(BaseModel):
@@ -75,9 +78,14 @@ class StubEngine:
         if outside:
             raise EngineInputError(f"sampling.stop_token_ids: {outside[0]} is outside the vocabulary "
                                    f"[0, {self.config.vocab_size})")
+        if len(ids) + group.sampling.max_tokens > self.config.max_model_len:
+            raise EngineInputError(context_error(len(ids), group.sampling.max_tokens, self.config.max_model_len))
         return ids
 
-    async def generate(self, group: GroupRequest) -> AsyncIterator[SampleResult]:
+    async def generate(self, group: GroupRequest,
+                       on_progress: Callable[[SampleProgress], None] | None = None) -> AsyncIterator[SampleResult]:
+        """As `Engine.generate`: `on_progress` hears of every token but each sample's last; a resumed sample
+        (group.prefix_token_ids) continues from its prefix, at the positions after it."""
         prompt = self.prompt_token_ids(group)
         if group.sampling.seed is None:  # as Engine.generate, with a fixed seed: the stub is deterministic
             (group,) = seeded_groups([group], 0)
@@ -97,7 +105,8 @@ class StubEngine:
             for index in range(group.n):
                 # the sample's tokens are a function of its key, as under keyed sampling: a re-drawn sample repeats
                 key = group.sample_key(index)
-                tokens: list[int] = []
+                tokens = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
+                resumed = len(tokens)
                 spans: list[tuple[int, int]] = []
                 while len(tokens) < length and self._abort_epoch == epoch:
                     if self._mode == "keep":
@@ -111,6 +120,8 @@ class StubEngine:
                     if not spans or spans[-1][0] != version:
                         spans.append((version, len(tokens)))
                     tokens.append((7 * len(tokens) + key) % self.config.vocab_size)
+                    if on_progress is not None and len(tokens) < length:
+                        on_progress(SampleProgress(index, len(tokens) - 1, tokens[-1:], [-1.0], "", version))
                 if len(tokens) < length:
                     finish = "abort"
                 else:
@@ -119,9 +130,10 @@ class StubEngine:
                 yielded += 1
                 yield SampleResult(
                     problem_id=group.problem_id, sample_index=index, token_ids=tokens,
-                    logprobs=[-1.0] * len(tokens), finish_reason=finish,
+                    logprobs=[-1.0] * (len(tokens) - resumed), finish_reason=finish,
                     policy_version=spans[0][0] if spans else self.policy_version,
-                    policy_spans=spans if len(spans) > 1 else None, decode_steps=len(tokens),
+                    policy_spans=spans if len(spans) > 1 or (resumed and spans) else None,
+                    decode_steps=len(tokens) - resumed,
                     total_s=time.perf_counter() - start, prompt_token_ids=prompt)
         finally:
             self.tally.running -= group.n

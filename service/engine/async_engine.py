@@ -32,7 +32,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -46,15 +46,17 @@ from das.service.engine import known_warnings
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.cpu_allocator import CpuAllocator, cpu_allocator_env, model_vocab_size, resolve_allocator
 from das.service.engine.cpu_layout import CpuWorker, cpu_worker_layout, usable_cpus, worker_in_process
-from das.service.engine.extra_args import SAMPLE_KEY
+from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY
 from das.service.engine.proposer import CONFIG_KEY, RequestTags
+from das.service.engine.resume_seam import ResumeSeam
 from das.service.engine.runner_choice import V2_SWITCH, ModelRunner, RunnerChoice
-from das.service.engine.sampling import EngineInputError, sampling_params
+from das.service.engine.sampling import EngineInputError, context_error, sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
 from das.service.engine.vllm_version import check_vllm_version
 from das.service.history_store import unstorable
+from das.service.sample_progress import SampleProgress
 from das.service.sample_keys import fresh_seed
 
 if TYPE_CHECKING:
@@ -376,18 +378,32 @@ class Engine:
             raise EngineInputError(f"prompt is {len(ids)} tokens; the context holds {self.config.max_model_len} "
                                    f"and at least one output token must fit")
         self._sampling_params(group, "check", 0)
+        if len(ids) + group.sampling.max_tokens > self.config.max_model_len:
+            raise EngineInputError(context_error(len(ids), group.sampling.max_tokens, self.config.max_model_len))
         return ids
 
     def _sampling_params(self, group: GroupRequest, key: str, index: int) -> SamplingParams:
-        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
+        """Sample `index`'s SamplingParams; a resumed sample (group.prefix_token_ids) draws its remaining tokens
+        at the positions after its prefix."""
+        resumed = len(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else 0
+        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve,
+                           resumed_tokens=resumed)
         extra_args = tags.to_extra_args()
         key = group.sample_key(index)
         if self.config.keyed_sampling and key is not None:
             extra_args[SAMPLE_KEY] = key
-        return sampling_params(group.sampling, self._vocab_size, extra_args)
+            if resumed:
+                extra_args[POSITION_OFFSET] = resumed
+        spec = group.sampling
+        if resumed:
+            spec = spec.model_copy(update={"max_tokens": spec.max_tokens - resumed})
+        return sampling_params(spec, self._vocab_size, extra_args)
 
-    async def generate(self, group: GroupRequest | dict[str, Any]) -> AsyncIterator[SampleResult]:
+    async def generate(self, group: GroupRequest | dict[str, Any],
+                       on_progress: Callable[[SampleProgress], None] | None = None) -> AsyncIterator[SampleResult]:
         """Schedules the group's n samples and yields each one as it finishes (in finishing order).
+        `on_progress` is called with each sample's new tokens at every engine step that made some (not for the
+        step that finished it: its tokens come with the result).
 
         Raises EngineInputError before scheduling anything if the group is invalid. Closing the iterator early
         aborts the samples still running.
@@ -414,7 +430,7 @@ class Engine:
                 if error is not None:
                     results.put_nowait(error)
 
-            tasks = [asyncio.create_task(self._sample(group, prompt, f"{group_id}-{i}", i, results))
+            tasks = [asyncio.create_task(self._sample(group, prompt, f"{group_id}-{i}", i, results, on_progress))
                      for i in range(group.n)]
             for task in tasks:
                 task.add_done_callback(surface)
@@ -437,27 +453,43 @@ class Engine:
                 self._drained.set()
 
     async def _sample(self, group: GroupRequest, prompt: list[int], key: str, index: int,
-                      results: asyncio.Queue[SampleResult | BaseException]) -> None:
+                      results: asyncio.Queue[SampleResult | BaseException],
+                      on_progress: Callable[[SampleProgress], None] | None = None) -> None:
+        prefix = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
         params = self._sampling_params(group, key, index)
-        live = self._live[key] = _Spans([(self.policy_version, 0)])
+        live = self._live[key] = _Spans([(self.policy_version, len(prefix))], base=len(prefix))
         start = time.perf_counter()
         first: float | None = None
-        tokens: list[int] = []
+        tokens: list[int] = []  # new tokens (after the prefix)
         logprobs: list[float] = []
         text: list[str] = []
         finish: str | None = None
         error: str | None = None
+        seam = ResumeSeam(self._tokenizer, prefix, group.sampling) if prefix else None
         try:
-            async for out in self._llm.generate(engine_prompt(self._llm, prompt), params, request_id=key):
-                completion = out.outputs[0]
-                if completion.token_ids and first is None:
-                    first = time.perf_counter() - start
-                for tok, lp in zip(completion.token_ids, completion.logprobs or ()):
-                    logprobs.append(float(lp[tok].logprob))
-                tokens.extend(completion.token_ids)
-                live.received = len(tokens)
-                text.append(completion.text)
-                finish = completion.finish_reason
+            if seam is not None and seam.ended_in_prefix(self._eos_token_ids()):
+                finish = "stop"  # its last delivered token ended it: the death came before its result
+            else:
+                async for out in self._llm.generate(engine_prompt(self._llm, prompt + prefix), params,
+                                                    request_id=key):
+                    completion = out.outputs[0]
+                    if completion.token_ids and first is None:
+                        first = time.perf_counter() - start
+                    new_logprobs = [float(lp[tok].logprob)
+                                    for tok, lp in zip(completion.token_ids, completion.logprobs or ())]
+                    if seam is not None and (cut := seam.stop_in(tokens, completion.token_ids)) is not None:
+                        tokens.extend(completion.token_ids[:cut])
+                        logprobs.extend(new_logprobs[:cut])
+                        finish = "stop"
+                        break  # a stop string that began in the prefix: vLLM sees only the new text
+                    if on_progress is not None and completion.token_ids and completion.finish_reason is None:
+                        on_progress(SampleProgress(index, len(prefix) + len(tokens), list(completion.token_ids),
+                                                   new_logprobs, completion.text, self.policy_version))
+                    logprobs.extend(new_logprobs)
+                    tokens.extend(completion.token_ids)
+                    live.received = len(prefix) + len(tokens)
+                    text.append(completion.text)
+                    finish = completion.finish_reason
         except Exception as exc:  # one sample's failure must not take its siblings down (cancellation passes)
             if self._llm.errored:
                 # A dead engine core fails every running sample with the same error: one report, not a traceback
@@ -472,16 +504,20 @@ class Engine:
             error, finish = _describe(exc), "error"
         finally:
             del self._live[key]
-        spans = live.of(len(tokens))
+        spans = live.of(len(prefix) + len(tokens))
         counts = await self._draft_counts(key) if not self._llm.errored else {}
         results.put_nowait(SampleResult(
-            problem_id=group.problem_id, sample_index=index, token_ids=tokens, logprobs=logprobs,
+            problem_id=group.problem_id, sample_index=index, token_ids=prefix + tokens, logprobs=logprobs,
             finish_reason=finish if finish in ("stop", "length", "abort", "error") else "stop",
-            policy_version=spans[0][0], policy_spans=spans if len(spans) > 1 else None,
+            policy_version=spans[0][0], policy_spans=spans if len(spans) > 1 or prefix else None,
             draft_tokens=counts.get("proposed", 0),
             accepted_tokens=counts.get("accepted", 0), decode_steps=counts.get("steps", 0),
-            first_token_s=first, total_s=time.perf_counter() - start, error=error, text="".join(text),
-            prompt_token_ids=prompt))
+            first_token_s=first, total_s=time.perf_counter() - start, error=error,
+            text=seam.text(tokens) if seam is not None else "".join(text), prompt_token_ids=prompt))
+
+    def _eos_token_ids(self) -> set[int]:
+        eos = getattr(self._tokenizer, "eos_token_id", None)
+        return {eos} if isinstance(eos, int) else set()
 
     async def _draft_counts(self, key: str) -> dict[str, int]:
         if self.config.speculation != "das":
@@ -601,13 +637,14 @@ class _Spans:
 
     spans: list[tuple[int, int]]
     received: int = 0
+    base: int = 0  # a resumed sample's delivered tokens: its request's output starts after them
 
     def update(self, version: int, produced: int | None) -> None:
-        """New weights serve from token `produced` on (None: the engine no longer holds the sample: finished,
-        its last tokens still on their way, or not started if none came)."""
-        if produced is None and self.received:
+        """New weights serve from the request's output token `produced` on (None: the engine no longer holds the
+        sample: finished, its last tokens still on their way, or not started if none came)."""
+        if produced is None and self.received > self.base:
             return  # finished under the old weights
-        at = produced or 0
+        at = self.base + (produced or 0)
         if at == self.spans[-1][1]:
             self.spans[-1] = (version, at)  # no token of the old weights since its span began
         else:

@@ -81,6 +81,9 @@ class RequestTags:
     cost_probe: a warm-up probe whose steps also time drafted steps: on every other step the first such request of
     the batch verifies one junk draft token (its last token again), so the online cost fit sees a drafted step's
     price at every batch size of the warm-up. Those drafts feed no acceptance estimate, draft count or guard.
+    resumed_tokens: the last tokens of the request's prompt that are the sample's own output, delivered before its
+    engine died (a resumed sample): they count as generated (length forecast, max_tokens) and feed the live
+    segment at its first step, so the drafter's state is what it would have been without the death.
     """
 
     problem_id: str
@@ -90,12 +93,14 @@ class RequestTags:
     length_curve: LengthCurve | None = None
     draft: bool = True
     cost_probe: bool = False
+    resumed_tokens: int = 0
 
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
         return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
                                  "predicted_tokens": self.predicted_tokens, "length_curve": curve,
-                                 "draft": self.draft, "cost_probe": self.cost_probe}}
+                                 "draft": self.draft, "cost_probe": self.cost_probe,
+                                 "resumed_tokens": self.resumed_tokens}}
 
     @staticmethod
     def from_extra_args(extra_args: dict[str, Any] | None, prompt: list[int]) -> RequestTags:
@@ -113,7 +118,7 @@ class RequestTags:
                 log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
                            None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)),
-                           bool(raw.get("cost_probe", False)))
+                           bool(raw.get("cost_probe", False)), int(raw.get("resumed_tokens", 0)))
 
 
 @dataclass
@@ -313,7 +318,7 @@ class DasProposer:
             self.bank.finish_request(rid)
             state = self._runner.requests.get(rid)
             if state is not None:  # else it finished and leaves at the next step
-                prompt = np.asarray(state.prompt_token_ids or [], np.int32)
+                prompt = np.asarray(state.prompt_token_ids or [], np.int32)[:self._columns.prompt_len[run.slot]]
                 self._columns.bank_slot[run.slot] = self.bank.start_request(rid, run.tags.problem_id, prompt,
                                                                             version)
             self._columns.probe_drafted[run.slot] = 0  # its draft was dropped by the preemption, never verified
@@ -359,10 +364,15 @@ class DasProposer:
         prompt = list(state.prompt_token_ids or [])
         params = state.sampling_params
         tags = RequestTags.from_extra_args(getattr(params, "extra_args", None), prompt)
-        bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt, np.int32), self.policy_version)
+        # A resumed sample's delivered tokens end its prompt: the prompt proper is what comes before them, and
+        # they are fed to the live segment at the first step (`fed` starts at prompt_len), as its own output.
+        resumed = min(max(tags.resumed_tokens, 0), len(prompt) - 1)
+        prompt_len = len(prompt) - resumed
+        bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt[:prompt_len], np.int32),
+                                            self.policy_version)
         max_tokens = int(params.max_tokens) if params is not None and params.max_tokens else self.max_model_len
         run = _Running(tags, self.acceptance.start(rid))
-        self._columns.start(run.slot, prompt_len=len(prompt), max_tokens=max_tokens, bank_slot=bank_slot,
+        self._columns.start(run.slot, prompt_len=prompt_len, max_tokens=max_tokens + resumed, bank_slot=bank_slot,
                             predicted=tags.predicted_tokens, curve=tags.length_curve, may_draft=tags.draft,
                             cost_probe=tags.cost_probe)
         self._probes += tags.cost_probe

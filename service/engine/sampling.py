@@ -19,6 +19,14 @@ class EngineInputError(ValueError):
     """A group the engine refuses before scheduling anything; the message says which field and why."""
 
 
+def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:
+    """The refusal of a group whose prompt and max_tokens together exceed the model's context, in vLLM's server's
+    words (its OpenAI routes answer it with 400), naming the limit."""
+    return (f"sampling.max_tokens: this model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion). Please reduce the length of the prompt or max_tokens.")
+
+
 def sampling_params(spec: SamplingSpec, vocab_size: int, extra_args: dict[str, Any] | None = None
                     ) -> SamplingParams:
     """One sample's `SamplingParams` (n=1, streamed as deltas, with the sampled token's logprob), with

@@ -120,11 +120,11 @@ class RecordingStub(StubEngine):
         self.started: list[tuple[str, float | None]] = []
         self.curves: list[LengthCurve | None] = []
 
-    async def generate(self, group: GroupRequest):  # type: ignore[override]
+    async def generate(self, group: GroupRequest, on_progress=None):  # type: ignore[override]
         self.started.append((group.problem_id, group.predicted_tokens))
         self.curves.append(group.length_curve)
         self.config = StubEngineConfig(tokens=self.lengths[group.problem_id])
-        async for sample in super().generate(group):
+        async for sample in super().generate(group, on_progress):
             yield sample
 
 

@@ -410,3 +410,18 @@ def test_exploration_gets_its_accepted_tokens_back_on_a_step_the_cost_fit_skips(
     runner.step(proposer, {"r": RESPONSE[1:4]})  # both draft tokens accepted, then the bonus token
     assert len(observed) == before  # not a decode step of its shape
     assert refunded[-1] == (2, 2)
+
+
+def test_a_resumed_samples_delivered_tokens_count_as_its_output_not_its_prompt():
+    proposer, runner = attached()
+    runner.add("r", PROMPT + RESPONSE[:6], max_tokens=20, tags=RequestTags("p", key="r", resumed_tokens=6))
+    runner.step(proposer, {})
+    slot = proposer._running["r"].slot
+    cols = proposer._columns
+    assert cols.prompt_len[slot] == len(PROMPT)  # the prompt proper
+    assert cols.max_tokens[slot] == 26  # the request's 20 plus the 6 delivered: the sample's own cap
+    assert cols.fed[slot] == len(PROMPT) + 6  # the delivered tokens went to the live segment as output
+    plain, plain_runner = attached()
+    plain_runner.add("q", PROMPT + RESPONSE[:6], max_tokens=20, tags=RequestTags("p", key="q"))
+    plain_runner.step(plain, {})
+    assert plain._columns.prompt_len[plain._running["q"].slot] == len(PROMPT) + 6  # without the tag: all prompt
