@@ -59,6 +59,7 @@ from das.service.engine.async_engine import EngineConfig, validate_rollouts
 from das.service.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
 from das.service.history_store import HistoryConfig, HistoryShardActor, shard_of
 from das.service.node_engine import EngineNotStarted, NodeEngine
+from das.service.pause_hold import PauseHold
 from das.service.rollout_backend import BackendStats, GroupInputError
 from das.service.stub_engine import StubEngineConfig
 
@@ -249,6 +250,7 @@ class RayBackend:
         self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
         self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
         self._paused: tuple[PauseMode, bool] | None = None  # the last /pause (mode, clear_cache) until /resume
+        self._hold = PauseHold()  # every dispatch to an engine actor waits here while paused (service/pause_hold.py)
         self._control_lock = asyncio.Lock()  # a pause or resume and a recovered engine's catch-up never interleave
         self._book = DifficultyBook()
         self._predictor = LengthPredictor(self._book)
@@ -488,6 +490,7 @@ class RayBackend:
         incarnation = actor.incarnation
         rest: list[tuple[Share, GroupRequest]] | None = None  # what a death left owed
         try:
+            await self._hold.wait()  # first dispatches and re-dispatches alike reach engines that have resumed
             generator = actor.handle.run.remote(local, [(k, share.request(group))
                                                         for k, (share, group) in enumerate(work)])
             try:
@@ -606,12 +609,14 @@ class RayBackend:
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         async with self._control_lock:
             self._paused = (mode, clear_cache)
+            self._hold.pause()
             await self._on_serving(lambda node: node.pause.remote(mode, clear_cache))
 
     async def resume(self) -> None:
         async with self._control_lock:
-            self._paused = None
             await self._on_serving(lambda node: node.resume.remote())
+            self._paused = None
+            self._hold.release()
 
     async def is_paused(self) -> bool:
         return any(await self._on_serving(lambda node: node.is_paused.remote()))
