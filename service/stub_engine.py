@@ -38,6 +38,8 @@ class StubEngineConfig(BaseModel):
     token_s: float = Field(0.0, ge=0, description="seconds per output token of a sample")
     max_model_len: int = Field(2048, ge=2)
     vocab_size: int = Field(32000, ge=2)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs an engine takes on a GPU node (placement "
+                                      "only: the stub has no model workers), as EngineConfig's")
     pause_behavior: Literal["queue", "reject"] = Field(
         "queue", description="what a group that arrives while paused meets: queue (held until resume, as vLLM 0.32 "
         "does), reject (under abort and wait pauses its samples end at once with finish_reason error, as a vLLM "
