@@ -3,8 +3,9 @@
 Actors (Ray's own scheduling, node affinity and failure reporting; no cluster manager of ours):
 - `HistoryShard` x S (service/history_store.py), on the coordinator's node: rollouts and difficulty by problem,
   snapshotted to the state directory every `history.snapshot_interval_s` and at shutdown.
-- `NodeEngine` x nodes (service/node_engine.py), one per node, pinned there with a hard node-affinity strategy:
-  every GPU node, or every node when the cluster has no GPU (a CPU machine; the embedded default). A node that
+- `NodeEngine` x engines (service/node_engine.py), one per engine (a GPU node's GPUs / `tensor_parallel_size`,
+  `engines_per_node` on a node without), pinned to its node with a hard node-affinity strategy: every GPU node, or
+  every node when the cluster has no GPU (a CPU machine; the embedded default). A node that
   joins later (a worker pod added, or replacing a lost one) gets its actors within `adopt_nodes_interval_s`.
 
 The coordinator itself runs in the gateway's process (the Ray driver), not as an actor: it only predicts, places

@@ -1,5 +1,5 @@
-"""`NodeEngine`: the Ray actor that owns one node's engines (one per GPU or tensor-parallel group; one on a CPU
-machine).
+"""`NodeEngine`: the Ray actor that owns engines of one node (the service gives each engine an actor of its own:
+service/coordinator.py `_engine_actors`).
 
 For the groups the coordinator gives it, it pulls from the history store what other engines and imports added for
 those problems since its last pull (the rollouts it made itself are already in its drafter) and installs them in
