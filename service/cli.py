@@ -118,7 +118,10 @@ def serve(
                                                      "snapshots (of shards that changed) with --state-dir.")] = 60.0,
     engines_per_node: Annotated[int, typer.Option("--engines-per-node", min=1, help="Engines on each node without "
                                                   "a GPU, each in an actor of its own (a GPU node runs one per "
-                                                  "GPU).")] = 1,
+                                                  "--tensor-parallel-size GPUs).")] = 1,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1, max=64, help="GPUs per "
+                                                      "engine (vLLM's tensor parallelism); it must divide every "
+                                                      "GPU node's GPUs.")] = 1,
     max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Restarts an engine may have within "
                                               "--restart-window; the death after that fails its batches and it "
                                               "stays down.")] = 5,
@@ -156,6 +159,7 @@ def serve(
     from das.service.gateway import GatewaySettings, create_app
     from das.service.request_guard import server_config
     from das.service.state_dir_lock import StateDirInUse, lock_state_dir
+    from das.service.engine_layout import LayoutError
 
     try:
         if budget not in ("das", "uniform", "classes"):
@@ -165,7 +169,8 @@ def serve(
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
         settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
                                    header_timeout_s=header_timeout, body_timeout_s=body_timeout)
-        engine = ({"stub_engine": {}} if stub_engine else {"engine": {
+        engine = ({"stub_engine": {"tensor_parallel_size": tensor_parallel_size}} if stub_engine else {"engine": {
+            "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget}}})
         config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
@@ -205,6 +210,8 @@ def serve(
         shielded = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if address is None else None
         try:
             backend = await RayBackend.start(config, progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+        except LayoutError as exc:  # a node's GPUs and --tensor-parallel-size
+            fail(str(exc))
         finally:
             if shielded is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, shielded)

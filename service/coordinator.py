@@ -3,8 +3,9 @@
 Actors (Ray's own scheduling, node affinity and failure reporting; no cluster manager of ours):
 - `HistoryShard` x S (service/history_store.py), on the coordinator's node: rollouts and difficulty by problem,
   snapshotted to the state directory every `history.snapshot_interval_s` and at shutdown.
-- `NodeEngine` x nodes (service/node_engine.py), one per node, pinned there with a hard node-affinity strategy:
-  every GPU node, or every node when the cluster has no GPU (a CPU machine; the embedded default). A node that
+- `NodeEngine` x engines (service/node_engine.py), one per engine (a GPU node's GPUs / `tensor_parallel_size`,
+  `engines_per_node` on a node without), pinned to its node with a hard node-affinity strategy: every GPU node, or
+  every node when the cluster has no GPU (a CPU machine; the embedded default). A node that
   joins later (a worker pod added, or replacing a lost one) gets its actors within `adopt_nodes_interval_s`.
 
 The coordinator itself runs in the gateway's process (the Ray driver), not as an actor: it only predicts, places
@@ -60,8 +61,10 @@ from das.scheduler.placement import place_groups
 from das.service.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
 from das.service.engine.async_engine import EngineConfig, validate_rollouts
 from das.service.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
+from das.service.engine_layout import LayoutError, gpu_engines
 from das.service.history_store import HistoryConfig, HistoryShardActor, shard_of
 from das.service.node_engine import EngineNotStarted, NodeEngine
+from das.service.pause_hold import PauseHold
 from das.service.rollout_backend import BackendStats, GroupInputError, ProgressSink
 from das.service.sample_progress import SampleProgress
 from das.service.stub_engine import StubEngineConfig
@@ -157,7 +160,7 @@ class ServiceConfig(BaseModel):
     object_store_mib: int = Field(256, ge=64, description="object store of an embedded cluster, MiB")
     engines_per_node: int = Field(1, ge=1, description="engines on each node without a GPU, each in a NodeEngine "
                                   "actor of its own so that one dying leaves the others serving (a GPU node runs "
-                                  "one engine per GPU in one actor)")
+                                  "its GPUs / the engine's tensor_parallel_size, an actor each)")
     failure: FailureConfig = FailureConfig()
     adopt_nodes_interval_s: float = Field(10.0, gt=0, description="seconds between looks for Ray nodes that joined "
                                           "after the start (a replaced or added worker pod) and have no engine yet; "
@@ -186,8 +189,9 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
 
 def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool
                    ) -> list[Any]:
-    """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one for its GPUs, or
-    `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
+    """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one per engine, each holding its
+    `tensor_parallel_size` GPUs (service/engine_layout.py; LayoutError where that does not divide the node's GPUs),
+    or `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
     `short_name` (a cluster of one node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -199,13 +203,13 @@ def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: lis
     # Restarted by Ray on the same node (the hard affinity holds for every incarnation) as often as it dies: the
     # coordinator applies the cap per window. No task retries: what a dead actor owed is re-dispatched by the
     # coordinator, so nothing runs twice.
+    tp = engine.tensor_parallel_size
+    count = gpu_engines(gpus, tp, f"node {node['NodeManagerAddress']}") if gpus else config.engines_per_node
     options = ray.remote(NodeEngine).options(
-        num_cpus=0, num_gpus=gpus, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
+        num_cpus=0, num_gpus=tp if gpus else 0, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-    if gpus:
-        return [options.remote(name, engine, shard_names, gpus, history_push=config.history.push)]
     return [options.remote(name, engine, shard_names, 1, first_index=g, history_push=config.history.push)
-            for g in range(config.engines_per_node)]
+            for g in range(count)]
 
 
 @dataclass(eq=False)
@@ -249,12 +253,14 @@ class RayBackend:
         self._shard_names = shard_names  # what an engine actor created later is given
         self._actors = [_Actor(handle, RestartWindow(config.failure), node_id) for node_id, handle in actors]
         self._gpu_nodes = gpu_nodes  # engines on the GPU nodes only (else on every node)
+        self._refused_nodes: set[str] = set()  # joined with GPUs the engines' tensor parallel size does not divide
         self._uses_ray = True  # until close: counted in _RayInThisProcess.users
         self._engines: list[_Engine] = []  # every engine, serving or not, once the first load is done
         self._version = 0
         self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
         self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
         self._paused: tuple[PauseMode, bool] | None = None  # the last /pause (mode, clear_cache) until /resume
+        self._hold = PauseHold()  # every dispatch to an engine actor waits here while paused (service/pause_hold.py)
         self._control_lock = asyncio.Lock()  # a pause or resume and a recovered engine's catch-up never interleave
         self._book = DifficultyBook()
         self._predictor = LengthPredictor(self._book)
@@ -289,6 +295,12 @@ class RayBackend:
             # running on this machine.
             ray.init(address=config.address or "local", **kwargs)
             _RayInThisProcess.started_here = True
+        engine = config.engine or config.stub_engine
+        assert engine is not None
+        for node in ray.nodes():  # before any actor exists: LayoutError for a node whose GPUs do not split
+            if node["Alive"] and node["Resources"].get("GPU", 0) > 0:
+                gpu_engines(int(node["Resources"]["GPU"]), engine.tensor_parallel_size,
+                            f"node {node['NodeManagerAddress']}")
         here = ray.get_runtime_context().get_node_id()
         state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
         # Restarted by Ray when it dies, from its last snapshot; no task retries: engines re-send their pushes.
@@ -499,6 +511,7 @@ class RayBackend:
         incarnation = actor.incarnation
         rest: list[tuple[Share, GroupRequest]] | None = None  # what a death left owed
         try:
+            await self._hold.wait()  # first dispatches and re-dispatches alike reach engines that have resumed
             generator = actor.handle.run.remote(local, [(k, share.request(group))
                                                         for k, (share, group) in enumerate(work)])
             try:
@@ -622,12 +635,14 @@ class RayBackend:
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         async with self._control_lock:
             self._paused = (mode, clear_cache)
+            self._hold.pause()
             await self._on_serving(lambda node: node.pause.remote(mode, clear_cache))
 
     async def resume(self) -> None:
         async with self._control_lock:
-            self._paused = None
             await self._on_serving(lambda node: node.resume.remote())
+            self._paused = None
+            self._hold.release()
 
     async def is_paused(self) -> bool:
         return any(await self._on_serving(lambda node: node.is_paused.remote()))
@@ -781,7 +796,14 @@ class RayBackend:
         nodes = [n for n in await asyncio.to_thread(ray.nodes) if n["Alive"] and n["NodeID"] not in known
                  and (not self._gpu_nodes or n["Resources"].get("GPU", 0) > 0)]
         for node in nodes:
-            handles = _engine_actors(self.config, node, self._shard_names, short_name=False)
+            if node["NodeID"] in self._refused_nodes:
+                continue
+            try:
+                handles = _engine_actors(self.config, node, self._shard_names, short_name=False)
+            except LayoutError as exc:  # said once; the engines already serving go on
+                self._refused_nodes.add(node["NodeID"])
+                log.error("node %s joined but runs no engine: %s", node["NodeManagerAddress"], exc)
+                continue
             log.warning("node %s joined: starting %d engine actor(s) there", node["NodeManagerAddress"], len(handles))
             for handle in handles:
                 actor = _Actor(handle, RestartWindow(self.config.failure), node["NodeID"])

@@ -117,6 +117,7 @@ from das.service.engine.async_engine import EngineInputError
 from das.service.metrics import CONTENT_TYPE, GatewayMetrics
 from das.service.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
 from das.service.request_guard import OffloopJsonRoute, RequestGuard
+from das.service.pause_hold import PauseHold
 from das.service.rl_control import rl_control_router
 from das.service.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 from das.service.sample_keys import fresh_seed
@@ -417,6 +418,7 @@ class _Gateway:
         self.gate = _ReloadGate()
         self._current: _Batch | None = None  # the most recently started batch
         self.paused = False  # by POST /pause, until POST /resume (service/rl_control.py)
+        self.hold = PauseHold()  # new batches wait here while paused (service/pause_hold.py says why)
         self._admitting = 0  # requests between the in-flight check and their batch's registration
         self.stalls_in_a_row = 0  # batches failed by the stall timeout since a sample last finished
         self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
@@ -490,6 +492,7 @@ class _Gateway:
         stall_s = self.settings.batch_stall_timeout_s
         stalled: asyncio.Timeout | None = None
         try:
+            await self.hold.wait()  # a batch sent while paused reaches the engines once they have resumed
             async with self.gate.batch():
                 batch.start()
                 self._current = batch
@@ -642,6 +645,10 @@ class _Gateway:
         """Marks the service paused or not; a paused batch's stall timer is off (no sample may finish while the
         engines are paused), and starts afresh on resume."""
         self.paused = paused
+        if paused:
+            self.hold.pause()
+        else:
+            self.hold.release()
         deadline = None if paused else asyncio.get_running_loop().time() + self.settings.batch_stall_timeout_s
         for batch in self.batches.all_live():
             if batch.stall is not None and not batch.ended:

@@ -1,5 +1,5 @@
-"""`NodeEngine`: the Ray actor that owns one node's engines (one per GPU or tensor-parallel group; one on a CPU
-machine).
+"""`NodeEngine`: the Ray actor that owns engines of one node (the service gives each engine an actor of its own:
+service/coordinator.py `_engine_actors`).
 
 For the groups the coordinator gives it, it pulls from the history store what other engines and imports added for
 those problems since its last pull (the rollouts it made itself are already in its drafter) and installs them in
@@ -28,6 +28,7 @@ from das.service.engine.async_engine import Engine, EngineConfig, EngineInputErr
 from das.service.engine.spawn_env import restored_environ
 from das.service.history_client import HistoryClient
 from das.service.history_store import HistoryPushConfig, resident_bytes, shard_of
+from das.service.pause_hold import PauseHold
 from das.service.rollout_backend import EngineLoad, merge_batches
 from das.service.sample_progress import ProgressBatcher, SampleProgress
 from das.service.stub_engine import StubEngine, StubEngineConfig
@@ -115,6 +116,9 @@ class NodeEngine:
         # Per engine: problem id -> the store sequence number its drafter has seen up to.
         self._cursors: list[dict[str, int]] = [{} for _ in range(engines)]
         self._history = HistoryClient(self.shards, history_push or HistoryPushConfig())
+        # Groups that reach this actor while it is paused (sent just before the coordinator's pause) wait here, not in
+        # vLLM's queue (service/pause_hold.py); paused before the engines, released after they resume.
+        self._hold = PauseHold()
 
     def _engine_envs(self) -> list[dict[str, str]]:
         count = len(self.names)
@@ -188,6 +192,7 @@ class NodeEngine:
                 batcher.add((index, progress.sample_index), progress)
 
             try:
+                await self._hold.wait()
                 async for sample in target.generate(group, report):
                     batcher.drop((index, sample.sample_index))  # its result carries those tokens
                     if sample.finish_reason == "error" and target.dead:
@@ -242,10 +247,12 @@ class NodeEngine:
     # ---- vLLM's RL control plane: every engine of the node at once (rollout_backend.RolloutBackend says what) ----
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._hold.pause()
         await asyncio.gather(*(e.pause(mode, clear_cache) for e in self.engines))
 
     async def resume(self) -> None:
         await asyncio.gather(*(e.resume() for e in self.engines))
+        self._hold.release()
 
     async def is_paused(self) -> bool:
         return any(await asyncio.gather(*(e.is_paused() for e in self.engines)))

@@ -9,7 +9,10 @@ progress and resumes samples from a prefix as `Engine.generate` does.
 
 Pause and resume as vLLM's engine does them (`pause`, docs/design.md "vLLM's RL control plane"): a group's n
 samples are all in flight from the moment `generate` is called (they are produced one after another, as if the
-engine's steps served them in that order). Groups that arrive while paused are held until `resume`. "keep" freezes
+engine's steps served them in that order). Groups that arrive while paused are held until `resume` (vLLM 0.32's
+queue), or under `pause_behavior="reject"` ended at once, every sample with finish_reason "error", unless the pause is
+"keep" (a vLLM that rejects new requests while paused, as the audit of issue 45 read vLLM 0.33: the service must never
+send work to a paused engine, service/pause_hold.py). "keep" freezes
 the samples in flight between two tokens; each token carries the policy version served when its step began, so a
 sample spanning a weight update says so (`SampleResult.policy_spans`). "abort" ends every sample in flight, held
 groups included, with finish_reason "abort" and the tokens it had. "wait" returns once the groups in flight ended.
@@ -21,7 +24,7 @@ import asyncio
 import os
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -38,6 +41,12 @@ class StubEngineConfig(BaseModel):
     token_s: float = Field(0.0, ge=0, description="seconds per output token of a sample")
     max_model_len: int = Field(2048, ge=2)
     vocab_size: int = Field(32000, ge=2)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs an engine takes on a GPU node (placement "
+                                      "only: the stub has no model workers), as EngineConfig's")
+    pause_behavior: Literal["queue", "reject"] = Field(
+        "queue", description="what a group that arrives while paused meets: queue (held until resume, as vLLM 0.32 "
+        "does), reject (under abort and wait pauses its samples end at once with finish_reason error, as a vLLM "
+        "with reject_new_requests does)")
     exit_on_problem: str | None = Field(None, description="a problem_id whose group, once started, ends the "
                                         "engine's process at once: a prompt that crashes the engine, for tests")
 
@@ -90,6 +99,12 @@ class StubEngine:
         if group.sampling.seed is None:  # as Engine.generate, with a fixed seed: the stub is deterministic
             (group,) = seeded_groups([group], 0)
         length = min(self.config.tokens, group.sampling.max_tokens)
+        if self._mode in ("abort", "wait") and self.config.pause_behavior == "reject":
+            for index in range(group.n):
+                yield SampleResult(problem_id=group.problem_id, sample_index=index, token_ids=[], logprobs=[],
+                                   finish_reason="error", policy_version=self.policy_version, prompt_token_ids=prompt,
+                                   error=f"the engine is paused ({self._mode}) and rejects new requests")
+            return
         epoch = self._abort_epoch
         while self._mode is not None and self._abort_epoch == epoch:  # held while paused, as vLLM queues them
             await self._changed.wait()

@@ -55,6 +55,7 @@ from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
 from das.service.engine.vllm_version import check_vllm_version
+from das.service.engine.worker_rpc import worker_rpc
 from das.service.history_store import unstorable
 from das.service.sample_progress import SampleProgress
 from das.service.sample_keys import fresh_seed
@@ -155,6 +156,10 @@ class EngineConfig(BaseModel):
                             "float32 (`serving_dtype`)")
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(256, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="model workers of one engine, each computing a "
+                                      "shard of the model on a GPU of its own (vLLM's tensor parallelism); a GPU node "
+                                      "runs its GPUs / this many engines (service/engine_layout.py); on a CPU above 1 "
+                                      "the workers run in processes of their own, whatever cpu_worker says")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="vLLM's engine seed (32-bit: numpy's legacy seeding "
                       "refuses more); keyed sampling draws with the groups' own int64 seeds")
     keyed_sampling: bool = Field(True, description="draw every sampled token with a key of (group seed, sample "
@@ -302,12 +307,17 @@ class Engine:
             # No progress bar per checkpoint load: an RL run reloads every step, three log lines each time.
             use_tqdm_on_load=False,
             speculative_config=config.speculative_config(),
+            # Multiprocessing workers under the engine's own Ray actor, which holds the engine's GPUs already
+            # (num_gpus = tensor_parallel_size): vLLM's "ray" backend would ask Ray for the same GPUs again.
+            tensor_parallel_size=config.tensor_parallel_size,
+            distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
             worker_extension_cls=WORKER_EXTENSION,
             additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
             else {})
         tally = EngineTally()
         cpu = current_platform.is_cpu()
-        layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, usable_cpus())) if cpu
+        in_process = worker_in_process(config.cpu_worker, usable_cpus()) and config.tensor_parallel_size == 1
+        layout = (cpu_worker_layout(in_process) if cpu
                   else contextlib.nullcontext())
         allocator = (cpu_allocator_env(resolve_allocator(config.cpu_allocator, model_vocab_size(config.model)))
                      if cpu else contextlib.nullcontext())
@@ -327,7 +337,7 @@ class Engine:
             tokenizer = llm.tokenizer
             vocab_size = llm.model_config.get_vocab_size()
             if das:
-                await llm.collective_rpc("das_attach")
+                await worker_rpc(llm, "das_attach")
                 if config.cost_warmup_requests and config.budget.get("policy", "das") == "das":
                     await warm_up_cost_fit(llm, min(config.cost_warmup_requests, config.max_num_seqs), vocab_size)
         except BaseException:
@@ -523,7 +533,7 @@ class Engine:
         if self.config.speculation != "das":
             return {}
         try:
-            (counts,) = await self._llm.collective_rpc("das_pop_counts", args=([key],))
+            counts = await worker_rpc(self._llm, "das_pop_counts", args=([key],))
         except Exception as exc:  # counts are statistics: losing them must not lose the sample
             log.warning("draft counts of %s unavailable: %s", key, exc)
             return {}
@@ -548,10 +558,10 @@ class Engine:
             if paused:
                 # The samples held by the pause (frozen under "keep", or queued) go on under the new weights from
                 # the tokens they have now: the worker's count, since outputs may still be on their way here.
-                (produced,) = await self._llm.collective_rpc("das_output_counts")
+                produced = await worker_rpc(self._llm, "das_output_counts")
             else:
                 await self._drained.wait()
-            await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            await worker_rpc(self._llm, "reload_weights", kwargs={"weights_path": str(path)})
             # Held samples' KV was computed by the old weights: preempted, it is recomputed on resume.
             await self._llm.reset_prefix_cache(reset_running_requests=paused)
             self.policy_version = new
@@ -559,7 +569,7 @@ class Engine:
                 for key, live in self._live.items():
                     live.update(new, produced.get(key))
             if self.config.speculation == "das":
-                await self._llm.collective_rpc("das_set_policy_version", args=(new,))
+                await worker_rpc(self._llm, "das_set_policy_version", args=(new,))
         return self.policy_version
 
     # ---- vLLM's RL control plane ----
@@ -592,7 +602,7 @@ class Engine:
         if self.config.speculation != "das":
             return 0
         self._changes += 1
-        (count,) = await self._llm.collective_rpc("das_add_rollouts", args=(rollouts,))
+        count = await worker_rpc(self._llm, "das_add_rollouts", args=(rollouts,))
         return int(count)
 
     async def drafter_stats(self) -> dict[str, Any]:
@@ -603,17 +613,17 @@ class Engine:
         changes = self._changes
         if self._inflight == 0 and self._stats is not None and self._stats[0] == changes:
             return dict(self._stats[1])
-        (stats,) = await self._llm.collective_rpc("das_stats")
+        stats = await worker_rpc(self._llm, "das_stats")
         self._stats = (changes, dict(stats))
         return dict(stats)
 
     async def start_step_profile(self) -> None:
         """Times every step from now on (service/engine/step_profile.py); `take_step_profile` reads and clears."""
-        await self._llm.collective_rpc("das_profile_start")
+        await worker_rpc(self._llm, "das_profile_start")
 
     async def take_step_profile(self) -> StepProfile:
         """The steps since `start_step_profile` or the last take, summarised; clears them."""
-        (columns,) = await self._llm.collective_rpc("das_profile_take")
+        columns = await worker_rpc(self._llm, "das_profile_take")
         return StepProfile.of(columns)
 
     async def close(self) -> None:

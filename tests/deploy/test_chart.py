@@ -108,6 +108,7 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     if values["engine"]["maxModelLen"]:
         assert params["max_model_len"] == values["engine"]["maxModelLen"]
     assert params["eager"] == values["engine"]["eager"]
+    assert params["tensor_parallel_size"] == values["engine"]["tensorParallelSize"]
     assert params["budget"] == values["engine"]["budget"]
     assert params["max_restarts"] == values["engine"]["maxRestarts"]
     assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
@@ -232,6 +233,14 @@ def test_compile_cache_volume_is_the_workers_vllm_cache_root() -> None:
     assert env == {"VLLM_CACHE_ROOT": "/var/cache/vllm", "VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's env kept
     pod, container = worker(None)  # default: no volume, vLLM's own cache location in the container
     assert "vllm-cache" not in {v["name"] for v in pod["volumes"]} and "env" not in container
+
+
+def test_a_tensor_parallel_size_reaches_das_serve_and_must_divide_the_gpus_per_node() -> None:
+    docs = objects(render({"engine": {"tensorParallelSize": 4}, "workers": {"gpusPerNode": 8}}))
+    serve = typer.main.get_command(cli_app).commands["serve"]  # type: ignore[attr-defined]
+    assert serve.make_context("serve", serve_argv(docs)).params["tensor_parallel_size"] == 4
+    with pytest.raises(helm.HelmError, match=r"engine.tensorParallelSize \(3\) must divide workers.gpusPerNode \(8\)"):
+        render({"engine": {"tensorParallelSize": 3}, "workers": {"gpusPerNode": 8}})
 
 
 @pytest.mark.parametrize("replicas,low,high", [(5, 1, 2), (1, 2, 4)])

@@ -379,11 +379,14 @@ def test_an_engine_past_its_restart_cap_fails_its_batch_and_liveness(tmp_path: P
         service.stop()
 
 
-def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path) -> None:
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02}})
+@pytest.mark.parametrize("behaviour", ["queue", "reject"])
+def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path, behaviour: str) -> None:
+    """Under either vLLM pause behaviour (service/pause_hold.py): a batch sent to the re-paused engine is held by
+    the service, not failed by a rejecting engine (an abort pause: a rejecting engine queues nothing then)."""
+    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02, "pause_behavior": behaviour}})
     try:
         service.wait_ready(engines=1)
-        assert httpx.post(f"{service.url}/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        assert httpx.post(f"{service.url}/pause", params={"mode": "abort"}, timeout=30).status_code == 200
         os.kill(service.node_engines()[0], signal.SIGKILL)
         wait_until(lambda: service.metric("das_engine_restarts") == 1, 60, "the engine was not restarted")
         service.wait_ready(engines=1)
@@ -397,6 +400,7 @@ def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path) -> Non
         held.join(30)
         records, summary = done[0]
         assert summary["status"] == "done" and sorted(r["sample_index"] for r in records) == [0, 1]
+        assert {r["finish_reason"] for r in records} <= {"stop", "length"}  # none "error"
     finally:
         service.stop()
 

@@ -63,6 +63,7 @@ bash (it starts Ray first), so every value from the user is quoted here rather t
 {{- $args = concat $args (list "--speculation" (include "das-rollout.shellQuote" $v.engine.speculation)) -}}
 {{- $args = concat $args (list "--k" (toString (int $v.engine.k))) -}}
 {{- $args = concat $args (list "--dtype" (include "das-rollout.shellQuote" $v.engine.dtype)) -}}
+{{- $args = concat $args (list "--tensor-parallel-size" (toString (int $v.engine.tensorParallelSize))) -}}
 {{- if $v.engine.maxModelLen }}
 {{- $args = concat $args (list "--max-model-len" (toString (int $v.engine.maxModelLen))) -}}
 {{- end }}
