@@ -38,7 +38,9 @@ from das.service.api import (
     PauseMode,
     ProblemSummary,
     SampleRecord,
+    SamplingSpec,
 )
+from das.service.session_client import ClientSession
 
 Wire = Literal["msgpack", "ndjson"]
 
@@ -313,6 +315,11 @@ class RolloutClient(_ClientBase):
     def history(self, problem_id: str) -> ProblemSummary:
         """What the server's history store holds for a problem; RolloutError (404) when nothing."""
         return ProblemSummary.model_validate(self._call("GET", f"/v1/history/{quote(problem_id, safe='')}"))
+
+    def session(self, problem_id: str, session_id: str | None = None,
+                sampling: SamplingSpec | None = None) -> ClientSession:
+        """A new agent trajectory: `turn(new_tokens)` per step (service/session_client.py)."""
+        return ClientSession(self, problem_id, session_id, sampling)
 
     def close(self) -> None:
         self.http.close()
