@@ -40,7 +40,7 @@ from das.service.api import (
     SampleRecord,
     SamplingSpec,
 )
-from das.service.session_client import ClientSession
+from das.service.session_client import AsyncClientSession, ClientSession
 
 Wire = Literal["msgpack", "ndjson"]
 
@@ -427,6 +427,11 @@ class AsyncRolloutClient(_ClientBase):
     async def history(self, problem_id: str) -> ProblemSummary:
         """What the server's history store holds for a problem; RolloutError (404) when nothing."""
         return ProblemSummary.model_validate(await self._call("GET", f"/v1/history/{quote(problem_id, safe='')}"))
+
+    def session(self, problem_id: str, session_id: str | None = None,
+                sampling: SamplingSpec | None = None) -> AsyncClientSession:
+        """A new agent trajectory: `await turn(new_tokens)` per step (service/session_client.py)."""
+        return AsyncClientSession(self, problem_id, session_id, sampling)
 
     async def aclose(self) -> None:
         await self.http.aclose()
