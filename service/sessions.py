@@ -145,6 +145,11 @@ class SessionBook:
         self._by_batch: dict[str, list[str]] = {}  # batch id -> sessions with a turn in it
         self._context_tokens = 0
         self._trajectories: dict[str, _Trajectories] = {}
+        self._by_problem: dict[str, set[str]] = {}  # problem -> its open sessions
+        # The reservation ledger, kept incrementally (placement reads it per batch): per engine the sum of its idle
+        # sessions' predicted remaining tokens, and what each session adds to it now.
+        self._reserved: Counter[str] = Counter()
+        self._reserves: dict[str, tuple[str, float]] = {}
         self.turns = 0
         self.moves: Counter[str] = Counter({reason: 0 for reason in MOVE_REASONS})
         self.closed: Counter[str] = Counter({reason: 0 for reason in CLOSE_REASONS})
@@ -193,8 +198,10 @@ class SessionBook:
             session = self._open.get(session_id)
             if session is None:
                 session = self._open[session_id] = Session(session_id, problem_id, now, now)
+                self._by_problem.setdefault(problem_id, set()).add(session_id)
             session.running, session.turn_started_s, session.last_active_s = batch_id, now, now
             self._open.move_to_end(session_id)
+            self._reserve(session)
         self._by_batch[batch_id] = [session_id for session_id, _ in turns]
         self._bound()
 
@@ -215,6 +222,8 @@ class SessionBook:
         session.output_tokens += output_tokens
         session.engine = engine or session.engine
         session.running, session.last_active_s, session.ended_s = None, now, now
+        self._open.move_to_end(session_id)
+        self._reserve(session)
         self.turns += 1
         self._bound()
 
@@ -225,6 +234,8 @@ class SessionBook:
             if session is not None and session.running == batch_id:
                 session.running = None
                 session.last_active_s = self._clock()
+                self._open.move_to_end(session_id)
+                self._reserve(session)
 
     def close(self, session_id: str, reason: CloseReason = "closed") -> Session | None:
         """Ends an open session (None if none is open by that id); its turn still running is the caller's to
@@ -233,20 +244,33 @@ class SessionBook:
         if session is None:
             return None
         self._context_tokens -= session.context_tokens
+        self._reserve(session)
+        siblings = self._by_problem[session.problem_id]
+        siblings.discard(session_id)
+        if not siblings:
+            del self._by_problem[session.problem_id]
         if session.turns:
             past = self._trajectories.setdefault(session.problem_id, _Trajectories())
             past.count += 1
             past.tokens += session.output_tokens
             past.turns += len(session.turns)
+            for sibling in siblings:  # the problem's forecast changed: so did its idle sessions' reservations
+                self._reserve(self._open[sibling])
         self.closed[reason] += 1
         if self._on_close is not None:
             self._on_close(session, reason)
         return session
 
     def expire(self) -> list[Session]:
-        """Closes the idle sessions without a turn for `idle_expiry_s`."""
+        """Closes the idle sessions without a turn for `idle_expiry_s`. The open sessions are kept in order of
+        their last activity, so this reads only the expired ones and the running ones older than the cutoff."""
         cutoff = self._clock() - self.config.idle_expiry_s
-        stale = [s.session_id for s in self._open.values() if s.running is None and s.last_active_s <= cutoff]
+        stale = []
+        for session in self._open.values():
+            if session.last_active_s > cutoff:
+                break
+            if session.running is None:
+                stale.append(session.session_id)
         return [s for sid in stale if (s := self.close(sid, "expired")) is not None]
 
     def _bound(self) -> None:
@@ -284,11 +308,26 @@ class SessionBook:
         session = self._open.get(session_id)
         if session is not None:
             session.engine = engine
+            self._reserve(session)
 
     def _moved(self, session: Session, reason: MoveReason) -> None:
         session.moves += 1
         session.engine = None
         self.moves[reason] += 1
+        self._reserve(session)
+
+    def _reserve(self, session: Session) -> None:
+        """Brings the session's part of the reservation ledger up to date (none once closed or while running)."""
+        old = self._reserves.pop(session.session_id, None)
+        if old is not None:
+            self._reserved[old[0]] -= old[1]
+            if self._reserved[old[0]] <= 1e-9:
+                del self._reserved[old[0]]
+        if self._open.get(session.session_id) is session and session.running is None and session.engine:
+            tokens = self.predicted_remaining(session)
+            if tokens > 0:
+                self._reserves[session.session_id] = (session.engine, tokens)
+                self._reserved[session.engine] += tokens
 
     def predicted_remaining(self, session: Session) -> float:
         """Predicted output tokens of the session's turns still to come (see the module docstring)."""
@@ -302,12 +341,8 @@ class SessionBook:
 
     def reserved(self) -> Counter[str]:
         """Per engine, the predicted remaining output tokens of the idle sessions whose prefix it holds (running
-        sessions' current turns are in the placed work already). One pass over the open sessions."""
-        by_engine: Counter[str] = Counter()
-        for session in self._open.values():
-            if session.engine is not None and session.running is None:
-                by_engine[session.engine] += self.predicted_remaining(session)
-        return by_engine
+        sessions' current turns are in the placed work already). Kept as sessions change: O(engines) to read."""
+        return Counter(self._reserved)
 
     def predicted_turns(self, problem_id: str) -> float | None:
         """Mean turns of the problem's closed trajectories; None before one closed."""

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 import pytest
@@ -210,3 +211,44 @@ def test_new_sessions_avoid_the_engine_whose_idle_sessions_owe_the_most() -> Non
     finish(book, "b1", "long", engine="e0", output=5000)  # idle now; owes another long turn on e0
     book.begin("b2", [("new", "q")])
     assert engines_of(coordinator._place([turn("new", "q")], SERVING)) == {"new": "e1"}
+
+
+def test_the_incremental_reservation_ledger_equals_a_recount_after_any_sequence_of_events() -> None:
+    rng = random.Random(7)
+    clock = Clock()
+    book = SessionBook(SessionConfig(idle_expiry_s=50, max_open_sessions=12), clock=clock)
+    batches = 0
+    for _ in range(600):
+        clock.now += rng.uniform(0, 3)
+        sid, problem = f"s{rng.randrange(20)}", f"p{rng.randrange(3)}"
+        session = book.get(sid)
+        action = rng.random()
+        if session is None or (session.running is None and action < 0.5):
+            batches += 1
+            try:
+                book.begin(f"b{batches}", [(sid, session.problem_id if session else problem)])
+            except SessionConflict:
+                continue
+            if rng.random() < 0.7:
+                book.placed(sid, f"e{rng.randrange(3)}")
+        elif session.running is not None and action < 0.8:
+            batch = session.running
+            if rng.random() < 0.9:
+                book.finished(batch, sid, engine=session.engine or "e0", prompt_tokens=rng.randrange(1, 50),
+                              output_tokens=rng.randrange(0, 80), finish_reason="stop", policy_version=0,
+                              policy_spans=None)
+            book.batch_ended(batch)
+        elif action < 0.9:
+            book.engine_for(sid, ["e0", "e1"], [rng.uniform(0, 1e5), 0.0])
+        else:
+            book.close(sid, rng.choice(["closed", "aborted"]))
+        book.expire()
+        recount: Counter[str] = Counter()
+        for open_id in [f"s{i}" for i in range(20)]:
+            s = book.get(open_id)
+            if s is not None and s.running is None and s.engine:
+                recount[s.engine] += book.predicted_remaining(s)
+        got = book.reserved()
+        assert set(got) == {e for e, v in recount.items() if v > 0}
+        assert all(abs(got[e] - recount[e]) < 1e-6 for e in got)
+    assert sum(book.closed.values()) > 10 and book.turns > 50  # the walk went through every kind of event
