@@ -427,6 +427,13 @@ class RayBackend:
         other groups go where its samples already run, if they run on a serving engine; the rest, a problem's groups
         of this batch together, by LPT from the engines' placed loads plus the idle sessions' reserved work."""
         tagged = with_length_predictions(self._predictor, groups)
+        if self._sessions is not None:
+            # A turn tagged here plans its drafts with its trajectory's remaining tokens (one tagged before, e.g.
+            # re-run after its engine died, has its curve already; one with the caller's prediction keeps it).
+            book = self._sessions
+            tagged = [t if t.session_id is None or g.predicted_tokens else t.model_copy(update={
+                "length_curve": book.trajectory_curve(t.session_id, t.length_curve, _sample_load(t))})
+                for g, t in zip(groups, tagged)]
         names = [name for _, _, name in serving]
         loads = np.array([g.n * _sample_load(g) for g in tagged])
         existing = np.array([self._placed.load(name) for name in names], dtype=np.float64)

@@ -14,6 +14,8 @@ session is one turn of that trajectory. `SessionBook` keeps, per open session, w
   A session's remaining tokens are its problem's mean trajectory output (over the sessions of that problem that
   closed) minus what it produced so far, at least one more turn of its own mean turn length; nothing before its
   first turn finished (that turn's own forecast is in the placed work).
+- Trajectory-level forecasts. The straggler of an agentic batch is its longest trajectory, so the draft budget of
+  a turn plans with the trajectory's remaining tokens, not the turn's (`trajectory_curve`).
 - Lifecycle. A turn runs one at a time per session (a second one while the first runs is refused); each turn keeps
   its policy version and spans (a turn that crossed a weight update under /pause?mode=keep); `close` ends a session
   (an abort: the gateway then aborts the turn still running, freeing its engine's work); a session idle for
@@ -31,10 +33,12 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from das.scheduler.length import LengthCurve
 
 MoveReason = Literal["not_serving", "overload"]
 MOVE_REASONS: tuple[MoveReason, ...] = ("not_serving", "overload")
@@ -343,6 +347,22 @@ class SessionBook:
         """Per engine, the predicted remaining output tokens of the idle sessions whose prefix it holds (running
         sessions' current turns are in the placed work already). Kept as sessions change: O(engines) to read."""
         return Counter(self._reserved)
+
+    def trajectory_curve(self, session_id: str, curve: LengthCurve | None, turn_tokens: float) -> LengthCurve | None:
+        """The trajectory-level forecast for the draft budget of a turn predicted at `turn_tokens` output tokens:
+        its per-turn `curve` with every final length raised by the tokens the trajectory is predicted to produce in
+        its later turns (its problem's mean trajectory output over closed sessions, less what it produced so far
+        and this turn), so the budget drafts for the longest trajectories in every turn, not only in their longest
+        turn. The curve as given before any trajectory of the problem closed, or when none is left to come. The
+        tail beyond the curve's held lengths is the per-turn one."""
+        session = self._open.get(session_id)
+        past = self._trajectories.get(session.problem_id) if session is not None else None
+        if curve is None or session is None or past is None or past.count == 0:
+            return curve
+        later = past.tokens / past.count - session.output_tokens - turn_tokens
+        if later <= 0:
+            return curve
+        return replace(curve, ends=tuple(end + later for end in curve.ends))
 
     def predicted_turns(self, problem_id: str) -> float | None:
         """Mean turns of the problem's closed trajectories; None before one closed."""

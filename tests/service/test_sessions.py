@@ -8,8 +8,9 @@ from collections import Counter
 
 import pytest
 
+from das.scheduler.length import LengthCurve
 from das.service.api import GroupRequest
-from das.service.coordinator import RayBackend, ServiceConfig
+from das.service.coordinator import RayBackend, ServiceConfig, with_length_predictions
 from das.service.sessions import Session, SessionBook, SessionConfig, SessionConflict
 from das.service.stub_engine import StubEngineConfig
 
@@ -252,3 +253,34 @@ def test_the_incremental_reservation_ledger_equals_a_recount_after_any_sequence_
         assert set(got) == {e for e, v in recount.items() if v > 0}
         assert all(abs(got[e] - recount[e]) < 1e-6 for e in got)
     assert sum(book.closed.values()) > 10 and book.turns > 50  # the walk went through every kind of event
+
+
+def test_a_turns_budget_forecast_covers_its_trajectorys_later_turns() -> None:
+    book = SessionBook(clock=Clock())
+    coordinator = backend(book)
+    curve = LengthCurve((0, 50), (80.0, 120.0), 200, 0.5)
+    assert book.trajectory_curve("unknown", curve, 60.0) is curve
+    for sid in ("old1", "old2"):  # the problem's closed trajectories: 1000 output tokens each
+        book.begin(f"b-{sid}", [(sid, "p")])
+        finish(book, f"b-{sid}", sid, output=1000)
+        book.close(sid)
+    book.begin("b1", [("s", "p")])
+    assert book.trajectory_curve("s", curve, 60.0).ends == (80.0 + 940, 120.0 + 940)  # 1000 - 0 - 60 to come
+    finish(book, "b1", "s", output=700)
+    book.begin("b2", [("s", "p")])
+    assert book.trajectory_curve("s", curve, 60.0).ends == (80.0 + 240, 120.0 + 240)
+    assert book.trajectory_curve("s", curve, 400.0) is curve  # nothing left to come after this turn
+    assert book.trajectory_curve("s", None, 60.0) is None
+
+    # placement hands the engines the trajectory's curve and keeps the turn's own load
+    bare = GroupRequest(problem_id="p", session_id="s", prompt_token_ids=[1, 2])
+    (own,) = with_length_predictions(coordinator._predictor, [bare])
+    (placed,) = [g for items in coordinator._place([bare], SERVING) for _, g in items]
+    later = 1000 - 700 - own.predicted_tokens
+    assert later > 0 and placed.predicted_tokens == own.predicted_tokens
+    assert placed.length_curve.ends == pytest.approx([e + later for e in own.length_curve.ends])
+    # placed again (its engine died): not raised twice; a caller's own prediction is left alone
+    (again,) = [g for items in coordinator._place([placed], SERVING) for _, g in items]
+    assert again.length_curve == placed.length_curve
+    (own_prediction,) = [g for items in coordinator._place([turn("s", predicted=60.0)], SERVING) for _, g in items]
+    assert own_prediction.length_curve is None
