@@ -367,7 +367,8 @@ class Engine:
         return ids
 
     def _sampling_params(self, group: GroupRequest, key: str, index: int) -> SamplingParams:
-        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve)
+        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve,
+                           session_id=group.session_id)
         extra_args = tags.to_extra_args()
         key = group.sample_key(index)
         if self.config.keyed_sampling and key is not None:

@@ -81,6 +81,8 @@ class RequestTags:
     cost_probe: a warm-up probe whose steps also time drafted steps: on every other step the first such request of
     the batch verifies one junk draft token (its last token again), so the online cost fit sees a drafted step's
     price at every batch size of the warm-up. Those drafts feed no acceptance estimate, draft count or guard.
+    session_id: the agent session the sample is a turn of: the drafter indexes its prompt as the session's
+    context, turn by turn (drafter/history.py `SessionContext`), or None.
     """
 
     problem_id: str
@@ -90,12 +92,13 @@ class RequestTags:
     length_curve: LengthCurve | None = None
     draft: bool = True
     cost_probe: bool = False
+    session_id: str | None = None
 
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
         return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
                                  "predicted_tokens": self.predicted_tokens, "length_curve": curve,
-                                 "draft": self.draft, "cost_probe": self.cost_probe}}
+                                 "draft": self.draft, "cost_probe": self.cost_probe, "session_id": self.session_id}}
 
     @staticmethod
     def from_extra_args(extra_args: dict[str, Any] | None, prompt: list[int]) -> RequestTags:
@@ -111,9 +114,10 @@ class RequestTags:
                 curve = LengthCurve.from_dict(raw["length_curve"])
             except ValueError as exc:  # the sample still runs; only its budget falls back to predicted_tokens
                 log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
+        session = raw.get("session_id")
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
                            None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)),
-                           bool(raw.get("cost_probe", False)))
+                           bool(raw.get("cost_probe", False)), None if session is None else str(session))
 
 
 @dataclass
@@ -315,7 +319,7 @@ class DasProposer:
             if state is not None:  # else it finished and leaves at the next step
                 prompt = np.asarray(state.prompt_token_ids or [], np.int32)
                 self._columns.bank_slot[run.slot] = self.bank.start_request(rid, run.tags.problem_id, prompt,
-                                                                            version)
+                                                                            version, run.tags.session_id)
             self._columns.probe_drafted[run.slot] = 0  # its draft was dropped by the preemption, never verified
 
     def pop_counts(self, keys: list[str]) -> dict[str, DraftCounts]:
@@ -359,7 +363,8 @@ class DasProposer:
         prompt = list(state.prompt_token_ids or [])
         params = state.sampling_params
         tags = RequestTags.from_extra_args(getattr(params, "extra_args", None), prompt)
-        bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt, np.int32), self.policy_version)
+        bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt, np.int32), self.policy_version,
+                                            tags.session_id)
         max_tokens = int(params.max_tokens) if params is not None and params.max_tokens else self.max_model_len
         run = _Running(tags, self.acceptance.start(rid))
         self._columns.start(run.slot, prompt_len=len(prompt), max_tokens=max_tokens, bank_slot=bank_slot,

@@ -410,3 +410,15 @@ def test_exploration_gets_its_accepted_tokens_back_on_a_step_the_cost_fit_skips(
     runner.step(proposer, {"r": RESPONSE[1:4]})  # both draft tokens accepted, then the bonus token
     assert len(observed) == before  # not a decode step of its shape
     assert refunded[-1] == (2, 2)
+
+
+def test_a_sessions_turn_drafts_its_tool_output_from_the_sessions_context():
+    tags = RequestTags("q", key="k", session_id="traj")
+    assert RequestTags.from_extra_args(tags.to_extra_args(), PROMPT) == tags
+    proposer, runner = attached(budget={"policy": "uniform"})
+    tool = [60, 61, 62, 63, 64, 65, 66, 67]
+    runner.add("turn2", [*PROMPT, 9, *tool], tags=RequestTags("q", key="turn2", session_id="traj"))
+    runner.step(proposer, {})
+    drafts = runner.step(proposer, {"turn2": [60, 61]})  # the model starts re-emitting the tool's output
+    assert drafts["turn2"] and drafts["turn2"] == tool[2:2 + len(drafts["turn2"])]
+    assert proposer.bank.context_tokens == len(PROMPT) + 1 + len(tool)
