@@ -5,6 +5,7 @@ turns after the first find at least 90% of their context in the prefix cache."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import httpx
@@ -54,6 +55,11 @@ def test_a_three_turn_session_prefills_only_its_new_tokens(tmp_path):
         text = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
         assert metric(text, "das_session_turns") == 3 and metric(text, "das_session_open") == 1
         assert metric(text, "das_session_moves") == 0
+        # the session's context is a draft source of its own (how much it drafts depends on measured step times)
+        by_source = re.findall(r'^das_source_draft_tokens_(proposed|accepted)_total\{[^}]*source="([^"]+)"\} (\S+)$',
+                               text, re.MULTILINE)
+        print(f"drafts by source (proposed/accepted, source, tokens): {by_source}")
+        assert {source for _, source, _ in by_source} >= {"context", "live"}
         session = httpx.get(f"{server.url}/v1/sessions/agent-1",
                             headers={"Authorization": f"Bearer {TOKEN}"}).json()
         assert [t["prompt_tokens"] for t in session["turns"]] == [320, 376, 432]
