@@ -17,6 +17,8 @@ Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.toke
 - vLLM's RL control routes (`/pause`, `/resume`, `/is_paused`, `/abort_requests`, `/update_weights`, ...):
   service/rl_control.py. While paused, reloads do not wait for running batches and stall timeouts are off.
 - `GET /v1/history/{problem_id}`: what the history store holds for a problem (404 none, 501 no store).
+- `GET /v1/sessions/{id}`, `DELETE /v1/sessions/{id}`: an open agent session, or its end (service/session_routes.py);
+  a group with a `session_id` is a turn of that session (service/sessions.py: one turn at a time, 409 otherwise).
 - `GET /metrics` (Prometheus text), `GET /healthz` (liveness: 503 once the backend cannot serve again without a
   restart of the process, e.g. every engine past its restart cap, or makes no progress: `stalls_until_unlive`
   batches in a row failed by the stall timeout with no sample finishing in between), `GET /readyz` (503 until

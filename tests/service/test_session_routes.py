@@ -1,11 +1,10 @@
 """Sessions over HTTP against the gateway on a StubBackend: the official `openai` client running a 3-turn session
 (session_id in extra_body, prompt as token ids, return_token_ids appended as the next turn's context), chat with
-prompt_token_ids, refusals, GET/DELETE /v1/sessions, the das_session_* series; and the trainer clients' sessions,
-one at a time, many in one batch, and (asyncio) many agent loops at once."""
+prompt_token_ids, refusals, GET/DELETE /v1/sessions, the das_session_* series. The trainer clients' sessions:
+tests/service/test_session_client.py."""
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -16,11 +15,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from das.service.api import SamplingSpec
-from das.service.client import AsyncRolloutClient, RolloutClient, RolloutError
 from das.service.gateway import create_app
 from das.service.rollout_backend import StubBackend
-from das.service.session_client import AsyncClientSession, run_turns, run_turns_async
 from das.service.sessions import SessionConfig
 from tests.service.test_gateway import LiveServer, gateway_settings
 
@@ -172,57 +168,3 @@ def test_idle_sessions_expire(serve):
     time.sleep(0.3)
     assert httpx.get(f"{server.url}/v1/sessions/s", headers=headers).status_code == 404
     assert scrape(server, headers)["das_session_ended_total{'reason': 'expired'}"] == 1
-
-
-def test_the_rollout_client_runs_sessions_one_at_a_time_and_many_at_once(serve):
-    backend = StubBackend(output_tokens=4)
-    server, _, _ = serve(backend)
-    sampling = SamplingSpec(max_tokens=4)
-    with RolloutClient(server.url, token=TOKEN) as client:
-        session = client.session("task", sampling=sampling)
-        first = session.turn([1, 2])
-        assert first.output_token_ids == STUB_TOKENS[:4] and session.context == [1, 2, *STUB_TOKENS[:4]]
-        session.turn([50])  # a tool's output: the context grows by it, then by the output
-        assert session.context == [1, 2, *STUB_TOKENS[:4], 50, *STUB_TOKENS[:4]]
-        assert backend.received[-1][0].prompt_token_ids == (1, 2, *STUB_TOKENS[:4], 50)
-        summary = session.summary()
-        assert len(summary.turns) == 2 and summary.problem_id == "task"
-
-        many = [client.session(f"task{i}", sampling=sampling) for i in range(3)]
-        records = run_turns(client, [(s, [9, i]) for i, s in enumerate(many)])
-        assert len(backend.received[-1]) == 3  # one batch, a turn per session
-        assert [s.context for s in many] == [[9, i, *STUB_TOKENS[:4]] for i in range(3)]
-        assert [r.group_index for r in records] == [0, 1, 2]
-        run_turns(client, [(s, [7]) for s in many])
-        assert all(len(s.summary().turns) == 2 for s in many)
-        assert session.end().state == "closed"
-        with pytest.raises(RolloutError) as gone:
-            session.summary()
-        assert gone.value.status_code == 404
-
-
-def test_the_async_client_runs_agent_loops_concurrently_and_batched_turns(serve):
-    backend = StubBackend(output_tokens=3, first_delay_s=0.05)
-    server, _, _ = serve(backend)
-    sampling = SamplingSpec(max_tokens=3)
-
-    async def main() -> None:
-        async with AsyncRolloutClient(server.url, token=TOKEN) as client:
-            async def agent(i: int) -> AsyncClientSession:
-                session = client.session(f"task{i}", sampling=sampling)
-                await session.turn([1, i])
-                for step in range(2):
-                    await session.turn([40 + step])  # a tool's output
-                return session
-
-            agents = await asyncio.gather(*(agent(i) for i in range(4)))
-            for i, session in enumerate(agents):
-                assert session.context == [1, i, *STUB_TOKENS[:3], 40, *STUB_TOKENS[:3], 41, *STUB_TOKENS[:3]]
-                assert len((await session.summary()).turns) == 3
-            batched = [client.session("many", sampling=sampling) for _ in range(3)]
-            await run_turns_async(client, [(s, [8]) for s in batched])
-            assert len(backend.received[-1]) == 3 and all(s.context == [8, *STUB_TOKENS[:3]] for s in batched)
-            assert (await batched[0].end()).state == "closed"
-
-    asyncio.run(main())
-    assert backend.runs == 4 * 3 + 1  # a batch per agent turn, one for the batched turns
