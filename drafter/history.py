@@ -4,7 +4,10 @@ For each problem the bank keeps:
   * sealed segments, one suffix index per policy version, for the last `window` versions (evicted whole);
   * one live segment for the current version: the in-flight outputs of all sibling samples, fed token by token,
     so siblings see each other's text as it is generated (a request's own output is one of its sequences);
-  * the problem's prompt(s).
+  * the problem's prompt(s);
+  * per agent session (a request tagged with a session id), its context: one sequence extended by each turn's new
+    tokens (the previous turn's output, a tool's output), so a turn costs its new tokens, not its whole context
+    again, and drafts from what the trajectory has read and written (source kind "context").
 A global index holds a bounded share of recent outputs of all problems (shared phrasing; the only history a new
 problem has). Memory is bounded by a total token budget; the oldest sealed versions go first.
 
@@ -24,7 +27,7 @@ the engine.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +57,7 @@ class DrafterConfig:
     token_budget: int = 50_000_000   # all stored history tokens, all problems
     global_tokens: int = 2_000_000   # share of the budget for the cross-problem fallback
     shadow_gap: int = 8              # tokens a request commits between a settled shadow draft and its next
+    context_tokens: int = 8_000_000  # session contexts kept; beyond, the least recently used idle ones go
 
     def __post_init__(self) -> None:
         checks = {
@@ -67,6 +71,7 @@ class DrafterConfig:
             "token_budget": self.token_budget >= 1,
             "global_tokens": 0 <= self.global_tokens <= self.token_budget,
             "shadow_gap": self.shadow_gap >= 0,
+            "context_tokens": self.context_tokens >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -206,11 +211,24 @@ class _Sources:
     native: SourceList
 
 
+@dataclass
+class SessionContext:
+    """One agent session's context as the drafter holds it: `tokens` (the latest turn's prompt) indexed as one
+    unsealed sequence of its own segment, extended turn by turn. `running`: its requests in flight."""
+
+    problem_id: str
+    segment: Segment
+    seq: int
+    tokens: np.ndarray
+    running: int = 0
+
+
 @dataclass(slots=True)
 class _Request:
     problem: ProblemHistory
     live_seq: int
     slot: int  # its row in the native request table
+    context: SessionContext | None = None  # its session's, drafted from beside its problem's sources
 
 
 class HistoryBank:
@@ -223,11 +241,14 @@ class HistoryBank:
         self._seal_order: deque[tuple[str, int]] = deque()  # (problem, version), oldest first
         self._global = Segment.new(self.config.max_depth)  # seq_ids oldest first
         self._sources: dict[str, _Sources] = {}  # per problem, cached until they change (`_sources_changed`)
-        kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global"]
+        kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global",
+                 "context"]
         self.chooser = SourceChooser(kinds, self.config.choice_pseudo_count, self.config.choice_horizon)
         self._table = RequestTable(self.chooser, self.config.shadow_gap)
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self._contexts: OrderedDict[str, SessionContext] = OrderedDict()  # by session, least recently used first
+        self._context_tokens = 0
 
     # ---- problems and requests ----
 
@@ -238,9 +259,12 @@ class HistoryBank:
             self.problems[problem_id] = history
         return history
 
-    def start_request(self, request_id: str, problem_id: str, prompt: np.ndarray, policy_version: int) -> int:
+    def start_request(self, request_id: str, problem_id: str, prompt: np.ndarray, policy_version: int,
+                      session_id: str | None = None) -> int:
         """Registers an in-flight sample; its output will feed the problem's live segment for `policy_version`.
-        Returns its slot, the request's name in `commit_step` and `draft_step` (reused once it finishes)."""
+        Returns its slot, the request's name in `commit_step` and `draft_step` (reused once it finishes). A turn of
+        session `session_id` indexes its prompt as that session's context (extended by the tokens beyond the last
+        turn's prompt when that is a prefix of this one; anew otherwise), not among the problem's prompts."""
         # Everything is checked before anything changes.
         prompt = _tokens(prompt)
         if request_id in self._requests:
@@ -260,12 +284,16 @@ class HistoryBank:
             history.live = Segment.new(self.config.max_depth)
             history.live_version = policy_version
             self._sources_changed(history)
-        history.add_prompt(prompt)
+        context = None
+        if session_id is None:
+            history.add_prompt(prompt)
+        else:
+            context = self._session_context(session_id, problem_id, prompt)
         seq = history.live.add(np.zeros(0, np.int32), sealed=False)
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         self._next_slot = max(self._next_slot, slot + 1)
-        self._table.add(slot, history.live.index, seq, self._source_list(history).native)
-        self._requests[request_id] = _Request(history, seq, slot)
+        self._table.add(slot, history.live.index, seq, self._request_sources(history, context))
+        self._requests[request_id] = _Request(history, seq, slot, context)
         history.running.add(request_id)
         return slot
 
@@ -315,6 +343,39 @@ class HistoryBank:
         req.problem.running.discard(request_id)
         if req.problem.live is not None:
             req.problem.live.index.seal(req.live_seq)
+        if req.context is not None:
+            req.context.running -= 1
+            self._evict_contexts()
+
+    def _session_context(self, session_id: str, problem_id: str, prompt: np.ndarray) -> SessionContext:
+        """The session's context, brought up to `prompt` at the cost of its new tokens when the context held is a
+        prefix of it (a later turn), else indexed anew (a first turn, or a trajectory that rewrote its past)."""
+        context = self._contexts.pop(session_id, None)
+        held = len(context.tokens) if context is not None else 0
+        if (context is not None and context.problem_id == problem_id and len(prompt) >= held
+                and np.array_equal(prompt[:held], context.tokens)):
+            if len(prompt) > held:
+                context.segment.index.extend(context.seq, prompt[held:])
+                context.tokens = prompt.copy()
+                self._context_tokens += len(prompt) - held
+        else:
+            self._context_tokens -= held  # a request still reading the old one keeps its index alive until it ends
+            segment = Segment.new(self.config.max_depth)
+            context = SessionContext(problem_id, segment, segment.add(prompt, sealed=False), prompt.copy())
+            self._context_tokens += len(prompt)
+        context.running += 1
+        self._contexts[session_id] = context
+        self._evict_contexts()
+        return context
+
+    def _evict_contexts(self) -> None:
+        """Drops the least recently used idle session contexts while they hold over `context_tokens`."""
+        if self._context_tokens <= self.config.context_tokens:
+            return
+        for session_id in [s for s, c in self._contexts.items() if c.running == 0]:
+            self._context_tokens -= len(self._contexts.pop(session_id).tokens)
+            if self._context_tokens <= self.config.context_tokens:
+                return
 
     def propose(self, request_id: str, context: np.ndarray, max_tokens: int, min_prob: float = 0.0) -> Proposal:
         """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`
@@ -377,6 +438,14 @@ class HistoryBank:
             cached = self._sources[history.problem_id] = _Sources(indices, kinds, SourceList(indices, kinds))
         return cached
 
+    def _request_sources(self, history: ProblemHistory, context: SessionContext | None) -> SourceList:
+        """The native source list of a request: its problem's, plus its session's context when it has one."""
+        sources = self._source_list(history)
+        if context is None:
+            return sources.native
+        return SourceList([*sources.indices, context.segment.index],
+                          [*sources.kinds, self.chooser.kind_index("context")])
+
     def _sources_changed(self, history: ProblemHistory) -> None:
         """A problem's sources changed: its running requests draft from the new list from now on (the old one,
         and the indexes only it holds, are freed once no request refers to it)."""
@@ -384,7 +453,9 @@ class HistoryBank:
         if history.running:
             sources = self._source_list(history).native
             for request_id in history.running:
-                self._table.set_sources(self._requests[request_id].slot, sources)
+                req = self._requests[request_id]
+                self._table.set_sources(req.slot, sources if req.context is None
+                                        else self._request_sources(history, req.context))
 
     # ---- versions, import, budget ----
 
@@ -464,10 +535,18 @@ class HistoryBank:
     # ---- accounting ----
 
     def stored_tokens(self) -> int:
+        """Tokens of every problem's history and the global index (what `token_budget` bounds); session contexts
+        are bounded apart (`context_tokens`)."""
         return self._global.tokens + sum(h.tokens() for h in self.problems.values())
 
+    @property
+    def context_tokens(self) -> int:
+        """Tokens of the session contexts held."""
+        return self._context_tokens
+
     def memory_bytes(self) -> int:
-        return self._global.index.memory_bytes() + sum(h.memory_bytes() for h in self.problems.values())
+        return (self._global.index.memory_bytes() + sum(h.memory_bytes() for h in self.problems.values())
+                + sum(c.segment.index.memory_bytes() for c in self._contexts.values()))
 
 
 def _token_table(table: np.ndarray) -> np.ndarray:

@@ -146,6 +146,9 @@ class GroupRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, json_schema_extra=_ONE_PROMPT_SCHEMA)
 
     problem_id: Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_unicode)]
+    session_id: Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_unicode)] | None = Field(
+        None, description="the agent trajectory this group is a turn of (n = 1): its turns run on the engine "
+                          "holding its prefix (service/sessions.py); send the whole context as the prompt")
     n: int = Field(1, ge=1, le=4096)
     prompt_token_ids: tuple[TokenId, ...] | None = None
     prompt: NonEmptyText | None = None
@@ -177,6 +180,9 @@ class GroupRequest(BaseModel):
             raise ValueError("prompt_token_ids is empty")
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages is empty")
+        if self.session_id is not None and self.n != 1:
+            raise ValueError(f"a session's turn is one trajectory: n must be 1, got {self.n} (open a session per "
+                             f"trajectory)")
         if self.key_indices is not None and (len(self.key_indices) != self.n
                                              or len(set(self.key_indices)) != self.n):
             raise ValueError(f"key_indices must be n = {self.n} distinct indices")

@@ -38,9 +38,11 @@ from das.service.api import (
     PauseMode,
     ProblemSummary,
     SampleRecord,
+    SamplingSpec,
 )
 from das.service.history_chunks import history_bodies
 from das.service.sample_progress import ProgressRecord
+from das.service.session_client import AsyncClientSession, ClientSession
 
 Wire = Literal["msgpack", "ndjson"]
 
@@ -353,6 +355,11 @@ class RolloutClient(_ClientBase):
         """What the server's history store holds for a problem; RolloutError (404) when nothing."""
         return ProblemSummary.model_validate(self._call("GET", f"/v1/history/{quote(problem_id, safe='')}"))
 
+    def session(self, problem_id: str, session_id: str | None = None,
+                sampling: SamplingSpec | None = None) -> ClientSession:
+        """A new agent trajectory: `turn(new_tokens)` per step (service/session_client.py)."""
+        return ClientSession(self, problem_id, session_id, sampling)
+
     def close(self) -> None:
         self.http.close()
 
@@ -470,6 +477,11 @@ class AsyncRolloutClient(_ClientBase):
     async def history(self, problem_id: str) -> ProblemSummary:
         """What the server's history store holds for a problem; RolloutError (404) when nothing."""
         return ProblemSummary.model_validate(await self._call("GET", f"/v1/history/{quote(problem_id, safe='')}"))
+
+    def session(self, problem_id: str, session_id: str | None = None,
+                sampling: SamplingSpec | None = None) -> AsyncClientSession:
+        """A new agent trajectory: `await turn(new_tokens)` per step (service/session_client.py)."""
+        return AsyncClientSession(self, problem_id, session_id, sampling)
 
     async def aclose(self) -> None:
         await self.http.aclose()

@@ -17,7 +17,9 @@ engine's groups longest first, and merges the engines' streams as samples finish
 batch running at once (`_PlacedWork`): the predicted output tokens of the samples placed there that have not
 arrived, so batches of one group each (a trainer that sends a request per prompt, as OpenAI-style clients do)
 spread over the engines instead of all landing on the first; and a problem whose samples already run on an engine
-gets its next groups there, so siblings from separate requests share the live segment too.
+gets its next groups there, so siblings from separate requests share the live segment too. A session's turns (groups
+with a session_id, service/sessions.py) go to the engine holding the session's prefix while it serves and is not
+overloaded, and idle sessions' predicted remaining work counts in their engine's load (`attach_sessions`).
 
 Locally `RayBackend.start(config)` starts an embedded single-node cluster; with `address` it joins a running one
 (`ray start --head` on the head node, `ray start --address=...` on the others, or KubeRay).
@@ -67,6 +69,7 @@ from das.service.node_engine import EngineNotStarted, NodeEngine
 from das.service.pause_hold import PauseHold
 from das.service.rollout_backend import BackendStats, GroupInputError, ProgressSink
 from das.service.sample_progress import SampleProgress
+from das.service.sessions import SessionBook
 from das.service.stub_engine import StubEngineConfig
 
 log = logging.getLogger(__name__)
@@ -276,6 +279,7 @@ class RayBackend:
         self._given_up = 0  # samples ended with an error after max_group_deaths engine deaths
         self._given_up_prompts = GivenUpPrompts(config.failure)  # what `check` refuses for a while after that
         self.load_error: str | None = None  # why the service is not ready: an engine failed its first load
+        self._sessions: SessionBook | None = None  # the gateway's (attach_sessions): where sessions' prefixes are
 
     # ---- lifecycle ----
 
@@ -425,32 +429,58 @@ class RayBackend:
             return
         raise RuntimeError("no engine serves: the groups cannot be checked")
 
+    def attach_sessions(self, book: SessionBook) -> None:
+        """The gateway's session book: a session's turns go to the engine holding its prefix, and idle sessions'
+        predicted remaining work counts in their engine's load (`_place`)."""
+        self._sessions = book
+
     def place(self, groups: Sequence[GroupRequest]) -> _Placement:
         """Per serving engine (in `serving_engines` order), the (batch index, group) pairs it would run, longest
         predicted first (`with_length_predictions` tags the groups), given the work already placed there."""
         return self._place(groups, self._serving())
 
     def _place(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> _Placement:
-        """A problem's groups go where its samples already run, if they run on a serving engine; the others, a
-        problem's groups of this batch together, by LPT from the engines' placed loads."""
+        """A session's turn goes to the engine holding its prefix while that one serves and is not overloaded
+        (SessionBook.engine_for; each session is its own unit, so a problem's trajectories spread); a problem's
+        other groups go where its samples already run, if they run on a serving engine; the rest, a problem's groups
+        of this batch together, by LPT from the engines' placed loads plus the idle sessions' reserved work."""
         tagged = with_length_predictions(self._predictor, groups)
+        if self._sessions is not None:
+            # A turn tagged here plans its drafts with its trajectory's remaining tokens (one tagged before, e.g.
+            # re-run after its engine died, has its curve already; one with the caller's prediction keeps it).
+            book = self._sessions
+            tagged = [t if t.session_id is None or g.predicted_tokens else t.model_copy(update={
+                "length_curve": book.trajectory_curve(t.session_id, t.length_curve, _sample_load(t))})
+                for g, t in zip(groups, tagged)]
         names = [name for _, _, name in serving]
         loads = np.array([g.n * _sample_load(g) for g in tagged])
-        existing = np.array([self._placed.load(name) for name in names])
+        existing = np.array([self._placed.load(name) for name in names], dtype=np.float64)
+        if self._sessions is not None:
+            reserved = self._sessions.reserved()
+            existing += np.array([reserved[name] for name in names], dtype=np.float64)
         assignment = np.empty(len(tagged), np.int64)
-        units: dict[str, list[int]] = {}  # problem -> its groups of this batch placed by LPT
+        units: dict[tuple[str, str], list[int]] = {}  # ("problem" or "session", id) -> its groups placed by LPT
         for i, group in enumerate(tagged):
-            engine = self._placed.engine_of(group.problem_id, names)
+            if group.session_id is not None and self._sessions is not None:
+                engine = self._sessions.engine_for(group.session_id, names, existing.tolist())
+                unit = ("session", group.session_id)
+            else:
+                engine = self._placed.engine_of(group.problem_id, names)
+                unit = ("problem", group.problem_id)
             if engine is None:
-                units.setdefault(group.problem_id, []).append(i)
+                units.setdefault(unit, []).append(i)
             else:
                 assignment[i] = engine
                 existing[engine] += loads[i]
         members = list(units.values())
         if members:
             placement = place_groups([loads[m].sum() for m in members], len(names), existing_loads=existing)
-            for unit, engine in zip(members, placement.assignment.tolist()):
-                assignment[unit] = engine
+            for unit_groups, engine in zip(members, placement.assignment.tolist()):
+                assignment[unit_groups] = engine
+        if self._sessions is not None:
+            for i, group in enumerate(tagged):
+                if group.session_id is not None:
+                    self._sessions.placed(group.session_id, names[int(assignment[i])])
         # inside an engine, longest predicted first (ties in batch order)
         by_load = np.argsort(-loads, kind="stable")
         return [[(int(i), tagged[int(i)]) for i in by_load[assignment[by_load] == e]] for e in range(len(names))]

@@ -18,6 +18,8 @@ before the body is read: service/request_guard.py, which also bounds how long a 
 - vLLM's RL control routes (`/pause`, `/resume`, `/is_paused`, `/abort_requests`, `/update_weights`, ...):
   service/rl_control.py. While paused, reloads do not wait for running batches and stall timeouts are off.
 - `GET /v1/history/{problem_id}`: what the history store holds for a problem (404 none, 501 no store).
+- `GET /v1/sessions/{id}`, `DELETE /v1/sessions/{id}`: an open agent session, or its end (service/session_routes.py);
+  a group with a `session_id` is a turn of that session (service/sessions.py: one turn at a time, 409 otherwise).
 - `GET /metrics` (Prometheus text), `GET /healthz` (liveness: 503 once the backend cannot serve again without a
   restart of the process, e.g. every engine past its restart cap, or makes no progress: `stalls_until_unlive`
   batches in a row failed by the stall timeout with no sample finishing in between), `GET /readyz` (503 until
@@ -55,7 +57,7 @@ Errors: 401 bad or missing token (before the body is read; the connection is clo
 weights path outside the root; 404 unknown batch; 408 the body did not arrive within `body_timeout_s` of the head,
 or the head within `header_timeout_s` (server_config), the connection closed; 409 a batch id reused for
 a different batch or accepted by an earlier run (`batch_from_previous_run`, above), or a weights version not newer
-than the served one; 410 batch results no longer retained;
+than the served one, or a group whose session is running a turn; 410 batch results no longer retained;
 413 a request body over `max_body_bytes` (refused before it is read when its Content-Length says so), a batch over
 `max_batch_samples` samples
 or a history import over `max_history_records`; 422 invalid input, naming the field (request validation, or the
@@ -122,6 +124,8 @@ from das.service.rl_control import rl_control_router
 from das.service.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 from das.service.sample_keys import fresh_seed
 from das.service.sample_progress import SampleProgress
+from das.service.session_routes import session_router
+from das.service.sessions import SessionBook, SessionConfig, SessionConflict
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +169,8 @@ class GatewaySettings(BaseModel):
     batch_journal: BatchJournalConfig | None = Field(None, description="where accepted batches are journaled, so "
                                                      "a batch id an earlier run accepted is refused (409), not "
                                                      "run again; None (no --state-dir): in memory only")
+    sessions: SessionConfig = Field(SessionConfig(), description="bounds and placement thresholds of agent "
+                                    "sessions (groups with a session_id; service/sessions.py)")
     freeze_gc: bool = Field(False, description="at startup, move every object alive to the garbage collector's "
                                                "permanent generation (gc.freeze); process-wide, so for the "
                                                "process that serves (das serve, the load test), not a library "
@@ -423,6 +429,11 @@ class _Gateway:
         self.stalls_in_a_row = 0  # batches failed by the stall timeout since a sample last finished
         self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
         self.metrics.batch_journal = self.journal
+        self.sessions = SessionBook(settings.sessions, on_close=self.metrics.observe_session)
+        self.metrics.sessions = self.sessions
+        attach = getattr(backend, "attach_sessions", None)  # a backend that places turns by engine reads the book
+        if attach is not None:
+            attach(self.sessions)
         self._stopping = False  # batches aborted from now on were cut off by the shutdown
         self._aborts: set[asyncio.Task[None]] = set()  # aborts of abandoned batches (the loop holds tasks weakly)
 
@@ -477,6 +488,15 @@ class _Gateway:
             seed = body.seed if body.seed is not None else fresh_seed()
             batch = _Batch(body.batch_id or uuid.uuid4().hex, seeded_groups(body.groups, seed), body.logprobs,
                            body.return_prompt_token_ids, fingerprint, seed, body.progress)
+            turns = [(g.session_id, g.problem_id) for g in body.groups if g.session_id is not None]
+            if turns:
+                try:
+                    self.sessions.begin(batch.batch_id, turns)
+                except SessionConflict as exc:
+                    if exc.status != 422:
+                        raise HTTPException(exc.status, str(exc)) from None
+                    index = next(i for i, g in enumerate(body.groups) if g.session_id == exc.session_id)
+                    raise _engine_error(EngineInputError(str(exc)), ["body", "groups", index, "session_id"]) from None
             self.batches.add(batch)
             if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id
                 self.journal.accepted(batch.batch_id, fingerprint, batch.expected)
@@ -516,6 +536,12 @@ class _Gateway:
                             self.metrics.current_batch_longest = max(self.metrics.current_batch_longest,
                                                                      len(sample.token_ids))
                         batch.add(group_index, sample)
+                        if (group := batch.groups[group_index]).session_id is not None:
+                            self.sessions.finished(
+                                batch.batch_id, group.session_id, engine=sample.engine,
+                                prompt_tokens=len(sample.prompt_token_ids or group.prompt_token_ids or ()),
+                                output_tokens=len(sample.token_ids), finish_reason=sample.finish_reason,
+                                policy_version=sample.policy_version, policy_spans=sample.policy_spans)
             status = "done"
         except asyncio.CancelledError:
             # DELETE or shutdown. Not re-raised: this task is the batch's own and ends here.
@@ -538,6 +564,7 @@ class _Gateway:
             return
         batch.end(status, error)
         self.batches.ended(batch)
+        self.sessions.batch_ended(batch.batch_id)
         if self.journal is not None:
             ended: EndStatus = "interrupted" if self._stopping and status == "aborted" else status
             self.journal.ended(batch.batch_id, ended, len(batch.frames))
@@ -717,7 +744,8 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         "description": "a stream of SampleRecord objects, then {\"summary\": BatchSummary}: NDJSON, or a msgpack "
                        "stream (concatenated maps, no length prefix) with Accept: application/msgpack",
         "content": {NDJSON: {}, MSGPACK: {}}}, **error_responses({
-            409: "batch_id already used by a different batch (or accepted by an earlier run)",
+            409: "batch_id already used by a different batch (or accepted by an earlier run), or a group's session "
+                 "is running a turn",
             410: "the batch with this batch_id ended and its results are no longer retained",
             413: "the body is over max_body_bytes, or the batch asks for more than max_batch_samples samples",
             429: "max_batches_in_flight batches are queued or running (Retry-After)",
@@ -786,6 +814,7 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
 
     api.include_router(openai_router(gateway))  # under the same auth
     api.include_router(rl_control_router(gateway))
+    api.include_router(session_router(gateway))
     app.include_router(api)
 
     @app.get("/healthz", responses=error_responses({503: "the backend cannot serve again without a restart, or "

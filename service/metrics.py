@@ -22,6 +22,7 @@ from das.service.api import SampleResult
 from das.service.batch_journal import BatchJournal
 from das.service.history_store import resident_bytes
 from das.service.rollout_backend import BackendStats
+from das.service.sessions import Session, SessionBook
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # what `render()` produces
 
@@ -29,6 +30,7 @@ _LENGTH_BUCKETS = tuple(float(2**k) for k in range(4, 16))  # 16 .. 32768 tokens
 _SECONDS_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
 _SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _RATIO_BUCKETS = (1.0, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
+_TURN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
 _ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8, 12, 16)
 LENGTH_CLASSES = ("short", "medium", "long")
 
@@ -119,6 +121,12 @@ class GatewayMetrics:
         self.reload_duration = _Histogram("das_weight_reload_seconds",
                                           "A weight reload, including the wait for running batches.",
                                           _SECONDS_BUCKETS)
+        self.sessions: SessionBook | None = None  # the gateway's
+        self.session_makespan = _Histogram("das_session_makespan_seconds", "An agent trajectory (session) that "
+                                           "ended: its first turn's start to its last turn's end, tool time "
+                                           "included.", _SECONDS_BUCKETS)
+        self.session_turns = _Histogram("das_session_trajectory_turns", "Turns of a trajectory (session) that "
+                                        "ended.", _TURN_BUCKETS)
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -137,6 +145,12 @@ class GatewayMetrics:
     def body_timed_out(self) -> None:
         """A request body that did not arrive in time (service/request_guard.py)."""
         self.body_timeouts += 1
+
+    def observe_session(self, session: Session, reason: str) -> None:
+        """A session that ended (closed, aborted, expired or evicted), if any turn of it finished."""
+        if session.turns and session.ended_s is not None:
+            self.session_makespan.observe(session.ended_s - session.opened_s)
+            self.session_turns.observe(len(session.turns))
 
     def observe_batch(self, status: str, makespan_s: float, finish_times_s: Sequence[float],
                       lengths: Sequence[int]) -> None:
@@ -188,8 +202,9 @@ class GatewayMetrics:
                                       "that could not be written (those batches are not protected against a "
                                       "second run after a restart).", value=journal.write_failures)
         yield from self._backend_families()
+        yield from self._session_families()
         for histogram in (self.acceptance_length, self.generated_length, self.makespan, self.tail_share,
-                          self.straggler, self.reload_duration):
+                          self.straggler, self.reload_duration, self.session_makespan, self.session_turns):
             yield histogram.family()
 
     def _backend_families(self) -> Iterator[Metric]:
@@ -281,6 +296,30 @@ class GatewayMetrics:
         for component, value in sorted({**stats.resident_bytes, "gateway": resident_bytes()}.items()):
             memory.add_metric([component], value)
         yield memory
+
+    def _session_families(self) -> Iterator[Metric]:
+        """Agent sessions (service/sessions.py): open ones, turns, moves off their engine, ends by reason."""
+        book = self.sessions
+        if book is None:
+            return
+        book.expire()  # a scrape sees expired sessions gone even when no turn arrives to expire them
+        yield GaugeMetricFamily("das_session_open", "Agent sessions open (idle between turns or running one).",
+                                value=book.open_sessions)
+        yield GaugeMetricFamily("das_session_context_tokens", "Context tokens (latest prompt + output) summed over "
+                                "the open sessions (bounded by SessionConfig.max_context_tokens).",
+                                value=book.context_tokens)
+        yield CounterMetricFamily("das_session_turns", "Session turns finished.", value=book.turns)
+        yield _labelled("das_session_moves", "Session turns placed away from the engine holding the session's "
+                        "prefix, by reason (not_serving: the engine died, drains or recovers; overload).", "reason",
+                        book.moves)
+        yield _labelled("das_session_ended", "Sessions ended, by reason (closed, aborted, expired, evicted).",
+                        "reason", book.closed)
+        reserved = GaugeMetricFamily("das_session_reserved_tokens", "Predicted remaining output tokens of the idle "
+                                     "sessions whose prefix the engine holds (added to its placed work).",
+                                     labels=["engine"])
+        for engine, tokens in sorted(book.reserved().items()):
+            reserved.add_metric([engine], tokens)
+        yield reserved
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -6,7 +6,15 @@ mounts them under the gateway's bearer-token auth. Request and response bodies: 
   `served_model_name` if it has one, else "das"). A request naming another model gets 404.
 - `POST /v1/completions`: `prompt` as text, as token ids, or as a list holding one of those.
 - `POST /v1/chat/completions`: `messages` (system, developer (taken as system), user and assistant turns, text
-  content); the engine applies the model's chat template.
+  content); the engine applies the model's chat template. Or, instead, `prompt_token_ids` (DAS; `messages` empty):
+  the conversation as token ids with the template applied, so an agent loop never re-tokenizes.
+
+Sessions (agent trajectories, service/sessions.py): a request naming a `session_id` (vLLM's field, in the official
+client's `extra_body`) is one turn of that trajectory, n = 1: its turns run on the engine holding its prefix. Send
+the whole context every turn: the previous turn's prompt token ids and `token_ids` (`return_token_ids`), then the
+new tokens (a tool's output, the next user turn), as `prompt` (completions) or `prompt_token_ids` (chat). A session's
+problem_id defaults to its first turn's. A turn while another of the session runs gets 409; GET/DELETE
+/v1/sessions/{session_id} (service/session_routes.py) show and end one. Session requests are not coalesced.
 
 How a request maps to the batch API: it becomes one `GroupRequest` of `n` samples of its prompt, with
 `problem_id` from the body (the official client sends it through `extra_body`) or, absent, "sha256:" + the hash
@@ -46,9 +54,11 @@ What the responses carry:
 - text: "" where the backend has no tokenizer (the stub).
 
 Errors, all in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid input (the body, n < 1,
-more than one prompt, a prompt the engine refuses, e.g. one over the context, `logprobs` over vLLM's 20); 401 bad or
-missing token (before the body is read); 404 unknown model; 408 a body too slow; 413 a body over `max_body_bytes`;
-429 too many batches in flight; 503 not ready, or the batch was aborted; 500 a failed batch or sample. Unknown body fields are ignored, as OpenAI's API does (logged at debug).
+more than one prompt, a prompt the engine refuses, e.g. one over the context, `logprobs` over vLLM's 20, a
+session of another problem); 401 bad or missing token (before the body is read); 404 unknown model; 408 a body
+too slow; 409 the session runs a turn already; 413 a body over `max_body_bytes`; 429 too many batches in flight;
+503 not ready, or the batch was aborted; 500 a failed batch or sample. Unknown body fields are ignored, as
+OpenAI's API does (logged at debug).
 
 A client that disconnects before all its samples came (a stream it stops reading, or a non-streaming request it
 gives up on: the route watches for the disconnect while it waits) aborts the batch once no request of its group
@@ -230,16 +240,20 @@ def _prompt_problem_id(prompt: dict[str, Any]) -> str:
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _group(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max_tokens: int | None) -> GroupRequest:
-    """The request as our group; out-of-range values are refused by SamplingSpec and GroupRequest themselves."""
+def _group(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max_tokens: int | None,
+           session_problem: str | None = None) -> GroupRequest:
+    """The request as our group; out-of-range values are refused by SamplingSpec and GroupRequest themselves.
+    `session_problem`: the problem of the open session the request names, its default problem_id (a turn's prompt
+    grows every turn, so its hash would name a new problem)."""
     given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p,
              "top_k": body.top_k,
              "stop": [body.stop] if isinstance(body.stop, str) else body.stop,
              "stop_token_ids": body.stop_token_ids, "ignore_eos": body.ignore_eos, "seed": body.seed}
     try:
         sampling = SamplingSpec(**{k: v for k, v in given.items() if v is not None})
-        problem_id = body.problem_id if body.problem_id is not None else _prompt_problem_id(prompt)
-        return GroupRequest(problem_id=problem_id, n=body.n, sampling=sampling, **prompt)
+        problem_id = (body.problem_id if body.problem_id is not None else session_problem
+                      if session_problem is not None else _prompt_problem_id(prompt))
+        return GroupRequest(problem_id=problem_id, session_id=body.session_id, n=body.n, sampling=sampling, **prompt)
     except ValidationError as exc:
         raise invalid_request(exc.errors(), rename={"prompt": prompt_param, "prompt_token_ids": prompt_param},
                               default=prompt_param) from None
@@ -332,11 +346,13 @@ class _Coalescer:
         HTTPException as the gateway refused it. `stream`: the share also gets its samples' token progress."""
         key = group.model_dump_json(exclude={"n"})
         target = self._open.get(key)
-        if target is None or target.n + group.n > self._max_n or group.sampling.seed is not None:
+        # A session's turn runs alone and at once: it is one trajectory (n = 1), and waits for nobody.
+        alone = group.sampling.seed is not None or group.session_id is not None
+        if target is None or target.n + group.n > self._max_n or alone:
             target = _Group(group)
-            if self._window_s > 0 and group.sampling.seed is None:
+            if self._window_s > 0 and not alone:
                 self._open[key] = target
-            self._spawn(self._launch(key, target))
+            self._spawn(self._launch(key, target, 0.0 if group.session_id is not None else self._window_s))
         share = target.join(group.n, stream)
         # Shielded: a request cancelled while it waits must leave its future for _launch to resolve (resolving a
         # cancelled one raises there, and its siblings would never hear back).
@@ -347,9 +363,9 @@ class _Coalescer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _launch(self, key: str, group: _Group) -> None:
-        if self._window_s > 0:
-            await asyncio.sleep(self._window_s)
+    async def _launch(self, key: str, group: _Group, window_s: float) -> None:
+        if window_s > 0:
+            await asyncio.sleep(window_s)
             if self._open.get(key) is group:
                 del self._open[key]
         merged = group.template.model_copy(update={"n": group.n})
@@ -540,12 +556,15 @@ def openai_router(gateway: _Gateway) -> APIRouter:
 
     async def start(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max_tokens: int | None,
                     prefix: str) -> _Reply:
-        group = _group(body, prompt, prompt_param, max_tokens)
+        session = gateway.sessions.get(body.session_id) if body.session_id is not None else None
+        group = _group(body, prompt, prompt_param, max_tokens, session.problem_id if session is not None else None)
         try:
             share, batch_id = await coalescer.submit(group, bool(body.stream))
         except HTTPException as exc:
             # Refused input (too many samples, a group the backend refuses) is a 400 in OpenAI's terms.
             param = {413: "n", 422: prompt_param}.get(exc.status_code)
+            if exc.status_code == 422 and "session" in str(exc.detail):
+                param = "session_id"
             raise _from_http(exc, 400 if param else None, param) from None
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         return _Reply(served, prefix, group.problem_id, share, batch_id, include_usage)
@@ -557,6 +576,7 @@ def openai_router(gateway: _Gateway) -> APIRouter:
 
     # What a completion may answer besides 200 (and 401, 413: create_app documents those for every route).
     errors = error_responses({400: "invalid input", 404: "unknown model",
+                              409: "the session named is running a turn (a session runs one at a time)",
                               429: "max_batches_in_flight batches are queued or running (Retry-After)",
                               500: "the batch or a sample failed in the engine",
                               503: "the backend is not ready (Retry-After), or the batch was aborted"}, ErrorResponse)
@@ -588,9 +608,15 @@ def openai_router(gateway: _Gateway) -> APIRouter:
         check(body, "/v1/chat/completions")
         if body.top_logprobs is not None and not body.logprobs:
             raise OpenAIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
-        prompt = _chat_prompt(body.messages)
+        if body.prompt_token_ids is not None and body.messages:
+            raise OpenAIError(400, "give messages or prompt_token_ids, not both", param="prompt_token_ids")
+        if body.prompt_token_ids is None and not body.messages:
+            raise OpenAIError(400, "messages: at least one message (or prompt_token_ids instead)", param="messages")
+        prompt = ({"prompt_token_ids": body.prompt_token_ids} if body.prompt_token_ids is not None
+                  else _chat_prompt(body.messages))
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        reply = await start(body, prompt, "messages", max_tokens, "chatcmpl")
+        param = "prompt_token_ids" if body.prompt_token_ids is not None else "messages"
+        reply = await start(body, prompt, param, max_tokens, "chatcmpl")
         ids = body.return_token_ids
 
         def choice(r: Record) -> ChatChoice:

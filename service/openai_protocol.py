@@ -1,7 +1,7 @@
 """OpenAI's wire contract for the OpenAI-compatible routes (service/openai_api.py): the request and response
 bodies of `GET /v1/models`, `POST /v1/completions` and `POST /v1/chat/completions` as OpenAI defines them, with
-the vLLM extensions RL trainers send (`top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`) and ours
-(`problem_id` in a request, `das` in a response).
+the vLLM extensions RL trainers send (`top_k`, `stop_token_ids`, `ignore_eos`, `return_token_ids`, `session_id`)
+and ours (`problem_id` and chat's `prompt_token_ids` in a request, `das` in a response).
 
 Kept apart from service/api.py, our own batch API, because these follow someone else's contract: unknown request
 keys are accepted and ignored (OpenAI's API does the same; the router logs them at debug), where ours are
@@ -54,7 +54,11 @@ class SamplingRequest(BaseModel):
     return_token_ids: bool = Field(False, description="vLLM's extension: each choice's token_ids, and the "
                                                       "prompt's prompt_token_ids")
     problem_id: str | None = Field(None, description="DAS: the problem these samples answer (their history "
-                                                     "drafts for later requests); default: a hash of the prompt")
+                                                     "drafts for later requests); default: a hash of the prompt "
+                                                     "(of a session: of its first turn's prompt)")
+    session_id: str | None = Field(None, description="vLLM's field: the agent trajectory this request is a turn of "
+                                                     "(n = 1); its turns run on the engine holding its prefix "
+                                                     "(service/sessions.py)")
 
 
 _TokenIds = Annotated[list[int], Field(min_length=1)]
@@ -85,7 +89,12 @@ class ChatMessageParam(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessageParam] = Field(min_length=1)
+    messages: list[ChatMessageParam] = Field(default_factory=list, description="the conversation; empty when "
+                                             "prompt_token_ids is given")
+    prompt_token_ids: list[int] | None = Field(None, description="DAS: the conversation as token ids, chat "
+                                               "template applied (a session's context as the previous turns' "
+                                               "prompt_token_ids + token_ids + the new turn's tokens), instead of "
+                                               "messages: nothing is re-tokenized")
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens; wins over it")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

@@ -397,7 +397,7 @@ class Engine:
         at the positions after its prefix."""
         resumed = len(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else 0
         tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve,
-                           resumed_tokens=resumed)
+                           resumed_tokens=resumed, session_id=group.session_id)
         extra_args = tags.to_extra_args()
         key = group.sample_key(index)
         if self.config.keyed_sampling and key is not None:

@@ -84,6 +84,8 @@ class RequestTags:
     resumed_tokens: the last tokens of the request's prompt that are the sample's own output, delivered before its
     engine died (a resumed sample): they count as generated (length forecast, max_tokens) and feed the live
     segment at its first step, so the drafter's state is what it would have been without the death.
+    session_id: the agent session the sample is a turn of: the drafter indexes its prompt as the session's
+    context, turn by turn (drafter/history.py `SessionContext`), or None.
     """
 
     problem_id: str
@@ -94,13 +96,15 @@ class RequestTags:
     draft: bool = True
     cost_probe: bool = False
     resumed_tokens: int = 0
+    session_id: str | None = None
 
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
         return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
                                  "predicted_tokens": self.predicted_tokens, "length_curve": curve,
                                  "draft": self.draft, "cost_probe": self.cost_probe,
-                                 "resumed_tokens": self.resumed_tokens}}
+                                 "resumed_tokens": self.resumed_tokens,
+                                 "session_id": self.session_id}}
 
     @staticmethod
     def from_extra_args(extra_args: dict[str, Any] | None, prompt: list[int]) -> RequestTags:
@@ -116,9 +120,11 @@ class RequestTags:
                 curve = LengthCurve.from_dict(raw["length_curve"])
             except ValueError as exc:  # the sample still runs; only its budget falls back to predicted_tokens
                 log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
+        session = raw.get("session_id")
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
                            None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)),
-                           bool(raw.get("cost_probe", False)), int(raw.get("resumed_tokens", 0)))
+                           bool(raw.get("cost_probe", False)), int(raw.get("resumed_tokens", 0)),
+                           None if session is None else str(session))
 
 
 @dataclass
@@ -320,7 +326,7 @@ class DasProposer:
             if state is not None:  # else it finished and leaves at the next step
                 prompt = np.asarray(state.prompt_token_ids or [], np.int32)[:self._columns.prompt_len[run.slot]]
                 self._columns.bank_slot[run.slot] = self.bank.start_request(rid, run.tags.problem_id, prompt,
-                                                                            version)
+                                                                            version, run.tags.session_id)
             self._columns.probe_drafted[run.slot] = 0  # its draft was dropped by the preemption, never verified
 
     def pop_counts(self, keys: list[str]) -> dict[str, DraftCounts]:
@@ -369,7 +375,7 @@ class DasProposer:
         resumed = min(max(tags.resumed_tokens, 0), len(prompt) - 1)
         prompt_len = len(prompt) - resumed
         bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt[:prompt_len], np.int32),
-                                            self.policy_version)
+                                            self.policy_version, tags.session_id)
         max_tokens = int(params.max_tokens) if params is not None and params.max_tokens else self.max_model_len
         run = _Running(tags, self.acceptance.start(rid))
         self._columns.start(run.slot, prompt_len=prompt_len, max_tokens=max_tokens + resumed, bank_slot=bank_slot,

@@ -169,15 +169,17 @@ def problems(queries: list[Query], exported: dict[str, set[str]]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def exported() -> dict[str, set[str]]:
-    """The series /metrics exports after one batch through the gateway (stub engine, one synthetic engine)."""
+    """The series /metrics exports after one batch through the gateway (stub engine, one synthetic engine), one of
+    its groups a session's turn."""
     with TestClient(create_app(StubBackend(output_tokens=24), GatewaySettings())) as client:
         body = {"groups": [{"problem_id": "p0", "n": 4, "prompt_token_ids": [1, 2, 3],
                             "sampling": {"max_tokens": 32}},
-                           {"problem_id": "p1", "n": 2, "prompt_token_ids": [4, 5], "sampling": {"max_tokens": 16}}]}
+                           {"problem_id": "p1", "n": 2, "prompt_token_ids": [4, 5], "sampling": {"max_tokens": 16}},
+                           {"problem_id": "p2", "session_id": "s0", "prompt_token_ids": [6], "sampling": {}}]}
         with client.stream("POST", "/v1/rollouts", json=body) as response:
             assert response.status_code == 200
             lines = [json.loads(line) for line in response.iter_lines() if line]
-        assert len(lines) == 7 and lines[-1]["summary"]["status"] == "done"  # 6 samples, then the summary
+        assert len(lines) == 8 and lines[-1]["summary"]["status"] == "done"  # 7 samples, then the summary
         metrics = client.get("/metrics")
         assert metrics.status_code == 200
         return scrape_labels(metrics.text)
@@ -225,6 +227,10 @@ def test_dashboard_shows_what_straggler_monitoring_needs() -> None:
     assert shown("das_samples_redispatched_total") and shown("das_samples_given_up_total")
     assert shown("das_history_tokens_stored")
     assert shown("das_weight_reload_seconds_bucket")
+    assert shown("das_session_open") and shown("das_session_turns_total")
+    assert shown("das_session_moves_total", "reason") and shown("das_session_makespan_seconds_bucket", "le")
+    assert shown("das_engine_prompt_tokens_cached_total", "engine")
+    assert shown("das_session_reserved_tokens", "engine")
 
 
 def _all_panels(dashboard: dict[str, Any]) -> list[dict[str, Any]]:

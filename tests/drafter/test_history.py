@@ -275,3 +275,43 @@ def test_the_index_is_sized_to_the_draft_length_unless_named():
         bank.start_request("r", "p", np.asarray([1, 2], np.int32), 1)
         drafts.append(bank.propose("r", np.concatenate([[1, 2], seq[:20]]).astype(np.int32), 8).tokens.tolist())
     assert drafts[0] == drafts[1] == seq[20:28].tolist()
+
+
+def test_a_sessions_turns_extend_one_context_and_draft_from_it():
+    bank = HistoryBank(DrafterConfig(max_depth=16))
+    first = np.array([1, 2, 3, 4], np.int32)
+    bank.start_request("t1", "p", first, 0, session_id="s")
+    bank.extend("t1", np.array([5, 6], np.int32))
+    bank.finish_request("t1")
+    assert bank.context_tokens == 4 and bank.problem("p").prompts.tokens == 0  # not among the problem's prompts
+    tool = [40, 41, 42, 43, 44, 45]
+    second = np.array([1, 2, 3, 4, 5, 6, *tool], np.int32)
+    bank.start_request("t2", "p", second, 0, session_id="s")
+    assert bank.context_tokens == len(second)  # extended by its 8 new tokens, not indexed again
+    # the model re-emits the tool's output: the session's context drafts the rest of it
+    prop = bank.propose("t2", np.array([*second, 9, 40, 41], np.int32), 4)
+    assert prop.source == "context" and prop.tokens.tolist() == [42, 43, 44, 45]
+    bank.finish_request("t2")
+    # another session of the problem does not draft from this one's context
+    bank.start_request("u1", "p", np.array([7, 8], np.int32), 0, session_id="u")
+    assert bank.propose("u1", np.array([7, 8, 40, 41], np.int32), 4).source != "context"
+
+
+def test_a_rewritten_context_is_indexed_anew_and_idle_contexts_are_bounded():
+    bank = HistoryBank(DrafterConfig(max_depth=16, context_tokens=100))
+    bank.start_request("a1", "p", np.arange(1, 61, dtype=np.int32), 0, session_id="a")
+    bank.finish_request("a1")
+    bank.start_request("a2", "p", np.arange(2, 52, dtype=np.int32), 0, session_id="a")  # not an extension
+    assert bank.context_tokens == 50
+    bank.finish_request("a2")
+    bank.start_request("b1", "p", np.arange(1, 41, dtype=np.int32), 0, session_id="b")
+    assert bank.context_tokens == 90  # within the bound: both kept
+    bank.start_request("c1", "p", np.arange(1, 31, dtype=np.int32), 0, session_id="c")
+    assert bank.context_tokens == 70  # "a" (idle, least recently used) went; "b" and "c" run
+    bank.start_request("d1", "p", np.arange(1, 61, dtype=np.int32), 0, session_id="d")
+    assert bank.context_tokens == 130  # over the bound, but every context held has a request running
+    bank.finish_request("b1")
+    assert bank.context_tokens == 90  # "b" went as soon as it was idle
+    # a new turn of the evicted session starts its context over, and drafts still run
+    bank.start_request("a3", "p", np.arange(2, 62, dtype=np.int32), 0, session_id="a")
+    assert bank.propose("a3", np.array([*range(2, 62), 10, 11], np.int32), 3).source == "context"

@@ -425,3 +425,15 @@ def test_a_resumed_samples_delivered_tokens_count_as_its_output_not_its_prompt()
     plain_runner.add("q", PROMPT + RESPONSE[:6], max_tokens=20, tags=RequestTags("p", key="q"))
     plain_runner.step(plain, {})
     assert plain._columns.prompt_len[plain._running["q"].slot] == len(PROMPT) + 6  # without the tag: all prompt
+
+
+def test_a_sessions_turn_drafts_its_tool_output_from_the_sessions_context():
+    tags = RequestTags("q", key="k", session_id="traj")
+    assert RequestTags.from_extra_args(tags.to_extra_args(), PROMPT) == tags
+    proposer, runner = attached(budget={"policy": "uniform"})
+    tool = [60, 61, 62, 63, 64, 65, 66, 67]
+    runner.add("turn2", [*PROMPT, 9, *tool], tags=RequestTags("q", key="turn2", session_id="traj"))
+    runner.step(proposer, {})
+    drafts = runner.step(proposer, {"turn2": [60, 61]})  # the model starts re-emitting the tool's output
+    assert drafts["turn2"] and drafts["turn2"] == tool[2:2 + len(drafts["turn2"])]
+    assert proposer.bank.context_tokens == len(PROMPT) + 1 + len(tool)
