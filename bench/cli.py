@@ -244,7 +244,7 @@ def bench_e2e(
     from das.scheduler.cost_model import prior_cost_model
     from das.service.engine.async_engine import engine_dtype
     from das.service.engine.models import prepare_model
-    from das.service.prompt_sets import PromptSetError, load_prompt_set
+    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
 
     arm_names = tuple(a.strip() for a in arms.split(",") if a.strip())
     try:
@@ -314,7 +314,7 @@ def bench_serve(
     import shlex
 
     from das.bench.user_run import UserRunConfig, run_user_bench
-    from das.service.prompt_sets import PromptSetError, load_prompt_set
+    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
 
     try:
         problem_set = load_prompt_set(problems)

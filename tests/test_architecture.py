@@ -34,13 +34,13 @@ def test_an_upward_import_breaks_the_layers_contract(tmp_path: Path) -> None:
         shutil.copytree(ROOT / folder, tmp_path / "dascopy" / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "native", "*.so"))
     records = tmp_path / "dascopy" / "drafter" / "records.py"
-    records.write_text(records.read_text() + "\nfrom das.service import api  # upward\n")
+    records.write_text(records.read_text() + "\nfrom das.service.wire import api  # upward\n")
     for path in [*tmp_path.rglob("*.py"), tmp_path / "pyproject.toml"]:
         source = (ROOT / "pyproject.toml").read_text() if path.name == "pyproject.toml" else path.read_text()
         path.write_text(re.sub(r"\bdas\.(drafter|scheduler|service|bench)\b", r"dascopy.\1", source))
     result = _lint_imports(tmp_path, pythonpath=tmp_path)
     assert result.returncode != 0, result.stdout + result.stderr
-    assert "dascopy.drafter.records -> dascopy.service.api" in result.stdout, result.stdout + result.stderr
+    assert "dascopy.drafter.records -> dascopy.service.wire.api" in result.stdout, result.stdout + result.stderr
 
 
 def test_the_client_imports_no_server_engine_or_native_code() -> None:

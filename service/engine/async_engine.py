@@ -41,7 +41,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.cost_model import prior_cost_model
-from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine import known_warnings
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.cpu_allocator import CpuAllocator, cpu_allocator_env, model_vocab_size, resolve_allocator
@@ -52,8 +52,8 @@ from das.service.engine.sampling import EngineInputError, sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
-from das.service.history_store import unstorable
-from das.service.sample_keys import fresh_seed
+from das.service.cluster.history_store import unstorable
+from das.service.wire.sample_keys import fresh_seed
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -140,7 +140,7 @@ class EngineConfig(BaseModel):
     speculation: Speculation = "das"
     num_speculative_tokens: int = Field(8, ge=1, le=64)
     budget: dict[str, Any] = Field(default_factory=dict, description="budget hook settings "
-                                   "(service/engine/budget_hook.py); empty: the length-aware budget (das) on an "
+                                   "(scheduler/budget_hook.py); empty: the length-aware budget (das) on an "
                                    "online cost model")
     drafter: dict[str, Any] = Field(default_factory=dict, description="DrafterConfig fields (drafter/history)")
     cost_warmup_requests: int = Field(16, ge=0, le=256, description="the das budget only: requests of the start-up "

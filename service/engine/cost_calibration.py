@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from das.scheduler.cost_model import CostModel, fit_cost_model
-from das.service.api import GroupRequest
+from das.service.wire.api import GroupRequest
 from das.service.engine.async_engine import Engine, EngineConfig
 
 DecodeStepProbe = Callable[[int], float]  # batch size -> seconds per decode step

@@ -49,8 +49,8 @@ import numpy as np
 from das.drafter.history import DrafterConfig, HistoryBank
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.length import LengthCurve
-from das.service.engine.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
-from das.service.engine.request_columns import RequestColumns
+from das.scheduler.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
+from das.scheduler.request_columns import RequestColumns
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from das.service.api import SamplingSpec
+from das.service.wire.api import SamplingSpec
 
 if TYPE_CHECKING:
     from vllm import SamplingParams

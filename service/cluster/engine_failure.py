@@ -1,0 +1,142 @@
+"""What the coordinator keeps to survive an engine that dies (docs/design.md "Failure behaviour"). Pure
+bookkeeping, no Ray, so it is tested without processes.
+
+- `FailureConfig`: how many restarts an engine actor may have within a window, and how long a restart may take.
+- `RestartWindow`: one engine actor's recent restarts; says whether one more is allowed.
+- `Share`: the samples of one group that one engine owes a batch, and how the engine's sample indices map back to
+  the batch's. When the engine dies, `remainder()` is the share of the samples that never arrived, which the
+  coordinator sends to another engine (or the restarted one) as a group with n = their count. A share counts the
+  engine deaths its group ran through: a group that kills every engine it reaches (a "query of death") is given
+  up after `FailureConfig.max_group_deaths` of them instead of taking down one engine after another.
+- `GivenUpPrompts`: the prompts given up that way, refused at admission for `FailureConfig.given_up_hold_s`, so a
+  client that retries the error does not crash the engines again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import deque
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from das.service.wire.api import GroupRequest, SampleResult
+
+
+class FailureConfig(BaseModel):
+    """How the service treats an engine actor that dies (its process, or the vLLM engine core inside it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_restarts: int = Field(5, ge=0, description="restarts an engine actor may have within restart_window_s; "
+                              "the death after that fails the batches running on it, and it stays down")
+    restart_window_s: float = Field(600.0, gt=0, description="seconds over which max_restarts counts")
+    recovery_timeout_s: float = Field(1800.0, gt=0, description="seconds a restarted engine may take to load the "
+                                      "model and the served weights; longer fails it like an exhausted cap")
+    max_group_deaths: int = Field(3, ge=1, description="engine deaths a group's unfinished samples may run "
+                                      "through: at this many they end with finish_reason 'error' instead of running "
+                                      "again, so a prompt that crashes the engine takes down this many engines, not "
+                                      "every one in turn; a group's last try runs alone, so what only ran beside it "
+                                      "is not given up with it")
+    given_up_hold_s: float = Field(3600.0, ge=0, description="seconds a given-up group's prompt (with its sampling "
+                                   "settings) is refused at admission, so a client retrying the error does not "
+                                   "crash the engines again; 0: not refused")
+
+
+class RestartWindow:
+    """The restarts of one engine actor within the last `restart_window_s` seconds (monotonic clock)."""
+
+    def __init__(self, config: FailureConfig) -> None:
+        self._config = config
+        self._times: deque[float] = deque()
+
+    def allow(self, now: float) -> bool:
+        """Whether a death at `now` may be followed by a restart; records the restart if so."""
+        while self._times and self._times[0] <= now - self._config.restart_window_s:
+            self._times.popleft()
+        if len(self._times) >= self._config.max_restarts:
+            return False
+        self._times.append(now)
+        return True
+
+
+@dataclass
+class Share:
+    """The samples of the batch's group `group_index` that one engine was asked for. The engine draws
+    len(indices) samples numbered 0.. by itself; its sample j is the batch's sample `indices[j]`. `received`: the
+    batch's sample indices that have arrived (each is delivered once: a repeat is dropped). `deaths`: the engine
+    deaths the group's samples ran through before this share (0 for the first engine it is sent to)."""
+
+    group_index: int
+    indices: tuple[int, ...]
+    received: set[int] = field(default_factory=set)
+    deaths: int = 0
+
+    def request(self, group: GroupRequest) -> GroupRequest:
+        """What the engine is sent: the group, with n = the samples of this share, drawn with their own keys."""
+        if len(self.indices) == group.n:
+            return group
+        keys = self.indices if group.key_indices is None else tuple(group.key_indices[i] for i in self.indices)
+        return group.model_copy(update={"n": len(self.indices), "key_indices": keys})
+
+    def take(self, sample: SampleResult) -> SampleResult | None:
+        """The engine's sample renumbered as the batch's sample (in place), or None if that sample has already
+        arrived. ValueError for an index the engine was not asked for."""
+        j = sample.sample_index
+        if not 0 <= j < len(self.indices):
+            raise ValueError(f"sample index {j} of group {self.group_index}: the engine was asked for "
+                             f"{len(self.indices)} samples")
+        index = self.indices[j]
+        if index in self.received:
+            return None
+        self.received.add(index)
+        sample.sample_index = index
+        return sample
+
+    def missing(self) -> tuple[int, ...]:
+        """The batch's sample indices of this share that have not arrived, increasing."""
+        return tuple(i for i in self.indices if i not in self.received)
+
+    def remainder(self) -> Share | None:
+        """After the engine running this share died: a share of the missing samples, one more death counted (None:
+        nothing is missing)."""
+        missing = self.missing()
+        return Share(self.group_index, missing, deaths=self.deaths + 1) if missing else None
+
+
+def crash_digest(group: GroupRequest) -> str:
+    """What identifies a group as one that crashed engines: its prompt (token ids, text or messages) and its
+    sampling settings except the seed (sha256 hex)."""
+    body = group.model_dump(mode="json", include={"prompt_token_ids", "prompt", "messages", "sampling"})
+    body["sampling"].pop("seed", None)
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+class GivenUpPrompts:
+    """The groups given up after `max_group_deaths` engine deaths, by `crash_digest`, each held for
+    `given_up_hold_s` seconds (monotonic clock) from its latest give-up."""
+
+    def __init__(self, config: FailureConfig) -> None:
+        self._config = config
+        self._since: dict[str, float] = {}
+
+    def add(self, group: GroupRequest, now: float) -> None:
+        if self._config.given_up_hold_s > 0:
+            self._since[crash_digest(group)] = now
+
+    def refused(self, groups: list[GroupRequest], now: float) -> tuple[int, str] | None:
+        """The first group whose prompt is held, as (index, message), or None."""
+        hold = self._config.given_up_hold_s
+        for digest in [d for d, since in self._since.items() if since <= now - hold]:
+            del self._since[digest]
+        if not self._since:
+            return None
+        for i, group in enumerate(groups):
+            since = self._since.get(crash_digest(group))
+            if since is not None:
+                return i, (f"this prompt, with these sampling settings, was given up {now - since:.0f} s ago: its "
+                           f"samples were running at {self._config.max_group_deaths} engine death(s) (it may "
+                           f"crash the engine); it is refused for {hold:g} s after that "
+                           f"(FailureConfig.given_up_hold_s)")
+        return None

@@ -1,0 +1,412 @@
+"""Typed requests and results that cross a boundary (HTTP, Ray, the engine): pydantic models, unknown keys
+rejected, so a typo in a sampling key is an error and not a silently ignored setting.
+
+Bounds: what a request may carry is what every later stage can hold, so nothing accepted here fails later.
+Integers fit an int64 (msgpack, which carries batches to the engines and history to snapshots, holds no more);
+token ids and token counts an int32 (vLLM's and the drafter's buffers); floats are finite; strings are valid
+Unicode (JSON can spell a lone UTF-16 surrogate, which no tokenizer, msgpack frame or file name takes); sampling
+stays within what vLLM's `SamplingParams` accepts (temperature in [0, 2], top_p in (0, 1], top_k -1 or 0 for no
+cut or a positive count, non-empty stop strings).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
+
+from das.scheduler.length import LengthCurve
+from das.service.wire.sample_keys import derive
+
+INT64_MAX = 2**63 - 1
+INT32_MAX = 2**31 - 1  # token ids and token counts (drafter.records.MAX_TOKEN_ID is the same bound)
+
+
+def _unicode(text: str) -> str:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ValueError("not valid Unicode: a lone UTF-16 surrogate") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# A NUL ends a path in every system call, so a path holding one is never the path meant; 4096 is Linux's PATH_MAX.
+CheckpointPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$"), AfterValidator(_unicode)]
+
+
+def wire_problem(value: Any, where: str = "value") -> str | None:
+    """Why parsed JSON `value` cannot travel on as msgpack or be stored (an integer beyond int64, a float that is
+    not finite, a string with a lone surrogate), naming the part at fault; None if it can."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if -INT64_MAX - 1 <= value <= INT64_MAX else f"{where}: integer beyond int64"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{where}: {value} is not a finite number"
+    if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            return f"{where}: not valid Unicode (a lone UTF-16 surrogate)"
+        return None
+    if isinstance(value, dict):
+        for key, item in value.items():
+            problem = wire_problem(key, f"{where} key") or wire_problem(item, f"{where}.{key}")
+            if problem:
+                return problem
+        return None
+    if isinstance(value, (list, tuple)):
+        # Token lists are the bulk of a history import: whole lists of plain ints in range pass without a walk.
+        if value and all(type(v) is int for v in value) and -INT64_MAX - 1 <= min(value) and max(value) <= INT64_MAX:
+            return None
+        for i, item in enumerate(value):
+            problem = wire_problem(item, f"{where}[{i}]")
+            if problem:
+                return problem
+        return None
+    return f"{where}: a {type(value).__name__} is not a JSON value"
+
+
+class SamplingSpec(BaseModel):
+    """How the samples of one group are drawn. Temperature 0 is greedy. The bounds are vLLM's (`SamplingParams`),
+    so whatever passes here the engine runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    max_tokens: int = Field(256, ge=1, le=INT32_MAX, description="output tokens per sample, at most")
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, le=INT32_MAX, description="0 or -1: no top-k cut")
+    stop: tuple[NonEmptyText, ...] = Field((), description="stop strings (not included in the output)")
+    stop_token_ids: tuple[TokenId, ...] = ()
+    ignore_eos: bool = False
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description=(
+        "the group's randomness: sample i's token at position t is drawn with a key of (seed, i, t) "
+        "(service/wire/sample_keys.py), so the same seed draws the same tokens with or without speculation, on any "
+        "engine, after a re-dispatch; None: derived from the batch's seed (RolloutRequest.seed)"))
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant"]
+    content: Text
+
+
+# The service's own curves have at most window x max_per_version + 64 steps (321 at the defaults).
+MAX_CURVE_POINTS = 4096
+
+
+class GroupRequest(BaseModel):
+    """One prompt, `n` samples: the unit an RL trainer asks for. Exactly one of `prompt_token_ids`, `prompt`
+    (text) and `messages` (chat; the model's template is applied)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    problem_id: Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_unicode)]
+    n: int = Field(1, ge=1, le=4096)
+    prompt_token_ids: tuple[TokenId, ...] | None = None
+    prompt: NonEmptyText | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    sampling: SamplingSpec = SamplingSpec()
+    predicted_tokens: float | None = Field(None, gt=0, le=INT32_MAX,
+                                           description="the scheduler's predicted output length")
+    key_indices: tuple[Annotated[int, Field(ge=0, le=INT32_MAX)], ...] | None = Field(
+        None, description="sample j draws with the keys of sample key_indices[j] of the group's seed (default j); "
+                          "the service sets it when it re-draws the samples an engine lost, so they come out as "
+                          "first drawn. Results are still numbered 0..n-1")
+    length_curve: LengthCurve | None = Field(
+        None, description="the scheduler's predicted output length as a function of the tokens a sample has "
+                          "generated (what the draft budget reads every step); the service fills it in when neither "
+                          "this nor predicted_tokens is given")
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> GroupRequest:
+        given = [name for name in ("prompt_token_ids", "prompt", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of prompt_token_ids, prompt, messages (got {given or 'none'})")
+        if self.prompt_token_ids is not None and len(self.prompt_token_ids) == 0:
+            raise ValueError("prompt_token_ids is empty")
+        if self.messages is not None and len(self.messages) == 0:
+            raise ValueError("messages is empty")
+        if self.key_indices is not None and (len(self.key_indices) != self.n
+                                             or len(set(self.key_indices)) != self.n):
+            raise ValueError(f"key_indices must be n = {self.n} distinct indices")
+        return self
+
+    def sample_key(self, index: int) -> int | None:
+        """The key sample `index` of this group draws with under keyed sampling: derive(sampling.seed, j) with j
+        its key index (key_indices[index], default index); None while the group has no seed."""
+        if self.sampling.seed is None:
+            return None
+        return derive(self.sampling.seed, index if self.key_indices is None else self.key_indices[index])
+
+    @field_validator("length_curve", mode="wrap")
+    @classmethod
+    def _bounded_curve(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> LengthCurve | None:
+        try:
+            curve: LengthCurve | None = handler(value)
+        except OverflowError:  # the curve's int64 array refuses a larger start
+            raise ValueError("starts: integers must fit an int64") from None
+        if curve is not None and len(curve.starts) > MAX_CURVE_POINTS:
+            raise ValueError(f"{len(curve.starts)} steps, at most {MAX_CURVE_POINTS}")
+        if curve is not None and curve.tail_from > INT64_MAX:
+            raise ValueError("tail_from: integers must fit an int64")
+        return curve
+
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class SampleResult(BaseModel):
+    """One finished sample. logprobs[i] is the log-probability of token_ids[i] under the distribution it was
+    sampled from (vLLM's processed logprobs: after temperature, top-p and top-k). `text`: the detokenized output
+    (special tokens skipped), None where no tokenizer ran. `engine`: which engine produced it; `prompt_token_ids`:
+    the prompt it continued, where the engine reports it. Times in seconds.
+
+    Every sample index of a group arrives exactly once. A sample whose engine died before it arrived is drawn
+    again on another engine (or the restarted one) under the same index and keys (SamplingSpec.seed): the same
+    tokens, under the same weights; `engine` names the engine that drew it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    problem_id: str
+    sample_index: int = Field(description="0 .. n-1 within its group, each exactly once; a sample re-run after its "
+                                          "engine died keeps its index and keys (the same draw)")
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    policy_version: int
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    decode_steps: int = 0
+    first_token_s: float | None = None
+    total_s: float = 0.0
+    error: str | None = None
+    text: str | None = None
+    engine: str | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="the prompt as the engine tokenized it")
+    policy_spans: list[tuple[int, int]] | None = Field(
+        None, description="the weights the tokens came from, when they changed while the sample ran (a weight "
+                          "update under POST /pause?mode=keep): [policy version, index of its first token in "
+                          "token_ids] pairs, first index 0, both increasing; None: every token is of "
+                          "policy_version. policy_version is always the version of the first token")
+
+
+# --- the HTTP batch API ----------------------------------------------------------------------------------------
+
+MSGPACK = "application/msgpack"
+NDJSON = "application/x-ndjson"
+
+
+def error_responses(described: dict[int, str],
+                    model: type[BaseModel] | None = None) -> dict[int | str, dict[str, Any]]:
+    """FastAPI's `responses=` for {status: when}: every status a route may answer goes in the OpenAPI schema
+    (tests/service/http/test_schema_fuzz.py fuzzes it and refuses any other); `model`: the error body's shape."""
+    return {status: {"description": when, **({"model": model} if model else {})} for status, when in described.items()}
+
+
+class RolloutRequest(BaseModel):
+    """A batch of groups. `batch_id` is the idempotency key: repeat it to resume the same batch."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str | None = Field(None, pattern=r"^[A-Za-z0-9._:-]{1,128}$")
+    groups: list[GroupRequest] = Field(min_length=1)
+    logprobs: bool = False
+    return_prompt_token_ids: bool = Field(False, description="each sample carries its prompt's token ids (what "
+                                                             "a history file needs)")
+    resume_from: int = Field(0, ge=0, le=INT64_MAX, description="when attaching to an existing batch, skip its "
+                                                               "first records (the number the client already has)")
+    seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description=(
+        "the batch's seed: group g without a sampling.seed of its own samples with seed derive(seed, g), so the "
+        "same batch with the same seed gives the same samples; None: a fresh one (BatchSummary.seed says which)"))
+
+
+def seeded_groups(groups: Sequence[GroupRequest], batch_seed: int) -> list[GroupRequest]:
+    """The groups of a batch seeded `batch_seed`: group g without a sampling.seed gets derive(batch_seed, g)."""
+    return [g if g.sampling.seed is not None else
+            g.model_copy(update={"sampling": g.sampling.model_copy(update={"seed": derive(batch_seed, i)})})
+            for i, g in enumerate(groups)]
+
+
+class SampleRecord(BaseModel):
+    """One finished sample on the wire. `group_index`: the group's position in the request; `latency_s`: seconds
+    from the batch's start to the sample reaching the gateway; `text` None without a tokenizer; `logprobs` and
+    `prompt_token_ids` only when the batch asked for them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group_index: int
+    problem_id: str
+    sample_index: int = Field(description="0 .. n-1 within its group, each exactly once; a sample re-run after its "
+                                          "engine died keeps its index and keys (the same draw)")
+    output_token_ids: list[int]
+    text: str | None
+    logprobs: list[float] | None = None
+    prompt_token_ids: list[int] | None = None
+    finish_reason: FinishReason
+    policy_version: int
+    draft_tokens: int
+    accepted_tokens: int
+    latency_s: float
+    error: str | None = None
+    engine: str | None = Field(None, description="the engine that produced the sample")
+    policy_spans: list[tuple[int, int]] | None = Field(None, description="as SampleResult.policy_spans: "
+                                                       "[version, first token index] pairs where the weights "
+                                                       "changed during the sample, else absent")
+
+
+BatchStatus = Literal["queued", "running", "done", "aborted", "failed"]
+
+
+class BatchSummary(BaseModel):
+    """A batch's status and counts so far (final once `status` is done, aborted or failed). `makespan_s`: start
+    to the latest sample so far, None before the first."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_id: str
+    status: BatchStatus
+    groups: int
+    samples_expected: int
+    samples: int
+    tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    errors: int
+    makespan_s: float | None
+    error: str | None = None
+    seed: int | None = Field(None, description="the batch's seed (RolloutRequest.seed, or the one drawn for it): "
+                                               "send it again to draw the same samples")
+
+
+class WeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: CheckpointPath = Field(description="checkpoint directory, inside the weights root")
+    version: int = Field(ge=0, le=INT64_MAX, description="policy version of these weights; must be newer than "
+                                                         "the served one")
+
+
+class WeightsResponse(BaseModel):
+    policy_version: int
+    reload_s: float = Field(description="seconds, including the wait for running batches")
+
+
+class HistoryRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    records: list[dict[str, Any]] = Field(description="history-file records (problem_id, policy_version, "
+                                                      "sample_index, prompt_token_ids, output_token_ids, ...)")
+
+    @field_validator("records")
+    @classmethod
+    def _storable(cls, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        # The format's own checks come later (the backend); these are the ones a snapshot or a msgpack frame needs.
+        for i, record in enumerate(records):
+            problem = wire_problem(record, f"record {i}")
+            if problem:
+                raise ValueError(problem)
+        return records
+
+
+class HistoryResponse(BaseModel):
+    added: int
+
+
+class ProblemSummary(BaseModel):
+    """What the store holds for one problem (GET /v1/history/{problem_id})."""
+
+    problem_id: str
+    rollouts: int
+    output_tokens: int
+    policy_versions: list[int] = Field(description="versions of the rollouts held, increasing")
+    prompt_tokens: int
+    length_p50: float | None = Field(description="median output length (tokens) of the held rollouts")
+    length_max: int | None
+    finish_reasons: dict[str, int] = Field(description="counts over the versions the difficulty record holds")
+
+
+# --- vLLM's RL control routes (service/http/rl_control.py) -----------------------------------------------------------
+
+PauseMode = Literal["abort", "wait", "keep"]
+"""vLLM's `PauseMode`: abort the samples in flight (they end with finish_reason "abort"), wait for them to finish,
+or keep them frozen until resume. In every mode new samples are held until resume, not refused."""
+
+
+class CheckpointUpdateRequest(BaseModel):
+    """POST /update_weights from a checkpoint directory (this service's body; vLLM's names `update_info`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: CheckpointPath = Field(description="checkpoint directory, inside the weights root")
+    version: int | None = Field(None, ge=0, le=INT64_MAX, description="policy version of these weights, newer "
+                                                                      "than the served one; None: served + 1")
+
+
+EndStatus = Literal["done", "failed", "aborted", "interrupted"]
+
+
+class BatchFromPreviousRun(BaseModel):
+    """The `detail` of the gateway's 409 for a batch id that an earlier run of the service accepted. The batch is not
+    run again: resubmit the samples still wanted under a new batch id."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    code: Literal["batch_from_previous_run"] = "batch_from_previous_run"
+    message: str
+    batch_id: str
+    status: EndStatus = Field(description="how the earlier run's batch ended: done, failed, aborted (DELETE or "
+                                          "/abort_requests), interrupted (cut off by the service stopping)")
+    samples_delivered: int | None = Field(description="samples it produced (streamed to its readers) before it "
+                                                      "ended; None when the process died before recording it")
+    samples_expected: int
+    same_request: bool = Field(description="whether this request's groups and options match the earlier one's")
+    accepted_unix_s: float
+    ended_unix_s: float | None
+
+
+class PauseResponse(BaseModel):
+    status: Literal["paused"] = "paused"
+
+
+class ResumeResponse(BaseModel):
+    status: Literal["resumed"] = "resumed"
+
+
+class IsPausedResponse(BaseModel):
+    is_paused: bool
+
+
+class AbortRequestsBody(BaseModel):
+    """vLLM's body of POST /abort_requests. Here a request id names a batch (the batch_id of /v1/rollouts, the
+    X-Batch-Id of an OpenAI-compatible response); none or empty: every sample in flight."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    request_ids: list[Text] | None = None
+
+
+class AbortResponse(BaseModel):
+    status: Literal["aborted"] = "aborted"
+    aborted: int = Field(description="batches aborted (request_ids given), else samples aborted")
+
+
+class CheckpointUpdateResponse(BaseModel):
+    message: Literal["Weights updated"] = "Weights updated"
+    policy_version: int
+    reload_s: float = Field(description="seconds, including any wait for running batches")
