@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 
 from das.service.cli import app, console, emit, fail, models_app
@@ -241,6 +242,7 @@ def bench_e2e(
     from das.bench.e2e import E2EConfig, E2EFailed, run_e2e, suffix_tuned_options, write_rollouts_file
     from das.bench.e2e_report import markdown as render_markdown
     from das.bench.e2e_report import plot as render_plot
+    from das.bench.e2e_report import print_tables
     from das.scheduler.cost_model import prior_cost_model
     from das.service.engine.async_engine import engine_dtype
     from das.service.engine.models import prepare_model
@@ -286,7 +288,10 @@ def bench_e2e(
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(render_markdown(result, _command_line(ctx)) + "\n")
-    emit(result, as_json)
+    if as_json:
+        emit(result, as_json)
+    else:
+        print_tables(result, Console(width=140))
 
 
 @bench_app.command("serve")

@@ -574,11 +574,6 @@ class E2EResult:
                 "drafts_by_source": self.drafts_by_source,
                 "wall_s": round(self.wall_s, 1)}
 
-    def print(self, console: Any) -> None:
-        from das.bench.e2e_report import print_tables
-
-        print_tables(self, console)
-
 
 def _median(values: list[Any]) -> float | None:
     present = [v for v in values if v is not None]

@@ -54,8 +54,9 @@ from das.drafter.records import RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
-from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
-from das.service.engine.async_engine import EngineConfig, validate_rollouts
+from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
+from das.service.engine.config import EngineConfig
+from das.service.engine.contract import validate_rollouts
 from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
 from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
 from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
@@ -134,7 +135,8 @@ def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRe
     forecast = predictor.predict([g.problem_id for g in groups], np.zeros(len(groups), np.int64))
     curves = predictor.curves([g.problem_id for g in groups])
     return [g if g.predicted_tokens else
-            g.model_copy(update={"predicted_tokens": float(m), "length_curve": g.length_curve or c})
+            g.model_copy(update={"predicted_tokens": float(m),
+                                 "length_curve": g.length_curve or LengthCurveSpec.model_validate(c.to_dict())})
             for g, m, c in zip(groups, forecast.mean, curves)]
 
 

@@ -51,7 +51,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, dump_difficulty, load_difficulty
-from das.service.wire.api import ProblemSummary, wire_problem
+from das.service.engine.contract import unstorable
+from das.service.wire.api import ProblemSummary
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,6 @@ class HistoryConfig(BaseModel):
     max_restarts: int = Field(-1, ge=-1, description="Ray restarts of a dead shard actor (it restores its "
                                                      "snapshot); -1: no limit")
     push: HistoryPushConfig = HistoryPushConfig()
-
-
-def unstorable(record: RolloutRecord, where: str = "record") -> str | None:
-    """Why a valid history record cannot be stored (the format bounds its token ids and reward, not its other
-    fields, and a snapshot's msgpack holds no integer beyond int64 and no lone surrogate), or None."""
-    return wire_problem({"problem_id": record.problem_id, "policy_version": record.policy_version,
-                         "sample_index": record.sample_index, "finish_reason": record.finish_reason}, where)
 
 
 def shard_of(problem_id: str, shards: int) -> int:

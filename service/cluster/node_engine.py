@@ -21,15 +21,19 @@ from collections import defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult
-from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
+from das.service.engine.config import EngineConfig
+from das.service.engine.contract import EngineInputError
 from das.service.engine.spawn_env import restored_environ
 from das.service.cluster.history_client import HistoryClient
 from das.service.cluster.history_store import HistoryPushConfig, resident_bytes, shard_of
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
 from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+
+if TYPE_CHECKING:
+    from das.service.engine.async_engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +131,7 @@ class NodeEngine:
             return self.names
         config = self.config
         if isinstance(config, EngineConfig):
+            # vLLM is loaded here, in the actor's process, never where the module is imported (the coordinator)
             from das.service.engine.async_engine import engine_dtype
             from das.service.engine.models import prepare_model
 
@@ -138,6 +143,8 @@ class NodeEngine:
                 if isinstance(config, StubEngineConfig):
                     engine: Engine | StubEngine = await StubEngine.create(config)
                 else:
+                    from das.service.engine.async_engine import Engine
+
                     engine = await Engine.create(config)
             self.engines.append(engine)
         return self.names

@@ -14,11 +14,14 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
-from das.service.engine.async_engine import Engine, EngineInputError, EngineTally, validate_rollouts
+from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
 from das.service.cluster.history_store import ShardStats
+
+if TYPE_CHECKING:
+    from das.service.engine.async_engine import Engine
 
 
 class GroupInputError(EngineInputError):

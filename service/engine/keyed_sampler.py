@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from das.service.engine.extra_args import SAMPLE_KEY
-from das.service.wire.sample_keys import row_keys
+from das.service.engine.row_keys import row_keys
 
 
 @dataclass(frozen=True)

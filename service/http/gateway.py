@@ -100,7 +100,7 @@ from das.service.wire.api import (
     seeded_groups,
 )
 from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
-from das.service.engine.async_engine import EngineInputError
+from das.service.engine.contract import EngineInputError
 from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
 from das.service.http.openai_api import openai_router
 from das.service.http.rl_control import rl_control_router

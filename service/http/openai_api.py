@@ -13,7 +13,7 @@ How a request maps to the batch API: it becomes one `GroupRequest` of `n` sample
 of the prompt (token ids, text or messages as JSON), so a repeated prompt names the same problem and drafts from
 its history; and a `SamplingSpec` from `temperature`, `top_p`, `top_k`, `max_tokens` (chat: `max_completion_tokens`
 wins), `stop`, `stop_token_ids` and `ignore_eos`, each absent one at the SamplingSpec default (except completions'
-`max_tokens`: OpenAI's 16). The group runs as a batch admitted by the gateway itself (`_Gateway.admit`), so the
+`max_tokens`: OpenAI's 16). The group runs as a batch admitted by the gateway itself (`GatewayCore.admit`), so the
 sample limit, the in-flight limit, the reload gate and the metrics apply as to `/v1/rollouts`; the response's
 `X-Batch-Id` header names the batch.
 
@@ -64,7 +64,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgpack
 from annotated_types import Le
@@ -75,6 +75,7 @@ from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from das.service.http.gateway_core import GatewayCore
 from das.service.wire.api import MSGPACK, GroupRequest, RolloutRequest, SamplingSpec, error_responses
 from das.service.wire.openai_protocol import (
     AssistantMessage,
@@ -101,8 +102,6 @@ from das.service.wire.openai_protocol import (
     UsageInfo,
 )
 
-if TYPE_CHECKING:
-    from das.service.http.gateway import _Gateway
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +309,7 @@ class _Group:
 class _Coalescer:
     """Opens a group per (problem, prompt, sampling) for `window_s`; requests arriving meanwhile join it."""
 
-    def __init__(self, gateway: _Gateway) -> None:
+    def __init__(self, gateway: GatewayCore[Any]) -> None:
         self._gateway = gateway
         self._window_s = gateway.settings.openai_coalesce_s
         self._max_n = min(_GROUP_MAX_N, gateway.settings.max_batch_samples)
@@ -443,7 +442,7 @@ class _Reply:
 # --- the router -------------------------------------------------------------------------------------------------
 
 
-def openai_router(gateway: _Gateway) -> APIRouter:
+def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
     """The OpenAI-compatible routes over `gateway`'s batch machinery (include it where auth applies)."""
     router = APIRouter(route_class=OpenAIErrorRoute, tags=["openai"])
     served = gateway.settings.served_model_name or getattr(gateway.backend, "served_model_name", None) or "das"

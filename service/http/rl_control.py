@@ -35,7 +35,7 @@ weights path outside the root, 409 version not newer, 422 a checkpoint the engin
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
@@ -51,11 +51,10 @@ from das.service.wire.api import (
     ResumeResponse,
     error_responses,
 )
+from das.service.http.gateway_core import GatewayCore
 from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, invalid_request
 from das.service.wire.openai_protocol import ErrorResponse
 
-if TYPE_CHECKING:
-    from das.service.http.gateway import _Gateway
 
 WEIGHT_TRANSFER_UNAVAILABLE = (
     "vLLM's weight transfer is not available on this server: its engines are started without a "
@@ -85,7 +84,7 @@ def _transfer_unavailable() -> OpenAIError:
     return OpenAIError(501, WEIGHT_TRANSFER_UNAVAILABLE, code="weight_transfer_unavailable")
 
 
-def rl_control_router(gateway: _Gateway) -> APIRouter:
+def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
     """vLLM's RL control routes over `gateway`'s backend (include it where auth applies)."""
     router = APIRouter(route_class=OpenAIErrorRoute, tags=["rl"])
     backend = gateway.backend

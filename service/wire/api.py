@@ -20,12 +20,10 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    ValidatorFunctionWrapHandler,
     field_validator,
     model_validator,
 )
 
-from das.scheduler.length import LengthCurve
 from das.service.wire.sample_keys import derive
 
 INT64_MAX = 2**63 - 1
@@ -110,6 +108,44 @@ class ChatMessage(BaseModel):
 MAX_CURVE_POINTS = 4096
 
 
+class LengthCurveSpec(BaseModel):
+    """A length curve as it travels: the fields of `das.scheduler.length.LengthCurve` (what the engine evaluates;
+    `LengthCurve.from_dict(spec.model_dump())`), checked against the same invariants here in plain Python, so that
+    the wire contract loads no numpy and a bad curve is refused at admission, naming `length_curve`.
+
+    `starts` strictly increasing ints from 0 (at most MAX_CURVE_POINTS), one finite end per start with
+    ends[j] > starts[j], `tail_from` 0 without starts, else above the last start, `tail_ratio` finite and >= 0;
+    integers within int64."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    starts: tuple[int, ...]
+    ends: tuple[float, ...]
+    tail_from: int
+    tail_ratio: float
+
+    @model_validator(mode="after")
+    def _curve(self) -> LengthCurveSpec:
+        starts, ends = self.starts, self.ends
+        if len(starts) > MAX_CURVE_POINTS:
+            raise ValueError(f"{len(starts)} steps, at most {MAX_CURVE_POINTS}")
+        if any(not -INT64_MAX - 1 <= s <= INT64_MAX for s in starts):
+            raise ValueError("starts: integers must fit an int64")
+        if not -INT64_MAX - 1 <= self.tail_from <= INT64_MAX:
+            raise ValueError("tail_from: integers must fit an int64")
+        if len(starts) != len(ends):
+            raise ValueError(f"one end per start, got {len(starts)} starts and {len(ends)} ends")
+        if starts and (starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))):
+            raise ValueError("starts must be strictly increasing from 0")
+        if not all(math.isfinite(e) and e > s for s, e in zip(starts, ends)):
+            raise ValueError("ends must be finite and above their starts")
+        if (self.tail_from != 0) if not starts else self.tail_from <= starts[-1]:
+            raise ValueError(f"tail_from must be above the last start (0 without starts), got {self.tail_from}")
+        if not (math.isfinite(self.tail_ratio) and self.tail_ratio >= 0):
+            raise ValueError(f"tail_ratio must be finite and >= 0, got {self.tail_ratio}")
+        return self
+
+
 class GroupRequest(BaseModel):
     """One prompt, `n` samples: the unit an RL trainer asks for. Exactly one of `prompt_token_ids`, `prompt`
     (text) and `messages` (chat; the model's template is applied)."""
@@ -128,7 +164,7 @@ class GroupRequest(BaseModel):
         None, description="sample j draws with the keys of sample key_indices[j] of the group's seed (default j); "
                           "the service sets it when it re-draws the samples an engine lost, so they come out as "
                           "first drawn. Results are still numbered 0..n-1")
-    length_curve: LengthCurve | None = Field(
+    length_curve: LengthCurveSpec | None = Field(
         None, description="the scheduler's predicted output length as a function of the tokens a sample has "
                           "generated (what the draft budget reads every step); the service fills it in when neither "
                           "this nor predicted_tokens is given")
@@ -153,19 +189,6 @@ class GroupRequest(BaseModel):
         if self.sampling.seed is None:
             return None
         return derive(self.sampling.seed, index if self.key_indices is None else self.key_indices[index])
-
-    @field_validator("length_curve", mode="wrap")
-    @classmethod
-    def _bounded_curve(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> LengthCurve | None:
-        try:
-            curve: LengthCurve | None = handler(value)
-        except OverflowError:  # the curve's int64 array refuses a larger start
-            raise ValueError("starts: integers must fit an int64") from None
-        if curve is not None and len(curve.starts) > MAX_CURVE_POINTS:
-            raise ValueError(f"{len(curve.starts)} steps, at most {MAX_CURVE_POINTS}")
-        if curve is not None and curve.tail_from > INT64_MAX:
-            raise ValueError("tail_from: integers must fit an int64")
-        return curve
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]

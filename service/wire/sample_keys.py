@@ -7,43 +7,32 @@ a position (the number of tokens the sample had generated before this one) name 
 vLLM's keyed Gumbel-max kernel. So the same batch with the same seed draws the same tokens on any engine, in any
 batch shape, with or without drafts, before or after a re-dispatch; a different seed draws different ones.
 
-Mixing is SplitMix64's finaliser (a bijection of 64-bit words with full avalanche), on numpy uint64 arrays with
-wrap-around arithmetic: O(1) vectorised work per row, ~1 us per call for a batch of a few hundred rows."""
+Mixing is SplitMix64's finaliser (a bijection of 64-bit words with full avalanche), here on Python ints: the wire
+contract, which a trainer imports, loads no numpy. The engine applies the same function to a whole batch of rows
+on numpy arrays (service/engine/row_keys.py)."""
 
 from __future__ import annotations
 
 import secrets
 
-import numpy as np
-
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment: consecutive indices land far apart
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+MASK64 = 2**64 - 1
+GOLDEN = 0x9E3779B97F4A7C15  # SplitMix64's increment: consecutive indices land far apart
+M1, M2 = 0xBF58476D1CE4E5B9, 0x94D049BB133111EB  # its finaliser's multipliers
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finaliser over a uint64 array (a new array)."""
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * _M1
-        x = (x ^ (x >> np.uint64(27))) * _M2
-        return x ^ (x >> np.uint64(31))
+def mix64(x: int) -> int:
+    """SplitMix64's finaliser of a 64-bit word (an int in [0, 2**64)), as an int in [0, 2**64)."""
+    x = ((x ^ (x >> 30)) * M1) & MASK64
+    x = ((x ^ (x >> 27)) * M2) & MASK64
+    return x ^ (x >> 31)
 
 
 def derive(parent: int, index: int) -> int:
     """The seed of child `index` (>= 0) of `parent` (an int64): a group's of a batch's, a sample's key of its
     group's seed. An int64; distinct indices give distinct children of one parent (the mix is a bijection)."""
-    with np.errstate(over="ignore"):
-        word = np.array([parent], dtype=np.int64).view(np.uint64) + _GOLDEN * np.uint64(index + 1)
-    return int(_mix(word).view(np.int64)[0])
-
-
-def row_keys(sample_keys: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """int64 [rows]: the key of the token each row samples. sample_keys int64 [rows] (`derive(seed, index)`),
-    positions int64 [rows] >= 0 (tokens the sample generated before this one)."""
-    samples = np.ascontiguousarray(sample_keys, dtype=np.int64).view(np.uint64)
-    with np.errstate(over="ignore"):
-        at = _mix(positions.astype(np.uint64) * _GOLDEN + _GOLDEN)
-    return _mix(samples ^ at).view(np.int64)
+    word = mix64((parent + GOLDEN * (index + 1)) & MASK64)
+    return word - 2**64 if word > INT64_MAX else word
 
 
 def fresh_seed() -> int:

@@ -122,7 +122,8 @@ class RecordingStub(StubEngine):
 
     async def generate(self, group: GroupRequest):  # type: ignore[override]
         self.started.append((group.problem_id, group.predicted_tokens))
-        self.curves.append(group.length_curve)
+        curve = group.length_curve  # read as the engine reads it (Engine._sampling_params)
+        self.curves.append(None if curve is None else LengthCurve.from_dict(curve.model_dump()))
         self.config = StubEngineConfig(tokens=self.lengths[group.problem_id])
         async for sample in super().generate(group):
             yield sample

@@ -14,9 +14,9 @@ from ray.cluster_utils import Cluster
 
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
-from das.service.wire.api import GroupRequest, SampleResult
+from das.service.wire.api import GroupRequest, LengthCurveSpec, SampleResult
 from das.service.cluster.coordinator import RayBackend, ServiceConfig, _lost_errors, _PlacedWork, with_length_predictions
-from das.service.engine.async_engine import EngineInputError
+from das.service.engine.contract import EngineInputError
 from das.service.engine.models import prepare_model
 from das.service.cluster.engine_failure import Share
 from das.service.cluster.history_store import HistoryPushConfig
@@ -69,14 +69,15 @@ def test_groups_get_the_predicted_mean_and_the_curve_unless_they_bring_a_predict
     predictor = LengthPredictor(book)
     own_curve = LengthCurve((0,), (9.0,), 20, 0.5)
     batch = [*groups(2, n=2), GroupRequest(problem_id="p0", prompt="x", predicted_tokens=55.0),
-             GroupRequest(problem_id="p0", prompt="x", length_curve=own_curve)]
+             GroupRequest(problem_id="p0", prompt="x", length_curve=own_curve.to_dict())]
     tagged = with_length_predictions(predictor, batch)
     mean = predictor.predict(["p0", "p1"], [0, 0]).mean
     assert [g.predicted_tokens for g in tagged] == [mean[0], mean[1], 55.0, mean[0]]
     curve = predictor.curves(["p0"])[0]
-    assert tagged[0].length_curve == curve and tagged[1].length_curve == predictor.curves(["p1"])[0]
+    wire = lambda c: LengthCurveSpec.model_validate(c.to_dict())  # noqa: E731 - as the group carries it
+    assert tagged[0].length_curve == wire(curve) and tagged[1].length_curve == wire(predictor.curves(["p1"])[0])
     assert tagged[2].length_curve is None  # the caller's own prediction is what the budget uses
-    assert tagged[3].length_curve == own_curve
+    assert tagged[3].length_curve == wire(own_curve)
     assert curve.at(301) > 302  # past p0's longest sample, still predicted to run on
     assert [g.model_copy(update={"predicted_tokens": None, "length_curve": None}) for g in tagged[:2]] == \
         batch[:2]  # nothing else changes

@@ -20,7 +20,7 @@ import pytest
 import uvicorn
 
 from das.service.wire.api import GroupRequest, SampleRecord, SampleResult
-from das.service.engine.async_engine import EngineInputError, EngineTally
+from das.service.engine.contract import EngineInputError, EngineTally
 from das.service.http.gateway import GatewaySettings, create_app
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.wire.sample_keys import derive

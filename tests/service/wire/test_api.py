@@ -5,7 +5,16 @@ import math
 import pytest
 from pydantic import ValidationError
 
-from das.service.wire.api import GroupRequest, HistoryRequest, SamplingSpec, WeightsRequest, seeded_groups, wire_problem
+from das.scheduler.length import LengthCurve
+from das.service.wire.api import (
+    GroupRequest,
+    HistoryRequest,
+    LengthCurveSpec,
+    SamplingSpec,
+    WeightsRequest,
+    seeded_groups,
+    wire_problem,
+)
 from das.service.wire.sample_keys import derive
 
 
@@ -44,10 +53,35 @@ def test_sampling_defaults():
     assert SamplingSpec(stop=["\n\n"]).stop == ("\n\n",)
 
 
+CURVES = [
+    ((), (), 0, 1.0), ((0,), (9.0,), 20, 0.5), ((0, 10, 30), (25.0, 40.0, 60.0), 90, 0.0),
+    ((1,), (5.0,), 9, 1.0), ((0, 0), (5.0, 6.0), 9, 1.0), ((0, 5), (5.0, 6.0), 9, 1.0), ((0,), (0.0,), 9, 1.0),
+    ((0,), (math.inf,), 9, 1.0), ((0,), (5.0,), 0, 1.0), ((), (), 3, 1.0), ((0,), (5.0,), 9, -0.5),
+    ((0,), (5.0,), 9, math.nan), ((0, 3), (5.0,), 9, 1.0),
+]
+
+
+@pytest.mark.parametrize("starts, ends, tail_from, tail_ratio", CURVES)
+def test_the_wire_curve_takes_exactly_the_curves_the_scheduler_takes(starts, ends, tail_from, tail_ratio):
+    """The wire's numpy-free checks and scheduler.length.LengthCurve's agree, valid or not."""
+    try:
+        LengthCurve(starts, ends, tail_from, tail_ratio)
+        engine_takes = True
+    except ValueError:
+        engine_takes = False
+    try:
+        LengthCurveSpec(starts=starts, ends=ends, tail_from=tail_from, tail_ratio=tail_ratio)
+        wire_takes = True
+    except ValidationError:
+        wire_takes = False
+    assert wire_takes == engine_takes
+
+
 def test_a_length_curve_travels_as_json():
     group = GroupRequest(problem_id="p", prompt="x",
                          length_curve={"starts": [0, 10], "ends": [30, 50], "tail_from": 80, "tail_ratio": 0.5})
-    assert group.length_curve is not None and group.length_curve.at(12) == 50.0
+    assert group.length_curve is not None
+    assert LengthCurve.from_dict(group.length_curve.model_dump()).at(12) == 50.0  # what the engine reads
     assert GroupRequest.model_validate_json(group.model_dump_json()) == group
 
 

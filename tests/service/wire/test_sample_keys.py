@@ -1,4 +1,4 @@
-"""The keys of keyed sampling (service/wire/sample_keys.py) and the batch seed's way to its groups
+"""The keys of keyed sampling (service/wire/sample_keys.py; the rows' keys: tests/service/engine/test_row_keys.py) and the batch seed's way to its groups
 (api.seeded_groups): deterministic, distinct where they must be, the whole int64 range."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from das.service.wire.api import GroupRequest, RolloutRequest, seeded_groups
-from das.service.wire.sample_keys import INT64_MAX, INT64_MIN, derive, fresh_seed, row_keys
+from das.service.wire.sample_keys import GOLDEN, INT64_MAX, INT64_MIN, MASK64, derive, fresh_seed, mix64
 
 
 def test_children_are_deterministic_distinct_and_int64():
@@ -19,14 +19,11 @@ def test_children_are_deterministic_distinct_and_int64():
     assert derive(0, 0) != derive(1, 0)  # the parent matters, not only the index
 
 
-def test_row_keys_are_a_function_of_key_and_position_only():
-    keys = np.array([derive(7, i) for i in range(4)], dtype=np.int64)
-    positions = np.array([0, 5, 5, 1000], dtype=np.int64)
-    together = row_keys(keys, positions)
-    alone = [int(row_keys(keys[i:i + 1], positions[i:i + 1])[0]) for i in range(4)]
-    assert together.dtype == np.int64 and together.tolist() == alone
-    grid = row_keys(np.repeat(keys, 64), np.tile(np.arange(64), 4))
-    assert len(set(grid.tolist())) == 256  # no two (sample, position) cells share a key
+def test_derive_is_splitmix64_of_the_parent_plus_the_golden_step_in_int64():
+    # the mix of one known word (SplitMix64's published first output for seed 0 is mix64(GOLDEN))
+    assert mix64(GOLDEN) == 0xE220A8397B1DCDAF
+    assert derive(0, 0) == mix64(GOLDEN) - 2**64  # above INT64_MAX: read back as a negative int64
+    assert derive(-1, 1) & MASK64 == mix64((2 * GOLDEN - 1) & MASK64)  # -1 is the word 2**64 - 1
 
 
 def test_fresh_seeds_differ_and_fit_int64():
