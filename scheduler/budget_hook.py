@@ -63,9 +63,9 @@ class StepSample:
     """One engine step as the proposer measured it: `step_s` seconds from the previous step's proposal to this
     one's (the whole step: forward pass, sampling, the engine core's bookkeeping, the proposer); `tokens` scheduled
     (running requests plus the draft tokens they verified); `requests` running; `accepted` draft tokens accepted;
-    `probe`: the drafts include the cost warm-up's junk ones (proposer `RequestTags.cost_probe`), which price a
-    drafted step for the cost fit but say nothing about what drafts buy; `explored_accepted`: accepted tokens of
-    exploration's drafts (`DraftPlan.explored`)."""
+    `probe`: the drafts include the cost warm-up's junk ones (`RequestTags.cost_probe`, service/engine/
+    extra_args.py), which price a drafted step for the cost fit but say nothing about what drafts buy;
+    `explored_accepted`: accepted tokens of exploration's drafts (`DraftPlan.explored`)."""
 
     step_s: float
     tokens: int

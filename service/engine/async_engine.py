@@ -47,7 +47,8 @@ from das.scheduler.length import LengthCurve
 from das.service.engine.config import EngineConfig, budget_settings
 from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
 from das.service.engine.extra_args import SAMPLE_KEY
-from das.service.engine.proposer import CONFIG_KEY, RequestTags
+from das.service.engine.extra_args import RequestTags
+from das.service.engine.proposer import CONFIG_KEY
 from das.service.engine.sampling import sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-WORKER_EXTENSION = "das.service.engine.step_profile.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
+WORKER_EXTENSION = "das.service.engine.worker.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
 
 
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})

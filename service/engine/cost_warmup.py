@@ -26,7 +26,7 @@ import asyncio
 from typing import Any
 
 from das.service.wire.api import SamplingSpec
-from das.service.engine.proposer import RequestTags
+from das.service.engine.extra_args import RequestTags
 from das.service.engine.sampling import sampling_params
 from das.service.engine.token_prompt import engine_prompt
 

@@ -19,8 +19,8 @@ instance (instance attributes shadow the class's methods, vLLM's code is untouch
 Cost: four `perf_counter` calls and one tuple append per step (~2 us, against steps of tens of ms here).
 
 `StepProfileExtension` is mixed into vLLM's worker (`worker_extension_cls`), so the timer runs in the engine
-process and is reached with `collective_rpc("das_profile_start" | "das_profile_take")`; `EngineWorkerExtension`
-is the class engines are started with (ours and the DAS proposer's methods).
+process and is reached with `collective_rpc("das_profile_start" | "das_profile_take")`; engines start with it
+inside worker.py's `EngineWorkerExtension`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 
-from das.service.engine.worker import DasWorkerExtension
 
 IDLE_S = 1.0  # a gap between steps longer than this is the engine idle between batches, not loop overhead
 
@@ -116,11 +115,6 @@ class StepProfileExtension:
         if self._das_step_timer is None:
             raise RuntimeError("step profiling was not started (das_profile_start)")
         return self._das_step_timer.take()
-
-
-class EngineWorkerExtension(DasWorkerExtension, StepProfileExtension):
-    """The worker extension every engine starts with: the DAS proposer's methods (used only by das engines) and
-    step profiling."""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ import pytest
 
 from das.drafter.records import RolloutRecord
 from das.scheduler.budget import DraftPlan
+from das.scheduler.draft_step import DraftStep
 from das.scheduler.length import LengthCurve
-from das.service.engine.proposer import DasProposer, RequestTags
+from das.service.engine.extra_args import RequestTags
+from das.service.engine.proposer import DasProposer
 
 PROMPT = [7, 8, 9]
 RESPONSE = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
@@ -410,3 +412,12 @@ def test_exploration_gets_its_accepted_tokens_back_on_a_step_the_cost_fit_skips(
     runner.step(proposer, {"r": RESPONSE[1:4]})  # both draft tokens accepted, then the bonus token
     assert len(observed) == before  # not a decode step of its shape
     assert refunded[-1] == (2, 2)
+
+
+def test_the_proposer_drafts_through_the_step_the_simulator_runs():
+    """One draft step for the engine and for `das bench simulate` (scheduler/draft_step.py), over the proposer's own
+    bank, budget hook and acceptance counts."""
+    proposer = make_proposer()
+    assert isinstance(proposer.step, DraftStep)
+    assert (proposer.step.bank, proposer.step.budget, proposer.step.acceptance) == \
+        (proposer.bank, proposer.budget, proposer.acceptance)
