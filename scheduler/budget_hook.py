@@ -12,10 +12,12 @@ fixed at submission).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from das.scheduler.budget import (
     BatchState,
@@ -29,6 +31,7 @@ from das.scheduler.budget import (
 )
 from das.scheduler.cost_model import GENERIC_PRIOR, CostModel, OnlineCostModel
 from das.scheduler.exploration import Exploration
+from das.scheduler.policies import PolicyName
 
 
 @dataclass(frozen=True)
@@ -228,45 +231,88 @@ class PolicyBudget:
         return out
 
 
-def budget_hook_from_config(config: dict[str, Any], k_max: int) -> BudgetHook:
-    """`{"policy": "das"}` (the default: the length-aware optimum, scheduler/budget.py), `{"policy": "uniform",
-    "k": K}` (default K: K_max), or `{"policy": "classes", "long": 16, "medium": 8, "short": 4}`; for every
-    policy, the step cost settings `"prior": {CostModel fields}` (default: `GENERIC_PRIOR`; or its coefficients
-    alone as `"c_base_s"`, `"c_tok_s"`, `"c_spec_s"`, `"c_spec_req_s"`), `"online": true`
-    (fit the cost model from this engine's steps; false: keep the prior), `"guard"` (the never-a-loss guard;
-    default true for das, false for the uniform and classes baselines), and `"acceptance"` (the geometric ratio
-    assumed for requests without measured acceptance, default 0.6); for das
-    also `"per_token": false` (true: up to K_max tokens per request above a per-token probability floor instead of
-    the model's K_i). A prior that is not a valid cost model raises ValueError."""
-    config = dict(config)
-    name = config.pop("policy", "das")
-    prior = GENERIC_PRIOR
-    if "prior" in config:
-        raw = config.pop("prior")
-        try:
-            prior = CostModel(**raw)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"budget prior {raw!r} is not a cost model: {exc}") from None
-    fixed = {key: config.pop(key) for key in ("c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s")
-             if key in config}
-    if fixed:  # shorthand: the prior's coefficients given one by one (e.g. a bench arm's fixed cost model)
-        try:
-            prior = CostModel("configured", **{"c_base_s": 0.0, "c_tok_s": 0.0, **{k: float(v) for k, v in
-                                                                                  fixed.items()}},
-                              source="budget settings")
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"budget cost settings {fixed!r}: {exc}") from None
-    options = {key: bool(config.pop(key)) for key in ("online", "guard") if key in config}
-    drafter = {key: float(config.pop(key)) for key in ("acceptance",) if key in config}
-    if name == "uniform":
-        policy: BudgetPolicy = UniformPolicy(int(config.pop("k", k_max)))
-    elif name == "classes":
-        policy = ClassPolicy(**{key: int(config.pop(key)) for key in ("long", "medium", "short") if key in config})
-    elif name == "das":
-        policy = OptimalPolicy(per_token=bool(config.pop("per_token", False)))
-    else:
-        raise ValueError(f"unknown budget policy {name!r}; expected das, uniform or classes")
-    if config:
-        raise ValueError(f"unknown budget settings for policy {name!r}: {sorted(config)}")
-    options.setdefault("guard", name == "das")  # uniform and classes are the fixed baselines: never adjusted
-    return PolicyBudget(policy, k_max, prior, **options, **drafter)
+_POLICY_OPTIONS = {"das": {"per_token"}, "uniform": {"k"}, "classes": {"long", "medium", "short"}}
+_COEFFICIENTS = ("c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s")
+
+
+class BudgetSettings(BaseModel):
+    """One engine's draft budget, validated where the service starts (`das serve`, `EngineConfig`) and read by the
+    proposer inside vLLM's engine core (`budget_hook_from_config`), where it travels as plain data.
+
+    `policy` (scheduler/policies.py POLICIES); for uniform `k` (tokens per request per step; default K_max); for classes `long`,
+    `medium`, `short` (tokens by predicted length class; scheduler/budget.py `ClassPolicy` defaults); for das
+    `per_token` (up to K_max tokens above a per-token probability floor instead of the model's K_i). For every
+    policy the step cost model the budget starts from: `prior` (CostModel fields; default `GENERIC_PRIOR`) or its
+    coefficients alone (`c_base_s`, `c_tok_s`, `c_spec_s`, `c_spec_req_s`, seconds); `online` (fit it from the
+    engine's own steps; False: keep the prior), `guard` (the never-a-loss guard; default: on for das only, the
+    uniform and classes baselines are never adjusted) and `acceptance` (the geometric ratio assumed for requests
+    without measured acceptance)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: PolicyName = "das"
+    k: int | None = Field(None, ge=0)
+    long: int | None = Field(None, ge=0)
+    medium: int | None = Field(None, ge=0)
+    short: int | None = Field(None, ge=0)
+    per_token: bool | None = None
+    prior: dict[str, Any] | None = None
+    c_base_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    c_tok_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    c_spec_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    c_spec_req_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    online: bool = True
+    guard: bool | None = None
+    acceptance: float = Field(0.6, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BudgetSettings:
+        options = {"k", "long", "medium", "short", "per_token"}
+        foreign = sorted(name for name in options - _POLICY_OPTIONS[self.policy] if getattr(self, name) is not None)
+        if foreign:
+            raise ValueError(f"unknown budget settings for policy {self.policy!r}: {foreign}")
+        if self.prior is not None and self.coefficients():
+            raise ValueError("give the budget's cost model as prior or as its coefficients, not both")
+        self.cost_prior()  # a prior that is not a cost model fails here, not in the engine
+        return self
+
+    def coefficients(self) -> dict[str, float]:
+        """The cost coefficients given one by one."""
+        return {key: value for key in _COEFFICIENTS if (value := getattr(self, key)) is not None}
+
+    def names_cost_model(self) -> bool:
+        """Whether these settings give the budget's cost model (else the engine supplies its prior)."""
+        return self.prior is not None or bool(self.coefficients())
+
+    def cost_prior(self) -> CostModel:
+        """The cost model the budget starts from. ValueError where `prior` is not a valid cost model."""
+        if self.prior is not None:
+            try:
+                return CostModel(**self.prior)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"budget prior {self.prior!r} is not a cost model: {exc}") from None
+        fixed = self.coefficients()
+        if fixed:  # shorthand: the prior's coefficients given one by one (e.g. a bench arm's fixed cost model)
+            try:
+                return CostModel("configured", **{"c_base_s": 0.0, "c_tok_s": 0.0, **fixed}, source="budget settings")
+            except ValueError as exc:
+                raise ValueError(f"budget cost settings {fixed!r}: {exc}") from None
+        return GENERIC_PRIOR
+
+    def budget_policy(self, k_max: int) -> BudgetPolicy:
+        """The scheduler.budget policy these settings name, for drafts of at most `k_max` tokens."""
+        if self.policy == "uniform":
+            return UniformPolicy(k_max if self.k is None else self.k)
+        if self.policy == "classes":
+            return ClassPolicy(**{key: value for key in ("long", "medium", "short")
+                                  if (value := getattr(self, key)) is not None})
+        return OptimalPolicy(per_token=bool(self.per_token))
+
+
+def budget_hook_from_config(config: BudgetSettings | Mapping[str, Any], k_max: int) -> BudgetHook:
+    """The budget hook `config` (BudgetSettings, or its fields as plain data: what crosses into vLLM's engine core)
+    describes, for drafts of at most `k_max` tokens. Bad settings raise ValueError (pydantic's ValidationError)."""
+    settings = config if isinstance(config, BudgetSettings) else BudgetSettings.model_validate(config)
+    guard = settings.guard if settings.guard is not None else settings.policy == "das"
+    return PolicyBudget(settings.budget_policy(k_max), k_max, settings.cost_prior(), online=settings.online,
+                        guard=guard, acceptance=settings.acceptance)

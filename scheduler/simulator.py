@@ -41,31 +41,38 @@ import numpy as np
 from das.drafter.history import DrafterConfig, HistoryBank, StepDrafts
 from das.drafter.records import RolloutRecord
 from das.scheduler.acceptance import AcceptanceCounts
-from das.scheduler.budget import BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy
-from das.scheduler.budget_hook import BatchView, PolicyBudget, StepSample
+from das.scheduler.budget import BudgetPolicy
+from das.scheduler.budget_hook import BatchView, BudgetSettings, PolicyBudget, StepSample
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.draft_step import DraftStep
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import Placement, place_groups, round_robin
+from das.scheduler.policies import POLICIES
 
 ARMS = ("none", "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das")
 PLACEMENTS = ("round-robin", "length-aware")
 
 
-def make_policy(name: str) -> BudgetPolicy | None:
-    """None means no speculation at all (the drafter is not consulted)."""
+def arm_settings(name: str) -> BudgetSettings | None:
+    """An arm's budget as the engine's settings (one list of policies: scheduler/policies.py): none (None: no
+    speculation at all, the drafter is not consulted), uniform-K, classes, das, and das-token (das, per token)."""
     if name == "none":
         return None
-    if name.startswith("uniform-"):
-        return UniformPolicy(int(name.split("-", 1)[1]))
-    if name == "classes":
-        return ClassPolicy()
-    if name == "das":
-        return OptimalPolicy()
     if name == "das-token":
-        return OptimalPolicy(per_token=True)
+        return BudgetSettings(policy="das", per_token=True)
+    policy, _, k = name.partition("-")
+    if policy == "uniform" and k.isdigit():
+        return BudgetSettings(policy="uniform", k=int(k))
+    if name in POLICIES and name != "uniform":
+        return BudgetSettings(policy=name)
     raise ValueError(f"unknown policy {name!r}; known: {list(ARMS)}")
+
+
+def make_policy(name: str) -> BudgetPolicy | None:
+    """The scheduler.budget policy of arm `name` (`arm_settings`); None means no speculation at all."""
+    settings = arm_settings(name)
+    return None if settings is None else settings.budget_policy(k_max=settings.k or 1)
 
 
 @dataclass

@@ -13,6 +13,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from das.scheduler.policies import PolicyName
+
 # Results (tables, --json) go to stdout; vLLM logs to stdout unless told otherwise, and at INFO it logs every
 # engine start in detail. Its processes inherit the environment, so this covers the engine core too.
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -106,9 +108,9 @@ def serve(
                                                       "409, not a second run).")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
-    budget: Annotated[str, typer.Option(help="Draft budget of --speculation das: das (length-aware, on each "
-                                             "engine's online step-cost fit), uniform (K every step) or classes "
-                                             "(16/8/4 by predicted length).")] = "das",
+    budget: Annotated[PolicyName, typer.Option(help="Draft budget of --speculation das: das (length-aware, on "
+                                                    "each engine's online step-cost fit), uniform (K every step) or "
+                                                    "classes (16/8/4 by predicted length).")] = "das",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
                                             "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
@@ -150,8 +152,6 @@ def serve(
     from das.service.http.gateway import GatewaySettings, create_app
 
     try:
-        if budget not in ("das", "uniform", "classes"):
-            raise ValueError(f"--budget {budget!r}: expected das, uniform or classes")
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
         settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True)
         engine = ({"stub_engine": {}} if stub_engine else {"engine": {

@@ -201,8 +201,8 @@ class Engine:
             use_tqdm_on_load=False,
             speculative_config=config.speculative_config(),
             worker_extension_cls=WORKER_EXTENSION,
-            additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
-            else {})
+            additional_config=({CONFIG_KEY: {"drafter": config.drafter.given(), "budget": budget_settings(config)}}
+                               if das else {}))
         tally = EngineTally()
         cpu = current_platform.is_cpu()
         layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, usable_cpus())) if cpu
@@ -223,7 +223,7 @@ class Engine:
             vocab_size = llm.model_config.get_vocab_size()
             if das:
                 await llm.collective_rpc("das_attach")
-                if config.cost_warmup_requests and config.budget.get("policy", "das") == "das":
+                if config.cost_warmup_requests and config.budget.policy == "das":
                     await warm_up_cost_fit(llm, min(config.cost_warmup_requests, config.max_num_seqs), vocab_size)
         except BaseException:
             llm.shutdown()

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from das.drafter.config import DrafterSettings
+from das.scheduler.budget_hook import BudgetSettings
 from das.scheduler.cost_model import prior_cost_model
 from das.service.engine.cpu_allocator import CpuAllocator
 from das.service.engine.cpu_layout import CpuWorker
@@ -18,11 +20,12 @@ PROPOSER_CLASS = "das.service.engine.proposer.DasProposer"
 
 
 def budget_settings(config: EngineConfig) -> dict[str, Any]:
-    """The proposer's budget settings: `config.budget` with, unless it names its own cost model, the prior the
-    engine's online cost fit starts from (a stored `das calibrate` result for this model, a shipped calibration,
-    or the generic prior: scheduler/cost_model.py `prior_cost_model`)."""
-    settings = dict(config.budget)
-    if not {"prior", "c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s"} & settings.keys():
+    """The proposer's budget settings as plain data (they cross into vLLM's engine core): `config.budget` with,
+    unless it names its own cost model, the prior the engine's online cost fit starts from (a stored `das calibrate`
+    result for this model, a shipped calibration, or the generic prior: scheduler/cost_model.py
+    `prior_cost_model`)."""
+    settings = config.budget.model_dump(exclude_none=True)
+    if not config.budget.names_cost_model():
         settings["prior"] = dataclasses.asdict(prior_cost_model(config.model))
     return settings
 
@@ -35,10 +38,10 @@ class EngineConfig(BaseModel):
     model: str
     speculation: Speculation = "das"
     num_speculative_tokens: int = Field(8, ge=1, le=64)
-    budget: dict[str, Any] = Field(default_factory=dict, description="budget hook settings "
-                                   "(scheduler/budget_hook.py); empty: the length-aware budget (das) on an "
-                                   "online cost model")
-    drafter: dict[str, Any] = Field(default_factory=dict, description="DrafterConfig fields (drafter/history)")
+    budget: BudgetSettings = Field(BudgetSettings(), description="the draft budget (scheduler/budget_hook.py); "
+                                   "default: the length-aware budget (das) on an online cost model")
+    drafter: DrafterSettings = Field(DrafterSettings(), description="DrafterConfig fields to set "
+                                     "(drafter/config.py)")
     cost_warmup_requests: int = Field(16, ge=0, le=256, description="the das budget only: requests of the start-up "
                                       "decode that shows the online cost fit every batch size from this many down to 1 "
                                       "(service/engine/cost_warmup.py); 0: none")

@@ -45,7 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from das.drafter.history import DrafterConfig, HistoryBank
+from das.drafter.config import DrafterSettings
+from das.drafter.history import HistoryBank
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
 from das.scheduler.draft_step import DraftStep
@@ -59,7 +60,8 @@ _STATS_WINDOW = 10000  # decode steps the cost figures of stats() cover
 IDLE_GAP_S = 1.0  # a gap between two proposals longer than this is the engine idle between batches, not a step
 
 CONFIG_KEY = "das"
-"""`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterConfig}, "budget": {...}}`."""
+"""`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterSettings}, "budget": {...BudgetSettings}}`
+as plain data (validated where the service started: service/engine/config.py `EngineConfig`)."""
 
 
 @dataclass
@@ -87,7 +89,7 @@ class DasProposer:
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         extra = (vllm_config.additional_config or {}).get(CONFIG_KEY, {})
-        self.bank = HistoryBank(DrafterConfig.for_drafts(self.k_max, **extra.get("drafter", {})))
+        self.bank = HistoryBank(DrafterSettings.model_validate(extra.get("drafter", {})).config(self.k_max))
         self.budget: BudgetHook = budget_hook_from_config(extra.get("budget", {}), self.k_max)
         self.acceptance = AcceptanceCounts(self.k_max)
         self.step = DraftStep(self.bank, self.budget, self.acceptance, self.k_max)  # the simulator's step too

@@ -19,6 +19,7 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from das.service.cli import app as cli_app
+from das.service.engine.config import EngineConfig
 from tests.deploy.manifests import (
     CHART,
     ROOT,
@@ -107,6 +108,9 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
         assert params["max_model_len"] == values["engine"]["maxModelLen"]
     assert params["eager"] == values["engine"]["eager"]
     assert params["budget"] == values["engine"]["budget"]
+    # the engine settings das serve validates before it starts anything (typed budget and drafter settings)
+    EngineConfig(model=params["model"], speculation=params["speculation"], num_speculative_tokens=params["k"],
+                 budget={"policy": params["budget"]})
     assert params["max_restarts"] == values["engine"]["maxRestarts"]
     assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
     assert params["max_group_deaths"] == values["engine"]["maxGroupDeaths"]
@@ -230,6 +234,15 @@ def test_compile_cache_volume_is_the_workers_vllm_cache_root() -> None:
     assert env == {"VLLM_CACHE_ROOT": "/var/cache/vllm", "VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's env kept
     pod, container = worker(None)  # default: no volume, vLLM's own cache location in the container
     assert "vllm-cache" not in {v["name"] for v in pod["volumes"]} and "env" not in container
+
+
+@pytest.mark.parametrize("engine, message", [({"budget": "fastest"}, "'fastest' is not one of 'das', 'uniform'"),
+                                             ({"k": 99}, "less than or equal to 64")])
+def test_a_bad_engine_value_is_refused_by_das_serve_not_by_the_engine(engine: dict[str, Any], message: str) -> None:
+    serve = typer.main.get_command(cli_app).commands["serve"]  # type: ignore[attr-defined]
+    argv = serve_argv(objects(render({"engine": engine})))
+    with pytest.raises(typer.BadParameter, match=message):
+        serve.make_context("serve", argv)
 
 
 @pytest.mark.parametrize("replicas,low,high", [(5, 1, 2), (1, 2, 4)])

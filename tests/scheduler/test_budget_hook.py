@@ -6,7 +6,14 @@ import pytest
 from das.scheduler.budget import DrafterParams, geometric_acceptance
 from das.scheduler.cost_model import GENERIC_PRIOR
 from das.scheduler.length import LengthCurve
-from das.scheduler.budget_hook import GUARD_PRICES, BatchView, StepSample, budget_hook_from_config
+from das.scheduler.budget_hook import (
+    GUARD_PRICES,
+    BatchView,
+    BudgetSettings,
+    StepSample,
+    budget_hook_from_config,
+)
+from das.scheduler.policies import POLICIES
 
 
 def batch_view(generated: list[int], predicted: list[float | None], max_tokens: list[int],
@@ -194,13 +201,22 @@ def test_remaining_uses_the_prediction_capped_by_max_tokens_and_at_least_one():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"policy": "fastest"}, "unknown budget policy"),
-    ({"policy": "uniform", "K": 3}, "unknown budget settings"),
-    ({"policy": "uniform", "k": -1}, "integer >= 0"),
+    ({"policy": "fastest"}, "policy\n  Input should be 'das', 'uniform' or 'classes'"),
+    ({"policy": "uniform", "K": 3}, "K\n  Extra inputs are not permitted"),
+    ({"policy": "uniform", "k": -1}, "k\n  Input should be greater than or equal to 0"),
+    ({"policy": "uniform", "long": 8}, r"unknown budget settings for policy 'uniform': \['long'\]"),
+    ({"prior": {"name": "p"}, "c_base_s": 1.0}, "not both"),
+    ({"c_base_s": 0.0, "c_tok_s": 0.0}, "not both 0"),
 ])
 def test_bad_settings_are_named(config, message):
     with pytest.raises(ValueError, match=message):
         budget_hook_from_config(config, k_max=8)
+    with pytest.raises(ValueError, match=message):  # the same check where the service starts
+        BudgetSettings.model_validate(config)
+
+
+def test_the_policy_names_are_one_list():
+    assert [BudgetSettings(policy=name).budget_policy(8).name for name in POLICIES] == ["das", "uniform-8", "classes"]
 
 
 def test_empty_batch():
