@@ -244,9 +244,9 @@ def bench_e2e(
     from das.bench.e2e_report import plot as render_plot
     from das.bench.e2e_report import print_tables
     from das.scheduler.cost_model import prior_cost_model
+    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
     from das.service.engine.async_engine import engine_dtype
     from das.service.engine.models import prepare_model
-    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
 
     arm_names = tuple(a.strip() for a in arms.split(",") if a.strip())
     try:

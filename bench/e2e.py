@@ -78,10 +78,10 @@ import numpy as np
 
 from das.bench.stats import LengthTest, RewardTest, length_test, reward_test
 from das.drafter.records import RolloutRecord, write_rollouts
-from das.service.wire.api import GroupRequest, SamplingSpec, seeded_groups
+from das.service.client.prompt_sets import Problem
 from das.service.engine.async_engine import Engine, EngineConfig
 from das.service.engine.step_profile import StepProfile
-from das.service.client.prompt_sets import Problem
+from das.service.wire.api import GroupRequest, SamplingSpec, seeded_groups
 from das.service.wire.sample_keys import derive
 
 if TYPE_CHECKING:

@@ -27,10 +27,10 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from das.service.wire.api import SamplingSpec
 from das.service.client import RolloutClient
 from das.service.client.prompt_sets import Problem
 from das.service.client.rollout_run import EpochFigures, run_rollouts
+from das.service.wire.api import SamplingSpec
 from das.service.wire.sample_keys import derive
 
 

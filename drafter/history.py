@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from das.drafter._suffix_index import RequestTable, SourceList, SuffixIndex
-from das.drafter.records import RolloutRecord
 from das.drafter.config import DrafterConfig
+from das.drafter.records import RolloutRecord
 from das.drafter.source_choice import SourceChooser
 
 @dataclass

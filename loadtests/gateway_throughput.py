@@ -37,8 +37,8 @@ def _serve(sock: socket.socket, stub: dict[str, Any], conn: Connection) -> None:
     stub's emission log) and "stop" on `conn`."""
     import uvicorn
 
-    from das.service.http.gateway import GatewaySettings, create_app
     from das.service.cluster.rollout_backend import StubBackend
+    from das.service.http.gateway import GatewaySettings, create_app
 
     backend = StubBackend(log_emissions=True, **stub)
     server = uvicorn.Server(uvicorn.Config(create_app(backend, GatewaySettings(max_batch_samples=10**6, freeze_gc=True)),

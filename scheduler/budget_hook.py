@@ -239,9 +239,10 @@ class BudgetSettings(BaseModel):
     """One engine's draft budget, validated where the service starts (`das serve`, `EngineConfig`) and read by the
     proposer inside vLLM's engine core (`budget_hook_from_config`), where it travels as plain data.
 
-    `policy` (scheduler/policies.py POLICIES); for uniform `k` (tokens per request per step; default K_max); for classes `long`,
-    `medium`, `short` (tokens by predicted length class; scheduler/budget.py `ClassPolicy` defaults); for das
-    `per_token` (up to K_max tokens above a per-token probability floor instead of the model's K_i). For every
+    `policy` (scheduler/policies.py POLICIES); for uniform `k` (tokens per request per step; default K_max); for
+    classes `long`, `medium`, `short` (tokens by predicted length class; scheduler/budget.py `ClassPolicy`
+    defaults); for das `per_token` (up to K_max tokens above a per-token probability floor instead of the model's
+    K_i). For every
     policy the step cost model the budget starts from: `prior` (CostModel fields; default `GENERIC_PRIOR`) or its
     coefficients alone (`c_base_s`, `c_tok_s`, `c_spec_s`, `c_spec_req_s`, seconds); `online` (fit it from the
     engine's own steps; False: keep the prior), `guard` (the never-a-loss guard; default: on for das only, the

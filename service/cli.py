@@ -147,8 +147,8 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
-    from das.service.http.batch_journal import BatchJournalConfig
     from das.service.cluster.coordinator import RayBackend, ServiceConfig
+    from das.service.http.batch_journal import BatchJournalConfig
     from das.service.http.gateway import GatewaySettings, create_app
 
     try:
@@ -241,10 +241,10 @@ def rollout_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Multi-epoch rollouts against a server, like a trainer: makespan per epoch, results as a history file."""
-    from das.service.wire.api import SamplingSpec
     from das.service.client import RolloutClient, RolloutError
     from das.service.client.prompt_sets import PromptSetError, load_prompt_set
     from das.service.client.rollout_run import run_rollouts
+    from das.service.wire.api import SamplingSpec
 
     try:
         problem_set = load_prompt_set(problems)

@@ -24,8 +24,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 
 
 class StubEngineConfig(BaseModel):

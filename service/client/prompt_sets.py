@@ -20,8 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from das.service.wire.api import GroupRequest, SamplingSpec
 from das.service.client.code_tasks import CODE_SYSTEM_PROMPT, CODE_TASKS
+from das.service.wire.api import GroupRequest, SamplingSpec
 
 REASONING_GYM_PREFIX = "reasoning-gym:"
 CODE_PREFIX = "code:"

@@ -18,9 +18,9 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from das.drafter.records import RolloutRecord, write_rollouts
-from das.service.wire.api import SamplingSpec
 from das.service.client import RolloutClient
 from das.service.client.prompt_sets import Problem
+from das.service.wire.api import SamplingSpec
 from das.service.wire.sample_keys import derive
 
 

@@ -23,14 +23,14 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from das.service.wire.api import GroupRequest, PauseMode, SampleResult
-from das.service.engine.config import EngineConfig
-from das.service.engine.contract import EngineInputError
-from das.service.engine.spawn_env import restored_environ
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.history_client import HistoryClient
 from das.service.cluster.history_store import HistoryPushConfig, resident_bytes, shard_of
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.config import EngineConfig
+from das.service.engine.contract import EngineInputError
+from das.service.engine.spawn_env import restored_environ
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult
 
 if TYPE_CHECKING:
     from das.service.engine.async_engine import Engine
@@ -93,8 +93,8 @@ class NodeEngine:
     A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/models.py).
 
     A vLLM engine core that dies (EngineDeadError) ends this actor's process: Ray restarts the actor and the
-    coordinator recovers it like any actor that died (service/cluster/coordinator.py), re-dispatching what it owed. Why not
-    recreate the engine here: that one path then covers both deaths (restart cap, weights catch-up, history
+    coordinator recovers it like any actor that died (service/cluster/coordinator.py), re-dispatching what it owed.
+    Why not recreate the engine here: that one path then covers both deaths (restart cap, weights catch-up, history
     re-pull, re-dispatch), and nothing of the dead engine (its processes, its memory) lingers in a live one; the
     cost is that an actor's other engines restart with it, which is why on a node without a GPU each engine has an
     actor of its own."""
@@ -261,6 +261,6 @@ class NodeEngine:
             log.info("%s: installed %d of %d pulled rollouts", self.names[engine], added, len(records))
 
     async def _push(self, origin: str, records: list[dict[str, Any]]) -> None:
-        """Hands the records to the store; kept and re-sent until a snapshot holds them (service/cluster/history_client.py
-        says what is guaranteed)."""
+        """Hands the records to the store; kept and re-sent until a snapshot holds them
+        (service/cluster/history_client.py says what is guaranteed)."""
         await self._history.push(origin, records)

@@ -38,21 +38,20 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.scheduler.length import LengthCurve
 from das.service.engine import known_warnings
+from das.service.engine.config import EngineConfig, budget_settings
+from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.cpu_allocator import cpu_allocator_env, model_vocab_size, resolve_allocator
 from das.service.engine.cpu_layout import cpu_worker_layout, usable_cpus, worker_in_process
-from das.scheduler.length import LengthCurve
-from das.service.engine.config import EngineConfig, budget_settings
-from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
-from das.service.engine.extra_args import SAMPLE_KEY
-from das.service.engine.extra_args import RequestTags
+from das.service.engine.extra_args import SAMPLE_KEY, RequestTags
 from das.service.engine.proposer import CONFIG_KEY
 from das.service.engine.sampling import sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.wire.sample_keys import fresh_seed
 
 if TYPE_CHECKING:

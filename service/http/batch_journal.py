@@ -105,7 +105,8 @@ class _Damaged(ValueError):
 
 
 def _line(record: dict[str, Any]) -> bytes:
-    body = json.dumps(record, separators=(",", ":")).encode()  # ensure_ascii: ids are ASCII anyway (service/wire/api.py)
+    # ensure_ascii: ids are ASCII anyway (service/wire/api.py)
+    body = json.dumps(record, separators=(",", ":")).encode()
     return b"%08x %s\n" % (zlib.crc32(body), body)
 
 

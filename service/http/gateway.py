@@ -81,6 +81,12 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
+from das.service.engine.contract import EngineInputError
+from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
+from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
+from das.service.http.openai_api import openai_router
+from das.service.http.rl_control import rl_control_router
 from das.service.wire.api import (
     MSGPACK,
     NDJSON,
@@ -99,12 +105,6 @@ from das.service.wire.api import (
     error_responses,
     seeded_groups,
 )
-from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
-from das.service.engine.contract import EngineInputError
-from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
-from das.service.http.openai_api import openai_router
-from das.service.http.rl_control import rl_control_router
-from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 from das.service.wire.sample_keys import fresh_seed
 
 log = logging.getLogger(__name__)

@@ -18,10 +18,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.utils import floatToGoString
 
-from das.service.wire.api import SampleResult
-from das.service.http.batch_journal import BatchJournal
 from das.service.cluster.history_store import resident_bytes
 from das.service.cluster.rollout_backend import BackendStats
+from das.service.http.batch_journal import BatchJournal
+from das.service.wire.api import SampleResult
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # what `render()` produces
 

@@ -27,10 +27,10 @@ What the responses carry:
   each choice whole when its sample finishes (samples finish whole), then a usage chunk when
   `stream_options.include_usage`. An error after the stream began goes out as an error event, which the official
   client raises.
-- `seed` is the group's `sampling.seed`: choice i draws with keys of (seed, i, position) (service/wire/sample_keys.py), so
-  the same request with the same seed gets the same choices, with or without speculation. A seeded request is
-  never coalesced with others (its choices would be renumbered, and so drawn differently); without a seed the
-  batch draws a fresh one.
+- `seed` is the group's `sampling.seed`: choice i draws with keys of (seed, i, position)
+  (service/wire/sample_keys.py), so the same request with the same seed gets the same choices, with or without
+  speculation. A seeded request is never coalesced with others (its choices would be renumbered, and so drawn
+  differently); without a seed the batch draws a fresh one.
 - logprobs: the sampled token's logprob under the distribution it was drawn from (the engines run vLLM's
   processed logprobs: after temperature, top-p and top-k). The engines return no alternatives, so `top_logprobs`
   holds the sampled token only (completions: always, as vLLM always includes it; chat: when top_logprobs >= 1).

@@ -40,6 +40,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
+from das.service.http.gateway_core import GatewayCore
+from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, invalid_request
 from das.service.wire.api import (
     AbortRequestsBody,
     AbortResponse,
@@ -51,8 +53,6 @@ from das.service.wire.api import (
     ResumeResponse,
     error_responses,
 )
-from das.service.http.gateway_core import GatewayCore
-from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, invalid_request
 from das.service.wire.openai_protocol import ErrorResponse
 
 

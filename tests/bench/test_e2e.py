@@ -20,11 +20,11 @@ from das.scheduler.budget_hook import BudgetSettings
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
-from das.service.wire.api import GroupRequest
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.client.prompt_sets import reasoning_gym_problems
 from das.service.engine.async_engine import EngineConfig
 from das.service.engine.models import prepare_model
-from das.service.client.prompt_sets import reasoning_gym_problems
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.wire.api import GroupRequest
 from tests.tiny_models import build_tiny_model
 
 # Scripted makespans per arm (seconds); repeat r multiplies them by REPEAT_SCALE[r], so the median is the script.

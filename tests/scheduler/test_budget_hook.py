@@ -4,8 +4,6 @@ import numpy as np
 import pytest
 
 from das.scheduler.budget import DrafterParams, geometric_acceptance
-from das.scheduler.cost_model import GENERIC_PRIOR
-from das.scheduler.length import LengthCurve
 from das.scheduler.budget_hook import (
     GUARD_PRICES,
     BatchView,
@@ -13,6 +11,8 @@ from das.scheduler.budget_hook import (
     StepSample,
     budget_hook_from_config,
 )
+from das.scheduler.cost_model import GENERIC_PRIOR
+from das.scheduler.length import LengthCurve
 from das.scheduler.policies import POLICIES
 
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from das.service.wire.api import GroupRequest, SampleResult
-from das.service.http.gateway import create_app
 from das.service.cluster.rollout_backend import StubBackend
+from das.service.http.gateway import create_app
+from das.service.wire.api import GroupRequest, SampleResult
 from examples.grpo.rollout import (
     ServiceConfig,
     ServiceRollout,

@@ -8,12 +8,12 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from das.drafter.records import load_rollouts
-from das.service.wire.api import SampleRecord, SamplingSpec
 from das.service.cli import app
-from das.service.http.gateway import create_app
 from das.service.client.prompt_sets import Problem
-from das.service.cluster.rollout_backend import StubBackend
 from das.service.client.rollout_run import run_rollouts
+from das.service.cluster.rollout_backend import StubBackend
+from das.service.http.gateway import create_app
+from das.service.wire.api import SampleRecord, SamplingSpec
 from tests.service.http.test_gateway import TOKEN, LiveServer, gateway_settings
 
 

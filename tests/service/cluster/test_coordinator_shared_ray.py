@@ -8,8 +8,8 @@ import asyncio
 
 import ray
 
-from das.service.wire.api import GroupRequest
 from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.wire.api import GroupRequest
 
 
 def test_ray_stops_with_the_last_backend_not_the_one_that_started_it() -> None:

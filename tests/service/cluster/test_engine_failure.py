@@ -23,11 +23,11 @@ import openai
 import psutil
 import pytest
 
-from das.service.wire.api import GroupRequest, SampleResult
-from das.service.engine.models import prepare_model
-from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
-from das.service.wire.sample_keys import derive
 from das.service.backends.stub_engine import StubEngineConfig
+from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
+from das.service.engine.models import prepare_model
+from das.service.wire.api import GroupRequest, SampleResult
+from das.service.wire.sample_keys import derive
 from tests.service.test_serve import TOKEN, Server, free_port, metric
 from tests.tiny_models import build_tiny_model
 
@@ -162,8 +162,8 @@ def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> None
 
 
 class StubService:
-    """RayBackend and the gateway (service/cluster/coordinator.py, service/http/gateway.py) in a child process on loopback,
-    with the given ServiceConfig."""
+    """RayBackend and the gateway (service/cluster/coordinator.py, service/http/gateway.py) in a child process on
+    loopback, with the given ServiceConfig."""
 
     def __init__(self, tmp_path: Path, config: dict[str, Any]) -> None:
         self.port = free_port()

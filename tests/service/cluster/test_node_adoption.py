@@ -12,8 +12,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from das.service.wire.api import GroupRequest
 from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.wire.api import GroupRequest
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from das.service.wire.api import GroupRequest
+from das.service.backends.stub_engine import StubEngineConfig
 from das.service.cluster.history_store import HistoryPushConfig
 from das.service.cluster.node_engine import NodeEngine, NodeStats
-from das.service.backends.stub_engine import StubEngineConfig
+from das.service.wire.api import GroupRequest
 from tests.service.cluster.test_history_client import FlakyShard
 
 

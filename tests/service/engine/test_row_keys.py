@@ -20,7 +20,8 @@ def test_row_keys_are_a_function_of_key_and_position_only():
 
 def test_the_vectorised_mix_is_the_wires_scalar_mix():
     rng = np.random.default_rng(5)
-    words = np.concatenate([rng.integers(0, 2**63, 500, dtype=np.uint64) * np.uint64(2), np.array([0, MASK64], np.uint64)])
+    words = np.concatenate([rng.integers(0, 2**63, 500, dtype=np.uint64) * np.uint64(2),
+                            np.array([0, MASK64], np.uint64)])
     assert mix(words).tolist() == [mix64(int(w)) for w in words]
     key, position = derive(7, 3), 11
     expected = mix64((key & MASK64) ^ mix64((position * GOLDEN + GOLDEN) & MASK64))

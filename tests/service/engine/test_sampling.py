@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from das.service.wire.api import GroupRequest, SampleResult, SamplingSpec
+from das.service.cluster.rollout_backend import EngineBackend
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
 from das.service.engine.sampling import sampling_params
 from das.service.http.gateway import GatewaySettings, create_app
-from das.service.cluster.rollout_backend import EngineBackend
+from das.service.wire.api import GroupRequest, SampleResult, SamplingSpec
 from tests.service.engine.vllm_frontend import PassThroughFrontend
 
 VOCAB = 32

@@ -11,11 +11,11 @@ from typing import Any
 import httpx
 import pytest
 
-from das.service.wire.api import BatchFromPreviousRun
-from das.service.http.batch_journal import JOURNAL_FILE, BatchJournal, BatchJournalConfig
 from das.service.client import BatchFromPreviousRunError, RolloutClient
-from das.service.http.gateway import create_app
 from das.service.cluster.rollout_backend import StubBackend
+from das.service.http.batch_journal import JOURNAL_FILE, BatchJournal, BatchJournalConfig
+from das.service.http.gateway import create_app
+from das.service.wire.api import BatchFromPreviousRun
 from tests.service.client.test_client import ALL_12, keys
 from tests.service.http.test_gateway import LiveServer, gateway_settings, groups
 

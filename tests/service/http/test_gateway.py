@@ -19,10 +19,10 @@ import msgpack
 import pytest
 import uvicorn
 
-from das.service.wire.api import GroupRequest, SampleRecord, SampleResult
+from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.engine.contract import EngineInputError, EngineTally
 from das.service.http.gateway import GatewaySettings, create_app
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.wire.api import GroupRequest, SampleRecord, SampleResult
 from das.service.wire.sample_keys import derive
 
 TOKEN = "s3cret-token"
@@ -350,7 +350,8 @@ def test_openapi_schema_lists_the_api(serve):
 
 
 def test_the_schema_documents_every_status_a_route_answers(serve):
-    # tests/service/http/test_schema_fuzz.py found 401, 404 and 409 answered but undocumented; 410, 429 and 503 may be too.
+    # tests/service/http/test_schema_fuzz.py found 401, 404 and 409 answered but undocumented; 410, 429 and 503 may
+    # be too.
     _, http = serve(StubBackend(), token=TOKEN)
     paths = http.get("/openapi.json").json()["paths"]
     for path, operations in paths.items():

@@ -6,8 +6,8 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from das.service.cluster.history_store import ShardStats
-from das.service.http.metrics import GatewayMetrics
 from das.service.cluster.rollout_backend import BackendStats, EngineLoad
+from das.service.http.metrics import GatewayMetrics
 
 
 def samples(metrics: GatewayMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

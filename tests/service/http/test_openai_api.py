@@ -13,8 +13,8 @@ import httpx
 import openai
 import pytest
 
-from das.service.http.gateway import create_app
 from das.service.cluster.rollout_backend import StubBackend
+from das.service.http.gateway import create_app
 from tests.service.http.test_gateway import LiveServer, gateway_settings
 
 TOKEN = "openai-test-token"

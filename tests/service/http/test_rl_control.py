@@ -13,14 +13,14 @@ from typing import Any
 
 import httpx
 
-from das.service.wire.api import GroupRequest
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.engine.async_engine import Engine, EngineConfig
 from das.service.engine.models import prepare_model
 from das.service.http.gateway import GatewaySettings, create_app
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.wire.api import GroupRequest
 from tests.tiny_models import build_tiny_model
 
 TOKEN = "rl-token"

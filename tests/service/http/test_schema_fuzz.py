@@ -24,9 +24,9 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from das.service.wire.api import MSGPACK, ProblemSummary
-from das.service.http.gateway import GatewaySettings, create_app
 from das.service.cluster.rollout_backend import StubBackend
+from das.service.http.gateway import GatewaySettings, create_app
+from das.service.wire.api import MSGPACK, ProblemSummary
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
