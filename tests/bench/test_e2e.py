@@ -22,7 +22,7 @@ from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
 from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.client.prompt_sets import reasoning_gym_problems
-from das.service.engine.async_engine import EngineConfig
+from das.service.engine.config import EngineConfig
 from das.service.engine.models import prepare_model
 from das.service.wire.api import GroupRequest
 from tests.tiny_models import build_tiny_model
