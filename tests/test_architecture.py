@@ -80,3 +80,14 @@ def test_the_gateway_and_the_coordinator_load_no_vllm_torch_or_native_index(modu
     assert module in loaded
     assert [m for m in loaded if m.split(".")[0] in ("vllm", "torch") or m in (
         "das.drafter._suffix_index", "das.drafter.history", "das.service.engine.async_engine")] == []
+
+
+def test_no_import_cycles_among_the_packages_modules() -> None:
+    """No module imports, directly or not, one that imports it back (function-level imports count: they once hid
+    a bench/e2e <-> bench/e2e_report cycle)."""
+    import grimp
+
+    graph = grimp.build_graph("das", include_external_packages=False, exclude_type_checking_imports=True)
+    edges = [(a, b) for a in graph.modules for b in graph.find_modules_directly_imported_by(a) if a != b]
+    assert len(edges) > 100  # the graph is the package's
+    assert [(a, b) for a, b in edges if graph.chain_exists(importer=b, imported=a)] == []
