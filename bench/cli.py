@@ -73,6 +73,16 @@ def bench_verify(
     emit(result, as_json)
 
 
+@bench_app.command("gpu-cost", context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                                                  "help_option_names": []})
+def bench_gpu_cost(ctx: typer.Context) -> None:
+    """The keyed draw on the device and a 7B-shaped decode step-cost surface, with torch and transformers only
+    (no vLLM): a --cost-model for the simulator. Options: `das bench gpu-cost --help`."""
+    from das.bench.gpu_cost import main
+
+    main(ctx.args)
+
+
 @bench_app.command("simulate")
 def bench_simulate(
     traces: Annotated[Optional[Path], typer.Option(help="History file to replay (default: bundled fixture).")] = None,
@@ -333,3 +343,62 @@ def bench_serve(
     if markdown is not None:
         markdown.write_text(result.markdown())
     emit(result, as_json)
+
+
+@bench_app.command("architecture")
+def bench_architecture(
+    root: Annotated[Path, typer.Option(help="Repository root (holds pyproject.toml).")] = Path("."),
+    out: Annotated[Optional[Path], typer.Option(help="The .dot file to write (default ROOT/docs/architecture.dot); "
+                                                     "the .svg goes beside it.")] = None,
+    svg: Annotated[bool, typer.Option(help="Also render the .svg with Graphviz's `dot`, when installed.")] = True,
+    depth: Annotated[int, typer.Option(min=2, help="Dotted names a room keeps (3: das.service.engine).")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Regenerate the architecture picture from the code's imports: one box per package folder, arrows between."""
+    from das.bench.architecture import ArchitectureError, write_architecture
+
+    try:
+        result = write_architecture(root, out or root / "docs" / "architecture.dot", svg=svg, depth=depth)
+    except (ArchitectureError, OSError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
+
+
+@bench_app.command("gpu-check")
+def bench_gpu_check(
+    model: Annotated[str, typer.Option(help="Model name (`das models list`) or directory.")] = "smollm2",
+    problems: Annotated[str, typer.Option(help="JSONL prompt file, reasoning-gym:N or code:N.")] = "code:4",
+    samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 128,
+    temperature: Annotated[float, typer.Option(min=0.01, help="> 0: the identity check is of random sampling.")]
+        = 0.8,
+    dtype: Annotated[str, typer.Option(help="float32: the arms' logits agree bit for bit, so their keyed samples "
+                                            "must be identical.")] = "float32",
+    seed: Annotated[int, typer.Option(help="Batch seed (the same for every arm).")] = 1,
+    port: Annotated[int, typer.Option(help="Port of the servers (one at a time).")] = 8124,
+    serve_args: Annotated[str, typer.Option("--serve-args", help="More `das serve` flags for every server, as "
+                                                                  "one string (e.g. '--eager').")] = "",
+    log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each server's log goes.")] = Path("bench-logs"),
+    out: Annotated[Path, typer.Option("--out", help="The report as JSON.")] = Path("gpu-check.json"),
+) -> None:
+    """The acceptance run on one GPU: `das serve` for none, suffix and das; identical samples at T > 0, a short
+    e2e, the RL control plane (pause, update_weights, resume) and an engine kill. Exits 1 if a check fails."""
+    import shlex
+
+    from das.bench.gpu_check import GpuCheckConfig, run_gpu_check
+    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
+
+    try:
+        config = GpuCheckConfig(model=model, problems=problems, samples=samples, max_tokens=max_tokens,
+                                temperature=temperature, dtype=dtype, seed=seed, port=port,
+                                serve_args=tuple(shlex.split(serve_args)))
+        report = run_gpu_check(config, load_prompt_set(problems), log_dir,
+                               progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+    except (PromptSetError, OSError, ValueError) as exc:
+        fail(str(exc))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+    emit(report, False)
+    console.print(f"report: {out}")
+    if not report.passed:
+        raise typer.Exit(1)

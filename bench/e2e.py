@@ -80,6 +80,7 @@ from das.bench.stats import LengthTest, RewardTest, length_test, reward_test
 from das.drafter.records import RolloutRecord, write_rollouts
 from das.service.client.prompt_sets import Problem
 from das.service.engine.async_engine import Engine, EngineConfig
+from das.service.engine.runner_choice import RunnerChoice
 from das.service.engine.step_profile import StepProfile
 from das.service.wire.api import GroupRequest, SamplingSpec, seeded_groups
 from das.service.wire.sample_keys import derive
@@ -168,7 +169,10 @@ class E2EConfig:
             # vLLM's seed is 32-bit; the int64 run seed only names the groups' keyed-sampling seeds
             dtype=self.dtype, max_model_len=self.max_model_len, seed=(self.seed + repeat) % 2**32,  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager, kv_cache_gib=self.kv_cache_gib, budget=budget,
-            suffix_options=self.suffix_tuned if arm == "suffix-t" else {})
+            suffix_options=self.suffix_tuned if arm == "suffix-t" else {},
+            # on a GPU vLLM would run das and suffix on model runner V1 without async scheduling and the others on
+            # V2 with it: every arm gets V1 without (service/engine/runner_choice.py); the CPU runs V1 anyway
+            model_runner="auto" if on_cpu() else "v1")
 
 
 def suffix_tuned_options(cost: CostModel, running: int) -> dict[str, Any]:
@@ -251,6 +255,10 @@ class EngineArm:
             await engine.close()
             raise
         return cls(engine, predict, profile)
+
+    @property
+    def runner(self) -> RunnerChoice | None:
+        return self.engine.runner
 
     async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
         order = list(range(len(groups)))
@@ -489,6 +497,7 @@ class E2EResult:
     # every finished sample, tagged by `rollout_tag` (not in to_dict: `write_rollouts_file` writes them)
     rollouts: list[RolloutRecord] = field(default_factory=list, repr=False)
     cost_fits: list[dict[str, dict[str, Any]]] = field(default_factory=list)  # per repeat: arm -> live cost fit
+    runners: dict[str, str] = field(default_factory=dict)  # arm -> the model runner and scheduling its engine ran
 
     @property
     def arms(self) -> tuple[str, ...]:
@@ -572,12 +581,20 @@ class E2EResult:
                 "noise_floor": self.noise_floor,
                 "proposer": self.proposer,
                 "drafts_by_source": self.drafts_by_source,
+                "runners": self.runners,
                 "wall_s": round(self.wall_s, 1)}
 
 
 def _median(values: list[Any]) -> float | None:
     present = [v for v in values if v is not None]
     return round(float(statistics.median(present)), 4) if present else None
+
+
+def on_cpu() -> bool:
+    """Whether vLLM runs on the CPU here."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def machine_info() -> dict[str, Any]:
@@ -641,6 +658,10 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                     t0 = time.perf_counter()
                     arms[name] = await arm_factory(name, config, repeat)
                     setup[name] = round(time.perf_counter() - t0, 1)
+                    runner = getattr(arms[name], "runner", None)
+                    if runner is not None:
+                        result.runners[name] = runner.describe()
+                        progress(f"{where}{name}: {runner.describe()}")
                 for epoch in range(config.epochs):
                     if epoch and config.drift:
                         step = f"{where}loading policy version {epoch} from {config.drift[epoch - 1]}"

@@ -1,7 +1,8 @@
 """`das bench verify`: one verification step of vLLM's rejection sampler, vLLM's own CPU path against ours
 (service/engine/cpu_fixes/rejection.py), unkeyed and keyed (service/engine/keyed_sampler.py: the keyed draw per
 draft row), side by side in one process, with the plain sampler (what a step without speculation pays) as the
-floor, vLLM's and keyed.
+floor, vLLM's and keyed; and the keyed draw alone over the step's rows, vLLM's fused CPU kernel against the torch
+draw the CUDA path runs (service/engine/keyed_draw.py; here on CPU tensors), with whether their tokens agree.
 
 Each case is a batch of `requests` requests, each with `drafts` draft tokens, random logits over `vocab` entries
 (SmolLM2's 49,152 by default), temperature `temperature`, sampled-token logprobs requested (as the service does).
@@ -27,7 +28,8 @@ from rich.table import Table
 class VerifyCase:
     """Medians (ms per step) for one batch shape: `vllm_ms`, `das_ms` and `keyed_ms` (ours with keyed sampling)
     verify its drafts; `plain_ms` (vLLM's sampler) and `plain_keyed_ms` sample one token per request without
-    speculation."""
+    speculation; `draw_fused_ms` and `draw_torch_ms` draw every row of the step (requests x (drafts + 1)) with the
+    fused kernel and with the torch draw, `draw_identical` whether they gave the same tokens."""
 
     requests: int
     drafts: int
@@ -36,6 +38,9 @@ class VerifyCase:
     plain_ms: float
     keyed_ms: float
     plain_keyed_ms: float
+    draw_fused_ms: float = 0.0
+    draw_torch_ms: float = 0.0
+    draw_identical: bool = False
 
     @property
     def speedup(self) -> float:
@@ -51,19 +56,22 @@ class VerifyBenchResult:
         return {"config": self.config,
                 "cases": [{**asdict(c), "vllm_over_das": round(c.speedup, 2),
                            "keyed_over_das": round(c.keyed_ms / c.das_ms, 2),
-                           "plain_keyed_over_plain": round(c.plain_keyed_ms / c.plain_ms, 3)} for c in self.cases]}
+                           "plain_keyed_over_plain": round(c.plain_keyed_ms / c.plain_ms, 3),
+                           "torch_over_fused_draw": round(c.draw_torch_ms / c.draw_fused_ms, 2)} for c in self.cases]}
 
     def print(self, console: Console) -> None:
         c = self.config
         table = Table(title=f"one verification step, vocab {c['vocab']}, T={c['temperature']}, logprobs, "
                             f"{c['threads']} threads, medians of {c['repeats']}")
         for col in ("requests", "drafts each", "vLLM ms", "das ms", "das keyed ms", "vLLM / das", "plain ms",
-                    "plain keyed ms", "keyed / plain"):
+                    "plain keyed ms", "keyed / plain", "draw fused ms", "draw torch ms", "same tokens"):
             table.add_column(col, justify="right")
         for case in self.cases:
             table.add_row(str(case.requests), str(case.drafts), f"{case.vllm_ms:.1f}", f"{case.das_ms:.1f}",
                           f"{case.keyed_ms:.1f}", f"{case.speedup:.1f}x", f"{case.plain_ms:.1f}",
-                          f"{case.plain_keyed_ms:.1f}", f"{case.plain_keyed_ms / case.plain_ms:.3f}")
+                          f"{case.plain_keyed_ms:.1f}", f"{case.plain_keyed_ms / case.plain_ms:.3f}",
+                          f"{case.draw_fused_ms:.1f}", f"{case.draw_torch_ms:.1f}",
+                          "yes" if case.draw_identical else "NO")
         console.print(table)
 
 
@@ -103,7 +111,8 @@ def run_verify_bench(requests: Sequence[int], drafts: Sequence[int], vocab: int 
 
     from das.service.engine.cpu_fixes.plugin import expand_kernel_impl
     from das.service.engine.cpu_fixes.rejection import logprobs_of_kept_cells, make_rejection_sample
-    from das.service.engine.keyed_sampler import StepKeys, keyed_forward_cpu, keys_of_step
+    from das.service.engine.keyed_draw import keyed_draw
+    from das.service.engine.keyed_sampler import StepKeys, keyed_forward_cpu, keyed_tokens, keys_of_step
 
     if not current_platform.is_cpu():
         raise ValueError("das bench verify measures vLLM's CPU rejection sampler; this vLLM is not the CPU build")
@@ -155,7 +164,14 @@ def run_verify_bench(requests: Sequence[int], drafts: Sequence[int], vocab: int 
             plain = _median_ms(lambda: sampler(bonus.clone(), metadata), repeats)
             with keys_of_step(plain_step):
                 plain_keyed = _median_ms(lambda: keyed(bonus.clone(), metadata), repeats)
-            cases.append(VerifyCase(batch, k, ms["vllm"], ms["das"], plain, ms["keyed"], plain_keyed))
+            step_rows = logits / temperature if temperature > 0 else logits
+            row_keys = torch.arange(step_rows.shape[0], dtype=torch.int64) * 7919 + 1
+            fused = keyed_tokens(step_rows, row_keys)
+            identical = bool(torch.equal(keyed_draw(step_rows, row_keys), fused))
+            draw_fused = _median_ms(lambda: keyed_tokens(step_rows, row_keys), repeats)
+            draw_torch = _median_ms(lambda: keyed_draw(step_rows, row_keys), repeats)
+            cases.append(VerifyCase(batch, k, ms["vllm"], ms["das"], plain, ms["keyed"], plain_keyed, draw_fused,
+                                    draw_torch, identical))
             bar.advance(task)
     config = {"vocab": vocab, "temperature": temperature, "repeats": repeats, "threads": torch.get_num_threads()}
     return VerifyBenchResult(config, cases)

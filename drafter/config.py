@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, model_validator
 
 # Matched context a draft is chosen on beyond its own tokens: an index of depth K + 8 drafted as far as depth 32 on
-# every bundled trace set at K = 8 and 16 (K + 4 lost 1% on one set; docs/results/2026-11-27-proposer-fixed-cost.md).
+# every bundled trace set at K = 8 and 16 (K + 4 lost 1% on one set; docs/design.md#the-drafter).
 MATCH_CONTEXT = 8
 
 

@@ -290,7 +290,7 @@ class HistoryBank:
 
         The gap bounds the cost: without it a batch of 60 requests whose drafts mostly fail at once started ~33
         shadow drafts a step, +0.5 ms of the proposer's ~1.3 ms a step on the 2-core CPU; with 8 tokens the
-        simulated makespans kept most of the gain (docs/results/2026-11-26-shadow-drafts.md)."""
+        simulated makespans kept most of the gain (docs/design.md#from-the-optimum-to-a-step)."""
         return self._draft_one(request_id, context, 0, 0.0, max(0, max_tokens))[4]
 
     def _draft_one(self, request_id: str, context: np.ndarray, k: int, min_prob: float, shadow_room: int

@@ -10,8 +10,13 @@ by default). Two measurements, each repeated and reported as the median of the r
   client stamps each sample when it has decoded it. Added latency = client stamp - stub emission, per sample
   (both time.perf_counter, which on Linux is CLOCK_MONOTONIC and shared by the two processes); p50 and p99.
 
+With `--progress` the batches ask for the opt-in token progress stream (RolloutRequest.progress): the stub reports
+each sample's tokens in 4 pieces before the sample, and the client decodes those objects too; compare samples/s with
+and without it (the stub reports progress to the gateway in both: engines always do, for resume and stall
+detection; what --progress adds is the per-sample progress frames stored and streamed).
+
 Goal (issue 5): >= 5,000 samples/s with msgpack and <= 5 ms p99 added per sample.
-Run: .venv/bin/python loadtests/gateway_throughput.py
+Run: .venv/bin/python loadtests/gateway_throughput.py [--progress]
 """
 
 from __future__ import annotations
@@ -103,27 +108,32 @@ def _groups(samples: int, group_size: int) -> list[dict[str, Any]]:
              "sampling": {"max_tokens": 4096}} for i in range(count)]
 
 
-def _run_batch(url: str, groups: list[dict[str, Any]], wire: str) -> tuple[float, dict[tuple[int, int], float]]:
+def _run_batch(url: str, groups: list[dict[str, Any]], wire: str, progress: bool = False
+               ) -> tuple[float, dict[tuple[int, int], float]]:
     """Seconds from the request to the last sample decoded, and each sample's decode time (perf_counter)."""
     from das.service.client import RolloutClient
+    from das.service.wire.sample_progress import ProgressRecord
 
     received: dict[tuple[int, int], float] = {}
     with RolloutClient(url, wire=wire, retries=0) as client:  # type: ignore[arg-type]
         start = time.perf_counter()
-        for record in client.generate(groups):
+        for record in client.generate(groups, progress=progress):
+            if isinstance(record, ProgressRecord):
+                continue
             received[(record.group_index, record.sample_index)] = time.perf_counter()
         elapsed = time.perf_counter() - start
     return elapsed, received
 
 
-def measure(samples: int, group_size: int, tokens: int, rate: float, repeats: int, wire: str) -> dict[str, Any]:
+def measure(samples: int, group_size: int, tokens: int, rate: float, repeats: int, wire: str,
+            progress: bool = False) -> dict[str, Any]:
     groups = _groups(samples, group_size)
     throughputs = []
     with StubServer(output_tokens=tokens) as server:
-        _run_batch(server.url, groups[:8], wire)  # warm-up: first-request imports and connection setup
+        _run_batch(server.url, groups[:8], wire, progress)  # warm-up: first-request imports and connection setup
         server.emissions()
         for _ in range(repeats):
-            elapsed, received = _run_batch(server.url, groups, wire)
+            elapsed, received = _run_batch(server.url, groups, wire, progress)
             assert len(received) == samples and len(server.emissions()) == samples
             throughputs.append(samples / elapsed)
 
@@ -131,10 +141,10 @@ def measure(samples: int, group_size: int, tokens: int, rate: float, repeats: in
     paced_groups = _groups(paced_samples, group_size)
     p50s, p99s, paced_rates = [], [], []
     with StubServer(output_tokens=tokens, interval_s=1.0 / rate) as server:
-        _run_batch(server.url, paced_groups[:8], wire)
+        _run_batch(server.url, paced_groups[:8], wire, progress)
         server.emissions()
         for _ in range(repeats):
-            elapsed, received = _run_batch(server.url, paced_groups, wire)
+            elapsed, received = _run_batch(server.url, paced_groups, wire, progress)
             emitted = server.emissions()
             added_ms = sorted((received[k] - emitted[k]) * 1e3 for k in emitted)
             assert len(added_ms) == paced_samples == len(received)
@@ -143,7 +153,7 @@ def measure(samples: int, group_size: int, tokens: int, rate: float, repeats: in
             paced_rates.append(paced_samples / elapsed)
 
     return {
-        "wire": wire, "samples": samples, "group_size": group_size, "tokens_per_sample": tokens,
+        "wire": wire, "progress": progress, "samples": samples, "group_size": group_size, "tokens_per_sample": tokens,
         "repeats": repeats, "samples_per_s": round(statistics.median(throughputs)),
         "samples_per_s_runs": [round(x) for x in throughputs],
         "paced_rate": rate, "paced_samples": paced_samples,
@@ -163,14 +173,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--wire", choices=["msgpack", "ndjson"], default="msgpack")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--progress", action="store_true", help="batches ask for the token progress stream")
     args = parser.parse_args()
-    result = measure(args.samples, args.group_size, args.tokens, args.rate, args.repeats, args.wire)
+    result = measure(args.samples, args.group_size, args.tokens, args.rate, args.repeats, args.wire, args.progress)
     if args.json:
         print(json.dumps(result, indent=2))
         return
     ok_rate = result["samples_per_s"] >= GOAL_SAMPLES_PER_S
     ok_p99 = result["added_ms_p99"] <= GOAL_P99_ADDED_MS
-    print(f"wire {result['wire']}, {result['tokens_per_sample']} tokens/sample, groups of {result['group_size']}, "
+    print(f"wire {result['wire']}{' with progress' if result['progress'] else ''}, "
+          f"{result['tokens_per_sample']} tokens/sample, groups of {result['group_size']}, "
           f"median of {result['repeats']} repeats")
     print(f"throughput: {result['samples_per_s']} samples/s over {result['samples']} samples "
           f"(runs {result['samples_per_s_runs']}; goal >= {GOAL_SAMPLES_PER_S:.0f}: {'ok' if ok_rate else 'MISSED'})")

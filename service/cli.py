@@ -120,7 +120,10 @@ def serve(
                                                      "snapshots (of shards that changed) with --state-dir.")] = 60.0,
     engines_per_node: Annotated[int, typer.Option("--engines-per-node", min=1, help="Engines on each node without "
                                                   "a GPU, each in an actor of its own (a GPU node runs one per "
-                                                  "GPU).")] = 1,
+                                                  "--tensor-parallel-size GPUs).")] = 1,
+    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1, max=64, help="GPUs per "
+                                                      "engine (vLLM's tensor parallelism); it must divide every "
+                                                      "GPU node's GPUs.")] = 1,
     max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Restarts an engine may have within "
                                               "--restart-window; the death after that fails its batches and it "
                                               "stays down.")] = 5,
@@ -130,6 +133,12 @@ def serve(
                                                       "group's samples may run through; then they end with an "
                                                       "error instead of running again (a prompt that crashes the "
                                                       "engine).")] = 3,
+    header_timeout: Annotated[float, typer.Option("--header-timeout", min=0.1, max=3600, help="Seconds a request's "
+                                                  "line and headers may take to arrive; then 408 and the "
+                                                  "connection is closed.")] = 10.0,
+    body_timeout: Annotated[float, typer.Option("--body-timeout", min=0.1, max=3600, help="Seconds a request's "
+                                                "body may take to arrive after its headers; then 408 and the "
+                                                "connection is closed.")] = 60.0,
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
@@ -147,14 +156,21 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
-    from das.service.cluster.coordinator import RayBackend, ServiceConfig
     from das.service.http.batch_journal import BatchJournalConfig
+    from das.service.cluster.coordinator import RayBackend, ServiceConfig
     from das.service.http.gateway import GatewaySettings, create_app
+    from das.service.http.request_guard import server_config
+    from das.service.state_dir_lock import StateDirInUse, lock_state_dir
+    from das.service.cluster.engine_layout import LayoutError
 
     try:
+        # held until the process ends: a second das serve on this state directory refuses to start
+        state_lock = lock_state_dir(state_dir) if state_dir is not None else None
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
-        settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True)
-        engine = ({"stub_engine": {}} if stub_engine else {"engine": {
+        settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
+                                   header_timeout_s=header_timeout, body_timeout_s=body_timeout)
+        engine = ({"stub_engine": {"tensor_parallel_size": tensor_parallel_size}} if stub_engine else {"engine": {
+            "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget}}})
         config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
@@ -167,10 +183,13 @@ def serve(
         if not stub_engine:
             from das.service.engine.async_engine import engine_dtype
             from das.service.engine.models import prepare_model
+            from das.service.engine.vllm_version import check_vllm_version
+
+            check_vllm_version()  # UnsupportedVllmVersion is a ValueError: refused below, before anything starts
 
             # here first, in the dtype the engines serve: they reuse it, and a bad name fails now
             prepare_model(model, progress=True, dtype=engine_dtype(dtype))
-    except (ValidationError, OSError, ValueError) as exc:
+    except (ValidationError, OSError, ValueError, StateDirInUse) as exc:
         fail(str(exc))
 
     signals: list[int] = []
@@ -191,6 +210,8 @@ def serve(
         shielded = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM}) if address is None else None
         try:
             backend = await RayBackend.start(config, progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+        except LayoutError as exc:  # a node's GPUs and --tensor-parallel-size
+            fail(str(exc))
         finally:
             if shielded is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, shielded)
@@ -211,7 +232,8 @@ def serve(
             app = create_app(backend, settings)
             console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if token else 'off'}; "
                           f"/readyz turns 200 once the engines have loaded)")
-            await Server(uvicorn.Config(app, host=host, port=port, log_level="warning")).serve()
+            await Server(server_config(app, settings.header_timeout_s, host=host, port=port,
+                                       log_level="warning")).serve()
         finally:
             console.print("[cyan]stopping: snapshotting the history, stopping the engines[/cyan]")
             for done in await asyncio.gather(*snapshots, return_exceptions=True):
@@ -219,7 +241,11 @@ def serve(
                     console.print(f"[red]history snapshot at the signal failed: {escape(str(done))}[/red]")
             await backend.close()
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        if state_lock is not None:
+            state_lock.close()  # the state directory is free for the next das serve
 
 
 @app.command("rollout")

@@ -4,11 +4,15 @@ Each sample is `tokens` tokens long (capped by max_tokens) of a fixed pattern, p
 token. It drafts nothing: `draft_tokens` and `accepted_tokens` are 0, so no figure from it can pass for a
 speedup. It counts the history it was given (`history_records`), which is what service tests check. It refuses
 what the engine refuses without needing vLLM: the API's bounds (service/wire/api.py, vLLM's own sampling limits) and the
-model's (prompt and stop token ids within the vocabulary, the prompt within the context).
+model's (prompt and stop token ids within the vocabulary, the prompt and max_tokens within the context). It reports
+progress and resumes samples from a prefix as `Engine.generate` does.
 
 Pause and resume as vLLM's engine does them (`pause`, docs/design.md "vLLM's RL control plane"): a group's n
 samples are all in flight from the moment `generate` is called (they are produced one after another, as if the
-engine's steps served them in that order). Groups that arrive while paused are held until `resume`. "keep" freezes
+engine's steps served them in that order). Groups that arrive while paused are held until `resume` (vLLM 0.32's
+queue), or under `pause_behavior="reject"` ended at once, every sample with finish_reason "error", unless the pause is
+"keep" (a vLLM that rejects new requests while paused, as the audit of issue 45 read vLLM 0.33: the service must never
+send work to a paused engine, service/cluster/pause_hold.py). "keep" freezes
 the samples in flight between two tokens; each token carries the policy version served when its step began, so a
 sample spanning a weight update says so (`SampleResult.policy_spans`). "abort" ends every sample in flight, held
 groups included, with finish_reason "abort" and the tokens it had. "wait" returns once the groups in flight ended.
@@ -19,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.service.engine.contract import EngineInputError, EngineTally, context_error, validate_rollouts
+from das.service.wire.sample_progress import SampleProgress
 
 
 class StubEngineConfig(BaseModel):
@@ -35,6 +40,12 @@ class StubEngineConfig(BaseModel):
     token_s: float = Field(0.0, ge=0, description="seconds per output token of a sample")
     max_model_len: int = Field(2048, ge=2)
     vocab_size: int = Field(32000, ge=2)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs an engine takes on a GPU node (placement "
+                                      "only: the stub has no model workers), as EngineConfig's")
+    pause_behavior: Literal["queue", "reject"] = Field(
+        "queue", description="what a group that arrives while paused meets: queue (held until resume, as vLLM 0.32 "
+        "does), reject (under abort and wait pauses its samples end at once with finish_reason error, as a vLLM "
+        "with reject_new_requests does)")
     exit_on_problem: str | None = Field(None, description="a problem_id whose group, once started, ends the "
                                         "engine's process at once: a prompt that crashes the engine, for tests")
 
@@ -75,13 +86,24 @@ class StubEngine:
         if outside:
             raise EngineInputError(f"sampling.stop_token_ids: {outside[0]} is outside the vocabulary "
                                    f"[0, {self.config.vocab_size})")
+        if len(ids) + group.sampling.max_tokens > self.config.max_model_len:
+            raise EngineInputError(context_error(len(ids), group.sampling.max_tokens, self.config.max_model_len))
         return ids
 
-    async def generate(self, group: GroupRequest) -> AsyncIterator[SampleResult]:
+    async def generate(self, group: GroupRequest,
+                       on_progress: Callable[[SampleProgress], None] | None = None) -> AsyncIterator[SampleResult]:
+        """As `Engine.generate`: `on_progress` hears of every token but each sample's last; a resumed sample
+        (group.prefix_token_ids) continues from its prefix, at the positions after it."""
         prompt = self.prompt_token_ids(group)
         if group.sampling.seed is None:  # as Engine.generate, with a fixed seed: the stub is deterministic
             (group,) = seeded_groups([group], 0)
         length = min(self.config.tokens, group.sampling.max_tokens)
+        if self._mode in ("abort", "wait") and self.config.pause_behavior == "reject":
+            for index in range(group.n):
+                yield SampleResult(problem_id=group.problem_id, sample_index=index, token_ids=[], logprobs=[],
+                                   finish_reason="error", policy_version=self.policy_version, prompt_token_ids=prompt,
+                                   error=f"the engine is paused ({self._mode}) and rejects new requests")
+            return
         epoch = self._abort_epoch
         while self._mode is not None and self._abort_epoch == epoch:  # held while paused, as vLLM queues them
             await self._changed.wait()
@@ -97,7 +119,8 @@ class StubEngine:
             for index in range(group.n):
                 # the sample's tokens are a function of its key, as under keyed sampling: a re-drawn sample repeats
                 key = group.sample_key(index)
-                tokens: list[int] = []
+                tokens = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
+                resumed = len(tokens)
                 spans: list[tuple[int, int]] = []
                 while len(tokens) < length and self._abort_epoch == epoch:
                     if self._mode == "keep":
@@ -111,6 +134,8 @@ class StubEngine:
                     if not spans or spans[-1][0] != version:
                         spans.append((version, len(tokens)))
                     tokens.append((7 * len(tokens) + key) % self.config.vocab_size)
+                    if on_progress is not None and len(tokens) < length:
+                        on_progress(SampleProgress(index, len(tokens) - 1, tokens[-1:], [-1.0], "", version))
                 if len(tokens) < length:
                     finish = "abort"
                 else:
@@ -119,9 +144,10 @@ class StubEngine:
                 yielded += 1
                 yield SampleResult(
                     problem_id=group.problem_id, sample_index=index, token_ids=tokens,
-                    logprobs=[-1.0] * len(tokens), finish_reason=finish,
+                    logprobs=[-1.0] * (len(tokens) - resumed), finish_reason=finish,
                     policy_version=spans[0][0] if spans else self.policy_version,
-                    policy_spans=spans if len(spans) > 1 else None, decode_steps=len(tokens),
+                    policy_spans=spans if len(spans) > 1 or (resumed and spans) else None,
+                    decode_steps=len(tokens) - resumed,
                     total_s=time.perf_counter() - start, prompt_token_ids=prompt)
         finally:
             self.tally.running -= group.n

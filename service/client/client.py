@@ -39,6 +39,8 @@ from das.service.wire.api import (
     ProblemSummary,
     SampleRecord,
 )
+from das.service.client.history_chunks import history_bodies
+from das.service.wire.sample_progress import ProgressRecord
 
 Wire = Literal["msgpack", "ndjson"]
 
@@ -126,8 +128,10 @@ class _BatchProgress:
     summary."""
 
     def __init__(self, groups: list[dict[str, Any]], batch_id: str, logprobs: bool, prompts: bool,
-                 wire: Wire, seed: int | None) -> None:
+                 wire: Wire, seed: int | None, progress: bool = False) -> None:
         self.batch_id = batch_id
+        self.progress = progress
+        self._delivered: dict[tuple[int, int], int] = {}  # per sample in flight, tokens its progress carried
         self.seed = seed
         self.wire = wire
         self.summary: BatchSummary | None = None
@@ -150,6 +154,8 @@ class _BatchProgress:
     def body(self) -> dict[str, Any]:
         body = {"batch_id": self.batch_id, "groups": self._groups, "logprobs": self._logprobs,
                 "return_prompt_token_ids": self._prompts, "resume_from": self._received}
+        if self.progress:
+            body["progress"] = True
         return body if self.seed is None else {**body, "seed": self.seed}
 
     def begin(self, response: httpx.Response) -> None:
@@ -163,8 +169,9 @@ class _BatchProgress:
         self._attempt_records = 0
         self._attempt_offset = offset
 
-    def feed(self, chunk: bytes) -> list[SampleRecord]:
-        """New records in `chunk` (a piece of the stream, cut anywhere)."""
+    def feed(self, chunk: bytes) -> list[SampleRecord | ProgressRecord]:
+        """New records in `chunk` (a piece of the stream, cut anywhere), and progress objects if asked for (a
+        repeat of tokens already yielded, after a retry, is dropped)."""
         if self.wire == "msgpack":
             self._unpacker.feed(chunk)
             objects: Iterator[Any] = iter(self._unpacker)
@@ -172,8 +179,15 @@ class _BatchProgress:
             lines = (self._pending + chunk).split(b"\n")
             self._pending = lines.pop()
             objects = (json.loads(line) for line in lines if line)
-        out = []
+        out: list[SampleRecord | ProgressRecord] = []
         for obj in objects:
+            if "progress" in obj:
+                report = ProgressRecord.model_validate(obj["progress"])
+                key = (report.group_index, report.sample_index)
+                if key not in self._seen and report.offset >= self._delivered.get(key, 0):
+                    self._delivered[key] = report.offset + len(report.token_ids)
+                    out.append(report)
+                continue
             if "summary" in obj:
                 self.summary = BatchSummary.model_validate(obj["summary"])
                 continue
@@ -183,6 +197,7 @@ class _BatchProgress:
             key = (record.group_index, record.sample_index)
             if key not in self._seen:
                 self._seen.add(key)
+                self._delivered.pop(key, None)
                 out.append(record)
         return out
 
@@ -196,7 +211,15 @@ class _BatchProgress:
                                + (f": {self.summary.error}" if self.summary.error else ""), summary=self.summary)
 
 
+_JSON_HEADERS = {"Content-Type": "application/json"}
+
+
 class _ClientBase:
+    # A history import is cut into requests within the server's limits (GatewaySettings.max_body_bytes and
+    # max_history_records, at their defaults here): set these to a server's own if it was started with others.
+    max_body_bytes: int = 64 << 20
+    max_history_records: int = 1_000_000
+
     def __init__(self, url: str, token: str | None, wire: Wire, retries: int, backoff_s: float) -> None:
         if wire not in ("msgpack", "ndjson"):
             raise ValueError(f"wire must be 'msgpack' or 'ndjson', got {wire!r}")
@@ -208,8 +231,9 @@ class _ClientBase:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _progress(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None,
-                  logprobs: bool, prompts: bool, seed: int | None) -> _BatchProgress:
-        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, prompts, self.wire, seed)
+                  logprobs: bool, prompts: bool, seed: int | None, progress: bool = False) -> _BatchProgress:
+        return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, prompts, self.wire, seed,
+                              progress)
 
     def _delay(self, attempt: int) -> float:
         """Seconds before retry `attempt` (1-based): exponential, capped at 10 s."""
@@ -228,7 +252,7 @@ class RolloutStream:
     def summary(self) -> BatchSummary | None:
         return self._progress.summary
 
-    def __iter__(self) -> Iterator[SampleRecord]:
+    def __iter__(self) -> Iterator[SampleRecord | ProgressRecord]:
         client, progress = self._client, self._progress
         for attempt in range(client.retries + 1):
             try:
@@ -260,17 +284,22 @@ class RolloutClient(_ClientBase):
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
                  logprobs: bool = False, return_prompt_token_ids: bool = False,
-                 seed: int | None = None) -> RolloutStream:
+                 seed: int | None = None, progress: bool = False) -> RolloutStream:
         """The batch's samples as they finish (iterate the result). `seed`: the batch's seed (the same seed draws
-        the same samples; None: the server draws one, in `summary.seed`). Raises RolloutError when the server
-        refuses the batch, gives up retrying, or the batch ends aborted or failed."""
-        return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed))
+        the same samples; None: the server draws one, in `summary.seed`). `progress`: also yield each running
+        sample's new tokens as `ProgressRecord`s as they are made (each sample's before its record). Raises
+        RolloutError when the server refuses the batch, gives up retrying, or the batch ends aborted or failed."""
+        return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed,
+                                                  progress))
 
-    def _call(self, method: str, path: str, json_body: Any = None, params: Mapping[str, Any] | None = None) -> Any:
+    def _call(self, method: str, path: str, json_body: Any = None, params: Mapping[str, Any] | None = None,
+              content: bytes | None = None) -> Any:
         idempotent = method in ("GET", "DELETE")
+        headers = _JSON_HEADERS if content is not None else None
         for attempt in range(self.retries + 1):
             try:
-                response = self.http.request(method, path, json=json_body, params=params)
+                response = self.http.request(method, path, json=json_body, params=params, content=content,
+                                             headers=headers)
                 _raise_for(response, response.content)
                 return response.json()
             except (httpx.TransportError, _Retryable) as exc:
@@ -290,7 +319,17 @@ class RolloutClient(_ClientBase):
         return int(self._call("POST", "/v1/weights", {"path": path, "version": version})["policy_version"])
 
     def add_history(self, records: list[dict[str, Any]]) -> int:
-        return int(self._call("POST", "/v1/history", {"records": records})["added"])
+        """Imports finished rollouts for drafting; returns how many were stored. Sent in as many requests as the
+        server's body and record limits need (`max_body_bytes`, `max_history_records`): a failure partway leaves
+        the earlier requests' records imported (RolloutError says how many)."""
+        added = 0
+        for body in history_bodies(records, self.max_body_bytes, self.max_history_records):
+            try:
+                added += int(self._call("POST", "/v1/history", content=body)["added"])
+            except RolloutError as exc:
+                raise RolloutError(f"{exc} ({added} records imported before it)", status_code=exc.status_code,
+                                   detail=exc.detail) from exc
+        return added
 
     def pause(self, mode: PauseMode = "abort") -> None:
         """vLLM's /pause on every engine: "abort" ends the samples in flight (delivered with finish_reason
@@ -336,7 +375,7 @@ class AsyncRolloutStream:
     def summary(self) -> BatchSummary | None:
         return self._progress.summary
 
-    async def __aiter__(self) -> AsyncIterator[SampleRecord]:
+    async def __aiter__(self) -> AsyncIterator[SampleRecord | ProgressRecord]:
         client, progress = self._client, self._progress
         for attempt in range(client.retries + 1):
             try:
@@ -369,17 +408,20 @@ class AsyncRolloutClient(_ClientBase):
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
                  logprobs: bool = False, return_prompt_token_ids: bool = False,
-                 seed: int | None = None) -> AsyncRolloutStream:
-        """The batch's samples as they finish (`async for` the result); `seed` and errors as
+                 seed: int | None = None, progress: bool = False) -> AsyncRolloutStream:
+        """The batch's samples as they finish (`async for` the result); `seed`, `progress` and errors as
         `RolloutClient.generate`."""
-        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed))
+        return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed,
+                                                       progress))
 
     async def _call(self, method: str, path: str, json_body: Any = None,
-                    params: Mapping[str, Any] | None = None) -> Any:
+                    params: Mapping[str, Any] | None = None, content: bytes | None = None) -> Any:
         idempotent = method in ("GET", "DELETE")
+        headers = _JSON_HEADERS if content is not None else None
         for attempt in range(self.retries + 1):
             try:
-                response = await self.http.request(method, path, json=json_body, params=params)
+                response = await self.http.request(method, path, json=json_body, params=params, content=content,
+                                                   headers=headers)
                 _raise_for(response, response.content)
                 return response.json()
             except (httpx.TransportError, _Retryable) as exc:
@@ -400,7 +442,15 @@ class AsyncRolloutClient(_ClientBase):
         return int(body["policy_version"])
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
-        return int((await self._call("POST", "/v1/history", {"records": records}))["added"])
+        """See RolloutClient.add_history."""
+        added = 0
+        for body in history_bodies(records, self.max_body_bytes, self.max_history_records):
+            try:
+                added += int((await self._call("POST", "/v1/history", content=body))["added"])
+            except RolloutError as exc:
+                raise RolloutError(f"{exc} ({added} records imported before it)", status_code=exc.status_code,
+                                   detail=exc.detail) from exc
+        return added
 
     async def pause(self, mode: PauseMode = "abort") -> None:
         """See RolloutClient.pause."""

@@ -3,8 +3,9 @@
 Actors (Ray's own scheduling, node affinity and failure reporting; no cluster manager of ours):
 - `HistoryShard` x S (service/cluster/history_store.py), on the coordinator's node: rollouts and difficulty by problem,
   snapshotted to the state directory every `history.snapshot_interval_s` and at shutdown.
-- `NodeEngine` x nodes (service/cluster/node_engine.py), one per node, pinned there with a hard node-affinity strategy:
-  every GPU node, or every node when the cluster has no GPU (a CPU machine; the embedded default). A node that
+- `NodeEngine` x engines (service/cluster/node_engine.py), one per engine (a GPU node's GPUs / `tensor_parallel_size`,
+  `engines_per_node` on a node without), pinned to its node with a hard node-affinity strategy: every GPU node, or
+  every node when the cluster has no GPU (a CPU machine; the embedded default). A node that
   joins later (a worker pod added, or replacing a lost one) gets its actors within `adopt_nodes_interval_s`.
 
 The coordinator itself runs in the gateway's process (the Ray driver), not as an actor: it only predicts, places
@@ -29,7 +30,10 @@ death is noticed by the stream that breaks or by a call the coordinator keeps pe
 reloads the model and pulls its drafter history from the store with fresh cursors) and reloads the weights last
 served, then it serves again. The samples the dead engine owed that had not arrived are sent to a serving engine
 (or the restarted one) as a group with n = their count, and renumbered back to the missing indices
-(service/cluster/engine_failure.py `Share`), so every sample index reaches the client exactly once. `ready()` while at
+(service/cluster/engine_failure.py `Share`), so every sample index reaches the client exactly once. Each resumes from the
+tokens it had delivered (the engines report each sample's new tokens every `node_engine.PROGRESS_INTERVAL_S`; the
+coordinator keeps them per sample and hands them to the caller's `on_progress`), so a death costs the
+recomputation of prompt + prefix and the tokens of the last interval, not the sample. `ready()` while at
 least one engine serves; `live()` False once no engine can ever serve again.
 """
 
@@ -54,14 +58,17 @@ from das.drafter.records import RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
-from das.service.backends.stub_engine import StubEngineConfig
-from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
-from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
-from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
-from das.service.cluster.rollout_backend import BackendStats, GroupInputError
+from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
 from das.service.engine.config import EngineConfig
 from das.service.engine.contract import validate_rollouts
-from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
+from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
+from das.service.cluster.engine_layout import LayoutError, gpu_engines
+from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
+from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
+from das.service.cluster.pause_hold import PauseHold
+from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink
+from das.service.wire.sample_progress import SampleProgress
+from das.service.backends.stub_engine import StubEngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +162,7 @@ class ServiceConfig(BaseModel):
     object_store_mib: int = Field(256, ge=64, description="object store of an embedded cluster, MiB")
     engines_per_node: int = Field(1, ge=1, description="engines on each node without a GPU, each in a NodeEngine "
                                   "actor of its own so that one dying leaves the others serving (a GPU node runs "
-                                  "one engine per GPU in one actor)")
+                                  "its GPUs / the engine's tensor_parallel_size, an actor each)")
     failure: FailureConfig = FailureConfig()
     adopt_nodes_interval_s: float = Field(10.0, gt=0, description="seconds between looks for Ray nodes that joined "
                                           "after the start (a replaced or added worker pod) and have no engine yet; "
@@ -184,8 +191,9 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
 
 def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool
                    ) -> list[Any]:
-    """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one for its GPUs, or
-    `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
+    """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one per engine, each holding its
+    `tensor_parallel_size` GPUs (service/cluster/engine_layout.py; LayoutError where that does not divide the node's GPUs),
+    or `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
     `short_name` (a cluster of one node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -197,13 +205,13 @@ def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: lis
     # Restarted by Ray on the same node (the hard affinity holds for every incarnation) as often as it dies: the
     # coordinator applies the cap per window. No task retries: what a dead actor owed is re-dispatched by the
     # coordinator, so nothing runs twice.
+    tp = engine.tensor_parallel_size
+    count = gpu_engines(gpus, tp, f"node {node['NodeManagerAddress']}") if gpus else config.engines_per_node
     options = ray.remote(NodeEngine).options(
-        num_cpus=0, num_gpus=gpus, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
+        num_cpus=0, num_gpus=tp if gpus else 0, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-    if gpus:
-        return [options.remote(name, engine, shard_names, gpus, history_push=config.history.push)]
     return [options.remote(name, engine, shard_names, 1, first_index=g, history_push=config.history.push)
-            for g in range(config.engines_per_node)]
+            for g in range(count)]
 
 
 @dataclass(eq=False)
@@ -223,6 +231,8 @@ class _Actor:
 
 
 _Engine = tuple[_Actor, int, str]  # (actor, engine index in the actor, engine name)
+# What a batch's jobs hand its stream: (group index, sample or progress), None at a job's end, or its error.
+_Out = asyncio.Queue[tuple[int, SampleResult | SampleProgress] | BaseException | None]
 _Placement = list[list[tuple[int, GroupRequest]]]  # per engine, (batch index, group) pairs in start order
 
 
@@ -245,12 +255,14 @@ class RayBackend:
         self._shard_names = shard_names  # what an engine actor created later is given
         self._actors = [_Actor(handle, RestartWindow(config.failure), node_id) for node_id, handle in actors]
         self._gpu_nodes = gpu_nodes  # engines on the GPU nodes only (else on every node)
+        self._refused_nodes: set[str] = set()  # joined with GPUs the engines' tensor parallel size does not divide
         self._uses_ray = True  # until close: counted in _RayInThisProcess.users
         self._engines: list[_Engine] = []  # every engine, serving or not, once the first load is done
         self._version = 0
         self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
         self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
         self._paused: tuple[PauseMode, bool] | None = None  # the last /pause (mode, clear_cache) until /resume
+        self._hold = PauseHold()  # every dispatch to an engine actor waits here while paused (service/cluster/pause_hold.py)
         self._control_lock = asyncio.Lock()  # a pause or resume and a recovered engine's catch-up never interleave
         self._book = DifficultyBook()
         self._predictor = LengthPredictor(self._book)
@@ -285,6 +297,12 @@ class RayBackend:
             # running on this machine.
             ray.init(address=config.address or "local", **kwargs)
             _RayInThisProcess.started_here = True
+        engine = config.engine or config.stub_engine
+        assert engine is not None
+        for node in ray.nodes():  # before any actor exists: LayoutError for a node whose GPUs do not split
+            if node["Alive"] and node["Resources"].get("GPU", 0) > 0:
+                gpu_engines(int(node["Resources"]["GPU"]), engine.tensor_parallel_size,
+                            f"node {node['NodeManagerAddress']}")
         here = ray.get_runtime_context().get_node_id()
         state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
         # Restarted by Ray when it dies, from its last snapshot; no task retries: engines re-send their pushes.
@@ -439,15 +457,16 @@ class RayBackend:
         by_load = np.argsort(-loads, kind="stable")
         return [[(int(i), tagged[int(i)]) for i in by_load[assignment[by_load] == e]] for e in range(len(names))]
 
-    async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
+                       ) -> AsyncGenerator[tuple[int, SampleResult], None]:
         serving = self._serving() or [await self._wait_serving()]
         placed = [(engine, [(Share(i, tuple(range(g.n))), g) for i, g in items])
                   for engine, items in zip(serving, self._place(groups, serving)) if items]
         # Held now, before anything awaits: a batch placed at the same moment sees this one's work.
         for engine, work in placed:
             self._placed.hold(engine[2], work)
-        # Each job puts (group index, sample) pairs, then None at its end, or the exception that ended it.
-        out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None] = asyncio.Queue()
+        # Each job puts (group index, sample or progress) pairs, then None at its end, or the exception that ended it.
+        out: _Out = asyncio.Queue()
         jobs = [asyncio.create_task(self._job(engine, work, out)) for engine, work in placed]
         try:
             running = len(jobs)
@@ -459,6 +478,10 @@ class RayBackend:
                 if isinstance(item, BaseException):
                     raise item
                 index, sample = item
+                if isinstance(sample, SampleProgress):
+                    if on_progress is not None:
+                        on_progress(index, sample)
+                    continue
                 if sample.finish_reason in ("stop", "length"):
                     self._book.history(sample.problem_id).add_length(sample.policy_version, len(sample.token_ids),
                                                                      sample.finish_reason)
@@ -469,7 +492,7 @@ class RayBackend:
             await asyncio.gather(*jobs, return_exceptions=True)
 
     async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
-                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                   out: _Out) -> None:
         """Runs `work` on `engine` (`_run`), putting its samples on `out` as they arrive, renumbered as the batch's.
         Ends with None on `out`, or the exception that failed the batch. The caller has put `work` in `_placed` on
         `engine`."""
@@ -480,7 +503,7 @@ class RayBackend:
             out.put_nowait(exc)
 
     async def _run(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
-                   out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                   out: _Out) -> None:
         """Runs `work` (held in `_placed` on `engine`) there; the samples go to `out` as they arrive and leave the
         ledger, and what never arrived leaves it when this ends. When the engine dies, what had not arrived runs
         again (`_run_again`). Returns once every sample of `work` has reached `out`."""
@@ -490,11 +513,17 @@ class RayBackend:
         incarnation = actor.incarnation
         rest: list[tuple[Share, GroupRequest]] | None = None  # what a death left owed
         try:
+            await self._hold.wait()  # first dispatches and re-dispatches alike reach engines that have resumed
             generator = actor.handle.run.remote(local, [(k, share.request(group))
                                                         for k, (share, group) in enumerate(work)])
             try:
                 async for ref in generator:
                     for k, sample in await ref:
+                        if isinstance(sample, SampleProgress):
+                            report = work[k][0].progress(sample)
+                            if report is not None:
+                                out.put_nowait((work[k][0].group_index, report))
+                            continue
                         taken = work[k][0].take(sample)
                         if taken is not None:
                             self._placed.arrived(name, work[k][1])
@@ -516,7 +545,7 @@ class RayBackend:
             await self._run_again(name, rest, out)
 
     async def _run_again(self, dead: str, work: list[tuple[Share, GroupRequest]],
-                         out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                         out: _Out) -> None:
         """Runs the shares that engine `dead` owed. A share that has run through `max_group_deaths` deaths is
         given up (`_give_up`). One whose next death would give it up runs alone, one share after another, so that a
         group that only ran beside the one that kills engines is not given up with it; the rest are placed again over
@@ -549,7 +578,7 @@ class RayBackend:
                 task.cancel()
 
     async def _one_at_a_time(self, work: list[tuple[Share, GroupRequest]],
-                             out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                             out: _Out) -> None:
         """Runs the shares one after another, each on the serving engine with the least work placed at its turn."""
         for item in work:
             engine = await self._wait_serving()
@@ -557,7 +586,7 @@ class RayBackend:
             await self._run(engine, [item], out)
 
     def _give_up(self, work: list[tuple[Share, GroupRequest]],
-                 out: asyncio.Queue[tuple[int, SampleResult] | BaseException | None]) -> None:
+                 out: _Out) -> None:
         """Ends the shares' missing samples with finish_reason "error": their group ran through
         `max_group_deaths` engine deaths, the last one alone on its engine."""
         for share, group in work:
@@ -608,12 +637,14 @@ class RayBackend:
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
         async with self._control_lock:
             self._paused = (mode, clear_cache)
+            self._hold.pause()
             await self._on_serving(lambda node: node.pause.remote(mode, clear_cache))
 
     async def resume(self) -> None:
         async with self._control_lock:
-            self._paused = None
             await self._on_serving(lambda node: node.resume.remote())
+            self._paused = None
+            self._hold.release()
 
     async def is_paused(self) -> bool:
         return any(await self._on_serving(lambda node: node.is_paused.remote()))
@@ -767,7 +798,14 @@ class RayBackend:
         nodes = [n for n in await asyncio.to_thread(ray.nodes) if n["Alive"] and n["NodeID"] not in known
                  and (not self._gpu_nodes or n["Resources"].get("GPU", 0) > 0)]
         for node in nodes:
-            handles = _engine_actors(self.config, node, self._shard_names, short_name=False)
+            if node["NodeID"] in self._refused_nodes:
+                continue
+            try:
+                handles = _engine_actors(self.config, node, self._shard_names, short_name=False)
+            except LayoutError as exc:  # said once; the engines already serving go on
+                self._refused_nodes.add(node["NodeID"])
+                log.error("node %s joined but runs no engine: %s", node["NodeManagerAddress"], exc)
+                continue
             log.warning("node %s joined: starting %d engine actor(s) there", node["NodeManagerAddress"], len(handles))
             for handle in handles:
                 actor = _Actor(handle, RestartWindow(self.config.failure), node["NodeID"])

@@ -4,8 +4,11 @@ bookkeeping, no Ray, so it is tested without processes.
 - `FailureConfig`: how many restarts an engine actor may have within a window, and how long a restart may take.
 - `RestartWindow`: one engine actor's recent restarts; says whether one more is allowed.
 - `Share`: the samples of one group that one engine owes a batch, and how the engine's sample indices map back to
-  the batch's. When the engine dies, `remainder()` is the share of the samples that never arrived, which the
-  coordinator sends to another engine (or the restarted one) as a group with n = their count. A share counts the
+  the batch's, with the tokens each sample in flight has delivered so far (its progress reports). When the engine
+  dies, `remainder()` is the share of the samples that never arrived, which the coordinator sends to another engine
+  (or the restarted one) as a group with n = their count, each sample resumed from the tokens it had delivered
+  (GroupRequest.prefix_token_ids): only its prompt and prefix are computed again, and `take` puts the delivered
+  logprobs and weight spans back in front of what the new engine returns. A share counts the
   engine deaths its group ran through: a group that kills every engine it reaches (a "query of death") is given
   up after `FailureConfig.max_group_deaths` of them instead of taking down one engine after another.
 - `GivenUpPrompts`: the prompts given up that way, refused at admission for `FailureConfig.given_up_hold_s`, so a
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 from pydantic import BaseModel, ConfigDict, Field
 
 from das.service.wire.api import GroupRequest, SampleResult
+from das.service.wire.sample_progress import SampleProgress
 
 
 class FailureConfig(BaseModel):
@@ -62,23 +66,65 @@ class RestartWindow:
 
 
 @dataclass
+class Delivered:
+    """What one sample in flight has delivered: its first tokens with their logprobs and text, and the weights they
+    came from as [policy version, index of its first token] spans."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    spans: list[tuple[int, int]] = field(default_factory=list)
+
+    def add(self, progress: SampleProgress) -> bool:
+        """Appends a report that follows on (False, nothing changed: it does not start where these tokens end)."""
+        if progress.offset != len(self.token_ids) or not progress.token_ids:
+            return False
+        if not self.spans or self.spans[-1][0] != progress.policy_version:
+            self.spans.append((progress.policy_version, progress.offset))
+        self.token_ids.extend(progress.token_ids)
+        self.logprobs.extend(progress.logprobs)
+        self.text += progress.text
+        return True
+
+
+@dataclass
 class Share:
     """The samples of the batch's group `group_index` that one engine was asked for. The engine draws
     len(indices) samples numbered 0.. by itself; its sample j is the batch's sample `indices[j]`. `received`: the
     batch's sample indices that have arrived (each is delivered once: a repeat is dropped). `deaths`: the engine
-    deaths the group's samples ran through before this share (0 for the first engine it is sent to)."""
+    deaths the group's samples ran through before this share (0 for the first engine it is sent to).
+    `delivered`: per batch sample index, the tokens it has delivered (progress reports and the prefix it was
+    resumed from); `resumed`: the prefix lengths this share's request resumes them from."""
 
     group_index: int
     indices: tuple[int, ...]
     received: set[int] = field(default_factory=set)
     deaths: int = 0
+    delivered: dict[int, Delivered] = field(default_factory=dict)
+    resumed: dict[int, int] = field(default_factory=dict)
 
     def request(self, group: GroupRequest) -> GroupRequest:
-        """What the engine is sent: the group, with n = the samples of this share, drawn with their own keys."""
-        if len(self.indices) == group.n:
+        """What the engine is sent: the group, with n = the samples of this share, drawn with their own keys, each
+        resumed from the tokens it has delivered."""
+        prefixes = tuple(tuple(self.delivered[i].token_ids) if i in self.delivered else () for i in self.indices)
+        self.resumed = {i: len(p) for i, p in zip(self.indices, prefixes) if p}
+        if len(self.indices) == group.n and not self.resumed:
             return group
         keys = self.indices if group.key_indices is None else tuple(group.key_indices[i] for i in self.indices)
-        return group.model_copy(update={"n": len(self.indices), "key_indices": keys})
+        return group.model_copy(update={"n": len(self.indices), "key_indices": keys,
+                                        "prefix_token_ids": prefixes if self.resumed else None})
+
+    def progress(self, report: SampleProgress) -> SampleProgress | None:
+        """The engine's progress report renumbered as the batch's sample (a new object), or None if it does not
+        follow on what the sample delivered (a repeat, or a sample that has arrived)."""
+        j = report.sample_index
+        if not 0 <= j < len(self.indices) or self.indices[j] in self.received:
+            return None
+        index = self.indices[j]
+        if not self.delivered.setdefault(index, Delivered()).add(report):
+            return None
+        return SampleProgress(index, report.offset, report.token_ids, report.logprobs, report.text,
+                              report.policy_version)
 
     def take(self, sample: SampleResult) -> SampleResult | None:
         """The engine's sample renumbered as the batch's sample (in place), or None if that sample has already
@@ -92,6 +138,19 @@ class Share:
             return None
         self.received.add(index)
         sample.sample_index = index
+        delivered = self.delivered.pop(index, None)
+        resumed = self.resumed.get(index, 0)
+        if resumed and delivered is not None:
+            # The engine returned the whole output and the new tokens' logprobs; the prefix's came with its progress.
+            sample.logprobs = delivered.logprobs[:resumed] + sample.logprobs
+            spans = [span for span in delivered.spans if span[1] < resumed]
+            for span in sample.policy_spans or ():
+                if span[1] < len(sample.token_ids) and (not spans or spans[-1][0] != span[0]):
+                    spans.append(span)
+            sample.policy_version = spans[0][0] if spans else sample.policy_version
+            sample.policy_spans = spans if len(spans) > 1 else None
+            if sample.text is None and delivered.text:
+                sample.text = delivered.text
         return sample
 
     def missing(self) -> tuple[int, ...]:
@@ -102,7 +161,10 @@ class Share:
         """After the engine running this share died: a share of the missing samples, one more death counted (None:
         nothing is missing)."""
         missing = self.missing()
-        return Share(self.group_index, missing, deaths=self.deaths + 1) if missing else None
+        if not missing:
+            return None
+        return Share(self.group_index, missing, deaths=self.deaths + 1,
+                     delivered={i: self.delivered[i] for i in missing if i in self.delivered})
 
 
 def crash_digest(group: GroupRequest) -> str:

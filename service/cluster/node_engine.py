@@ -1,5 +1,5 @@
-"""`NodeEngine`: the Ray actor that owns one node's engines (one per GPU or tensor-parallel group; one on a CPU
-machine).
+"""`NodeEngine`: the Ray actor that owns engines of one node (the service gives each engine an actor of its own:
+service/cluster/coordinator.py `_engine_actors`).
 
 For the groups the coordinator gives it, it pulls from the history store what other engines and imports added for
 those problems since its last pull (the rollouts it made itself are already in its drafter) and installs them in
@@ -29,8 +29,10 @@ from das.service.cluster.history_store import HistoryPushConfig, resident_bytes,
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
 from das.service.engine.config import EngineConfig
 from das.service.engine.contract import EngineInputError
+from das.service.cluster.pause_hold import PauseHold
 from das.service.engine.spawn_env import restored_environ
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult
+from das.service.wire.sample_progress import ProgressBatcher, SampleProgress
 
 if TYPE_CHECKING:
     from das.service.engine.async_engine import Engine
@@ -39,6 +41,9 @@ log = logging.getLogger(__name__)
 
 # Samples a stream item carries at most: samples that finish together travel in one Ray object.
 _MAX_SAMPLES_PER_ITEM = 64
+# Seconds between an engine's progress reports at most (docs/design.md "Token progress"): often enough for a stream
+# of deltas to look live and for a death to lose little, rare enough to cost one Ray object per engine per interval.
+PROGRESS_INTERVAL_S = 0.05
 
 
 def _shard_actor(shard: Any) -> Any:
@@ -115,6 +120,9 @@ class NodeEngine:
         # Per engine: problem id -> the store sequence number its drafter has seen up to.
         self._cursors: list[dict[str, int]] = [{} for _ in range(engines)]
         self._history = HistoryClient(self.shards, history_push or HistoryPushConfig())
+        # Groups that reach this actor while it is paused (sent just before the coordinator's pause) wait here, not in
+        # vLLM's queue (service/cluster/pause_hold.py); paused before the engines, released after they resume.
+        self._hold = PauseHold()
 
     def _engine_envs(self) -> list[dict[str, str]]:
         count = len(self.names)
@@ -163,10 +171,13 @@ class NodeEngine:
                 return i, str(exc)
         return None
 
-    async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]]
-                  ) -> AsyncGenerator[list[tuple[int, SampleResult]], None]:
+    async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]],
+                  progress_interval_s: float = PROGRESS_INTERVAL_S
+                  ) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
         """Runs (batch index, group) pairs on engine `engine`, starting them in the given order; yields lists of
-        (batch index, sample) as samples finish. Cancelling the Ray task aborts the samples still running."""
+        (batch index, sample) as samples finish, and (batch index, progress) of the samples in flight: each
+        sample's new tokens since its last report, every `progress_interval_s` seconds at most (merged per sample,
+        all samples' reports in one item). Cancelling the Ray task aborts the samples still running."""
         self._started()
         target = self.engines[engine]
         name, origin = self.names[engine], self._origins[engine]
@@ -176,24 +187,50 @@ class NodeEngine:
             if target.dead:
                 self._engine_died(engine)
             raise
+        batcher = ProgressBatcher()
+        running = len(groups)
+        ended = asyncio.Event()
 
         async def one(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
+            nonlocal running
             records: list[dict[str, Any]] = []
-            async for sample in target.generate(group):
-                if sample.finish_reason == "error" and target.dead:
-                    self._engine_died(engine)  # the sample is owed, not failed: it is drawn again elsewhere
-                sample.engine = name
-                if sample.finish_reason in ("stop", "length") and sample.prompt_token_ids:
-                    records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
-                                    "sample_index": sample.sample_index, "prompt_token_ids": sample.prompt_token_ids,
-                                    "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason})
-                yield index, sample
-            await self._push(origin, records)
 
-        async with contextlib.aclosing(merge_batches([one(i, g) for i, g in groups],
-                                                     _MAX_SAMPLES_PER_ITEM)) as merged:
+            def report(progress: SampleProgress) -> None:
+                batcher.add((index, progress.sample_index), progress)
+
+            try:
+                await self._hold.wait()
+                async for sample in target.generate(group, report):
+                    batcher.drop((index, sample.sample_index))  # its result carries those tokens
+                    if sample.finish_reason == "error" and target.dead:
+                        self._engine_died(engine)  # the sample is owed, not failed: it is drawn again elsewhere
+                    sample.engine = name
+                    if sample.finish_reason in ("stop", "length") and sample.prompt_token_ids:
+                        records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
+                                        "sample_index": sample.sample_index,
+                                        "prompt_token_ids": sample.prompt_token_ids,
+                                        "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason})
+                    yield index, sample
+                await self._push(origin, records)
+            finally:
+                running -= 1
+                if not running:
+                    ended.set()
+
+        async def progress() -> AsyncIterator[list[tuple[int, SampleProgress]]]:
+            while not ended.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ended.wait(), progress_interval_s)
+                taken = batcher.take()
+                if taken and not ended.is_set():
+                    yield [(key[0], report) for key, report in taken]  # type: ignore[index]
+
+        streams: list[AsyncIterator[Any]] = [one(i, g) for i, g in groups]
+        if groups:
+            streams.append(progress())
+        async with contextlib.aclosing(merge_batches(streams, _MAX_SAMPLES_PER_ITEM)) as merged:
             async for items in merged:
-                yield items
+                yield [pair for item in items for pair in (item if isinstance(item, list) else [item])]
 
     def _engine_died(self, engine: int) -> None:
         """Ends this process: Ray restarts the actor, and the coordinator re-dispatches what it had not received."""
@@ -217,10 +254,12 @@ class NodeEngine:
     # ---- vLLM's RL control plane: every engine of the node at once (rollout_backend.RolloutBackend says what) ----
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._hold.pause()
         await asyncio.gather(*(e.pause(mode, clear_cache) for e in self.engines))
 
     async def resume(self) -> None:
         await asyncio.gather(*(e.resume() for e in self.engines))
+        self._hold.release()
 
     async def is_paused(self) -> bool:
         return any(await asyncio.gather(*(e.is_paused() for e in self.engines)))

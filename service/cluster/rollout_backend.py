@@ -12,16 +12,22 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
-from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
+from das.service.wire.sample_progress import SampleProgress
 
 if TYPE_CHECKING:
     from das.service.engine.async_engine import Engine
+
+
+ProgressSink = Callable[[int, SampleProgress], None]
+"""Hears a batch's token progress: (index of the group in the batch, the sample's new tokens). Called on the event
+loop, so it must not block."""
 
 
 class GroupInputError(EngineInputError):
@@ -114,9 +120,12 @@ class RolloutBackend(Protocol):
         """Raises GroupInputError for the first group the backend would refuse; schedules nothing."""
         ...
 
-    def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
+                 ) -> AsyncGenerator[tuple[int, SampleResult], None]:
         """Every sample of every group exactly once, as (index of its group in `groups`, sample), in finishing
-        order. Closing the iterator early aborts the samples still running."""
+        order. `on_progress` (optional) hears each sample's tokens while it runs (service/wire/sample_progress.py: at
+        most every ~50 ms per engine, contiguous per sample, its result holding them all). Closing the iterator
+        early aborts the samples still running."""
         ...
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
@@ -228,9 +237,11 @@ class EngineBackend:
             except EngineInputError as exc:
                 raise GroupInputError(i, str(exc)) from None
 
-    async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
+                       ) -> AsyncGenerator[tuple[int, SampleResult], None]:
         async def indexed(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
-            async for sample in self.engine.generate(group):
+            report = None if on_progress is None else lambda progress: on_progress(index, progress)
+            async for sample in self.engine.generate(group, report):
                 yield index, sample
 
         async with contextlib.aclosing(merge_streams([indexed(i, g) for i, g in enumerate(groups)])) as merged:
@@ -275,7 +286,8 @@ class StubBackend:
     `max_prompt_tokens` refuses longer prompts like an engine with that context (prompt_token_ids count tokens;
     text counts whitespace-separated words), and stop token ids outside `vocab_size` are refused like the engine
     does; everything else an engine refuses the API's own bounds refuse (service/wire/api.py). `runs` counts `generate`
-    calls, `received` keeps the groups of each.
+    calls, `received` keeps the groups of each. With `on_progress`, each sample's tokens but its last are reported
+    in `progress_reports` pieces just before it is emitted.
 
     Pause as an engine does (`RolloutBackend.pause`), per emission: a batch that starts while paused waits for
     `resume`; under "keep" no sample is emitted until `resume`; "abort" ends the samples not yet emitted with
@@ -284,8 +296,9 @@ class StubBackend:
 
     def __init__(self, *, output_tokens: int = 16, first_delay_s: float = 0.0, interval_s: float = 0.0,
                  max_prompt_tokens: int | None = None, ready: bool = True, log_emissions: bool = False,
-                 vocab_size: int = 32000) -> None:
+                 vocab_size: int = 32000, progress_reports: int = 4) -> None:
         self.output_tokens = output_tokens
+        self.progress_reports = progress_reports
         self.first_delay_s = first_delay_s
         self.interval_s = interval_s
         self.max_prompt_tokens = max_prompt_tokens
@@ -335,7 +348,8 @@ class StubBackend:
                 raise GroupInputError(i, f"prompt is {length} tokens; the context holds {self.max_prompt_tokens} "
                                          f"and at least one output token must fit")
 
-    async def generate(self, groups: Sequence[GroupRequest]) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
+                       ) -> AsyncGenerator[tuple[int, SampleResult], None]:
         self.runs += 1
         self.received.append(list(groups))
         epoch = self._abort_epoch
@@ -364,6 +378,8 @@ class StubBackend:
                     update.update(token_ids=[], logprobs=[], finish_reason="abort", accepted_tokens=0,
                                   draft_tokens=0, decode_steps=0)
                 sample = templates[gi].model_copy(update=update)
+                if on_progress is not None:
+                    self._report(gi, sample, on_progress)
                 if self.emissions is not None:
                     self.emissions.append((gi, j, time.perf_counter()))
                 self._unemitted -= 1
@@ -373,6 +389,16 @@ class StubBackend:
             self._unemitted -= len(order) - emitted
             self._running -= 1
             self._notify()
+
+    def _report(self, group_index: int, sample: SampleResult, on_progress: ProgressSink) -> None:
+        """The sample's tokens but its last, as `progress_reports` progress reports (as an engine reports a sample
+        before its result)."""
+        shown = len(sample.token_ids) - 1
+        step = max(1, -(-shown // self.progress_reports))
+        for at in range(0, shown, step):
+            end = min(at + step, shown)
+            on_progress(group_index, SampleProgress(sample.sample_index, at, sample.token_ids[at:end],
+                                                    sample.logprobs[at:end], "", sample.policy_version))
 
     def _template(self, group: GroupRequest) -> SampleResult:
         """The group's samples differ only in index and time: each is a shallow copy of this one (they share

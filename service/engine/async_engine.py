@@ -31,7 +31,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -41,17 +41,21 @@ from pydantic import ValidationError
 from das.scheduler.length import LengthCurve
 from das.service.engine import known_warnings
 from das.service.engine.config import EngineConfig, budget_settings
-from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
+from das.service.engine.contract import EngineInputError, EngineTally, context_error, validate_rollouts
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.cpu_allocator import cpu_allocator_env, model_vocab_size, resolve_allocator
 from das.service.engine.cpu_layout import cpu_worker_layout, usable_cpus, worker_in_process
-from das.service.engine.extra_args import SAMPLE_KEY, RequestTags
+from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY, RequestTags
 from das.service.engine.proposer import CONFIG_KEY
+from das.service.engine.resume_seam import ResumeSeam
+from das.service.engine.runner_choice import V2_SWITCH, RunnerChoice
 from das.service.engine.sampling import sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
-from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.service.engine.vllm_version import check_vllm_version
+from das.service.engine.worker_rpc import worker_rpc
+from das.service.wire.sample_progress import SampleProgress
 from das.service.wire.sample_keys import fresh_seed
 
 if TYPE_CHECKING:
@@ -68,7 +72,7 @@ _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 def serving_dtype(requested: str, *, cpu: bool, cpu_flags: frozenset[str] | None = None) -> str:
     """The dtype an engine serves in: `requested` unless it is "auto", which means bfloat16 on a GPU or on a CPU
     with native bfloat16 arithmetic, else float32. Without it vLLM's CPU kernels emulate bfloat16: SmolLM2-135M
-    decoded 5.4x slower in bfloat16 than in float32 on a 2-core AVX2 machine (docs/results/2026-11-23-dtype.md).
+    decoded 5.4x slower in bfloat16 than in float32 on a 2-core AVX2 machine (docs/design.md#the-engine-inside-vllm).
     `cpu_flags`: the CPU's feature flags (default: read from /proc/cpuinfo; none where it cannot be read)."""
     if requested != "auto":
         return requested
@@ -97,7 +101,7 @@ def _cpu_flags() -> frozenset[str]:
 
 
 # set for an engine core's spawn only (service/engine/spawn_env.py): one engine's settings are not the next one's
-_SPAWN_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE")
+_SPAWN_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", V2_SWITCH)
 CPU_BLOCK_SIZE = 32  # the smallest KV-cache block vLLM's CPU attention takes (it takes multiples of 32)
 
 
@@ -107,7 +111,7 @@ def kv_block_size(requested: int | None, *, cpu: bool) -> int | None:
     Why not vLLM's CPU default of 128: prefix caching shares only whole blocks, and the n samples of a group are
     scheduled together, so with prompts shorter than a block (most RL prompts on a small model) every sample
     recomputed the whole prompt. With 32-token blocks the first sample's full blocks serve its siblings in the same
-    step (measured in docs/results/2026-11-26-cpu-block-size.md). On a GPU vLLM's 16 already shares them.
+    step (measured: docs/design.md#vllm-cpu-defects-we-work-around). On a GPU vLLM's 16 already shares them.
     Raises ValueError for a CPU block size vLLM's CPU attention refuses (its own error comes from deep inside the
     engine core's start)."""
     if requested is None:
@@ -163,6 +167,7 @@ class Engine:
                  tally: EngineTally | None = None) -> None:
         self.config = config
         self.tally = tally or EngineTally()
+        self.runner: RunnerChoice | None = None  # what vLLM runs, set by `create`
         self.policy_version = 0
         self._llm = llm
         self._tokenizer = tokenizer
@@ -186,6 +191,7 @@ class Engine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        check_vllm_version()
         # vLLM loads our plugin, which drops the known warnings in its processes, only after configuring the engine.
         known_warnings.install(cpu=current_platform.is_cpu())
 
@@ -196,15 +202,21 @@ class Engine:
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             block_size=kv_block_size(config.block_size, cpu=current_platform.is_cpu()),
             enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
+            async_scheduling=False if config.model_runner == "v1" else None,
             # No progress bar per checkpoint load: an RL run reloads every step, three log lines each time.
             use_tqdm_on_load=False,
             speculative_config=config.speculative_config(),
+            # Multiprocessing workers under the engine's own Ray actor, which holds the engine's GPUs already
+            # (num_gpus = tensor_parallel_size): vLLM's "ray" backend would ask Ray for the same GPUs again.
+            tensor_parallel_size=config.tensor_parallel_size,
+            distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
             worker_extension_cls=WORKER_EXTENSION,
             additional_config=({CONFIG_KEY: {"drafter": config.drafter.given(), "budget": budget_settings(config)}}
                                if das else {}))
         tally = EngineTally()
         cpu = current_platform.is_cpu()
-        layout = (cpu_worker_layout(worker_in_process(config.cpu_worker, usable_cpus())) if cpu
+        in_process = worker_in_process(config.cpu_worker, usable_cpus()) and config.tensor_parallel_size == 1
+        layout = (cpu_worker_layout(in_process) if cpu
                   else contextlib.nullcontext())
         allocator = (cpu_allocator_env(resolve_allocator(config.cpu_allocator, model_vocab_size(config.model)))
                      if cpu else contextlib.nullcontext())
@@ -216,18 +228,22 @@ class Engine:
                 # attribute 'finalize_loading'"), so every start recompiled (~2 min). Without AOT, Inductor's own
                 # cache makes a warm start ~40 s. A user's value wins.
                 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+            if config.model_runner == "v1":
+                os.environ[V2_SWITCH] = "0"
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
+            runner = RunnerChoice.of(llm.vllm_config, "cpu" if cpu else current_platform.device_type)
         try:
             tokenizer = llm.tokenizer
             vocab_size = llm.model_config.get_vocab_size()
             if das:
-                await llm.collective_rpc("das_attach")
+                await worker_rpc(llm, "das_attach")
                 if config.cost_warmup_requests and config.budget.policy == "das":
                     await warm_up_cost_fit(llm, min(config.cost_warmup_requests, config.max_num_seqs), vocab_size)
         except BaseException:
             llm.shutdown()
             raise
         engine = cls(config, llm, tokenizer, vocab_size, tally)
+        engine.runner = runner
         # This frame outlives the call (an exception vLLM keeps from its imports above holds it through a
         # traceback): it must not hold the AsyncLLM, or `close` could not release it (see there).
         del llm
@@ -271,19 +287,33 @@ class Engine:
             raise EngineInputError(f"prompt is {len(ids)} tokens; the context holds {self.config.max_model_len} "
                                    f"and at least one output token must fit")
         self._sampling_params(group, "check", 0)
+        if len(ids) + group.sampling.max_tokens > self.config.max_model_len:
+            raise EngineInputError(context_error(len(ids), group.sampling.max_tokens, self.config.max_model_len))
         return ids
 
     def _sampling_params(self, group: GroupRequest, key: str, index: int) -> SamplingParams:
+        """Sample `index`'s SamplingParams; a resumed sample (group.prefix_token_ids) draws its remaining tokens
+        at the positions after its prefix."""
+        resumed = len(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else 0
         curve = LengthCurve.from_dict(group.length_curve.model_dump()) if group.length_curve is not None else None
-        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, curve)
+        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, curve,
+                           resumed_tokens=resumed)
         extra_args = tags.to_extra_args()
         key = group.sample_key(index)
         if self.config.keyed_sampling and key is not None:
             extra_args[SAMPLE_KEY] = key
-        return sampling_params(group.sampling, self._vocab_size, extra_args)
+            if resumed:
+                extra_args[POSITION_OFFSET] = resumed
+        spec = group.sampling
+        if resumed:
+            spec = spec.model_copy(update={"max_tokens": spec.max_tokens - resumed})
+        return sampling_params(spec, self._vocab_size, extra_args)
 
-    async def generate(self, group: GroupRequest | dict[str, Any]) -> AsyncIterator[SampleResult]:
+    async def generate(self, group: GroupRequest | dict[str, Any],
+                       on_progress: Callable[[SampleProgress], None] | None = None) -> AsyncIterator[SampleResult]:
         """Schedules the group's n samples and yields each one as it finishes (in finishing order).
+        `on_progress` is called with each sample's new tokens at every engine step that made some (not for the
+        step that finished it: its tokens come with the result).
 
         Raises EngineInputError before scheduling anything if the group is invalid. Closing the iterator early
         aborts the samples still running.
@@ -310,7 +340,7 @@ class Engine:
                 if error is not None:
                     results.put_nowait(error)
 
-            tasks = [asyncio.create_task(self._sample(group, prompt, f"{group_id}-{i}", i, results))
+            tasks = [asyncio.create_task(self._sample(group, prompt, f"{group_id}-{i}", i, results, on_progress))
                      for i in range(group.n)]
             for task in tasks:
                 task.add_done_callback(surface)
@@ -333,27 +363,43 @@ class Engine:
                 self._drained.set()
 
     async def _sample(self, group: GroupRequest, prompt: list[int], key: str, index: int,
-                      results: asyncio.Queue[SampleResult | BaseException]) -> None:
+                      results: asyncio.Queue[SampleResult | BaseException],
+                      on_progress: Callable[[SampleProgress], None] | None = None) -> None:
+        prefix = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
         params = self._sampling_params(group, key, index)
-        live = self._live[key] = _Spans([(self.policy_version, 0)])
+        live = self._live[key] = _Spans([(self.policy_version, len(prefix))], base=len(prefix))
         start = time.perf_counter()
         first: float | None = None
-        tokens: list[int] = []
+        tokens: list[int] = []  # new tokens (after the prefix)
         logprobs: list[float] = []
         text: list[str] = []
         finish: str | None = None
         error: str | None = None
+        seam = ResumeSeam(self._tokenizer, prefix, group.sampling) if prefix else None
         try:
-            async for out in self._llm.generate(engine_prompt(self._llm, prompt), params, request_id=key):
-                completion = out.outputs[0]
-                if completion.token_ids and first is None:
-                    first = time.perf_counter() - start
-                for tok, lp in zip(completion.token_ids, completion.logprobs or ()):
-                    logprobs.append(float(lp[tok].logprob))
-                tokens.extend(completion.token_ids)
-                live.received = len(tokens)
-                text.append(completion.text)
-                finish = completion.finish_reason
+            if seam is not None and seam.ended_in_prefix(self._eos_token_ids()):
+                finish = "stop"  # its last delivered token ended it: the death came before its result
+            else:
+                async for out in self._llm.generate(engine_prompt(self._llm, prompt + prefix), params,
+                                                    request_id=key):
+                    completion = out.outputs[0]
+                    if completion.token_ids and first is None:
+                        first = time.perf_counter() - start
+                    new_logprobs = [float(lp[tok].logprob)
+                                    for tok, lp in zip(completion.token_ids, completion.logprobs or ())]
+                    if seam is not None and (cut := seam.stop_in(tokens, completion.token_ids)) is not None:
+                        tokens.extend(completion.token_ids[:cut])
+                        logprobs.extend(new_logprobs[:cut])
+                        finish = "stop"
+                        break  # a stop string that began in the prefix: vLLM sees only the new text
+                    if on_progress is not None and completion.token_ids and completion.finish_reason is None:
+                        on_progress(SampleProgress(index, len(prefix) + len(tokens), list(completion.token_ids),
+                                                   new_logprobs, completion.text, self.policy_version))
+                    logprobs.extend(new_logprobs)
+                    tokens.extend(completion.token_ids)
+                    live.received = len(prefix) + len(tokens)
+                    text.append(completion.text)
+                    finish = completion.finish_reason
         except Exception as exc:  # one sample's failure must not take its siblings down (cancellation passes)
             if self._llm.errored:
                 # A dead engine core fails every running sample with the same error: one report, not a traceback
@@ -368,22 +414,26 @@ class Engine:
             error, finish = _describe(exc), "error"
         finally:
             del self._live[key]
-        spans = live.of(len(tokens))
+        spans = live.of(len(prefix) + len(tokens))
         counts = await self._draft_counts(key) if not self._llm.errored else {}
         results.put_nowait(SampleResult(
-            problem_id=group.problem_id, sample_index=index, token_ids=tokens, logprobs=logprobs,
+            problem_id=group.problem_id, sample_index=index, token_ids=prefix + tokens, logprobs=logprobs,
             finish_reason=finish if finish in ("stop", "length", "abort", "error") else "stop",
-            policy_version=spans[0][0], policy_spans=spans if len(spans) > 1 else None,
+            policy_version=spans[0][0], policy_spans=spans if len(spans) > 1 or prefix else None,
             draft_tokens=counts.get("proposed", 0),
             accepted_tokens=counts.get("accepted", 0), decode_steps=counts.get("steps", 0),
-            first_token_s=first, total_s=time.perf_counter() - start, error=error, text="".join(text),
-            prompt_token_ids=prompt))
+            first_token_s=first, total_s=time.perf_counter() - start, error=error,
+            text=seam.text(tokens) if seam is not None else "".join(text), prompt_token_ids=prompt))
+
+    def _eos_token_ids(self) -> set[int]:
+        eos = getattr(self._tokenizer, "eos_token_id", None)
+        return {eos} if isinstance(eos, int) else set()
 
     async def _draft_counts(self, key: str) -> dict[str, int]:
         if self.config.speculation != "das":
             return {}
         try:
-            (counts,) = await self._llm.collective_rpc("das_pop_counts", args=([key],))
+            counts = await worker_rpc(self._llm, "das_pop_counts", args=([key],))
         except Exception as exc:  # counts are statistics: losing them must not lose the sample
             log.warning("draft counts of %s unavailable: %s", key, exc)
             return {}
@@ -408,10 +458,10 @@ class Engine:
             if paused:
                 # The samples held by the pause (frozen under "keep", or queued) go on under the new weights from
                 # the tokens they have now: the worker's count, since outputs may still be on their way here.
-                (produced,) = await self._llm.collective_rpc("das_output_counts")
+                produced = await worker_rpc(self._llm, "das_output_counts")
             else:
                 await self._drained.wait()
-            await self._llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            await worker_rpc(self._llm, "reload_weights", kwargs={"weights_path": str(path)})
             # Held samples' KV was computed by the old weights: preempted, it is recomputed on resume.
             await self._llm.reset_prefix_cache(reset_running_requests=paused)
             self.policy_version = new
@@ -419,7 +469,7 @@ class Engine:
                 for key, live in self._live.items():
                     live.update(new, produced.get(key))
             if self.config.speculation == "das":
-                await self._llm.collective_rpc("das_set_policy_version", args=(new,))
+                await worker_rpc(self._llm, "das_set_policy_version", args=(new,))
         return self.policy_version
 
     # ---- vLLM's RL control plane ----
@@ -452,7 +502,7 @@ class Engine:
         if self.config.speculation != "das":
             return 0
         self._changes += 1
-        (count,) = await self._llm.collective_rpc("das_add_rollouts", args=(rollouts,))
+        count = await worker_rpc(self._llm, "das_add_rollouts", args=(rollouts,))
         return int(count)
 
     async def drafter_stats(self) -> dict[str, Any]:
@@ -463,17 +513,17 @@ class Engine:
         changes = self._changes
         if self._inflight == 0 and self._stats is not None and self._stats[0] == changes:
             return dict(self._stats[1])
-        (stats,) = await self._llm.collective_rpc("das_stats")
+        stats = await worker_rpc(self._llm, "das_stats")
         self._stats = (changes, dict(stats))
         return dict(stats)
 
     async def start_step_profile(self) -> None:
         """Times every step from now on (service/engine/step_profile.py); `take_step_profile` reads and clears."""
-        await self._llm.collective_rpc("das_profile_start")
+        await worker_rpc(self._llm, "das_profile_start")
 
     async def take_step_profile(self) -> StepProfile:
         """The steps since `start_step_profile` or the last take, summarised; clears them."""
-        (columns,) = await self._llm.collective_rpc("das_profile_take")
+        columns = await worker_rpc(self._llm, "das_profile_take")
         return StepProfile.of(columns)
 
     async def close(self) -> None:
@@ -497,13 +547,14 @@ class _Spans:
 
     spans: list[tuple[int, int]]
     received: int = 0
+    base: int = 0  # a resumed sample's delivered tokens: its request's output starts after them
 
     def update(self, version: int, produced: int | None) -> None:
-        """New weights serve from token `produced` on (None: the engine no longer holds the sample: finished,
-        its last tokens still on their way, or not started if none came)."""
-        if produced is None and self.received:
+        """New weights serve from the request's output token `produced` on (None: the engine no longer holds the
+        sample: finished, its last tokens still on their way, or not started if none came)."""
+        if produced is None and self.received > self.base:
             return  # finished under the old weights
-        at = produced or 0
+        at = self.base + (produced or 0)
         if at == self.spans[-1][1]:
             self.spans[-1] = (version, at)  # no token of the old weights since its span began
         else:

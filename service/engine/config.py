@@ -13,6 +13,7 @@ from das.scheduler.budget_hook import BudgetSettings
 from das.scheduler.cost_model import prior_cost_model
 from das.service.engine.cpu_allocator import CpuAllocator
 from das.service.engine.cpu_layout import CpuWorker
+from das.service.engine.runner_choice import ModelRunner
 
 Speculation = Literal["none", "das", "ngram", "suffix"]
 
@@ -50,6 +51,10 @@ class EngineConfig(BaseModel):
                             "float32 (`serving_dtype`)")
     max_model_len: int = Field(2048, ge=16)
     max_num_seqs: int = Field(256, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="model workers of one engine, each computing a "
+                                      "shard of the model on a GPU of its own (vLLM's tensor parallelism); a GPU node "
+                                      "runs its GPUs / this many engines (service/cluster/engine_layout.py); on a CPU "
+                                      "above 1 the workers run in processes of their own, whatever cpu_worker says")
     seed: int = Field(0, ge=0, le=2**32 - 1, description="vLLM's engine seed (32-bit: numpy's legacy seeding "
                       "refuses more); keyed sampling draws with the groups' own int64 seeds")
     keyed_sampling: bool = Field(True, description="draw every sampled token with a key of (group seed, sample "
@@ -60,6 +65,9 @@ class EngineConfig(BaseModel):
     block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block; None: vLLM's default on a "
                                    "GPU, CPU_BLOCK_SIZE on the CPU (`kv_block_size`)")
     enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
+    model_runner: ModelRunner = Field("auto", description="auto: vLLM's choice (on a GPU: V2 with async scheduling, "
+                                      "but V1 without it for das and suffix); v1: V1 with async scheduling off for "
+                                      "every speculation, so arms compare like for like (runner_choice.py)")
     cpu_worker: CpuWorker = Field("auto", description="a CPU engine's model worker: in_process (in the engine core "
                                   "process, every core computes), separate (vLLM's CPU layout: a worker process, one "
                                   "core reserved for the engine core), auto: in_process on up to 4 usable CPUs "

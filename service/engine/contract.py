@@ -33,6 +33,14 @@ class EngineTally:
     waiting: int = 0
 
 
+def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:
+    """The refusal of a group whose prompt and max_tokens together exceed the model's context, in vLLM's server's
+    words (its OpenAI routes answer it with 400), naming the limit."""
+    return (f"sampling.max_tokens: this model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion). Please reduce the length of the prompt or max_tokens.")
+
+
 def unstorable(record: RolloutRecord, where: str = "record") -> str | None:
     """Why a valid history record cannot be stored (the format bounds its token ids and reward, not its other
     fields, and a snapshot's msgpack holds no integer beyond int64 and no lone surrogate), or None."""

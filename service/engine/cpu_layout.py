@@ -6,7 +6,7 @@ reservation is a large share: on 2 cores the model computes on one, and every st
 (three with drafts: vLLM fetches the draft tokens by an RPC of their own). With the worker in the engine core
 process (vLLM's single-process executor, its default on a GPU) the forward pass gets every core and the steps no
 RPC: SmolLM2 on the 2-core machine decoded in half the time, plain and speculative alike
-(docs/results/2026-11-26-cpu-worker-in-process.md). On a large machine one reserved core is little, and vLLM's
+(docs/design.md#vllm-cpu-defects-we-work-around). On a large machine one reserved core is little, and vLLM's
 NUMA-aware binding is worth more than it, so "auto" keeps vLLM's layout there.
 
 vLLM has no engine argument for this on the CPU (its platform turns the single-process executor into the

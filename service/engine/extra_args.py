@@ -21,6 +21,11 @@ EXTRA_ARGS_KEY = "das"
 SAMPLE_KEY = "das_sample_key"
 """The sample's key (an int64) under keyed sampling (keyed_sampler.py); absent: the request samples unkeyed."""
 
+POSITION_OFFSET = "das_position_offset"
+"""Tokens of the sample generated before this request (an int; absent: 0): a sample resumed after its engine died
+runs as prompt + the tokens it had delivered, and its keyed positions (keyed_sampler.py) count those tokens, so it
+draws what the undisturbed sample would have."""
+
 
 @dataclass(frozen=True)
 class RequestTags:
@@ -38,6 +43,9 @@ class RequestTags:
     cost_probe: a warm-up probe whose steps also time drafted steps: on every other step the first such request of
     the batch verifies one junk draft token (its last token again), so the online cost fit sees a drafted step's
     price at every batch size of the warm-up. Those drafts feed no acceptance estimate, draft count or guard.
+    resumed_tokens: the last tokens of the request's prompt that are the sample's own output, delivered before its
+    engine died (a resumed sample): they count as generated (length forecast, max_tokens) and feed the live
+    segment at its first step, so the drafter's state is what it would have been without the death.
     """
 
     problem_id: str
@@ -47,12 +55,14 @@ class RequestTags:
     length_curve: LengthCurve | None = None
     draft: bool = True
     cost_probe: bool = False
+    resumed_tokens: int = 0
 
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
         return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
                                  "predicted_tokens": self.predicted_tokens, "length_curve": curve,
-                                 "draft": self.draft, "cost_probe": self.cost_probe}}
+                                 "draft": self.draft, "cost_probe": self.cost_probe,
+                                 "resumed_tokens": self.resumed_tokens}}
 
     @staticmethod
     def from_extra_args(extra_args: dict[str, Any] | None, prompt: list[int]) -> RequestTags:
@@ -70,4 +80,4 @@ class RequestTags:
                 log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
                            None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)),
-                           bool(raw.get("cost_probe", False)))
+                           bool(raw.get("cost_probe", False)), int(raw.get("resumed_tokens", 0)))

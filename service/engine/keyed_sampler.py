@@ -15,8 +15,9 @@ step's drafts, so a sample draws the same tokens with or without speculation.
   never drawn; ~0.14 ms a row for SmolLM2's 49,152 entries here).
 
 The engine puts a sample's key in `SamplingParams.extra_args[SAMPLE_KEY]`; positions are the tokens a request has
-generated (`num_tokens_no_spec - num_prompt_tokens` of vLLM's input batch), so preemption (recompute) and
-re-running a sample reproduce its tokens. The model runner's `_sample` publishes the step's keys in a context
+generated (`num_tokens_no_spec - num_prompt_tokens` of vLLM's input batch, plus `extra_args[POSITION_OFFSET]`: the
+tokens a resumed sample had before its request), so preemption (recompute), re-running a sample and resuming it from
+its delivered tokens reproduce its tokens. The model runner's `_sample` publishes the step's keys in a context
 variable that the sampler and the rejection sampler read; it is unset outside a step, where they behave as vLLM's.
 """
 
@@ -31,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from das.service.engine.extra_args import SAMPLE_KEY
+from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY
 from das.service.engine.row_keys import row_keys
 
 
@@ -84,14 +85,16 @@ def step_keys(runner: Any, drafts: list[int] | None) -> StepKeys | None:
     n = batch.num_reqs
     keys = np.zeros(n, dtype=np.int64)
     keyed = np.zeros(n, dtype=bool)
+    offsets = np.zeros(n, dtype=np.int64)  # a resumed sample's tokens from before its request (POSITION_OFFSET)
     for i, req_id in enumerate(batch.req_ids[:n]):
         extra = runner.requests[req_id].sampling_params.extra_args
         key = extra.get(SAMPLE_KEY) if extra else None
         if key is not None:
             keys[i], keyed[i] = key, True
+            offsets[i] = extra.get(POSITION_OFFSET, 0)
     if not keyed.any():
         return None
-    positions = (batch.num_tokens_no_spec[:n] - batch.num_prompt_tokens[:n]).astype(np.int64)
+    positions = (batch.num_tokens_no_spec[:n] - batch.num_prompt_tokens[:n]).astype(np.int64) + offsets
     counts = np.zeros(n, dtype=np.int64) if drafts is None else np.asarray(drafts, dtype=np.int64)
     return StepKeys(keys, keyed, positions, counts)
 

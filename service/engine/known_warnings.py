@@ -39,16 +39,17 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
                  "our proposer (service/engine/proposer.py) is one, by design", cpu_only=False),
     KnownWarning(_CONFIG, "Async scheduling not supported with custom_class-based speculative decoding",
                  "on the CPU engine async scheduling made no measurable difference for `none` either "
-                 "(docs/results/2026-11-26-shadow-drafts.md); on a GPU it may, so it shows there"),
+                 "(docs/design.md#not-done-yet); on a GPU it may, so it shows there"),
     KnownWarning(_CPU, "Triton is not installed", "the CPU build has no triton-cpu; vLLM runs its own CPU kernels"),
     KnownWarning(_CONFIG, "Model Runner V2 requires Triton",
                  "the V1 model runner is the one our CPU fixes build on (cpu_fixes/plugin.py)"),
     KnownWarning(_CPU_WORKER, "is not found in LD_PRELOAD",
                  "tcmalloc and Intel OpenMP preloads measured no gain here "
-                 "(docs/results/2026-11-25-service-overhead.md, docs/results/2026-11-26-server-gap.md); "
+                 "(docs/design.md#vllm-cpu-defects-we-work-around); "
                  "cpu_allocator.py chooses the allocator"),
     KnownWarning(_CPU_WORKER, "Speculative decoding on CPU without Intel OpenMP",
-                 "Intel OpenMP preloaded into a das engine measured no gain (docs/results/2026-11-26-server-gap.md)"),
+                 "Intel OpenMP preloaded into a das engine measured no gain "
+                 "(docs/design.md#vllm-cpu-defects-we-work-around)"),
     KnownWarning(_CPU_WORKER, "CPU backend doesn't allow to use `torch.set_num_threads`",
                  "vLLM's own thread binding refusing a later call; the binding stays as vLLM set it"),
     KnownWarning(_CONFIG, "Inductor compilation was disabled by user settings",

@@ -1,8 +1,9 @@
 """Our vLLM general plugin (the `vllm.general_plugins` entry point in pyproject.toml): vLLM calls `register()` in
 every engine process of this environment, so every arm (none, ours, `ngram`, `suffix`) samples and verifies the
-same way: the CPU fixes (cpu_fixes/plugin.py) first, then keyed sampling (keyed_sampler.py), which builds on them.
-Both are CPU-only today; elsewhere vLLM runs as shipped. Everywhere, the vLLM warnings our configuration triggers
-knowingly are dropped from its log (known_warnings.py)."""
+same way. It refuses a vLLM release the service is not tested with (vllm_version.py) and applies the vLLM patches
+declared in patches.py for the engine's platform: on the CPU the CPU fixes (cpu_fixes/plugin.py), then keyed
+sampling (keyed_sampler.py), which builds on them; on a CUDA GPU keyed sampling's CUDA install; everywhere, the
+vLLM warnings our configuration triggers knowingly are dropped from its log (known_warnings.py)."""
 
 from __future__ import annotations
 
@@ -11,13 +12,7 @@ def register() -> None:
     """vLLM general-plugin hook; idempotent (vLLM may load plugins more than once in a process)."""
     from vllm.platforms import current_platform
 
-    from das.service.engine import known_warnings
+    from das.service.engine.patches import apply_patches, platform_name
+    from das.service.engine.vllm_version import check_vllm_version
 
-    known_warnings.install(cpu=current_platform.is_cpu())
-    if not current_platform.is_cpu():
-        return
-    from das.service.engine import keyed_sampler
-    from das.service.engine.cpu_fixes import plugin as cpu_fixes
-
-    cpu_fixes.install()
-    keyed_sampler.install()
+    apply_patches(platform_name(current_platform.is_cpu(), current_platform.device_type), check_vllm_version())

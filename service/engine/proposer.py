@@ -31,8 +31,8 @@ sources (O(max_depth) per source for the match, O(K) for the walk); around them 
 vectorised gathers from the per-request columns (request_columns.py), length curves included (one `searchsorted`
 for the batch); Python work per request only where the batch changed (a request arrived or left: the batch's
 slots are looked up again, a new request's curve is decoded and checked once, ~70 us at 321 steps). Measured per
-step in `stats()["step_us"]`; `docs/results/2026-11-27-proposer-fixed-cost/bench_small.py` times it at batches of
-1-240.
+step in `stats()["step_us"]`; its cost at batches of 1-240 is in docs/design.md#not-done-yet
+(the proposer's host time).
 """
 
 from __future__ import annotations
@@ -245,7 +245,7 @@ class DasProposer:
             self.bank.finish_request(rid)
             state = self._runner.requests.get(rid)
             if state is not None:  # else it finished and leaves at the next step
-                prompt = np.asarray(state.prompt_token_ids or [], np.int32)
+                prompt = np.asarray(state.prompt_token_ids or [], np.int32)[:self._columns.prompt_len[run.slot]]
                 self._columns.bank_slot[run.slot] = self.bank.start_request(rid, run.tags.problem_id, prompt,
                                                                             version)
             self._columns.probe_drafted[run.slot] = 0  # its draft was dropped by the preemption, never verified
@@ -291,10 +291,15 @@ class DasProposer:
         prompt = list(state.prompt_token_ids or [])
         params = state.sampling_params
         tags = RequestTags.from_extra_args(getattr(params, "extra_args", None), prompt)
-        bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt, np.int32), self.policy_version)
+        # A resumed sample's delivered tokens end its prompt: the prompt proper is what comes before them, and
+        # they are fed to the live segment at the first step (`fed` starts at prompt_len), as its own output.
+        resumed = min(max(tags.resumed_tokens, 0), len(prompt) - 1)
+        prompt_len = len(prompt) - resumed
+        bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt[:prompt_len], np.int32),
+                                            self.policy_version)
         max_tokens = int(params.max_tokens) if params is not None and params.max_tokens else self.max_model_len
         run = _Running(tags, self.acceptance.start(rid))
-        self._columns.start(run.slot, prompt_len=len(prompt), max_tokens=max_tokens, bank_slot=bank_slot,
+        self._columns.start(run.slot, prompt_len=prompt_len, max_tokens=max_tokens + resumed, bank_slot=bank_slot,
                             predicted=tags.predicted_tokens, curve=tags.length_curve, may_draft=tags.draft,
                             cost_probe=tags.cost_probe)
         self._probes += tags.cost_probe

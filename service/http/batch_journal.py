@@ -75,7 +75,7 @@ class JournalEntry:
     def refusal(self, digest: str) -> BatchFromPreviousRun:
         """What the gateway answers a request for this earlier run's batch, whose digest is `digest`."""
         status: EndStatus = "interrupted" if self.status == "accepted" else self.status
-        produced = "an unknown number of" if self.samples is None else str(self.samples)
+        produced = "an unknown number" if self.samples is None else str(self.samples)
         how = {"done": "ended done", "failed": "ended failed", "aborted": "was aborted",
                "interrupted": "was cut off by the restart"}[status]
         return BatchFromPreviousRun(

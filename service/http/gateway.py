@@ -1,6 +1,7 @@
 """The HTTP gateway: `create_app(backend, settings)` builds the FastAPI app over a `RolloutBackend`.
 
-Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.token` is set):
+Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.token` is set, checked from the headers
+before the body is read: service/http/request_guard.py, which also bounds how long a request's head and body may take):
 
 - `POST /v1/rollouts` (`RolloutRequest`): runs a batch and streams one `SampleRecord` per sample as it finishes,
   then one `{"summary": BatchSummary}` object, the last of the stream. Wire formats: NDJSON (one JSON object a
@@ -24,12 +25,20 @@ Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.toke
 
 Batches run as their own tasks, not tied to a connection: a client that drops its connection loses nothing, and a
 request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
-instead of running it again. Results are held msgpack-encoded (a few bytes a token); ended batches stay
+instead of running it again. A batch requested without a `batch_id` is aborted once the last connection streaming it
+leaves before it ended (nothing could name it again), counted in `das_requests_abandoned_total`. Results are held
+msgpack-encoded (a few bytes a token); ended batches stay
 replayable within `retained_batches` / `retained_bytes`; a repeated id older than that gets 410, never a second
 run. A batch always ends: whatever goes wrong in its task ends it
-`failed` with the error in its summary and a log line, and a batch in which no sample finished for
+`failed` with the error in its summary and a log line, and a batch in which no sample made a token for
 `batch_stall_timeout_s` is failed and its running samples aborted, so a reload never waits on a batch that cannot
-finish.
+finish. A stall is judged by token progress (the engines report each sample's new tokens every ~50 ms): a batch
+fails only when no sample made a token for the timeout, so a long sample generating steadily is never one.
+
+With `"progress": true` in the request, the stream also carries each running sample's new tokens as they are made,
+as `{"progress": {"group_index", "sample_index", "offset", "token_ids", "text", "policy_version"}}` objects (plus
+"logprobs" when the batch asked for them; ~50 ms apart per engine at most), each sample's before its record;
+`offset` is the position of the first of `token_ids` in the sample's output, and the record holds every token.
 
 Across restarts (`settings.batch_journal`, on with `das serve --state-dir`): every batch a request names (batch_id
 given) is journaled before it runs and when it ends (service/http/batch_journal.py: id, request digest, status, sample
@@ -42,10 +51,13 @@ process, so the trainer resubmits what it still needs under a new batch_id (`das
 `BatchFromPreviousRunError`). Without a journal (no state directory) the registry is in memory only: after a
 restart a retried id is unknown and runs again from the start.
 
-Errors: 401 bad or missing token; 403 weights path outside the root; 404 unknown batch; 409 a batch id reused for
+Errors: 401 bad or missing token (before the body is read; the connection is closed when a body may follow); 403
+weights path outside the root; 404 unknown batch; 408 the body did not arrive within `body_timeout_s` of the head,
+or the head within `header_timeout_s` (server_config), the connection closed; 409 a batch id reused for
 a different batch or accepted by an earlier run (`batch_from_previous_run`, above), or a weights version not newer
 than the served one; 410 batch results no longer retained;
-413 a request body over `max_body_bytes` (refused before it is parsed), a batch over `max_batch_samples` samples
+413 a request body over `max_body_bytes` (refused before it is read when its Content-Length says so), a batch over
+`max_batch_samples` samples
 or a history import over `max_history_records`; 422 invalid input, naming the field (request validation, or the
 backend refusing a group before anything runs, e.g. sampling the engine would refuse: `loc` names the group);
 429 too many batches in flight (`max_batches_in_flight`, never exceeded however many requests arrive at once);
@@ -59,7 +71,6 @@ import asyncio
 import contextlib
 import gc
 import hashlib
-import hmac
 import json
 import logging
 import math
@@ -76,18 +87,13 @@ from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.routing import BaseRoute, Match
 
-from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
-from das.service.engine.contract import EngineInputError
-from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
-from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
-from das.service.http.openai_api import openai_router
-from das.service.http.rl_control import rl_control_router
 from das.service.wire.api import (
+    INT64_MAX,
     MSGPACK,
     NDJSON,
     BatchStatus,
@@ -105,7 +111,17 @@ from das.service.wire.api import (
     error_responses,
     seeded_groups,
 )
+from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
+from das.service.http.batch_progress import ProgressLog
+from das.service.engine.contract import EngineInputError
+from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
+from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
+from das.service.http.request_guard import OffloopJsonRoute, RequestGuard
+from das.service.cluster.pause_hold import PauseHold
+from das.service.http.rl_control import rl_control_router
+from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 from das.service.wire.sample_keys import fresh_seed
+from das.service.wire.sample_progress import SampleProgress
 
 log = logging.getLogger(__name__)
 
@@ -122,14 +138,21 @@ class GatewaySettings(BaseModel):
     weights_root: Path | None = Field(None, description="weights paths must lie under it; None: reloads refused")
     max_batch_samples: int = Field(65536, ge=1, description="samples (sum of n) one batch may ask for")
     max_batches_in_flight: int = Field(64, ge=1, description="batches queued or running at once")
-    batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample finished "
-                                         "for this long is failed and its running samples aborted; set it above "
-                                         "the longest a single sample may take")
+    batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample made a "
+                                         "token for this long is failed and its running samples aborted (a sample "
+                                         "generating steadily for longer is no stall)")
     stalls_until_unlive: int = Field(2, ge=1, description="batches failed in a row by batch_stall_timeout_s, no "
                                      "sample finishing anywhere in between, after which /healthz answers 503: the "
                                      "engines make no progress and only a restart of the process can help")
     max_body_bytes: int = Field(64 << 20, ge=1, description="request bodies over this are refused (413) before "
                                                             "they are parsed; split larger history imports")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="a request's line and headers must arrive "
+                                    "within this many seconds of the connection opening (or of the first byte of "
+                                    "its next request), else 408 and the connection is closed (slowloris); applied "
+                                    "by the server (das serve: request_guard.server_config), not the ASGI app")
+    body_timeout_s: float = Field(60.0, gt=0, le=3600, description="a request body must have fully arrived this "
+                                  "many seconds after its headers, else 408 and the connection is closed; at least "
+                                  "max_body_bytes over the slowest client link")
     max_history_records: int = Field(1_000_000, ge=1, description="records one history import may carry")
     retained_batches: int = Field(256, ge=0, description="ended batches whose results are kept for replay")
     retained_bytes: int = Field(1 << 30, ge=0, description="results kept over all retained ended batches, in "
@@ -154,8 +177,10 @@ class _Batch:
     they are, and results held for replay cost bytes per token rather than Python objects."""
 
     def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, prompts: bool,
-                 fingerprint: str, seed: int) -> None:
+                 fingerprint: str, seed: int, progress: bool = False) -> None:
         self.batch_id = batch_id
+        # Token progress and records in one order, for streams that asked for progress (service/http/batch_progress.py)
+        self.progress_log = ProgressLog(_pack, logprobs) if progress else None
         self.seed = seed
         self.groups = groups
         self.logprobs = logprobs
@@ -163,11 +188,14 @@ class _Batch:
         self.fingerprint = fingerprint
         self.expected = sum(g.n for g in groups)
         self.frames: list[bytes] = []
-        self.size = 0  # bytes in frames
+        self.size = 0  # bytes in frames (and progress frames, where kept)
         self.status: BatchStatus = "queued"
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.stall: asyncio.Timeout | None = None  # its stall timer, once running (suspended while paused)
+        # Without a batch_id no retry can name it: aborted once no connection follows it (_Gateway.follow).
+        self.tied = False
+        self.readers = 0  # connections streaming it now
         self.finish_times: list[float] = []  # seconds after start, per record
         self.lengths: list[int] = []
         self.tokens = self.draft_tokens = self.accepted_tokens = self.errors = 0
@@ -200,6 +228,8 @@ class _Batch:
         frame = _pack(record)
         self.frames.append(frame)
         self.size += len(frame)
+        if self.progress_log is not None:
+            self.progress_log.record(frame)
         self.finish_times.append(latency)
         self.lengths.append(len(sample.token_ids))
         self.tokens += len(sample.token_ids)
@@ -208,13 +238,22 @@ class _Batch:
         self.errors += sample.finish_reason == "error"
         self._notify()
 
+    def progress(self, group_index: int, report: SampleProgress) -> None:
+        """A sample's new tokens: into the progress log if the batch keeps one."""
+        if self.progress_log is not None:
+            before = self.progress_log.size
+            self.progress_log.progress(group_index, report)
+            self.size += self.progress_log.size - before  # retained with the batch, so counted in retained_bytes
+            self._notify()
+
     def end(self, status: BatchStatus, error: str | None) -> None:
         self.status, self.error = status, error
         self._notify()
 
-    async def wait_beyond(self, count: int) -> None:
-        """Returns once there are more than `count` records or the batch has ended."""
-        while len(self.frames) <= count and not self.ended:
+    async def wait_beyond(self, count: int, frames: list[bytes] | None = None) -> None:
+        """Returns once there are more than `count` records (or frames of `frames`) or the batch has ended."""
+        frames = self.frames if frames is None else frames
+        while len(frames) <= count and not self.ended:
             await self._changed.wait()
 
     def summary(self) -> BatchSummary:
@@ -334,40 +373,37 @@ def _json_safe(value: Any) -> Any:
     return value
 
 
+_INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _exact_integers(node: Any) -> None:
+    """Integer schemas' bounds in `node` (an OpenAPI document, in place) as JSON integers. FastAPI's schema model types
+    bounds as floats, so int64's 2**63 - 1 came out as 9.223372036854776e+18 (= 2**63), a value the validators
+    refuse. A float bound below 2**53 is the integer exactly; 2**63 can only stand for INT64_MAX (its nearest double),
+    the one bound beyond 2**53 the models declare."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in _INTEGER_BOUNDS:
+                bound = node.get(key)
+                if isinstance(bound, float) and bound.is_integer():
+                    node[key] = INT64_MAX if bound >= 2**63 else max(int(bound), -INT64_MAX - 1)
+        for value in node.values():
+            _exact_integers(value)
+    elif isinstance(node, list):
+        for value in node:
+            _exact_integers(value)
+
+
+def _exact_integer_bounds(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI schema of `app`, with exact integer bounds (`_exact_integers`); built once."""
+    if not app.openapi_schema:
+        _exact_integers(FastAPI.openapi(app))
+    return app.openapi_schema
+
+
 def _engine_error(exc: EngineInputError, loc: list[str | int]) -> HTTPException:
     """A backend refusal in the shape of FastAPI's own validation errors, so clients parse one format."""
     return HTTPException(422, [{"loc": loc, "msg": _json_safe(str(exc)), "type": "value_error"}])
-
-
-class _BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is refused with 413 before anything parses it, at once
-    when its Content-Length says so, else (a chunked body) as soon as the bytes received pass the limit, so an
-    oversized body is never held whole."""
-
-    def __init__(self, app: ASGIApp, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        refusal = f"the request body is over {self.limit} bytes (max_body_bytes)"
-        declared = next((v for k, v in scope["headers"] if k == b"content-length"), b"")
-        if declared.isdigit() and int(declared) > self.limit:
-            await JSONResponse({"detail": refusal}, 413)(scope, receive, send)
-            return
-        received = 0
-
-        async def counted() -> Message:
-            nonlocal received
-            message = await receive()
-            received += len(message.get("body", b""))
-            if received > self.limit:
-                raise HTTPException(413, refusal)  # FastAPI's body reading passes an HTTPException on as is
-            return message
-
-        await self.app(scope, counted, send)
 
 
 class _Gateway:
@@ -382,11 +418,13 @@ class _Gateway:
         self.gate = _ReloadGate()
         self._current: _Batch | None = None  # the most recently started batch
         self.paused = False  # by POST /pause, until POST /resume (service/http/rl_control.py)
+        self.hold = PauseHold()  # new batches wait here while paused (service/cluster/pause_hold.py says why)
         self._admitting = 0  # requests between the in-flight check and their batch's registration
         self.stalls_in_a_row = 0  # batches failed by the stall timeout since a sample last finished
         self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
         self.metrics.batch_journal = self.journal
         self._stopping = False  # batches aborted from now on were cut off by the shutdown
+        self._aborts: set[asyncio.Task[None]] = set()  # aborts of abandoned batches (the loop holds tasks weakly)
 
     # ---- rollouts ----
 
@@ -438,7 +476,7 @@ class _Gateway:
             # Seeds are fixed here, once: a sample re-run after its engine died draws the same tokens.
             seed = body.seed if body.seed is not None else fresh_seed()
             batch = _Batch(body.batch_id or uuid.uuid4().hex, seeded_groups(body.groups, seed), body.logprobs,
-                           body.return_prompt_token_ids, fingerprint, seed)
+                           body.return_prompt_token_ids, fingerprint, seed, body.progress)
             self.batches.add(batch)
             if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id
                 self.journal.accepted(batch.batch_id, fingerprint, batch.expected)
@@ -454,6 +492,7 @@ class _Gateway:
         stall_s = self.settings.batch_stall_timeout_s
         stalled: asyncio.Timeout | None = None
         try:
+            await self.hold.wait()  # a batch sent while paused reaches the engines once they have resumed
             async with self.gate.batch():
                 batch.start()
                 self._current = batch
@@ -461,7 +500,14 @@ class _Gateway:
                 loop = asyncio.get_running_loop()
                 # Started here, not before the gate: a batch held behind a reload is waiting, not stalled.
                 stalled = batch.stall = asyncio.timeout(None if self.paused else stall_s)
-                async with stalled, contextlib.aclosing(self.backend.generate(batch.groups)) as stream:
+                def heard(group_index: int, report: SampleProgress) -> None:
+                    # a token made anywhere in the batch: it is not stalled (a long sample is not a stall)
+                    assert stalled is not None
+                    stalled.reschedule(None if self.paused else loop.time() + stall_s)
+                    self.stalls_in_a_row = 0
+                    batch.progress(group_index, report)
+
+                async with stalled, contextlib.aclosing(self.backend.generate(batch.groups, heard)) as stream:
                     async for group_index, sample in stream:
                         stalled.reschedule(None if self.paused else loop.time() + stall_s)
                         self.stalls_in_a_row = 0
@@ -476,8 +522,8 @@ class _Gateway:
             status = "aborted"
         except Exception as exc:
             if stalled is not None and stalled.expired():
-                error = (f"no sample finished for {stall_s:g} s (batch_stall_timeout_s); the samples still running "
-                         f"were aborted")
+                error = (f"no sample made a token for {stall_s:g} s (batch_stall_timeout_s); the samples still "
+                         f"running were aborted")
                 self.stalls_in_a_row += 1
                 log.error("batch %s failed: %s", batch.batch_id, error)
             else:
@@ -500,22 +546,43 @@ class _Gateway:
         self.metrics.observe_batch(status, makespan, batch.finish_times, batch.lengths)
 
     @staticmethod
-    async def stream(batch: _Batch, start: int, wire: str) -> AsyncIterator[bytes]:
+    async def stream(batch: _Batch, start: int, wire: str, progress: bool = False) -> AsyncIterator[bytes]:
         """The batch's records from position `start`, as they come, then its summary. Whatever is ready goes out
-        in one chunk: one write per burst, not per sample."""
+        in one chunk: one write per burst, not per sample. With `progress` (and a batch that keeps progress), the
+        samples' progress frames too, each before its sample's record."""
         encode = _encoder(wire)
-        sent = start
+        log = batch.progress_log if progress else None
+        frames = log.frames if log is not None else batch.frames
+        sent = log.start(start) if log is not None else start
         while True:
-            available = len(batch.frames)
+            available = len(frames)
             if sent < available:
                 end = min(available, sent + _CHUNK_RECORDS)
-                yield encode(batch.frames[sent:end])
+                yield encode(frames[sent:end])
                 sent = end
             elif batch.ended:
                 yield encode([_pack({"summary": batch.summary().model_dump()})])
                 return
             else:
-                await batch.wait_beyond(sent)
+                await batch.wait_beyond(sent, frames)
+
+    async def follow(self, batch: _Batch, start: int, wire: str, progress: bool) -> AsyncIterator[bytes]:
+        """`stream` for one client connection of POST /v1/rollouts. A tied batch (no batch_id) that its last reader
+        leaves before it ended is aborted, and counted abandoned: nothing could attach to it again. A named batch
+        runs on, replayable under its retention."""
+        batch.readers += 1
+        try:
+            async with contextlib.aclosing(self.stream(batch, start, wire, progress)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            batch.readers -= 1
+            if batch.tied and batch.readers == 0 and not batch.ended:
+                self.metrics.requests_abandoned["/v1/rollouts"] += 1
+                # A task: this generator is being closed (cancelled), and must not await the abort itself.
+                task = asyncio.create_task(self.abort(batch), name=f"abandoned-{batch.batch_id}")
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
 
     async def abort(self, batch: _Batch) -> None:
         if batch.task is not None and not batch.ended:
@@ -578,23 +645,15 @@ class _Gateway:
         """Marks the service paused or not; a paused batch's stall timer is off (no sample may finish while the
         engines are paused), and starts afresh on resume."""
         self.paused = paused
+        if paused:
+            self.hold.pause()
+        else:
+            self.hold.release()
         deadline = None if paused else asyncio.get_running_loop().time() + self.settings.batch_stall_timeout_s
         for batch in self.batches.all_live():
             if batch.stall is not None and not batch.ended:
                 with contextlib.suppress(RuntimeError):  # its timer has already been left (the batch is ending)
                     batch.stall.reschedule(deadline)
-
-
-def _token_dependency(token: SecretStr) -> Callable[..., Any]:
-    expected = token.get_secret_value().encode()
-    bearer = HTTPBearer(auto_error=False)
-
-    async def require_token(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:
-        given = credentials.credentials.encode() if credentials is not None else b""
-        if not hmac.compare_digest(given, expected):
-            raise HTTPException(401, "missing or wrong bearer token", headers={"WWW-Authenticate": "Bearer"})
-
-    return require_token
 
 
 def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None) -> FastAPI:
@@ -612,11 +671,12 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         yield
         await gateway.shutdown()
 
-    # Every route: _BodyLimit answers before any route runs.
-    too_large = error_responses({413: "the request body is over max_body_bytes (refused before it is parsed)"})
+    # Every route: RequestGuard answers before any route runs.
+    guarded = error_responses({408: "the request body did not arrive within body_timeout_s (connection closed)",
+                               413: "the request body is over max_body_bytes (refused before it is parsed)"})
     app = FastAPI(title="DAS rollout service", version="1", lifespan=lifespan, description=__doc__,
-                  responses=too_large)
-    app.add_middleware(_BodyLimit, limit=gateway.settings.max_body_bytes)
+                  responses=guarded)
+    app.openapi = lambda: _exact_integer_bounds(app)  # type: ignore[method-assign]
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -626,14 +686,22 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         """FastAPI's own answers, except a body that is not UTF-8: FastAPI gives it a bare 400, where a body that is
-        not JSON is 422; both are invalid input, 422 here."""
+        not JSON is 422; both are invalid input, 422 here. A 405's Allow lists the methods of every route of the
+        path (Starlette's names the first route's only: GET /v1/rollouts/{id} hid DELETE)."""
         if isinstance(exc.__cause__, UnicodeDecodeError):
             return JSONResponse({"detail": [{"loc": ["body"], "msg": "JSON decode error: the body is not UTF-8",
                                              "type": "json_invalid"}]}, 422)
+        if exc.status_code == 405:
+            allowed = sorted({method for route in app.routes if isinstance(route, BaseRoute)
+                              and route.matches(request.scope)[0] is not Match.NONE
+                              for method in getattr(route, "methods", None) or ()})
+            exc = StarletteHTTPException(405, exc.detail, headers={**(exc.headers or {}), "Allow": ", ".join(allowed)})
         return await http_exception_handler(request, exc)
 
     token = gateway.settings.token
-    api = APIRouter(dependencies=[Depends(_token_dependency(token))] if token is not None else [],
+    # HTTPBearer documents the scheme in the OpenAPI schema; RequestGuard enforces it, before any body is read.
+    api = APIRouter(route_class=OffloopJsonRoute,
+                    dependencies=[Depends(HTTPBearer(auto_error=False))] if token is not None else [],
                     responses=error_responses({401: "missing or wrong bearer token"}) if token is not None else None)
 
     def known(batch_id: str) -> _Batch:
@@ -657,8 +725,10 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
     async def post_rollouts(body: RolloutRequest, request: Request) -> StreamingResponse:
         """Run a batch (or attach to the batch with this batch_id) and stream its samples as they finish."""
         batch, start = await gateway.admit(body)
+        if body.batch_id is None:
+            batch.tied = True  # a new batch (an unnamed request never attaches): its client alone can read it
         wire = MSGPACK if MSGPACK in request.headers.get("accept", "") else NDJSON
-        return StreamingResponse(gateway.stream(batch, start, wire), media_type=wire,
+        return StreamingResponse(gateway.follow(batch, start, wire, body.progress), media_type=wire,
                                  headers={"X-Batch-Id": batch.batch_id, "X-Stream-Offset": str(start)})
 
     unknown_batch = error_responses({404: "no batch has this id",
@@ -742,4 +812,17 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
             response.status_code = 503
         return {"ready": ready}
 
+    # Routes answering in OpenAI's (and vLLM's) error shape get their refusals before any route in that shape too.
+    openai_paths = frozenset(route.path for route in app.routes if isinstance(route, OpenAIErrorRoute))
+
+    def error_body(path: str, status: int, message: str) -> dict[str, Any]:
+        if path in openai_paths:
+            return OpenAIError(status, message, code="invalid_api_key" if status == 401 else None).body().model_dump()
+        return {"detail": message}
+
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=gateway.settings.max_body_bytes,
+                       body_timeout_s=gateway.settings.body_timeout_s, error_body=error_body,
+                       open_paths=frozenset({"/healthz", "/readyz", app.openapi_url, app.docs_url, app.redoc_url,
+                                             app.swagger_ui_oauth2_redirect_url}) - {None},
+                       on_body_timeout=gateway.metrics.body_timed_out)
     return app

@@ -102,6 +102,8 @@ class GatewayMetrics:
         self.policy_version = 0
         self.history_imported = 0
         self.previous_run_refusals = 0  # requests for a batch id an earlier run of the service accepted
+        self.requests_abandoned: Tally[str] = Tally()  # by route: clients that left before their work was done
+        self.body_timeouts = 0  # requests answered 408: the body did not arrive within body_timeout_s
         self.batch_journal: BatchJournal | None = None  # the gateway's, when it has a state directory
         self.acceptance_length = _LabelledHistogram(
             "das_acceptance_length_tokens", "Output tokens per decode step of a sample (1 = no draft accepted), "
@@ -131,6 +133,10 @@ class GatewayMetrics:
         self.draft_accepted[cls] += sample.accepted_tokens
         if sample.decode_steps:
             self.acceptance_length.observe(cls, length / sample.decode_steps)
+
+    def body_timed_out(self) -> None:
+        """A request body that did not arrive in time (service/http/request_guard.py)."""
+        self.body_timeouts += 1
 
     def observe_batch(self, status: str, makespan_s: float, finish_times_s: Sequence[float],
                       lengths: Sequence[int]) -> None:
@@ -167,6 +173,11 @@ class GatewayMetrics:
         yield CounterMetricFamily("das_batches_from_previous_run_refused", "Requests refused (409) because an "
                                   "earlier run of the service accepted their batch id.",
                                   value=self.previous_run_refusals)
+        yield _labelled("das_requests_abandoned", "Requests whose client left before all their samples came, by "
+                        "route; their work is given up (a batch is aborted once nothing reads it).", "route",
+                        self.requests_abandoned)
+        yield CounterMetricFamily("das_request_body_timeouts", "Requests answered 408 because their body did not "
+                                  "arrive within body_timeout_s.", value=self.body_timeouts)
         if self.batch_journal is not None:
             journal = self.batch_journal.counters()
             yield CounterMetricFamily("das_batch_journal_torn_records", "Torn records dropped from the end of the "

@@ -24,7 +24,8 @@ back, indexed from 0. The merged group stays within GroupRequest's n bound and `
 
 What the responses carry:
 - choices in sample order; a stream (server-sent events in OpenAI's chunk format, then `data: [DONE]`) sends
-  each choice whole when its sample finishes (samples finish whole), then a usage chunk when
+  each choice's tokens as the engine makes them (a chunk per progress report: every engine step, batched to one
+  report per ~50 ms per engine), its last chunk with the rest and its finish_reason, then a usage chunk when
   `stream_options.include_usage`. An error after the stream began goes out as an error event, which the official
   client raises.
 - `seed` is the group's `sampling.seed`: choice i draws with keys of (seed, i, position)
@@ -45,13 +46,14 @@ What the responses carry:
 - text: "" where the backend has no tokenizer (the stub).
 
 Errors, all in OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 invalid input (the body, n < 1,
-more than one prompt, a prompt the engine refuses, e.g. one over the context); 401 bad or missing token; 404
-unknown model; 413 a body over `max_body_bytes` (one whose Content-Length says so is refused before any route,
-in the gateway's own shape); 429 too many batches in flight; 503 not ready, or the batch was aborted; 500 a
-failed batch or sample. Unknown body fields are ignored, as OpenAI's API does (logged at debug).
+more than one prompt, a prompt the engine refuses, e.g. one over the context, `logprobs` over vLLM's 20); 401 bad or
+missing token (before the body is read); 404 unknown model; 408 a body too slow; 413 a body over `max_body_bytes`;
+429 too many batches in flight; 503 not ready, or the batch was aborted; 500 a failed batch or sample. Unknown body fields are ignored, as OpenAI's API does (logged at debug).
 
-A client that drops a stream before all its samples came aborts the batch once no request of its group still
-reads it: unlike a `/v1/rollouts` batch, nothing could attach to it again.
+A client that disconnects before all its samples came (a stream it stops reading, or a non-streaming request it
+gives up on: the route watches for the disconnect while it waits) aborts the batch once no request of its group
+still reads it: unlike a named `/v1/rollouts` batch, nothing could attach to it again. Each such request counts in
+`das_requests_abandoned_total{route}`.
 """
 
 from __future__ import annotations
@@ -71,7 +73,6 @@ from annotated_types import Le
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -101,6 +102,7 @@ from das.service.wire.openai_protocol import (
     SamplingRequest,
     UsageInfo,
 )
+from das.service.http.request_guard import OffloopJsonRoute
 
 
 log = logging.getLogger(__name__)
@@ -164,7 +166,7 @@ def invalid_request(errors: Sequence[Any], rename: dict[str, str] | None = None,
     return OpenAIError(400, message, param=first[0] if first else default)
 
 
-class OpenAIErrorRoute(APIRoute):
+class OpenAIErrorRoute(OffloopJsonRoute):
     """Answers every error of its routes in OpenAI's shape: ours, the gateway's HTTPExceptions (the bearer-token
     dependency included) and FastAPI's body validation, which app-wide handlers would answer in FastAPI's."""
 
@@ -248,18 +250,22 @@ def _group(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max
 class _Share:
     """One request's part of a group: the group's samples [offset, offset + n), handed over renumbered from 0."""
 
-    def __init__(self, group: _Group, offset: int, n: int) -> None:
-        self.group, self.offset, self.n = group, offset, n
+    def __init__(self, group: _Group, offset: int, n: int, stream: bool = False) -> None:
+        self.group, self.offset, self.n, self.stream = group, offset, n, stream
         self.batch_id: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.queue: asyncio.Queue[Record] = asyncio.Queue()
         self.done = False
 
     async def samples(self) -> AsyncIterator[Record]:
-        """This request's samples as they finish; OpenAIError if one failed or the batch ended without them."""
+        """This request's samples as they finish; OpenAIError if one failed or the batch ended without them. A
+        streaming request's share also gets its samples' progress (`{"progress": ...}`) as they run."""
         received = 0
         try:
             while received < self.n:
                 record = await self.queue.get()
+                if "progress" in record:
+                    yield record
+                    continue
                 if "summary" in record:
                     summary = record["summary"]
                     if summary["status"] == "aborted":
@@ -285,8 +291,8 @@ class _Group:
         self.n = 0
         self.abort: Callable[[], None] | None = None  # set once its batch runs
 
-    def join(self, n: int) -> _Share:
-        share = _Share(self, self.n, n)
+    def join(self, n: int, stream: bool = False) -> _Share:
+        share = _Share(self, self.n, n, stream)
         self.shares.append(share)
         self.n += n
         return share
@@ -296,9 +302,13 @@ class _Group:
             for share in self.shares:
                 share.queue.put_nowait(record)
             return
-        index = record["sample_index"]
+        progress = record.get("progress")
+        index = (progress or record)["sample_index"]
         share = next(s for s in self.shares if s.offset <= index < s.offset + s.n)
-        share.queue.put_nowait({**record, "sample_index": index - share.offset})
+        if progress is None:
+            share.queue.put_nowait({**record, "sample_index": index - share.offset})
+        elif share.stream:
+            share.queue.put_nowait({"progress": {**progress, "sample_index": index - share.offset}})
 
     def abandoned(self) -> None:
         """A request stopped reading before all its samples came: once none reads any more, the rest is waste."""
@@ -316,9 +326,9 @@ class _Coalescer:
         self._open: dict[str, _Group] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop holds tasks weakly
 
-    async def submit(self, group: GroupRequest) -> tuple[_Share, str]:
+    async def submit(self, group: GroupRequest, stream: bool = False) -> tuple[_Share, str]:
         """This request's share of a group and the id of the batch running it, once the gateway admitted it;
-        HTTPException as the gateway refused it."""
+        HTTPException as the gateway refused it. `stream`: the share also gets its samples' token progress."""
         key = group.model_dump_json(exclude={"n"})
         target = self._open.get(key)
         if target is None or target.n + group.n > self._max_n or group.sampling.seed is not None:
@@ -326,7 +336,7 @@ class _Coalescer:
             if self._window_s > 0 and group.sampling.seed is None:
                 self._open[key] = target
             self._spawn(self._launch(key, target))
-        share = target.join(group.n)
+        share = target.join(group.n, stream)
         # Shielded: a request cancelled while it waits must leave its future for _launch to resolve (resolving a
         # cancelled one raises there, and its siblings would never hear back).
         return share, await asyncio.shield(share.batch_id)
@@ -342,9 +352,10 @@ class _Coalescer:
             if self._open.get(key) is group:
                 del self._open[key]
         merged = group.template.model_copy(update={"n": group.n})
+        progress = any(share.stream for share in group.shares)  # token deltas only where a request streams
         try:
             batch, _ = await self._gateway.admit(RolloutRequest(groups=[merged], logprobs=True,
-                                                                return_prompt_token_ids=True))
+                                                                return_prompt_token_ids=True, progress=progress))
         except Exception as exc:  # the gateway's refusal is every joined request's answer
             for share in group.shares:
                 share.batch_id.set_exception(exc)
@@ -353,7 +364,7 @@ class _Coalescer:
         for share in group.shares:
             share.batch_id.set_result(batch.batch_id)
         unpacker = msgpack.Unpacker()
-        async with contextlib.aclosing(self._gateway.stream(batch, 0, MSGPACK)) as stream:
+        async with contextlib.aclosing(self._gateway.stream(batch, 0, MSGPACK, progress)) as stream:
             async for chunk in stream:
                 unpacker.feed(chunk)
                 for record in unpacker:
@@ -415,28 +426,95 @@ class _Reply:
                        draft_tokens=sum(r["draft_tokens"] for r in records),
                        accepted_tokens=sum(r["accepted_tokens"] for r in records))
 
-    async def complete(self, build: Callable[[list[Record]], BaseModel]) -> Response:
-        async with contextlib.aclosing(self.share.samples()) as samples:
-            records = sorted([r async for r in samples], key=lambda r: r["sample_index"])
-        return Response(build(records).model_dump_json(), media_type="application/json", headers=self.headers)
+    async def complete(self, build: Callable[[list[Record]], BaseModel], request: Request,
+                       abandoned: Callable[[], None]) -> Response:
+        """The whole answer once every sample came; if the client disconnects first, its share is given up (the
+        batch aborted once no request of its group reads it: nothing can attach to it again) and `abandoned`
+        called."""
+        async def collect() -> list[Record]:
+            async with contextlib.aclosing(self.share.samples()) as samples:
+                return sorted([r async for r in samples], key=lambda r: r["sample_index"])
 
-    def stream(self, chunk: Callable[[Record, bool], BaseModel], usage: Callable[[UsageInfo], BaseModel]) \
-            -> StreamingResponse:
-        """A chunk per sample as it finishes (`chunk(record, first)`), the usage chunk if asked, [DONE]."""
+        collecting = asyncio.ensure_future(collect())
+        leaving = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait([collecting, leaving], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            leaving.cancel()
+            if not collecting.done():
+                collecting.cancel()  # closes the share's stream: its finally gives the share up
+                await asyncio.gather(collecting, return_exceptions=True)
+                abandoned()
+        if collecting.cancelled():  # the client left: nobody reads this answer
+            return Response(status_code=499)
+        return Response(build(collecting.result()).model_dump_json(), media_type="application/json",
+                        headers=self.headers)
+
+    def stream(self, chunk: Callable[[Record, bool], BaseModel], usage: Callable[[UsageInfo], BaseModel],
+               abandoned: Callable[[], None]) -> StreamingResponse:
+        """A chunk per progress report (the sample's new tokens as the engine made them) and a last one per sample
+        with the rest of its tokens and its finish_reason (`chunk(record, first)`, a record holding only the
+        delta), the usage chunk if asked, [DONE]. A client that disconnects before its last sample gives its share
+        up (as `complete`) and `abandoned` is called."""
         async def events() -> AsyncIterator[str]:
             records: list[Record] = []
+            deltas = _Deltas()
             try:
                 async with contextlib.aclosing(self.share.samples()) as samples:
-                    async for record in samples:
-                        records.append(record)
-                        yield f"data: {chunk(record, len(records) == 1).model_dump_json()}\n\n"
+                    async for item in samples:
+                        if "progress" not in item:
+                            records.append(item)
+                        delta = deltas.next(item)
+                        if delta is not None:
+                            yield f"data: {chunk(delta, deltas.chunks == 1).model_dump_json()}\n\n"
                 if self.include_usage:
                     yield f"data: {usage(_usage(records)).model_dump_json()}\n\n"
+            except (asyncio.CancelledError, GeneratorExit):  # the server stopped reading it: the client left
+                if len(records) < self.share.n:
+                    abandoned()
+                raise
             except OpenAIError as exc:
                 yield f"data: {exc.body().model_dump_json()}\n\n"
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(events(), media_type="text/event-stream", headers=self.headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has gone. The body has been read by now, so what the server has left to say is the
+    disconnect (uvicorn answers receive() with it as soon as the connection drops)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _Deltas:
+    """Turns a stream's progress reports and records into delta records: what each sample made since the last
+    chunk. A record's delta is the rest of its tokens (its text past what progress sent, when that is a prefix of
+    it: a stop string cut the text, or text vLLM held back while it could still become one)."""
+
+    def __init__(self) -> None:
+        self.sent: dict[int, tuple[int, str]] = {}  # sample index -> (tokens sent, text sent)
+        self.chunks = 0
+
+    def next(self, item: Record) -> Record | None:
+        progress = item.get("progress")
+        if progress is not None:
+            index = progress["sample_index"]
+            tokens, text = self.sent.get(index, (0, ""))
+            if progress["offset"] != tokens or not progress["token_ids"]:
+                return None  # a repeat (after a re-dispatch) or nothing new
+            self.sent[index] = (tokens + len(progress["token_ids"]), text + progress["text"])
+            self.chunks += 1
+            return {"sample_index": index, "output_token_ids": progress["token_ids"],
+                    "logprobs": progress.get("logprobs") or [], "text": progress["text"], "finish_reason": None,
+                    "prompt_token_ids": None, "policy_version": progress["policy_version"], "draft_tokens": 0,
+                    "accepted_tokens": 0}
+        tokens, text = self.sent.pop(item["sample_index"], (0, ""))
+        full = item["text"] or ""
+        self.chunks += 1
+        return {**item, "output_token_ids": item["output_token_ids"][tokens:],
+                "logprobs": (item.get("logprobs") or [])[tokens:],
+                "text": full[len(text):] if full.startswith(text) else full}
 
 
 # --- the router -------------------------------------------------------------------------------------------------
@@ -449,6 +527,9 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
     created = int(time.time())
     coalescer = _Coalescer(gateway)
 
+    def abandoned(route: str) -> None:
+        gateway.metrics.requests_abandoned[route] += 1
+
     def check(body: SamplingRequest, path: str) -> None:
         if body.model != served:
             raise OpenAIError(404, f"The model `{body.model}` does not exist.", param="model",
@@ -460,7 +541,7 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
                     prefix: str) -> _Reply:
         group = _group(body, prompt, prompt_param, max_tokens)
         try:
-            share, batch_id = await coalescer.submit(group)
+            share, batch_id = await coalescer.submit(group, bool(body.stream))
         except HTTPException as exc:
             # Refused input (too many samples, a group the backend refuses) is a 400 in OpenAI's terms.
             param = {413: "n", 422: prompt_param}.get(exc.status_code)
@@ -482,7 +563,7 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
     @router.post("/v1/completions", response_model=None, responses={200: {
         "model": CompletionResponse, "content": {"text/event-stream": {}},
         "description": "a CompletionResponse, or with stream server-sent CompletionResponse chunks"}, **errors})
-    async def completions(body: CompletionRequest) -> Response:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI's text completions: n samples of one prompt, run as one group of a batch."""
         check(body, "/v1/completions")
         prompt = _completion_prompt(body.prompt)
@@ -492,15 +573,16 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
             return reply.stream(
                 lambda r, first: CompletionResponse(**reply.header(), choices=[_completion_choice(r, body)],
                                                     das=reply.das([r])),
-                lambda usage: CompletionResponse(**reply.header(), choices=[], usage=usage))
+                lambda usage: CompletionResponse(**reply.header(), choices=[], usage=usage),
+                lambda: abandoned("/v1/completions"))
         return await reply.complete(lambda records: CompletionResponse(
             **reply.header(), choices=[_completion_choice(r, body) for r in records], usage=_usage(records),
-            das=reply.das(records)))
+            das=reply.das(records)), request, lambda: abandoned("/v1/completions"))
 
     @router.post("/v1/chat/completions", response_model=None, responses={200: {
         "model": ChatCompletionResponse, "content": {"text/event-stream": {}},
         "description": "a ChatCompletionResponse, or with stream server-sent ChatCompletionChunk events"}, **errors})
-    async def chat_completions(body: ChatCompletionRequest) -> Response:
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI's chat completions: n samples of one conversation, run as one group of a batch."""
         check(body, "/v1/chat/completions")
         if body.top_logprobs is not None and not body.logprobs:
@@ -526,9 +608,11 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
                                           policy_spans=r.get("policy_spans"))])
 
         if body.stream:
-            return reply.stream(chunk, lambda usage: ChatCompletionChunk(**reply.header(), choices=[], usage=usage))
+            return reply.stream(chunk, lambda usage: ChatCompletionChunk(**reply.header(), choices=[], usage=usage),
+                                lambda: abandoned("/v1/chat/completions"))
         return await reply.complete(lambda records: ChatCompletionResponse(
             **reply.header(), choices=[choice(r) for r in records], usage=_usage(records),
-            prompt_token_ids=records[0]["prompt_token_ids"] if ids else None, das=reply.das(records)))
+            prompt_token_ids=records[0]["prompt_token_ids"] if ids else None, das=reply.das(records)), request,
+            lambda: abandoned("/v1/chat/completions"))
 
     return router

@@ -7,8 +7,8 @@ plane" has the reasoning.
 - `POST /pause?mode=abort|wait|keep&clear_cache=true` (vLLM's defaults: abort, true): "abort" ends every sample in
   flight with finish_reason "abort", delivered with the tokens it had, and its batch goes on and ends as usual;
   "wait" answers once the samples in flight have finished; "keep" freezes them until /resume. In every mode new
-  batches and requests are accepted and held until /resume (vLLM queues them), and a held batch's stall timeout
-  is off. `{"status": "paused"}`.
+  batches and requests are accepted and held until /resume (by the service, never sent to a paused engine:
+  service/cluster/pause_hold.py), and a held batch's stall timeout is off. `{"status": "paused"}`.
 - `POST /resume`: `{"status": "resumed"}`. `GET /is_paused`: `{"is_paused": bool}` (true while any engine is).
 - `POST /abort_requests` `{"request_ids": [...]}` (vLLM's body): each id names a batch (the batch_id of
   /v1/rollouts, the X-Batch-Id of an OpenAI-compatible response), aborted as DELETE /v1/rollouts/{id} does (its

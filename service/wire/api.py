@@ -20,6 +20,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
@@ -108,6 +109,34 @@ class ChatMessage(BaseModel):
 MAX_CURVE_POINTS = 4096
 
 
+# The one-prompt rule in JSON Schema, so a client generating requests from the OpenAPI schema knows it: exactly one
+# of the three is present and not null (a prompt list or chat non-empty). `key_indices` holding n distinct indices is
+# the one rule the schema cannot state; it names it in `x-key-indices`.
+_PROMPT_SHAPES: dict[str, dict[str, Any]] = {
+    "prompt_token_ids": {"type": "array", "minItems": 1}, "prompt": {"type": "string"},
+    "messages": {"type": "array", "minItems": 1}}
+_ONE_PROMPT_SCHEMA: dict[str, Any] = {
+    "oneOf": [{"required": [name], "properties": {other: shape if other == name else {"type": "null"}
+                                                  for other in _PROMPT_SHAPES}}
+              for name, shape in _PROMPT_SHAPES.items()],
+    "x-key-indices": "key_indices, when given, holds exactly n distinct indices"}
+
+
+# LengthCurveSpec (the scheduler's LengthCurve on the wire) with the bounds its validation applies: int64 ints, at
+# most MAX_CURVE_POINTS steps. Its ordering invariants (starts strictly increasing from 0, each end above its start,
+# tail_from above the last start) are the part no JSON Schema keyword states: `x-invariants`.
+_LENGTH_CURVE_SCHEMA: dict[str, Any] = {"anyOf": [{
+    "type": "object", "required": ["starts", "ends", "tail_from", "tail_ratio"],
+    "properties": {
+        "starts": {"type": "array", "maxItems": MAX_CURVE_POINTS,
+                   "items": {"type": "integer", "minimum": 0, "maximum": INT64_MAX}},
+        "ends": {"type": "array", "maxItems": MAX_CURVE_POINTS, "items": {"type": "number"}},
+        "tail_from": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+        "tail_ratio": {"type": "number", "minimum": 0}},
+    "x-invariants": "one end per start; starts strictly increasing from 0; ends[j] > starts[j]; tail_from 0 "
+                    "without starts, else above the last start"}, {"type": "null"}]}
+
+
 class LengthCurveSpec(BaseModel):
     """A length curve as it travels: the fields of `das.scheduler.length.LengthCurve` (what the engine evaluates;
     `LengthCurve.from_dict(spec.model_dump())`), checked against the same invariants here in plain Python, so that
@@ -150,7 +179,7 @@ class GroupRequest(BaseModel):
     """One prompt, `n` samples: the unit an RL trainer asks for. Exactly one of `prompt_token_ids`, `prompt`
     (text) and `messages` (chat; the model's template is applied)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, json_schema_extra=_ONE_PROMPT_SCHEMA)
 
     problem_id: Annotated[str, Field(min_length=1, max_length=512), AfterValidator(_unicode)]
     n: int = Field(1, ge=1, le=4096)
@@ -164,10 +193,16 @@ class GroupRequest(BaseModel):
         None, description="sample j draws with the keys of sample key_indices[j] of the group's seed (default j); "
                           "the service sets it when it re-draws the samples an engine lost, so they come out as "
                           "first drawn. Results are still numbered 0..n-1")
-    length_curve: LengthCurveSpec | None = Field(
+    length_curve: Annotated[LengthCurveSpec | None, WithJsonSchema(_LENGTH_CURVE_SCHEMA)] = Field(
         None, description="the scheduler's predicted output length as a function of the tokens a sample has "
                           "generated (what the draft budget reads every step); the service fills it in when neither "
                           "this nor predicted_tokens is given")
+    prefix_token_ids: tuple[tuple[TokenId, ...], ...] | None = Field(
+        None, description="per sample (n entries), output tokens it already has: the service sets it when it resumes "
+                          "the samples an engine lost from the tokens they had delivered. Sample j continues from the "
+                          "prompt + prefix_token_ids[j] as the undisturbed sample would (its keyed positions and "
+                          "max_tokens count the prefix); its result's token_ids and text include the prefix, its "
+                          "logprobs only the new tokens")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GroupRequest:
@@ -181,6 +216,12 @@ class GroupRequest(BaseModel):
         if self.key_indices is not None and (len(self.key_indices) != self.n
                                              or len(set(self.key_indices)) != self.n):
             raise ValueError(f"key_indices must be n = {self.n} distinct indices")
+        if self.prefix_token_ids is not None:
+            if len(self.prefix_token_ids) != self.n:
+                raise ValueError(f"prefix_token_ids must have n = {self.n} entries")
+            if any(len(p) >= self.sampling.max_tokens for p in self.prefix_token_ids):
+                raise ValueError(f"prefix_token_ids: a prefix must be shorter than sampling.max_tokens "
+                                 f"({self.sampling.max_tokens})")
         return self
 
     def sample_key(self, index: int) -> int | None:
@@ -254,6 +295,9 @@ class RolloutRequest(BaseModel):
                                                              "a history file needs)")
     resume_from: int = Field(0, ge=0, le=INT64_MAX, description="when attaching to an existing batch, skip its "
                                                                "first records (the number the client already has)")
+    progress: bool = Field(False, description="the stream also carries each running sample's new tokens as they "
+                                              "are made, as {\"progress\": {...}} objects before its record "
+                                              "(service/http/gateway.py says what they hold)")
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description=(
         "the batch's seed: group g without a sampling.seed of its own samples with seed derive(seed, g), so the "
         "same batch with the same seed gives the same samples; None: a fresh one (BatchSummary.seed says which)"))
@@ -330,11 +374,26 @@ class WeightsResponse(BaseModel):
     reload_s: float = Field(description="seconds, including the wait for running batches")
 
 
+_TOKEN_IDS_SCHEMA: dict[str, Any] = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": INT32_MAX}}
+# A history-file record (drafter/records.py, RolloutRecord): what the store checks, stated in the schema.
+HISTORY_RECORD_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "required": ["problem_id", "policy_version", "sample_index", "prompt_token_ids", "output_token_ids"],
+    "properties": {
+        "problem_id": {"type": "string", "minLength": 1},
+        "policy_version": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+        "sample_index": {"type": "integer", "minimum": 0, "maximum": INT64_MAX},
+        "prompt_token_ids": {**_TOKEN_IDS_SCHEMA, "minItems": 1},
+        "output_token_ids": _TOKEN_IDS_SCHEMA,
+        "finish_reason": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+        "reward": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}
+
+
 class HistoryRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    records: list[dict[str, Any]] = Field(description="history-file records (problem_id, policy_version, "
-                                                      "sample_index, prompt_token_ids, output_token_ids, ...)")
+    records: list[dict[str, Any]] = Field(description="history-file records (drafter/records.py)",
+                                          json_schema_extra={"items": HISTORY_RECORD_SCHEMA})
 
     @field_validator("records")
     @classmethod

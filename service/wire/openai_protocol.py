@@ -12,11 +12,17 @@ sampling ranges (`n`, `max_tokens`, `temperature`, ...) are checked by building 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from das.service.wire.api import INT64_MAX
+
+# vLLM's default --max-logprobs: the most logprobs (completions) or top_logprobs (chat) a request may ask for;
+# vLLM refuses more with a 400 naming this bound, and so does this service.
+MAX_LOGPROBS = 20
+
+T = TypeVar("T")
 
 # --- requests ---------------------------------------------------------------------------------------------------
 
@@ -51,10 +57,15 @@ class SamplingRequest(BaseModel):
                                                      "drafts for later requests); default: a hash of the prompt")
 
 
+_TokenIds = Annotated[list[int], Field(min_length=1)]
+_NonEmpty = Annotated[list[T], Field(min_length=1)]
+
+
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: str | _TokenIds | _NonEmpty[str] | _NonEmpty[_TokenIds] = Field(
         description="text or token ids; a list holding one of them is taken as that one")
-    logprobs: int | None = Field(None, ge=0, description="return the sampled tokens' logprobs")
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS, description="return the sampled tokens' logprobs "
+                                 "(the alternatives are not served: top_logprobs holds the sampled token)")
 
 
 class ContentPart(BaseModel):
@@ -74,10 +85,10 @@ class ChatMessageParam(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessageParam]
+    messages: list[ChatMessageParam] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens; wins over it")
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 # --- responses --------------------------------------------------------------------------------------------------

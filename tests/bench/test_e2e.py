@@ -121,12 +121,12 @@ class RecordingStub(StubEngine):
         self.started: list[tuple[str, float | None]] = []
         self.curves: list[LengthCurve | None] = []
 
-    async def generate(self, group: GroupRequest):  # type: ignore[override]
+    async def generate(self, group: GroupRequest, on_progress=None):  # type: ignore[override]
         self.started.append((group.problem_id, group.predicted_tokens))
         curve = group.length_curve  # read as the engine reads it (Engine._sampling_params)
         self.curves.append(None if curve is None else LengthCurve.from_dict(curve.model_dump()))
         self.config = StubEngineConfig(tokens=self.lengths[group.problem_id])
-        async for sample in super().generate(group):
+        async for sample in super().generate(group, on_progress):
             yield sample
 
 
@@ -401,3 +401,30 @@ def test_every_arm_draws_an_epoch_with_the_same_seeds_and_identity_is_judged_at_
     # ngram changed one of the six samples of every epoch
     assert result.identical_outputs is False and result.divergence == {"das": 0.0, "ngram": round(4 / 24, 4)}
     assert result.noise_floor == (0.0 if same_seeds else None)
+
+
+def test_every_arm_gets_the_same_runner_on_a_gpu_and_the_output_says_which(monkeypatch: pytest.MonkeyPatch) -> None:
+    from das.bench import e2e
+    from das.service.engine.runner_choice import RunnerChoice
+
+    config = E2EConfig(model="m", prompts="p", arms=("none", "das", "suffix"))
+    assert {config.engine_config(arm, 0).model_runner for arm in config.arms} == {"auto"}  # this CPU: V1 anyway
+    monkeypatch.setattr(e2e, "on_cpu", lambda: False)
+    assert {config.engine_config(arm, 0).model_runner for arm in config.arms} == {"v1"}
+
+    problems = reasoning_gym_problems(2)
+    runners = {"none": RunnerChoice("cuda", "V1", False), "das": RunnerChoice("cuda", "V1", False)}
+
+    async def factory(name: str, cfg: E2EConfig, repeat: int) -> ScriptedArm:
+        arm = ScriptedArm(name, repeat, problems, [])
+        arm.runner = runners.get(name)  # the suffix stand-in reports none: nothing is recorded for it
+        return arm
+
+    messages: list[str] = []
+    result = asyncio.run(run_e2e(E2EConfig(model="m", prompts="reasoning-gym:2", samples=2, arms=("none", "das",
+                                                                                                    "suffix")),
+                                 problems, progress=messages.append, arm_factory=factory))
+    assert result.runners == {"none": "cuda model runner V1, async scheduling off",
+                              "das": "cuda model runner V1, async scheduling off"}
+    assert result.to_dict()["runners"] == result.runners
+    assert "das: cuda model runner V1, async scheduling off" in messages

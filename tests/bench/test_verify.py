@@ -26,6 +26,7 @@ def test_verify_bench_prints_every_case():
     for case in result["cases"]:
         assert case["vllm_ms"] > 0 and case["das_ms"] > 0 and case["plain_ms"] > 0
         assert case["vllm_over_das"] == round(case["vllm_ms"] / case["das_ms"], 2)
+        assert case["draw_fused_ms"] > 0 and case["draw_torch_ms"] > 0 and case["draw_identical"] is True
 
 
 def test_bad_shapes_are_refused():

@@ -102,15 +102,18 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     params = serve.make_context("serve", serve_argv(docs)).params  # raises on any flag das serve lacks
     assert params["address"] == "auto" and params["host"] == "0.0.0.0"
     assert params["port"] == values["gateway"]["port"]
+    assert params["header_timeout"] == values["gateway"]["headerTimeoutSeconds"]
+    assert params["body_timeout"] == values["gateway"]["bodyTimeoutSeconds"]
     assert params["model"] == values["engine"]["model"] and params["k"] == values["engine"]["k"]
     assert params["speculation"] == values["engine"]["speculation"]
     if values["engine"]["maxModelLen"]:
         assert params["max_model_len"] == values["engine"]["maxModelLen"]
     assert params["eager"] == values["engine"]["eager"]
+    assert params["tensor_parallel_size"] == values["engine"]["tensorParallelSize"]
     assert params["budget"] == values["engine"]["budget"]
     # the engine settings das serve validates before it starts anything (typed budget and drafter settings)
     EngineConfig(model=params["model"], speculation=params["speculation"], num_speculative_tokens=params["k"],
-                 budget={"policy": params["budget"]})
+                 tensor_parallel_size=params["tensor_parallel_size"], budget={"policy": params["budget"]})
     assert params["max_restarts"] == values["engine"]["maxRestarts"]
     assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
     assert params["max_group_deaths"] == values["engine"]["maxGroupDeaths"]
@@ -234,6 +237,14 @@ def test_compile_cache_volume_is_the_workers_vllm_cache_root() -> None:
     assert env == {"VLLM_CACHE_ROOT": "/var/cache/vllm", "VLLM_LOGGING_LEVEL": "DEBUG"}  # the user's env kept
     pod, container = worker(None)  # default: no volume, vLLM's own cache location in the container
     assert "vllm-cache" not in {v["name"] for v in pod["volumes"]} and "env" not in container
+
+
+def test_a_tensor_parallel_size_reaches_das_serve_and_must_divide_the_gpus_per_node() -> None:
+    docs = objects(render({"engine": {"tensorParallelSize": 4}, "workers": {"gpusPerNode": 8}}))
+    serve = typer.main.get_command(cli_app).commands["serve"]  # type: ignore[attr-defined]
+    assert serve.make_context("serve", serve_argv(docs)).params["tensor_parallel_size"] == 4
+    with pytest.raises(helm.HelmError, match=r"engine.tensorParallelSize \(3\) must divide workers.gpusPerNode \(8\)"):
+        render({"engine": {"tensorParallelSize": 3}, "workers": {"gpusPerNode": 8}})
 
 
 @pytest.mark.parametrize("engine, message", [({"budget": "fastest"}, "'fastest' is not one of 'das', 'uniform'"),

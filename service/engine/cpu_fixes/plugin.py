@@ -64,17 +64,25 @@ def sample_plainly_without_drafts(original: Any) -> Any:
     return _sample
 
 
-def install() -> None:
-    """Installs the fixes in this (CPU) engine process; idempotent."""
+def install_expand_kernel() -> None:
+    """The `_expand` fix in this (CPU) engine process (patches.py: cpu-expand-kernel)."""
     from vllm.utils import cpu_triton_utils
+
+    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
+
+
+def install_rejection_sampler() -> None:
+    """cpu_fixes.rejection's `rejection_sample` and `_get_logprobs_tensors` (patches.py: cpu-rejection-sampler)."""
     from vllm.v1.sample import rejection_sampler
-    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     from das.service.engine.cpu_fixes.rejection import logprobs_of_kept_cells, make_rejection_sample
 
-    cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
     rejection_sampler.RejectionSampler._get_logprobs_tensors = logprobs_of_kept_cells
-    if not hasattr(rejection_sampler.rejection_sample, "__wrapped__"):
-        rejection_sampler.rejection_sample = make_rejection_sample(rejection_sampler.rejection_sample)
-    if not hasattr(CPUModelRunner._sample, "__wrapped__"):  # vLLM may load the plugins more than once
-        CPUModelRunner._sample = sample_plainly_without_drafts(CPUModelRunner._sample)
+    rejection_sampler.rejection_sample = make_rejection_sample(rejection_sampler.rejection_sample)
+
+
+def install_plain_sampler_without_drafts() -> None:
+    """`sample_plainly_without_drafts` on the CPU model runner (patches.py: cpu-plain-sampler-without-drafts)."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    CPUModelRunner._sample = sample_plainly_without_drafts(CPUModelRunner._sample)

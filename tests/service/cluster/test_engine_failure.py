@@ -273,6 +273,85 @@ def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(t
         service.stop()
 
 
+def progress_batch(url: str, body: dict[str, Any], on_item: Callable[[dict[str, Any]], None]
+                   ) -> tuple[list[dict[str, Any]], list[tuple[float, dict[str, Any]]], dict[str, Any]]:
+    """A batch with its progress stream: (records, (arrival time, progress) pairs, summary)."""
+    records: list[dict[str, Any]] = []
+    progress: list[tuple[float, dict[str, Any]]] = []
+    with httpx.stream("POST", f"{url}/v1/rollouts", json={**body, "progress": True}, timeout=300) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line:
+                continue
+            item = json.loads(line)
+            if "summary" in item:
+                return records, progress, item["summary"]
+            if "progress" in item:
+                progress.append((time.monotonic(), item["progress"]))
+            else:
+                records.append(item)
+            on_item(item)
+    raise AssertionError("the stream ended without a summary")
+
+
+def test_a_sample_whose_engine_dies_resumes_from_its_delivered_tokens_and_streams_on(tmp_path: Path) -> None:
+    """Stub engine through Ray: the engine actor SIGKILLed while the samples are ~40% done; each resumes from what it
+    had delivered (the restarted engine makes only the rest, plus the last report interval's tokens), the batch is
+    token-identical to an undisturbed one with the same seed, and the OpenAI client's stream gets a chunk about every
+    50 ms of generation (the engines' report interval)."""
+    service = StubService(tmp_path, {"stub_engine": {"tokens": 100, "token_s": 0.03}})
+    groups = [{"problem_id": f"p{i}", "prompt_token_ids": [5, 6, 7 + i], "n": 1, "sampling": {"max_tokens": 100}}
+              for i in range(2)]
+    body = {"groups": groups, "seed": 11}
+    try:
+        service.wait_ready(engines=1)
+        undisturbed, _, summary = progress_batch(service.url, body, lambda item: None)
+        assert summary["status"] == "done"
+        reference = {(r["group_index"], r["sample_index"]): r["output_token_ids"] for r in undisturbed}
+
+        delivered: dict[tuple[int, int], int] = {}
+        killed: list[float] = []
+
+        def kill_at_40(item: dict[str, Any]) -> None:
+            p = item.get("progress")
+            if p is None:
+                return
+            delivered[(p["group_index"], p["sample_index"])] = p["offset"] + len(p["token_ids"])
+            if not killed and p["offset"] + len(p["token_ids"]) >= 40:
+                (actor,) = service.node_engines()
+                os.kill(actor, signal.SIGKILL)
+                killed.append(time.monotonic())
+                at_kill.update(delivered)
+
+        at_kill: dict[tuple[int, int], int] = {}
+        records, progress, summary = progress_batch(service.url, body, kill_at_40)
+        assert summary["status"] == "done" and killed, summary
+        assert Counter((r["group_index"], r["sample_index"]) for r in records) == Counter(list(reference))  # each once
+        for record in records:  # the same draw as the undisturbed run
+            assert record["output_token_ids"] == reference[(record["group_index"], record["sample_index"])]
+        for key, had in at_kill.items():
+            after = [p for t, p in progress if t > killed[0] + 0.5 and (p["group_index"], p["sample_index"]) == key]
+            resumed_from = min((p["offset"] for p in after), default=100)
+            # the resumed engine started near where the stream was at the death, not at 0: it made at most the
+            # remaining tokens plus what the last report interval (and the kill's own latency) held
+            assert resumed_from >= had - 10, (key, had, resumed_from)
+        assert service.metric("das_samples_redispatched") == 2
+
+        client = openai.OpenAI(base_url=f"{service.url}/v1", api_key="none", max_retries=0, timeout=60)
+        times: list[float] = []
+        text_tokens = 0
+        for chunk in client.completions.create(model="das", prompt=[5, 6, 9], max_tokens=100, stream=True,
+                                               extra_body={"return_token_ids": True}):
+            if chunk.choices:
+                times.append(time.perf_counter())
+                text_tokens += len(chunk.choices[0].token_ids)
+        span = times[-1] - times[0]
+        assert text_tokens == 100 and span > 2.0
+        assert len(times) >= 0.8 * span / 0.05, (len(times), span)  # ~one chunk per 50 ms report interval
+    finally:
+        service.stop()
+
+
 def test_an_engine_past_its_restart_cap_fails_its_batch_and_liveness(tmp_path: Path) -> None:
     service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.25},
                                      "failure": {"max_restarts": 1, "restart_window_s": 3600}})
@@ -300,11 +379,14 @@ def test_an_engine_past_its_restart_cap_fails_its_batch_and_liveness(tmp_path: P
         service.stop()
 
 
-def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path) -> None:
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02}})
+@pytest.mark.parametrize("behaviour", ["queue", "reject"])
+def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path, behaviour: str) -> None:
+    """Under either vLLM pause behaviour (service/cluster/pause_hold.py): a batch sent to the re-paused engine is held by
+    the service, not failed by a rejecting engine (an abort pause: a rejecting engine queues nothing then)."""
+    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02, "pause_behavior": behaviour}})
     try:
         service.wait_ready(engines=1)
-        assert httpx.post(f"{service.url}/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+        assert httpx.post(f"{service.url}/pause", params={"mode": "abort"}, timeout=30).status_code == 200
         os.kill(service.node_engines()[0], signal.SIGKILL)
         wait_until(lambda: service.metric("das_engine_restarts") == 1, 60, "the engine was not restarted")
         service.wait_ready(engines=1)
@@ -318,6 +400,7 @@ def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path) -> Non
         held.join(30)
         records, summary = done[0]
         assert summary["status"] == "done" and sorted(r["sample_index"] for r in records) == [0, 1]
+        assert {r["finish_reason"] for r in records} <= {"stop", "length"}  # none "error"
     finally:
         service.stop()
 
@@ -431,5 +514,99 @@ def test_tiny_model_engine_killed_mid_batch_then_its_engine_core_loses_nothing(t
 
         records, summary = run_batch(server.url, {"groups": groups[:2]}, headers=auth)
         assert summary["status"] == "done" and len(records) == 8
+    finally:
+        server.stop()
+
+
+def test_tiny_model_engine_killed_at_70_percent_of_the_longest_sample_resumes_it_token_identical(
+        tmp_path: Path) -> None:
+    """The real engine (tiny model, fp32, T = 0.8, keyed sampling, DAS speculation): the engine actor SIGKILLed
+    while the longest sample is ~70% done. The batch ends done with every sample once and token-identical to an
+    undisturbed run with the same seed; the restarted engine makes that sample's remaining tokens plus at most a
+    second's worth; the makespan cost of the death is printed. Before that, on the warm engine, the official openai
+    client streams a completion in chunks about 50 ms apart."""
+    model = build_tiny_model(tmp_path / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
+                             sharpness=12.0)
+    server = Server(model, tmp_path / "state")
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    longest = 200
+    groups = [{"problem_id": f"p{i}", "prompt_token_ids": [5, 6, 7 + i], "n": 2,
+               "sampling": {"max_tokens": longest if i == 0 else 60, "temperature": 0.8, "ignore_eos": True}}
+              for i in range(3)]
+    body = {"groups": groups, "seed": 1234, "logprobs": True, "progress": True}
+
+    def batch(on_item: Callable[[dict[str, Any]], None]
+              ) -> tuple[list[dict[str, Any]], list[tuple[float, dict[str, Any]]], dict[str, Any], float]:
+        start = time.monotonic()
+        records: list[dict[str, Any]] = []
+        progress: list[tuple[float, dict[str, Any]]] = []
+        with httpx.stream("POST", f"{server.url}/v1/rollouts", json=body, headers=auth, timeout=600) as response:
+            assert response.status_code == 200, response.read()
+            for line in response.iter_lines():
+                item = json.loads(line) if line else {}
+                if "summary" in item:
+                    return records, progress, item["summary"], time.monotonic() - start
+                if "progress" in item:
+                    progress.append((time.monotonic(), item["progress"]))
+                elif item:
+                    records.append(item)
+                on_item(item)
+        raise AssertionError("the stream ended without a summary")
+
+    try:
+        server.wait_ready()
+        batch(lambda item: None)  # warm-up: the first batch after a start compiles and fills caches
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        times: list[float] = []
+        tokens = 0
+        for chunk in client.completions.create(model=client.models.list().data[0].id, prompt=[5, 6, 7],
+                                               max_tokens=200, temperature=0.8, stream=True,
+                                               extra_body={"return_token_ids": True, "ignore_eos": True}):
+            if chunk.choices:
+                times.append(time.perf_counter())
+                tokens += len(chunk.choices[0].token_ids)
+        span = times[-1] - times[0]
+        print(f"openai stream: {len(times)} chunks over {span:.2f} s for {tokens} tokens")
+        gaps = sorted(b - a for a, b in zip(times, times[1:]))
+        print(f"openai stream: chunk gaps median {gaps[len(gaps) // 2] * 1e3:.0f} ms, max {gaps[-1] * 1e3:.0f} ms")
+        assert tokens == 200 and len(times) >= 0.8 * span / 0.05
+        undisturbed, _, summary, plain_s = batch(lambda item: None)
+        assert summary["status"] == "done"
+        reference = {(r["group_index"], r["sample_index"]): r for r in undisturbed}
+        per_token_s = plain_s / longest
+
+        killed: list[float] = []
+        at_kill: dict[tuple[int, int], int] = {}
+        delivered: dict[tuple[int, int], int] = {}
+
+        def kill_at_70(item: dict[str, Any]) -> None:
+            p = item.get("progress")
+            if p is None:
+                return
+            key = (p["group_index"], p["sample_index"])
+            delivered[key] = p["offset"] + len(p["token_ids"])
+            if not killed and p["group_index"] == 0 and delivered[key] >= 0.7 * longest:
+                (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
+                os.kill(actor, signal.SIGKILL)
+                killed.append(time.monotonic())
+                at_kill.update(delivered)
+
+        records, progress, summary, disturbed_s = batch(kill_at_70)
+        assert summary["status"] == "done" and killed, summary
+        assert Counter((r["group_index"], r["sample_index"]) for r in records) == Counter(list(reference))
+        for record in records:
+            ref = reference[(record["group_index"], record["sample_index"])]
+            assert record["output_token_ids"] == ref["output_token_ids"], (record["group_index"],
+                                                                           record["sample_index"])
+            assert len(record["logprobs"]) == len(ref["logprobs"])
+            assert max(abs(a - b) for a, b in zip(record["logprobs"], ref["logprobs"])) < 1e-3
+        for key, had in at_kill.items():
+            after = [p for t, p in progress if t > killed[0] + 1.0 and (p["group_index"], p["sample_index"]) == key]
+            if after:  # the sample was still running after the restart: it resumed near where it was
+                assert min(p["offset"] for p in after) >= had - max(1.0 / per_token_s, 2), (key, had)
+        print(f"undisturbed makespan {plain_s:.1f} s; with the death at 70% of the longest sample "
+              f"{disturbed_s:.1f} s (cost {disturbed_s - plain_s:.1f} s, the engine's restart included); "
+              f"delivered at the death: {at_kill}")
+
     finally:
         server.stop()

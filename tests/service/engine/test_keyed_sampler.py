@@ -14,7 +14,7 @@ import torch
 from das.service.engine import keyed_sampler
 from das.service.engine.cpu_fixes import rejection
 from das.service.engine.cpu_fixes.rejection import PLACEHOLDER, sample_without_draft_probs
-from das.service.engine.extra_args import SAMPLE_KEY
+from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY
 from das.service.engine.keyed_sampler import StepKeys, keyed_tokens, step_keys
 from das.service.engine.row_keys import row_keys
 from das.service.wire.sample_keys import derive
@@ -220,3 +220,8 @@ def test_a_drafted_steps_bonus_rows_come_back_as_processed_logits_for_the_rows_k
         assert torch.equal(plain_processed, logits.log_softmax(-1))
         assert torch.equal(bonus_processed, logits)
         assert torch.equal(Sampler.compute_logprobs(bonus_processed), plain_processed)
+
+
+def test_a_resumed_samples_positions_count_the_tokens_it_had_before_its_request():
+    step = step_keys(runner([{SAMPLE_KEY: 7, POSITION_OFFSET: 40}, {SAMPLE_KEY: 9}], [12, 4], [3, 3]), None)
+    assert step.positions.tolist() == [43, 3]  # 40 delivered before the death + 3 generated since

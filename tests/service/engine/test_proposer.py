@@ -414,6 +414,21 @@ def test_exploration_gets_its_accepted_tokens_back_on_a_step_the_cost_fit_skips(
     assert refunded[-1] == (2, 2)
 
 
+def test_a_resumed_samples_delivered_tokens_count_as_its_output_not_its_prompt():
+    proposer, runner = attached()
+    runner.add("r", PROMPT + RESPONSE[:6], max_tokens=20, tags=RequestTags("p", key="r", resumed_tokens=6))
+    runner.step(proposer, {})
+    slot = proposer._running["r"].slot
+    cols = proposer._columns
+    assert cols.prompt_len[slot] == len(PROMPT)  # the prompt proper
+    assert cols.max_tokens[slot] == 26  # the request's 20 plus the 6 delivered: the sample's own cap
+    assert cols.fed[slot] == len(PROMPT) + 6  # the delivered tokens went to the live segment as output
+    plain, plain_runner = attached()
+    plain_runner.add("q", PROMPT + RESPONSE[:6], max_tokens=20, tags=RequestTags("p", key="q"))
+    plain_runner.step(plain, {})
+    assert plain._columns.prompt_len[plain._running["q"].slot] == len(PROMPT) + 6  # without the tag: all prompt
+
+
 def test_the_proposer_drafts_through_the_step_the_simulator_runs():
     """One draft step for the engine and for `das bench simulate` (scheduler/draft_step.py), over the proposer's own
     bank, budget hook and acceptance counts."""

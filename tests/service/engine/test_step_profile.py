@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from das.service.engine.step_profile import IDLE_S, RunnerStepTimer, StepProfile, StepProfileExtension
+from das.service.engine.step_profile import IDLE_S, RunnerStepTimer, StepProfile, StepProfileExtension, device_sync
 
 
 @dataclass
@@ -75,6 +75,48 @@ def test_an_idle_engine_is_not_loop_overhead() -> None:
     step(runner, SchedulerOutput({"a": 1}))
     cols = timer.take()
     assert cols["gap_s"] == [0.0, 0.0] and cols["propose_s"] == [0.0, 0.0]
+
+
+class QueuedDevice:
+    """A stand-in GPU: the runner's calls queue work and return at once; synchronize() waits for it."""
+
+    def __init__(self) -> None:
+        self.pending_s = 0.0
+        self.syncs = 0
+
+    def queue(self, seconds: float) -> None:
+        self.pending_s += seconds
+
+    def synchronize(self, device: Any = None) -> None:
+        self.syncs += 1
+        time.sleep(self.pending_s)
+        self.pending_s = 0.0
+
+
+def test_on_a_gpu_every_clock_read_waits_for_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    gpu = QueuedDevice()
+    monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+    runner = Runner(forward_s=0.0, sample_s=0.0, propose_s=0.0)
+    runner.device = torch.device("cuda", 0)
+    execute, sample = runner.execute_model, runner._sample
+    runner.execute_model = lambda output: (gpu.queue(0.03), execute(output))[1]  # returns before the work is done
+    runner._sample = lambda *args: (gpu.queue(0.01), sample(*args))[1]
+    timer = RunnerStepTimer(runner)  # the default hook: the runner's device is CUDA
+    step(runner, SchedulerOutput({"a": 1}))
+    cols = timer.take()
+    assert gpu.syncs == 8  # before each of the eight clock reads of a drafted step
+    assert cols["forward_s"][0] >= 0.03 and cols["sample_s"][0] >= 0.01  # the device time, not the launch time
+
+
+def test_no_device_wait_on_the_cpu() -> None:
+    import torch
+
+    assert device_sync(Runner(0.0, 0.0, None)) is None
+    cpu = Runner(0.0, 0.0, None)
+    cpu.device = torch.device("cpu")
+    assert device_sync(cpu) is None
 
 
 def test_profile_means_and_the_fitted_cost_line() -> None:

@@ -398,7 +398,7 @@ class FakeEngine:
             raise EngineInputError("prompt is too long")
         return list(group.prompt_token_ids or ())
 
-    async def generate(self, group: GroupRequest) -> AsyncIterator[SampleResult]:
+    async def generate(self, group: GroupRequest, on_progress: Any = None) -> AsyncIterator[SampleResult]:
         self.prompt_token_ids(group)
         try:
             for i in range(group.n):
@@ -478,7 +478,7 @@ def test_what_the_engine_would_refuse_is_422_at_admission(serve, sampling, loc):
 class StalledBackend(StubBackend):
     """Its batches never produce a sample, like a group whose sample task died: `generate` waits forever."""
 
-    async def generate(self, groups):  # type: ignore[override]
+    async def generate(self, groups, on_progress=None):  # type: ignore[override]
         self.runs += 1
         await asyncio.Event().wait()
         yield  # an async generator that never gets here
@@ -507,7 +507,7 @@ def test_a_stalled_batch_fails_and_a_reload_waiting_on_it_goes_through(serve, tm
     (summary,) = [r["summary"] for r in records]
     assert summary["status"] == "failed" and summary["samples"] == 0
     assert "batch_stall_timeout_s" in summary["error"]
-    assert any("stuck" in r.getMessage() and "no sample finished" in r.getMessage() for r in caplog.records)
+    assert any("stuck" in r.getMessage() and "no sample made a token" in r.getMessage() for r in caplog.records)
     assert reloaded.status_code == 200 and reloaded.json()["policy_version"] == 1 and waited < 5
     assert http.get("/v1/rollouts/stuck").json()["status"] == "failed"
     assert "das_batches_in_flight 0.0" in http.get("/metrics").text

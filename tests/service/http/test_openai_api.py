@@ -88,7 +88,7 @@ def test_chat_completions(serve):
     assert again.choices[0].logprobs is None and again.choices[0].token_ids is None
 
 
-def test_streaming_completions_send_each_choice_as_it_finishes_then_usage(serve):
+def test_streaming_completions_send_each_choices_tokens_as_made_then_usage(serve):
     server, client = serve(StubBackend(output_tokens=5, first_delay_s=0.05, interval_s=0.3))
     stream = client.completions.create(model="das", prompt=[4, 5], n=3, max_tokens=5, stream=True,
                                        stream_options={"include_usage": True},
@@ -97,13 +97,21 @@ def test_streaming_completions_send_each_choice_as_it_finishes_then_usage(serve)
     chunks = iter(stream)
     first = next(chunks)
     status = httpx.get(f"{server.url}/v1/rollouts/{batch_id}", headers={"Authorization": f"Bearer {TOKEN}"})
-    assert status.json()["status"] == "running"  # the first choice came before the batch ended
+    assert status.json()["status"] == "running"  # the first tokens came before the batch ended
     *choices, last = [first, *chunks]
-    assert sorted(c.choices[0].index for c in choices) == [0, 1, 2]
+    tokens: dict[int, list[int]] = {}
+    finished: set[int] = set()
     for chunk in choices:
         (choice,) = chunk.choices
-        assert choice.finish_reason == "stop" and choice.token_ids == STUB_TOKENS
-        assert choice.prompt_token_ids == [4, 5] and chunk.das["accepted_tokens"] == 1
+        assert choice.index not in finished  # nothing after a choice's last chunk
+        tokens.setdefault(choice.index, []).extend(choice.token_ids)
+        if choice.finish_reason is not None:
+            finished.add(choice.index)
+            assert choice.finish_reason == "stop" and tokens[choice.index] == STUB_TOKENS
+            assert choice.prompt_token_ids == [4, 5] and chunk.das["accepted_tokens"] == 1
+    assert sorted(tokens) == [0, 1, 2]
+    assert len(choices) > 3  # deltas before each choice's last chunk, not one chunk a choice
+    assert sum(c.choices[0].finish_reason == "stop" for c in choices) == 3
     assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 15)
 
 
@@ -112,13 +120,19 @@ def test_streaming_chat(serve):
     chunks = list(client.chat.completions.create(model="das", messages=[{"role": "user", "content": "hi"}], n=2,
                                                  stream=True, logprobs=True, max_tokens=4,
                                                  extra_body={"return_token_ids": True}))
-    assert len(chunks) == 2 and all(c.object == "chat.completion.chunk" for c in chunks)
-    assert sorted(c.choices[0].index for c in chunks) == [0, 1]
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, int] = {}
     for chunk in chunks:
         (choice,) = chunk.choices
-        assert choice.delta.role == "assistant" and choice.finish_reason == "stop"
-        assert choice.token_ids == STUB_TOKENS[:4] and len(choice.logprobs.content) == 4
+        assert choice.delta.role == "assistant"
+        tokens.setdefault(choice.index, []).extend(choice.token_ids)
+        logprobs[choice.index] = logprobs.get(choice.index, 0) + len(choice.logprobs.content)
+        if choice.finish_reason is not None:
+            assert choice.finish_reason == "stop"
         assert chunk.usage is None
+    assert tokens == {0: STUB_TOKENS[:4], 1: STUB_TOKENS[:4]} and logprobs == {0: 4, 1: 4}
+    assert sum(c.choices[0].finish_reason == "stop" for c in chunks) == 2 < len(chunks)
 
 
 def test_async_client_and_the_accumulating_stream_helper(serve):

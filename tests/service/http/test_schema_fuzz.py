@@ -4,8 +4,9 @@ the probes. Every operation gets schema-valid requests (positive) and requests t
 wrong types, missing fields, out-of-range values, a missing or malformed Authorization header); positive requests
 carry the token, negative ones may lose it. Every answer must be documented in the schema (status, content type,
 body) and none may be a server error: the only 5xx allowed is a documented 501 (vLLM's weight transfer, refused by
-design). Bounded: fixed examples per operation, derandomized, no shrinking, a timeout on every call (streams
-included), so the run is reproducible and takes seconds."""
+design). A positive request is never refused for a rule the schema states (STATED_RULES: int64 bounds, one prompt
+per group, history records' fields). Bounded: fixed examples per operation, derandomized, no shrinking, a timeout on
+every call (streams included), so the run is reproducible and takes seconds."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis import GenerationMode
@@ -39,6 +41,31 @@ DEFAULT_EXAMPLES = 25
 MIN_CASES = 1000
 CALL_TIMEOUT_S = 10  # a stream that never ends (a batch held by a pause) fails its case instead of hanging the run
 CHECKS = [status_code_conformance, content_type_conformance, response_schema_conformance]
+# Refusals of rules the schema states (int64 bounds as exact integers, the one-prompt rule, history records' fields):
+# a schema-valid (positive) request must never get one. Other refusals of positive requests stay allowed: what the
+# schema cannot say (a prompt over the context, a batch id in use, a version not newer, `x-` rules).
+STATED_RULES = ("9223372036854775807", "9223372036854775808", "int64", "give exactly one of",
+                "prompt_token_ids is empty", "messages is empty", "missing", "not a field of the format",
+                "Field required")
+
+
+def refusal_messages(response: Any) -> str:
+    """The messages of a 400/422 answer, without the echoed input (which may hold any text)."""
+    body = response.json()
+    if "error" in body:
+        return str(body["error"]["message"])
+    detail = body.get("detail")
+    return " ".join(str(d.get("msg")) for d in detail) if isinstance(detail, list) else str(detail)
+
+
+def schema_valid_body(document: dict[str, Any], raw: dict[str, Any], body: Any) -> bool:
+    """Whether `body` is valid under the operation's JSON request body schema (refs resolved in `document`).
+    Schemathesis' positive generation can miss a oneOf, so its positive cases are checked, not trusted."""
+    schema = raw.get("requestBody", {}).get("content", {}).get("application/json", {}).get("schema")
+    if schema is None:
+        return True
+    validator = jsonschema.Draft202012Validator({**schema, "components": document["components"]})
+    return validator.is_valid(body)
 
 
 class HistoryStub(StubBackend):
@@ -69,6 +96,7 @@ def test_the_gateway_answers_every_fuzzed_request_as_its_schema_says(tmp_path: P
     app = create_app(HistoryStub(output_tokens=4, max_prompt_tokens=64),
                      GatewaySettings(token=TOKEN, weights_root=tmp_path, max_batch_samples=64, openai_coalesce_s=0))
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
+    document = app.openapi()
     resume = schema["/resume"]["POST"]
     failures: list[str] = []
     cases = 0
@@ -101,6 +129,12 @@ def test_the_gateway_answers_every_fuzzed_request_as_its_schema_says(tmp_path: P
                         return
                     if response.status_code >= 500 and not (response.status_code == 501 and documented_501):
                         failures.append(f"{case.operation.label}: {response.status_code} {response.text[:300]!r}\n"
+                                        f"{case.as_curl_command(headers=headers)}")
+                    if (mode is GenerationMode.POSITIVE and response.status_code in (400, 422)
+                            and any(rule in refusal_messages(response) for rule in STATED_RULES)
+                            and schema_valid_body(document, raw, case.body)):
+                        failures.append(f"{case.operation.label}: a schema-valid request refused by a rule the "
+                                        f"schema states: {refusal_messages(response)[:300]!r}\n"
                                         f"{case.as_curl_command(headers=headers)}")
                     try:
                         case.validate_response(response, checks=CHECKS, headers=headers)

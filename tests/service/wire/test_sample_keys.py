@@ -4,7 +4,6 @@ int64 range."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from das.service.wire.api import GroupRequest, RolloutRequest, seeded_groups

@@ -1,0 +1,225 @@
+"""`das bench gpu-cost`: what a GPU machine with PyTorch and transformers but no vLLM (and no internet) can measure
+for the service in a few minutes, standalone: it imports torch, transformers, the keyed draw
+(service/engine/keyed_draw.py) and the cost model (scheduler/cost_model.py) only.
+
+(a) The keyed draw on the device: rows x vocabulary (Qwen2.5's 151,936 entries) of random float32 logits drawn on
+    the device and, from the same logits and keys, on CPU tensors; the tokens must be identical (the CPU draw is the
+    fused CPU kernel's token, tests/service/engine/test_keyed_draw.py). Median milliseconds per draw on the device.
+(b) A decode step-cost surface: a 7B-shaped Llama (Qwen2.5-7B's shape: 28 layers, hidden 3,584, 28 query / 4 KV
+    heads, MLP 18,944, vocabulary 152,064; random weights, bfloat16) on the device, a static KV cache of `context`
+    positions per request, and one forward of batch x tokens-per-request (1 + K drafts) tokens at the cache's end:
+    median seconds over `repeats` timed forwards (after warm-ups), the device synchronised around each. On CUDA each
+    shape is captured as a CUDA graph and replayed, as vLLM replays its decode steps (eager if capture fails; the
+    output says which). The KV cache's contents are zeros: attention's cost does not depend on them.
+
+Written to `--out`: `<name>.json`, a `CostModel` (c_base + c_tok x tokens, least squares over the surface at
+`--fit-context`) that `das bench simulate --cost-model <path>` takes in place of the estimated `h100-7b`, and
+`<name>-surface.json` with every point and the keyed-draw figures. `--tiny` runs a tiny config on the CPU in
+seconds (what the tests run). Without das installed, from a checkout: a directory holding a link named `das` to the
+checkout on PYTHONPATH, then `python -m das.bench.gpu_cost`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from das.scheduler.cost_model import fit_cost_model
+from das.service.engine.keyed_draw import keyed_draw
+
+QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                 num_key_value_heads=4, vocab_size=152064, attention_bias=True, max_position_embeddings=32768)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
+
+
+@dataclass(frozen=True)
+class GpuCostConfig:
+    """One run: the model shape (`tiny` or 7B), the grid (batches x tokens per request x contexts, in requests,
+    tokens, KV positions), the keyed-draw shape, `repeats` timed calls per point, `kv_gib` the most KV cache a
+    point may allocate (GiB; larger points are skipped and listed), `fit_context` the context the cost model is
+    fitted at (the grid's middle one by default)."""
+
+    device: str
+    tiny: bool
+    batches: tuple[int, ...]
+    tokens: tuple[int, ...]
+    contexts: tuple[int, ...]
+    repeats: int
+    draw_rows: int
+    draw_vocab: int
+    kv_gib: float
+    fit_context: int | None = None
+
+    @classmethod
+    def default(cls, device: str, tiny: bool) -> GpuCostConfig:
+        if tiny:
+            return cls(device, True, (1, 4), (1, 3), (16, 64), 3, 16, 512, 1.0)
+        return cls(device, False, (1, 8, 32, 64, 128), (1, 2, 4, 8), (1024, 4096, 16384), 10, 256, 151936, 40.0)
+
+
+def _median_s(call: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
+    for _ in range(2):
+        call()
+    times = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def keyed_draw_figures(cfg: GpuCostConfig) -> dict[str, object]:
+    """(a): the draw's identity with its CPU-tensor run and its median milliseconds on the device."""
+    device = torch.device(cfg.device)
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(cfg.draw_rows, cfg.draw_vocab, generator=gen) * 2
+    logits[:, cfg.draw_vocab // 2:] = torch.where(torch.rand(cfg.draw_rows, 1, generator=gen) < 0.5, float("-inf"),
+                                                  logits[:, cfg.draw_vocab // 2:])  # top-k-like masks on half
+    keys = torch.randint(-2**63, 2**63 - 1, (cfg.draw_rows,), generator=gen)
+    on_cpu = keyed_draw(logits, keys)
+    dev_logits, dev_keys = logits.to(device), keys.to(device)
+    on_device = keyed_draw(dev_logits, dev_keys)
+    ms = _median_s(lambda: keyed_draw(dev_logits, dev_keys), cfg.repeats, _sync(device)) * 1e3
+    return {"rows": cfg.draw_rows, "vocab": cfg.draw_vocab, "device": str(device),
+            "identical_to_cpu": bool(torch.equal(on_device.cpu(), on_cpu)), "median_ms": round(ms, 3)}
+
+
+def _model(cfg: GpuCostConfig) -> tuple[torch.nn.Module, object]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**(TINY if cfg.tiny else QWEN25_7B))
+    dtype = torch.float32 if torch.device(cfg.device).type == "cpu" else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(cfg.device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    return model, config
+
+
+def _step_timer(model: torch.nn.Module, config: object, batch: int, tokens: int, context: int,
+                device: torch.device, graphs: bool) -> tuple[Callable[[], object], bool]:
+    """A call running one decode forward of batch x tokens at positions context.. of a static cache (the same
+    slots every call), as a CUDA graph replay when `graphs` and capture succeeds; and whether it is one."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=config, max_cache_len=context + tokens)
+    ids = torch.randint(0, config.vocab_size, (batch, tokens), device=device)
+    at = torch.arange(context, context + tokens, device=device)
+
+    def forward() -> object:
+        with torch.inference_mode():
+            return model(input_ids=ids, past_key_values=cache, cache_position=at, use_cache=True).logits
+
+    forward()  # allocates the cache
+    if not graphs:
+        return forward, False
+    try:
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            forward()
+        return graph.replay, True
+    except RuntimeError:
+        return forward, False
+
+
+def step_surface(cfg: GpuCostConfig) -> tuple[list[dict[str, object]], list[dict[str, int]]]:
+    """(b): one point per (batch, tokens per request, context) within the KV budget, and the points skipped."""
+    device = torch.device(cfg.device)
+    model, config = _model(cfg)
+    head_dim = config.hidden_size // config.num_attention_heads
+    kv_bytes_per_position = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * (
+        4 if device.type == "cpu" else 2)
+    points, skipped = [], []
+    for context in cfg.contexts:
+        for batch in cfg.batches:
+            for tokens in cfg.tokens:
+                shape = {"batch": batch, "tokens_per_request": tokens, "context": context}
+                if batch * (context + tokens) * kv_bytes_per_position > cfg.kv_gib * 2**30:
+                    skipped.append(shape)
+                    continue
+                call, graphed = _step_timer(model, config, batch, tokens, context, device, device.type == "cuda")
+                seconds = _median_s(call, cfg.repeats, _sync(device))
+                points.append({**shape, "step_s": seconds, "cuda_graph": graphed})
+                del call
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return points, skipped
+
+
+def run_gpu_cost(cfg: GpuCostConfig, out: Path, name: str) -> dict[str, object]:
+    """Runs (a) and (b) and writes `<out>/<name>.json` (the cost model) and `<out>/<name>-surface.json`; returns
+    the surface document."""
+    if min(cfg.batches + cfg.tokens + cfg.contexts) < 1 or cfg.repeats < 1:
+        raise ValueError("batches, tokens per request, contexts and repeats must be >= 1")
+    if len({b * t for b in cfg.batches for t in cfg.tokens}) < 2:
+        raise ValueError("the cost model's fit needs at least two distinct batch x tokens-per-request products")
+    draw = keyed_draw_figures(cfg)
+    points, skipped = step_surface(cfg)
+    fit_context = cfg.fit_context or sorted(cfg.contexts)[len(cfg.contexts) // 2]
+    at = [p for p in points if p["context"] == fit_context]
+    device_name = torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.device.startswith("cuda") else "cpu"
+    shape = "tiny Llama" if cfg.tiny else "7B-shaped Llama (Qwen2.5-7B's dimensions), random weights, bfloat16"
+    model = fit_cost_model(name, [p["batch"] * p["tokens_per_request"] for p in at], [p["step_s"] for p in at],
+                           source=f"measured by das bench gpu-cost on {device_name}: {shape}, decode forwards at "
+                                  f"context {fit_context} (no sampler, no scheduler; transformers, not vLLM)")
+    doc = {"config": asdict(cfg), "device_name": device_name, "torch": torch.__version__,
+           "keyed_draw": draw, "points": points, "skipped_over_kv_budget": skipped, "fit_context": fit_context,
+           "cost_model": json.loads(model.to_json())}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(model.to_json())
+    (out / f"{name}-surface.json").write_text(json.dumps(doc, indent=2))
+    return doc
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="das bench gpu-cost", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny model and grid (seconds on a CPU)")
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--out", type=Path, default=Path("gpu-cost"), help="directory for the JSON files")
+    parser.add_argument("--name", default=None, help="cost model name (default: gpu-7b, or tiny-cpu with --tiny)")
+    parser.add_argument("--batches", type=_ints, default=None, help="comma-separated batch sizes")
+    parser.add_argument("--tokens", type=_ints, default=None, help="comma-separated tokens per request (1 + K)")
+    parser.add_argument("--contexts", type=_ints, default=None, help="comma-separated KV cache lengths")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (medians)")
+    parser.add_argument("--kv-gib", type=float, default=None, help="skip points whose KV cache exceeds this")
+    args = parser.parse_args(argv)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = GpuCostConfig.default(device, args.tiny)
+    overrides = {k: v for k, v in (("batches", args.batches), ("tokens", args.tokens), ("contexts", args.contexts),
+                                   ("repeats", args.repeats), ("kv_gib", args.kv_gib)) if v is not None}
+    cfg = GpuCostConfig(**{**asdict(cfg), **overrides})
+    name = args.name or ("tiny-cpu" if args.tiny else "gpu-7b")
+    try:
+        doc = run_gpu_cost(cfg, args.out, name)
+    except ValueError as exc:
+        parser.error(str(exc))
+    print(json.dumps({"keyed_draw": doc["keyed_draw"], "cost_model": doc["cost_model"],
+                      "points": len(doc["points"]), "skipped": len(doc["skipped_over_kv_budget"]),
+                      "files": [str(args.out / f"{name}.json"), str(args.out / f"{name}-surface.json")]}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
