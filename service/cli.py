@@ -156,12 +156,12 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
-    from das.service.http.batch_journal import BatchJournalConfig
     from das.service.cluster.coordinator import RayBackend, ServiceConfig
+    from das.service.cluster.engine_layout import LayoutError
+    from das.service.http.batch_journal import BatchJournalConfig
     from das.service.http.gateway import GatewaySettings, create_app
     from das.service.http.request_guard import server_config
     from das.service.state_dir_lock import StateDirInUse, lock_state_dir
-    from das.service.cluster.engine_layout import LayoutError
 
     try:
         # held until the process ends: a second das serve on this state directory refuses to start

@@ -28,8 +28,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.engine.contract import EngineInputError, EngineTally, context_error, validate_rollouts
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.wire.sample_progress import SampleProgress
 
 

@@ -28,6 +28,7 @@ from urllib.parse import quote
 import httpx
 import msgpack
 
+from das.service.client.history_chunks import history_bodies
 from das.service.wire.api import (
     MSGPACK,
     NDJSON,
@@ -39,7 +40,6 @@ from das.service.wire.api import (
     ProblemSummary,
     SampleRecord,
 )
-from das.service.client.history_chunks import history_bodies
 from das.service.wire.sample_progress import ProgressRecord
 
 Wire = Literal["msgpack", "ndjson"]

@@ -58,17 +58,17 @@ from das.drafter.records import RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
-from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
-from das.service.engine.config import EngineConfig
-from das.service.engine.contract import validate_rollouts
+from das.service.backends.stub_engine import StubEngineConfig
 from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
 from das.service.cluster.engine_layout import LayoutError, gpu_engines
 from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
 from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink
+from das.service.engine.config import EngineConfig
+from das.service.engine.contract import validate_rollouts
+from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
 from das.service.wire.sample_progress import SampleProgress
-from das.service.backends.stub_engine import StubEngineConfig
 
 log = logging.getLogger(__name__)
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING, Any
 from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.history_client import HistoryClient
 from das.service.cluster.history_store import HistoryPushConfig, resident_bytes, shard_of
+from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
 from das.service.engine.config import EngineConfig
 from das.service.engine.contract import EngineInputError
-from das.service.cluster.pause_hold import PauseHold
 from das.service.engine.spawn_env import restored_environ
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult
 from das.service.wire.sample_progress import ProgressBatcher, SampleProgress

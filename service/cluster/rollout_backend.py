@@ -16,9 +16,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
+from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
 from das.service.wire.sample_progress import SampleProgress
 
 if TYPE_CHECKING:

@@ -55,8 +55,9 @@ from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
 from das.service.engine.vllm_version import check_vllm_version
 from das.service.engine.worker_rpc import worker_rpc
-from das.service.wire.sample_progress import SampleProgress
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.wire.sample_keys import fresh_seed
+from das.service.wire.sample_progress import SampleProgress
 
 if TYPE_CHECKING:
     from vllm import SamplingParams

@@ -77,6 +77,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from das.service.http.gateway_core import GatewayCore
+from das.service.http.request_guard import OffloopJsonRoute
 from das.service.wire.api import MSGPACK, GroupRequest, RolloutRequest, SamplingSpec, error_responses
 from das.service.wire.openai_protocol import (
     AssistantMessage,
@@ -102,7 +103,6 @@ from das.service.wire.openai_protocol import (
     SamplingRequest,
     UsageInfo,
 )
-from das.service.http.request_guard import OffloopJsonRoute
 
 
 log = logging.getLogger(__name__)

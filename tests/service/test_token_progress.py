@@ -15,12 +15,12 @@ import msgpack
 import openai
 import pytest
 
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.client import RolloutClient, RolloutError
-from das.service.http.gateway import create_app
 from das.service.client.history_chunks import history_bodies
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.http.gateway import create_app
 from das.service.wire.sample_progress import ProgressRecord
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from tests.service.http.test_gateway import LiveServer, gateway_settings
 
 

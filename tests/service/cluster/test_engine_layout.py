@@ -9,9 +9,9 @@ import asyncio
 import pytest
 import ray
 
-from das.service.wire.api import GroupRequest
 from das.service.cluster.coordinator import RayBackend, ServiceConfig
 from das.service.cluster.engine_layout import LayoutError, gpu_engines
+from das.service.wire.api import GroupRequest
 
 
 def test_engines_per_gpu_node_are_derived_from_the_tensor_parallel_size() -> None:

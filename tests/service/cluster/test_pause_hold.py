@@ -11,12 +11,12 @@ from typing import Any, Literal
 import httpx
 import pytest
 
-from das.service.wire.api import GroupRequest, PauseMode, SampleResult
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.coordinator import RayBackend, ServiceConfig
 from das.service.cluster.node_engine import NodeEngine
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineBackend
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult
 from tests.service.cluster.test_history_client import FlakyShard
 from tests.service.http.test_rl_control import against, batch, group, summary
 

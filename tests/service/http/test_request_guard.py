@@ -18,11 +18,11 @@ import httpx
 import pytest
 import uvicorn
 
-from das.service.wire.api import INT64_MAX
+from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.batch_journal import JournalEntry
 from das.service.http.gateway import GatewaySettings, create_app
 from das.service.http.request_guard import parse_json_yielding, server_config
-from das.service.cluster.rollout_backend import StubBackend
+from das.service.wire.api import INT64_MAX
 
 TOKEN = "guard-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
