@@ -30,10 +30,10 @@ death is noticed by the stream that breaks or by a call the coordinator keeps pe
 reloads the model and pulls its drafter history from the store with fresh cursors) and reloads the weights last
 served, then it serves again. The samples the dead engine owed that had not arrived are sent to a serving engine
 (or the restarted one) as a group with n = their count, and renumbered back to the missing indices
-(service/cluster/engine_failure.py `Share`), so every sample index reaches the client exactly once. Each resumes from the
-tokens it had delivered (the engines report each sample's new tokens every `node_engine.PROGRESS_INTERVAL_S`; the
-coordinator keeps them per sample and hands them to the caller's `on_progress`), so a death costs the
-recomputation of prompt + prefix and the tokens of the last interval, not the sample. `ready()` while at
+(service/cluster/engine_failure.py `Share`), so every sample index reaches the client exactly once. Each resumes
+from the tokens it had delivered (the engines report each sample's new tokens every
+`node_engine.PROGRESS_INTERVAL_S`; the coordinator keeps them per sample and hands them to the caller's
+`on_progress`), so a death costs the recomputation of prompt + prefix and the tokens of the last interval, not the sample. `ready()` while at
 least one engine serves; `live()` False once no engine can ever serve again.
 """
 
@@ -192,8 +192,8 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
 def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool
                    ) -> list[Any]:
     """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one per engine, each holding its
-    `tensor_parallel_size` GPUs (service/cluster/engine_layout.py; LayoutError where that does not divide the node's GPUs),
-    or `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
+    `tensor_parallel_size` GPUs (service/cluster/engine_layout.py; LayoutError where that does not divide the node's
+    GPUs), or `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
     `short_name` (a cluster of one node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -262,7 +262,8 @@ class RayBackend:
         self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
         self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
         self._paused: tuple[PauseMode, bool] | None = None  # the last /pause (mode, clear_cache) until /resume
-        self._hold = PauseHold()  # every dispatch to an engine actor waits here while paused (service/cluster/pause_hold.py)
+        # every dispatch to an engine actor waits here while paused (service/cluster/pause_hold.py)
+        self._hold = PauseHold()
         self._control_lock = asyncio.Lock()  # a pause or resume and a recovered engine's catch-up never interleave
         self._book = DifficultyBook()
         self._predictor = LengthPredictor(self._book)

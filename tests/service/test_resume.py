@@ -1,5 +1,5 @@
-"""Resume, not restart (service/cluster/engine_failure.py `Share`, the stub engine's prefix): a sample an engine lost runs
-again from the tokens it had delivered and comes out as the undisturbed sample, logprobs and weight spans
+"""Resume, not restart (service/cluster/engine_failure.py `Share`, the stub engine's prefix): a sample an engine lost
+runs again from the tokens it had delivered and comes out as the undisturbed sample, logprobs and weight spans
 included. The death itself, through Ray, is in test_engine_failure.py."""
 
 from __future__ import annotations

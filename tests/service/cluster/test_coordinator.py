@@ -15,7 +15,13 @@ from ray.cluster_utils import Cluster
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
 from das.service.backends.stub_engine import StubEngineConfig
-from das.service.cluster.coordinator import RayBackend, ServiceConfig, _lost_errors, _PlacedWork, with_length_predictions
+from das.service.cluster.coordinator import (
+    RayBackend,
+    ServiceConfig,
+    _lost_errors,
+    _PlacedWork,
+    with_length_predictions,
+)
 from das.service.cluster.engine_failure import Share
 from das.service.cluster.history_store import HistoryPushConfig
 from das.service.cluster.node_engine import EngineNotStarted, NodeEngine

@@ -381,8 +381,8 @@ def test_an_engine_past_its_restart_cap_fails_its_batch_and_liveness(tmp_path: P
 
 @pytest.mark.parametrize("behaviour", ["queue", "reject"])
 def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path, behaviour: str) -> None:
-    """Under either vLLM pause behaviour (service/cluster/pause_hold.py): a batch sent to the re-paused engine is held by
-    the service, not failed by a rejecting engine (an abort pause: a rejecting engine queues nothing then)."""
+    """Under either vLLM pause behaviour (service/cluster/pause_hold.py): a batch sent to the re-paused engine is held
+    by the service, not failed by a rejecting engine (an abort pause: a rejecting engine queues nothing then)."""
     service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02, "pause_behavior": behaviour}})
     try:
         service.wait_ready(engines=1)

@@ -1,5 +1,5 @@
-"""A node's GPUs split into engines of `tensor_parallel_size` GPUs (service/cluster/engine_layout.py): the rule, and the Ray
-placement over a cluster that declares 4 GPUs on this CPU machine (Ray hands GPUs out by count; nothing here uses
+"""A node's GPUs split into engines of `tensor_parallel_size` GPUs (service/cluster/engine_layout.py): the rule, and the
+Ray placement over a cluster that declares 4 GPUs on this CPU machine (Ray hands GPUs out by count; nothing here uses
 CUDA): two TP=2 engine actors holding 2 GPUs each, and a size that does not divide refused before any actor."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Pause as promised on either vLLM behaviour (service/cluster/pause_hold.py): a batch sent while paused (abort, wait, keep)
-is held by the service and completes after /resume, whether the engine queues new requests while paused (vLLM 0.32)
-or rejects them (`StubEngineConfig.pause_behavior="reject"`): through the gateway over one engine, through a
+"""Pause as promised on either vLLM behaviour (service/cluster/pause_hold.py): a batch sent while paused (abort, wait,
+keep) is held by the service and completes after /resume, whether the engine queues new requests while paused (vLLM
+0.32) or rejects them (`StubEngineConfig.pause_behavior="reject"`): through the gateway over one engine, through a
 NodeEngine that a pause reaches while a group is on its way, and through the Ray coordinator."""
 
 from __future__ import annotations
