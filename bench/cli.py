@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
+from rich.console import Console
 from rich.markup import escape
 
 from das.service.cli import app, console, emit, fail, models_app
@@ -251,10 +252,11 @@ def bench_e2e(
     from das.bench.e2e import E2EConfig, E2EFailed, run_e2e, suffix_tuned_options, write_rollouts_file
     from das.bench.e2e_report import markdown as render_markdown
     from das.bench.e2e_report import plot as render_plot
+    from das.bench.e2e_report import print_tables
     from das.scheduler.cost_model import prior_cost_model
+    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
     from das.service.engine.async_engine import engine_dtype
     from das.service.engine.models import prepare_model
-    from das.service.prompt_sets import PromptSetError, load_prompt_set
 
     arm_names = tuple(a.strip() for a in arms.split(",") if a.strip())
     try:
@@ -296,7 +298,10 @@ def bench_e2e(
     if markdown is not None:
         markdown.parent.mkdir(parents=True, exist_ok=True)
         markdown.write_text(render_markdown(result, _command_line(ctx)) + "\n")
-    emit(result, as_json)
+    if as_json:
+        emit(result, as_json)
+    else:
+        print_tables(result, Console(width=140))
 
 
 @bench_app.command("serve")
@@ -324,7 +329,7 @@ def bench_serve(
     import shlex
 
     from das.bench.user_run import UserRunConfig, run_user_bench
-    from das.service.prompt_sets import PromptSetError, load_prompt_set
+    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
 
     try:
         problem_set = load_prompt_set(problems)
@@ -381,7 +386,7 @@ def bench_gpu_check(
     import shlex
 
     from das.bench.gpu_check import GpuCheckConfig, run_gpu_check
-    from das.service.prompt_sets import PromptSetError, load_prompt_set
+    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
 
     try:
         config = GpuCheckConfig(model=model, problems=problems, samples=samples, max_tokens=max_tokens,

@@ -78,19 +78,19 @@ import numpy as np
 
 from das.bench.stats import LengthTest, RewardTest, length_test, reward_test
 from das.drafter.records import RolloutRecord, write_rollouts
-from das.service.api import GroupRequest, SamplingSpec, seeded_groups
+from das.service.client.prompt_sets import Problem
 from das.service.engine.async_engine import Engine, EngineConfig
 from das.service.engine.runner_choice import RunnerChoice
 from das.service.engine.step_profile import StepProfile
-from das.service.prompt_sets import Problem
-from das.service.sample_keys import derive
+from das.service.wire.api import GroupRequest, SamplingSpec, seeded_groups
+from das.service.wire.sample_keys import derive
 
 if TYPE_CHECKING:
     import uvicorn
 
     from das.scheduler.cost_model import CostModel
     from das.service.client import AsyncRolloutClient
-    from das.service.coordinator import RayBackend
+    from das.service.cluster.coordinator import RayBackend
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ NEVER_A_LOSS = 0.97  # with ignore_eos, das tokens/s must be at least this share
 
 @dataclass(frozen=True)
 class E2EConfig:
-    """One benchmark. `budget`: the budget hook settings of `das` and `das-service` (service/engine/budget_hook.py);
+    """One benchmark. `budget`: the budget hook settings of `das` and `das-service` (scheduler/budget_hook.py);
     `suffix_tuned`: suffix-t's vLLM suffix_decoding_* settings; `drift`: checkpoint directories, one per epoch
     after the first; `kv_cache_gib`: each engine's CPU KV cache; `sequential`: one engine alive at a time;
     `same_seeds`: every epoch draws with epoch 1's seeds (a noise floor at any temperature)."""
@@ -263,7 +263,7 @@ class EngineArm:
     async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
         order = list(range(len(groups)))
         if self._predictor is not None:
-            from das.service.coordinator import with_length_predictions
+            from das.service.cluster.coordinator import with_length_predictions
 
             groups = with_length_predictions(self._predictor, groups)
             order.sort(key=lambda i: -float(groups[i].predicted_tokens))  # stable: ties keep the set's order
@@ -316,8 +316,8 @@ class ServiceArm:
         import uvicorn
 
         from das.service.client import AsyncRolloutClient
-        from das.service.coordinator import RayBackend, ServiceConfig
-        from das.service.gateway import GatewaySettings, create_app
+        from das.service.cluster.coordinator import RayBackend, ServiceConfig
+        from das.service.http.gateway import GatewaySettings, create_app
 
         # "local": always a new single-node cluster of our own. With no address Ray joins a cluster another
         # process started on this machine (found through /tmp/ray), and the benchmark would share its nodes.
@@ -583,11 +583,6 @@ class E2EResult:
                 "drafts_by_source": self.drafts_by_source,
                 "runners": self.runners,
                 "wall_s": round(self.wall_s, 1)}
-
-    def print(self, console: Any) -> None:
-        from das.bench.e2e_report import print_tables
-
-        print_tables(self, console)
 
 
 def _median(values: list[Any]) -> float | None:

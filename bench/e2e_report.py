@@ -13,12 +13,20 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from das.bench.e2e import E2EResult
+from das.bench.e2e import (
+    ALPHA,
+    ARM_SPECULATION,
+    BASELINE,
+    E2EResult,
+    RolloutsSidecar,
+    machine_info,
+    rollout_tag,
+    sum_by_source,
+)
 
 # A makespan ratio against the baseline: arm / none, below 1 is faster.
 _RATIO = "x{:.2f}"
@@ -31,8 +39,6 @@ def _fmt(value: float | int | None, pattern: str) -> str:
 def _rows(result: E2EResult) -> list[list[str]]:
     """Per epoch and arm, the table cells: epoch, arm, makespan (every repeat's in parentheses when several),
     vs none, longest sample, tail share, tokens/s, drafted, accepted, acceptance length, reward, errors."""
-    from das.bench.e2e import BASELINE
-
     rows = []
     for e, arms in enumerate(result.medians()):
         base = arms.get(BASELINE, {}).get("makespan_s")
@@ -126,8 +132,6 @@ def _rich_table(title: str, columns: tuple[str, ...], rows: list[list[str]]) -> 
 
 
 def print_tables(result: E2EResult, console: Any) -> None:
-    from das.bench.e2e import ALPHA, BASELINE
-
     console.print(_rich_table(_title(result), _COLUMNS, _rows(result)))
     if result.tests:
         console.print(_rich_table(f"output against {BASELINE} (stratified permutation tests, flagged at p < {ALPHA})",
@@ -173,8 +177,6 @@ def cost_fit_line(cost: dict[str, Any]) -> str:
 
 def _source_lines(result: E2EResult) -> list[str]:
     """Per drafting arm of ours, its draft tokens accepted / proposed by source kind, summed over the repeats."""
-    from das.bench.e2e import sum_by_source
-
     lines = []
     for arm, repeats in result.drafts_by_source.items():
         cells = [f"{kind} {c['accepted']:,}/{c['proposed']:,}"
@@ -193,8 +195,6 @@ def _markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> list[str
 
 def markdown(result: E2EResult, command: str | None = None) -> str:
     """The result as markdown: the command and machine, the per-epoch table, the tests and the goals."""
-    from das.bench.e2e import ALPHA, BASELINE, machine_info
-
     m = machine_info()
     lines = [f"### {_title(result)}", ""]
     if command:
@@ -242,8 +242,6 @@ def plot(result: E2EResult, path: Path) -> None:
     matplotlib.use("Agg")  # no display: write files only
     import matplotlib.pyplot as plt
 
-    from das.bench.e2e import BASELINE
-
     config = result.config
     medians = result.medians()
     epochs = np.arange(1, config.epochs + 1)
@@ -288,8 +286,6 @@ def plot(result: E2EResult, path: Path) -> None:
 def simulated_arm(arm: str, k: int) -> str | None:
     """The simulator's policy for an e2e arm (scheduler/simulator.py ARMS), None for an arm it cannot model
     (vLLM's own drafters)."""
-    from das.bench.e2e import ARM_SPECULATION
-
     if arm == "das-uniform":
         return f"uniform-{k}"
     return {"none": "none", "das": "das"}.get(ARM_SPECULATION.get(arm, ""))
@@ -399,7 +395,6 @@ def validate_rollouts(path: str | os.PathLike[str], window: int = 4, cost_source
     the arm's own step cost fit from its step profile (`profile_cost`; runs with `--profile`), else the das
     engine's live fit at the end of its epochs (the `none` arm has none and takes the das arm's); "live": always the
     live fit. ValueError when the file has no run the simulator can model."""
-    from das.bench.e2e import RolloutsSidecar, rollout_tag
     from das.drafter.records import load_rollouts
     from das.scheduler.cost_model import CostModel
     from das.scheduler.simulator import replay_versions

@@ -30,9 +30,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from das.service.api import SampleRecord, SamplingSpec
 from das.service.client import RolloutClient
-from das.service.prompt_sets import Problem
+from das.service.client.prompt_sets import Problem
+from das.service.wire.api import SampleRecord, SamplingSpec
 
 ARMS = ("none", "suffix", "das")
 BASELINE = "none"

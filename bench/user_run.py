@@ -27,11 +27,11 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
-from das.service.api import SamplingSpec
 from das.service.client import RolloutClient
-from das.service.prompt_sets import Problem
-from das.service.rollout_run import EpochFigures, run_rollouts
-from das.service.sample_keys import derive
+from das.service.client.prompt_sets import Problem
+from das.service.client.rollout_run import EpochFigures, run_rollouts
+from das.service.wire.api import SamplingSpec
+from das.service.wire.sample_keys import derive
 
 
 @dataclass(frozen=True)

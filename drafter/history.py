@@ -30,63 +30,13 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
 from das.drafter._suffix_index import RequestTable, SourceList, SuffixIndex
+from das.drafter.config import DrafterConfig
 from das.drafter.records import RolloutRecord
 from das.drafter.source_choice import SourceChooser
-
-# Matched context a draft is chosen on beyond its own tokens: an index of depth K + 8 drafted as far as depth 32 on
-# every bundled trace set at K = 8 and 16 (K + 4 lost 1% on one set; docs/design.md#the-drafter).
-MATCH_CONTEXT = 8
-
-
-@dataclass(frozen=True)
-class DrafterConfig:
-    """Drafter settings. Sizes and budgets are in tokens. `for_drafts` sizes the index to a draft length."""
-
-    max_depth: int = 32          # suffix index depth D: longest match + draft that can be followed
-    window: int = 4              # sealed policy versions kept per problem
-    min_prob: float = 0.0        # stop a draft when its cumulative probability falls below this
-    match_factor: float = 0.0    # draft at most match_factor * matched-context tokens (0: no cap)
-    prior: float = 2.0           # pseudo-count added to a node's continuations: discounts thin evidence
-    choice_pseudo_count: float = 5.0  # weight of a candidate's own score before feedback arrives
-    choice_horizon: float = 2000.0    # observations per calibration cell before old ones fade
-    token_budget: int = 50_000_000   # all stored history tokens, all problems
-    global_tokens: int = 2_000_000   # share of the budget for the cross-problem fallback
-    shadow_gap: int = 8              # tokens a request commits between a settled shadow draft and its next
-    context_tokens: int = 8_000_000  # session contexts kept; beyond, the least recently used idle ones go
-
-    def __post_init__(self) -> None:
-        checks = {
-            "max_depth": 1 <= self.max_depth <= 255,
-            "window": self.window >= 1,
-            "min_prob": 0.0 <= self.min_prob <= 1.0,
-            "match_factor": 0.0 <= self.match_factor,
-            "prior": 0.0 <= self.prior,
-            "choice_pseudo_count": self.choice_pseudo_count > 0,
-            "choice_horizon": self.choice_horizon >= 1,
-            "token_budget": self.token_budget >= 1,
-            "global_tokens": 0 <= self.global_tokens <= self.token_budget,
-            "shadow_gap": self.shadow_gap >= 0,
-            "context_tokens": self.context_tokens >= 0,
-        }
-        bad = [name for name, ok in checks.items() if not ok]
-        if bad:
-            raise ValueError(f"invalid drafter config field(s): {', '.join(bad)} ({self})")
-
-    @classmethod
-    def for_drafts(cls, max_draft: int, **settings: Any) -> DrafterConfig:
-        """Settings for drafts of at most `max_draft` (>= 1) tokens: `max_depth` max_draft + MATCH_CONTEXT (at most
-        255) unless `settings` name one. The index costs O(max_depth) per stored token and per lookup, and a deeper
-        one drafts no further."""
-        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or max_draft < 1:
-            raise ValueError(f"max_draft must be an integer >= 1, got {max_draft!r}")
-        settings.setdefault("max_depth", min(255, max_draft + MATCH_CONTEXT))
-        return cls(**settings)
-
 
 @dataclass
 class Segment:

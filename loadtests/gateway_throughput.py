@@ -42,8 +42,8 @@ def _serve(sock: socket.socket, stub: dict[str, Any], conn: Connection) -> None:
     stub's emission log) and "stop" on `conn`."""
     import uvicorn
 
-    from das.service.gateway import GatewaySettings, create_app
-    from das.service.rollout_backend import StubBackend
+    from das.service.cluster.rollout_backend import StubBackend
+    from das.service.http.gateway import GatewaySettings, create_app
 
     backend = StubBackend(log_emissions=True, **stub)
     server = uvicorn.Server(uvicorn.Config(create_app(backend, GatewaySettings(max_batch_samples=10**6, freeze_gc=True)),
@@ -112,7 +112,7 @@ def _run_batch(url: str, groups: list[dict[str, Any]], wire: str, progress: bool
                ) -> tuple[float, dict[tuple[int, int], float]]:
     """Seconds from the request to the last sample decoded, and each sample's decode time (perf_counter)."""
     from das.service.client import RolloutClient
-    from das.service.sample_progress import ProgressRecord
+    from das.service.wire.sample_progress import ProgressRecord
 
     received: dict[tuple[int, int], float] = {}
     with RolloutClient(url, wire=wire, retries=0) as client:  # type: ignore[arg-type]

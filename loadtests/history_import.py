@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 
 from das.service.client import AsyncRolloutClient
-from das.service.gateway import GatewaySettings, create_app
-from das.service.history_chunks import history_bodies
-from das.service.rollout_backend import StubBackend
+from das.service.client.history_chunks import history_bodies
+from das.service.cluster.rollout_backend import StubBackend
+from das.service.http.gateway import GatewaySettings, create_app
 
 
 def records(megabytes: float, output_tokens: int) -> list[dict[str, Any]]:

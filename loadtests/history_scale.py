@@ -48,7 +48,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from das.service.history_store import HistoryConfig, HistoryShard, HistoryShardActor, PushReply, ShardStats
+from das.service.cluster.history_store import HistoryConfig, HistoryShard, HistoryShardActor, PushReply, ShardStats
 
 Mode = Literal["actor", "in-process"]
 

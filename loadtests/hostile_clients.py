@@ -121,9 +121,9 @@ def _serve(sock: socket.socket, token: str, header_timeout_s: float, body_timeou
     """Child process: the gateway over a StubBackend whose first sample comes after 60 s, until SIGTERM."""
     import uvicorn
 
-    from das.service.gateway import GatewaySettings, create_app
-    from das.service.request_guard import server_config
-    from das.service.rollout_backend import StubBackend
+    from das.service.cluster.rollout_backend import StubBackend
+    from das.service.http.gateway import GatewaySettings, create_app
+    from das.service.http.request_guard import server_config
 
     settings = GatewaySettings(token=token, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                                openai_coalesce_s=0, freeze_gc=True)

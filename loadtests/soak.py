@@ -102,8 +102,8 @@ def _serve(sock: socket.socket, token: str, tokens: int, interval_s: float) -> N
     """Child process: the gateway over a StubBackend on `sock` until SIGTERM (uvicorn stops on it)."""
     import uvicorn
 
-    from das.service.gateway import GatewaySettings, create_app
-    from das.service.rollout_backend import StubBackend
+    from das.service.cluster.rollout_backend import StubBackend
+    from das.service.http.gateway import GatewaySettings, create_app
 
     backend = StubBackend(output_tokens=tokens, interval_s=interval_s)
     settings = GatewaySettings(token=token, max_batch_samples=10**6, freeze_gc=True)

@@ -5,8 +5,10 @@ each engine runs vLLM's schedule over its requests (`EngineLimits`: admission up
 then prompt chunks up to the step's token budget), one forward pass after another, each pass costing
 c_base + c_tok * (decode tokens, drafts included) + c_prefill * (prompt tokens) (+ c_spec + c_spec_req *
 requests if it verifies drafts).
-Drafts come from the real drafter (a HistoryBank holding the earlier versions, fed with the batch's own tokens as
-they are generated), cut by the policy's per-token probability floor where it has one; accepted = longest prefix
+Drafts come from the engine's own draft step (scheduler/draft_step.py, what the proposer runs inside vLLM: the
+real drafter, a HistoryBank holding the earlier versions and fed with the batch's own tokens as they are generated,
+planned by the engine's budget hook with the cost model fixed and no guard), cut by the policy's per-token
+probability floor where it has one; the verifier is simulated: accepted = longest prefix
 of the draft equal to the recorded continuation; a pass verifies the draft tokens actually proposed; a request
 advances by accepted + 1 and ends at its recorded length; a request the policy leaves without a draft keeps a
 shadow draft (`HistoryBank.shadow`) whose outcome feeds its measured acceptance, as in the engine. So the
@@ -32,36 +34,45 @@ import heapq
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from das.drafter.history import DrafterConfig, HistoryBank, StepDrafts
 from das.drafter.records import RolloutRecord
 from das.scheduler.acceptance import AcceptanceCounts
-from das.scheduler.budget import BatchState, BudgetPolicy, ClassPolicy, OptimalPolicy, UniformPolicy
+from das.scheduler.budget import BudgetPolicy
+from das.scheduler.budget_hook import BatchView, BudgetSettings, PolicyBudget, StepSample
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
-from das.scheduler.exploration import Exploration
+from das.scheduler.draft_step import DraftStep
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import Placement, place_groups, round_robin
+from das.scheduler.policies import POLICIES
 
 ARMS = ("none", "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das")
 PLACEMENTS = ("round-robin", "length-aware")
 
 
-def make_policy(name: str) -> BudgetPolicy | None:
-    """None means no speculation at all (the drafter is not consulted)."""
+def arm_settings(name: str) -> BudgetSettings | None:
+    """An arm's budget as the engine's settings (one list of policies: scheduler/policies.py): none (None: no
+    speculation at all, the drafter is not consulted), uniform-K, classes, das, and das-token (das, per token)."""
     if name == "none":
         return None
-    if name.startswith("uniform-"):
-        return UniformPolicy(int(name.split("-", 1)[1]))
-    if name == "classes":
-        return ClassPolicy()
-    if name == "das":
-        return OptimalPolicy()
     if name == "das-token":
-        return OptimalPolicy(per_token=True)
+        return BudgetSettings(policy="das", per_token=True)
+    policy, _, k = name.partition("-")
+    if policy == "uniform" and k.isdigit():
+        return BudgetSettings(policy="uniform", k=int(k))
+    if name in POLICIES and name != "uniform":
+        return BudgetSettings(policy=name)
     raise ValueError(f"unknown policy {name!r}; known: {list(ARMS)}")
+
+
+def make_policy(name: str) -> BudgetPolicy | None:
+    """The scheduler.budget policy of arm `name` (`arm_settings`); None means no speculation at all."""
+    settings = arm_settings(name)
+    return None if settings is None else settings.budget_policy(k_max=settings.k or 1)
 
 
 @dataclass
@@ -90,160 +101,265 @@ class EngineLimits:
             raise ValueError("max_num_seqs and step_tokens must be >= 1")
 
 
-def _placement(kind: str, loads: np.ndarray, engines: int) -> Placement:
-    return place_groups(loads, engines) if kind == "length-aware" else round_robin(loads, engines)
+PlaceGroups = Callable[[np.ndarray, int], Placement]
+"""A placement seam: the groups' predicted loads (tokens) and the engine count -> where each group runs."""
+
+
+def placement_by_name(kind: str) -> PlaceGroups:
+    """"length-aware" (scheduler/placement.py `place_groups`) or "round-robin"."""
+    if kind not in PLACEMENTS:
+        raise ValueError(f"unknown placement {kind!r}; known: {list(PLACEMENTS)}")
+    return place_groups if kind == "length-aware" else round_robin
+
+
+class LengthSignal(Protocol):
+    """A length seam: what placement, admission order and the draft budget read of the batch's lengths (output
+    tokens). `totals` is read once, before the batch runs; `ends` every step; `finished` after every step."""
+
+    def totals(self) -> np.ndarray:
+        """Each request's predicted total output length (float64 [requests]): placement and admission order."""
+        ...
+
+    def ends(self, rows: np.ndarray, generated: np.ndarray) -> np.ndarray:
+        """The predicted final output length of requests `rows` that generated `generated` tokens so far (float64):
+        what the draft budget plans with (the engine reads it from each request's length curve)."""
+        ...
+
+    def finished(self, rows: np.ndarray) -> None:
+        """Requests `rows` have just ended (a signal may learn from them)."""
+        ...
+
+
+class PredictedLengths:
+    """The service's signal: the length predictor over the batch's history (placement: its mean; the budget: its
+    p90 given the tokens generated so far, as the request's LengthCurve gives it in the engine)."""
+
+    def __init__(self, batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord]) -> None:
+        book = DifficultyBook()
+        book.add_records(history)
+        self.predictor = LengthPredictor(book)
+        self.problems = [r.problem_id for r in batch]
+
+    def totals(self) -> np.ndarray:
+        return self.predictor.predict(self.problems, np.zeros(len(self.problems))).mean
+
+    def ends(self, rows: np.ndarray, generated: np.ndarray) -> np.ndarray:
+        return self.predictor.predict([self.problems[i] for i in rows], generated).p90
+
+    def finished(self, rows: np.ndarray) -> None:
+        pass
+
+
+class TrueLengths:
+    """An oracle: every request's recorded length, for placement and budget alike."""
+
+    def __init__(self, batch: Sequence[RolloutRecord]) -> None:
+        self.lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.float64)
+
+    def totals(self) -> np.ndarray:
+        return self.lengths
+
+    def ends(self, rows: np.ndarray, generated: np.ndarray) -> np.ndarray:
+        return self.lengths[rows]
+
+    def finished(self, rows: np.ndarray) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class BatchOutcome:
+    """One simulated batch: makespan (simulated seconds), tail share ((makespan - median sample finish) / makespan),
+    forward passes over all engines, decode tokens verified (drafts included) and draft tokens accepted."""
+
+    makespan_s: float
+    tail_share: float
+    forward_passes: int
+    tokens_verified: int
+    accepted_tokens: int
+
+
+_NO_CAP = np.iinfo(np.int64).max // 2  # a recorded request has no output cap beyond its recorded length
+
+
+class _SimulatedEngine:
+    """One engine's queues and, with a policy, its drafting: its own history bank (the history of the problems
+    placed on it, what it pulls from the history store), acceptance counts and budget hook, as in the service."""
+
+    def __init__(self, waiting: deque[int], step: DraftStep | None) -> None:
+        self.waiting = waiting
+        self.running: list[int] = []
+        self.step = step
+
+
+class BatchSimulation:
+    """One batch replayed on `engines` simulated engines, step by step (`run`; one engine's step: `step`).
+
+    Each engine runs vLLM's schedule: up to `limits.max_num_seqs` requests admitted in order (longest predicted
+    first), each step the decoding requests first (one token each plus their drafts), then the admitted requests'
+    prompts in chunks up to `limits.step_tokens` tokens in all; the step that computes a prompt's last chunk samples
+    its first output token. A step costs `cost.step_time(decode tokens, drafted, prompt tokens, decoding requests)`.
+
+    Drafting is the engine's own step (scheduler/draft_step.py `DraftStep`) over the engine's budget hook
+    (scheduler/budget_hook.py `PolicyBudget` with `policy`, the cost model fixed at `cost` and no guard); the
+    verifier is simulated: a draft's accepted tokens are its longest prefix equal to the recorded continuation.
+    Seams: `signal` (the lengths placement and budget read; default `PredictedLengths`) and `place` (where groups
+    run; default length-aware)."""
+
+    def __init__(self, batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord], cost: CostModel,
+                 engines: int, policy: BudgetPolicy | None, k_max: int, drafter_config: DrafterConfig | None = None,
+                 signal: LengthSignal | None = None, place: PlaceGroups = place_groups,
+                 limits: EngineLimits = EngineLimits()) -> None:
+        self.batch, self.cost, self.k_max, self.limits = batch, cost, k_max, limits
+        self.signal = signal if signal is not None else PredictedLengths(batch, history)
+        self.problems = [r.problem_id for r in batch]
+        self.lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.int64)
+        self.full = [np.asarray(r.prompt_token_ids + r.output_token_ids, dtype=np.int32) for r in batch]
+        self.prompt_len = np.array([len(r.prompt_token_ids) for r in batch], dtype=np.int64)
+        self.ids = [f"{r.problem_id}/{i}" for i, r in enumerate(batch)]
+        # every request's whole recorded text, a row each: the drafter reads its context and commits from it in place
+        self.table = np.zeros((len(batch), max(map(len, self.full), default=1)), np.int32)
+        for i, tokens in enumerate(self.full):
+            self.table[i, :tokens.size] = tokens
+        self.bank_slot = np.zeros(len(batch), np.int32)  # each request's slot in its engine's bank
+        self.slot = np.zeros(len(batch), np.int64)  # and in its engine's acceptance counts
+        self.engine_of = self._place(engines, place)
+        self.engines = [self._engine(e, history, policy, drafter_config) for e in range(engines)]
+        self.pos = np.zeros(len(batch), dtype=np.int64)
+        self.unprefilled = self.prompt_len.copy()  # prompt tokens not computed yet
+        self.finish = np.zeros(len(batch))
+        self.passes = self.verified = self.accepted = 0
+
+    def _place(self, engines: int, place: PlaceGroups) -> np.ndarray:
+        """Places the groups (one problem's requests) by their predicted load and queues each engine's requests,
+        longest predicted first; returns each request's engine."""
+        predicted = self.signal.totals()
+        groups: dict[str, list[int]] = {}
+        for i, p in enumerate(self.problems):
+            groups.setdefault(p, []).append(i)
+        members = list(groups.values())
+        plan = place(np.array([predicted[m].sum() for m in members]), engines)
+        engine_of = np.zeros(len(self.batch), dtype=np.int64)
+        self._queues: list[deque[int]] = []
+        for e in range(engines):
+            mine = [i for gi in plan.order[e] for i in members[gi]]
+            engine_of[mine] = e
+            self._queues.append(deque(sorted(mine, key=lambda i: -predicted[i])))
+        return engine_of
+
+    def _engine(self, e: int, history: Sequence[RolloutRecord], policy: BudgetPolicy | None,
+                drafter_config: DrafterConfig | None) -> _SimulatedEngine:
+        if policy is None:
+            return _SimulatedEngine(self._queues[e], None)
+        bank = HistoryBank(drafter_config)
+        placed = {self.problems[i]: int(self.engine_of[i]) for i in range(len(self.batch))}
+        bank.add_rollouts(r for r in history if placed.get(r.problem_id) == e)
+        acceptance = AcceptanceCounts(self.k_max)
+        hook = PolicyBudget(policy, self.k_max, self.cost, online=False, guard=False)
+        for i in np.flatnonzero(self.engine_of == e):  # in batch order, as the requests arrive
+            r = self.batch[i]
+            self.bank_slot[i] = bank.start_request(self.ids[i], r.problem_id, self.full[i][:self.prompt_len[i]],
+                                                   r.policy_version)
+            self.slot[i] = acceptance.start(self.ids[i])
+        return _SimulatedEngine(self._queues[e], DraftStep(bank, hook, acceptance, self.k_max))
+
+    def run(self) -> BatchOutcome:
+        """Every engine's steps, in simulated time order, until every request ended."""
+        clock = [(0.0, e) for e, engine in enumerate(self.engines) if engine.waiting]
+        heapq.heapify(clock)
+        while clock:
+            now, e = heapq.heappop(clock)
+            step_s = self.step(e, now)
+            engine = self.engines[e]
+            if engine.running or engine.waiting:
+                heapq.heappush(clock, (now + step_s, e))
+        makespan = float(self.finish.max())
+        tail = (makespan - float(np.median(self.finish))) / makespan if makespan > 0 else 0.0
+        return BatchOutcome(makespan, tail, self.passes, self.verified, self.accepted)
+
+    def step(self, e: int, now: float) -> float:
+        """Engine e's step starting at simulated time `now`; returns its duration (simulated seconds)."""
+        engine, limits = self.engines[e], self.limits
+        while engine.waiting and len(engine.running) < limits.max_num_seqs:
+            engine.running.append(engine.waiting.popleft())
+        admitted = np.array(engine.running, dtype=np.int64)
+        active = admitted[self.unprefilled[admitted] == 0]
+        drafted = np.zeros(len(active), dtype=np.int64)
+        accepted = np.zeros(len(active), dtype=np.int64)
+        advanced = np.ones(len(active), dtype=np.int64)
+        explored_accepted = 0
+        if engine.step is not None and len(active):
+            drafted, accepted, advanced, explored_accepted = self._draft_and_verify(engine.step, active)
+        decode_tokens = int(len(active) + drafted.sum())
+        first, chunks = self._prefill(admitted, max(limits.step_tokens - decode_tokens, 0))
+        step_s = self.cost.step_time(float(decode_tokens), drafted=bool(drafted.any()), prompt_tokens=float(chunks),
+                                     requests=float(len(active)))
+        self.pos[active] += advanced
+        for i in first:
+            self.pos[i] = min(1, self.lengths[i])
+            if engine.step is not None:
+                engine.step.bank.extend(self.ids[i], self.full[i][self.prompt_len[i]:self.prompt_len[i] + self.pos[i]])
+        if engine.step is not None and len(active):  # as the engine's proposer hands its budget hook the step
+            engine.step.budget.observe(StepSample(step_s, decode_tokens, len(active), int(drafted.sum()),
+                                                  int(accepted.sum()), explored_accepted=explored_accepted))
+        self.passes += 1
+        self.verified += decode_tokens
+        self.accepted += int(accepted.sum())
+        stepped = np.concatenate([active, np.array(first, dtype=np.int64)])
+        done = stepped[self.pos[stepped] >= self.lengths[stepped]]
+        self.finish[done] = now + step_s
+        if len(done):
+            ended = set(done.tolist())
+            engine.running = [i for i in engine.running if i not in ended]
+            if engine.step is not None:
+                for i in done:
+                    engine.step.bank.finish_request(self.ids[i])
+            self.signal.finished(done)
+        return step_s
+
+    def _draft_and_verify(self, step: DraftStep, active: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+        """The engine's draft step for the decoding requests `active`, then the simulated verification and the
+        commit that settles it: (draft tokens, accepted tokens, tokens advanced, per request; accepted tokens of
+        exploration's drafts)."""
+        pos, lengths = self.pos[active], self.lengths[active]
+        view = BatchView(pos, self.signal.ends(active, pos).astype(np.float64), np.full(len(active), _NO_CAP),
+                         np.full(len(active), np.nan))
+        at = self.prompt_len[active] + pos
+        drafts, plan = step.draft(self.slot[active], self.bank_slot[active], view, self.table, at,
+                                  np.full(len(active), self.k_max), rows=active)
+        drafted = np.diff(drafts.offsets).astype(np.int64)
+        accepted = _accepted_prefixes(drafts, self.table, active, at, self.prompt_len[active] + lengths)
+        advanced = np.where(drafted > 0, np.minimum(accepted + 1, lengths - pos), 1)
+        settled = step.settle(self.slot[active], self.bank_slot[active], self.table, at, at + advanced,
+                              explored=plan.explored, rows=active, verified_accepted=accepted)
+        return drafted, accepted, advanced, settled.explored_accepted
+
+    def _prefill(self, admitted: np.ndarray, room: int) -> tuple[list[int], int]:
+        """Prompt chunks of the admitted requests, in order, up to `room` tokens: (the requests whose prompt is done
+        this step, the prompt tokens computed)."""
+        chunks = 0
+        first: list[int] = []
+        for i in admitted[self.unprefilled[admitted] > 0]:
+            if room == 0:
+                break
+            chunk = int(min(room, self.unprefilled[i]))
+            self.unprefilled[i] -= chunk
+            room -= chunk
+            chunks += chunk
+            if self.unprefilled[i] == 0:
+                first.append(i)
+        return first, chunks
 
 
 def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord], cost: CostModel,
                    engines: int, policy: BudgetPolicy | None, placement: str, k_max: int,
                    drafter_config: DrafterConfig | None = None, oracle_lengths: bool = False,
                    engine: EngineLimits = EngineLimits()) -> tuple[float, float, int, int, int]:
-    """One batch: (makespan_s, tail_share, forward_passes, tokens_verified, accepted_tokens).
-    oracle_lengths: placement and budget see each request's true length instead of the predictor's.
-
-    Each engine runs vLLM's schedule: up to `engine.max_num_seqs` requests admitted in order (longest predicted
-    first), each step the decoding requests first (one token each plus their drafts), then the admitted requests'
-    prompts in chunks up to `engine.step_tokens` tokens in all; the step that computes a prompt's last chunk
-    samples its first output token. A step costs `cost.step_time(decode tokens, drafted, prompt tokens, decoding
-    requests)`."""
-    book = DifficultyBook()
-    book.add_records(history)
-    predictor = LengthPredictor(book)
-
-    problems = [r.problem_id for r in batch]
-    lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.int64)
-    full = [np.asarray(r.prompt_token_ids + r.output_token_ids, dtype=np.int32) for r in batch]
-    prompt_len = np.array([len(r.prompt_token_ids) for r in batch], dtype=np.int64)
-    if oracle_lengths:
-        predicted = lengths.astype(np.float64)
-    else:
-        predicted = predictor.predict(problems, np.zeros(len(batch))).mean
-
-    groups: dict[str, list[int]] = {}
-    for i, p in enumerate(problems):
-        groups.setdefault(p, []).append(i)
-    group_ids = list(groups)
-    group_load = np.array([predicted[groups[g]].sum() for g in group_ids])
-    plan = _placement(placement, group_load, engines)
-    waiting: list[deque[int]] = []
-    for e in range(engines):
-        members = [i for gi in plan.order[e] for i in groups[group_ids[gi]]]
-        # longest predicted first: the order in which an engine admits and schedules them
-        waiting.append(deque(sorted(members, key=lambda i: -predicted[i])))
-    running: list[list[int]] = [[] for _ in range(engines)]
-    engine_of = np.zeros(len(batch), dtype=np.int64)
-    for e in range(engines):
-        for gi in plan.order[e]:
-            engine_of[groups[group_ids[gi]]] = e
-    # as in the service, each engine drafts from its own bank, holding the history of the problems it was given
-    # (what it pulls from the history store), and measures acceptance on its own
-    banks = [HistoryBank(drafter_config) for _ in range(engines)]
-    if policy is not None:
-        placed = {problems[i]: int(engine_of[i]) for i in range(len(batch))}
-        for e, bank in enumerate(banks):
-            bank.add_rollouts(r for r in history if placed.get(r.problem_id) == e)
-    acceptance = [AcceptanceCounts(k_max) for _ in range(engines)]
-
-    ids = [f"{r.problem_id}/{i}" for i, r in enumerate(batch)]
-    # every request's whole recorded text, a row each: the drafter reads its context and commits from it in place
-    table = np.zeros((len(batch), max(map(len, full), default=1)), np.int32)
-    for i, tokens in enumerate(full):
-        table[i, :tokens.size] = tokens
-    bank_slot = np.zeros(len(batch), np.int32)
-    if policy is not None:
-        for i, r in enumerate(batch):
-            bank_slot[i] = banks[engine_of[i]].start_request(ids[i], r.problem_id, full[i][:prompt_len[i]],
-                                                             r.policy_version)
-    pos = np.zeros(len(batch), dtype=np.int64)
-    unprefilled = prompt_len.copy()  # prompt tokens not computed yet
-    finish = np.zeros(len(batch))
-    slot = np.array([acceptance[engine_of[i]].start(rid) for i, rid in enumerate(ids)], dtype=np.int64)
-    clock = [(0.0, e) for e in range(engines) if waiting[e]]
-    exploration = [Exploration() for _ in range(engines)]  # each engine explores on its own credit
-    heapq.heapify(clock)
-    passes = verified = accepted_total = 0
-    while clock:
-        now, e = heapq.heappop(clock)
-        bank, counts = banks[e], acceptance[e]
-        while waiting[e] and len(running[e]) < engine.max_num_seqs:
-            running[e].append(waiting[e].popleft())
-        admitted = np.array(running[e], dtype=np.int64)
-        active = admitted[unprefilled[admitted] == 0]
-        k = np.zeros(len(active), dtype=np.int64)
-        floor = np.zeros(len(active))
-        explored = None  # exploration's requests this pass (DraftPlan.explored)
-        if policy is not None and len(active):
-            if oracle_lengths:
-                ends = lengths[active]
-            else:  # the engine cannot know where a sample ends: it reads this p90 from the request's LengthCurve
-                ends = predictor.predict([problems[i] for i in active], pos[active]).p90
-            drafter = counts.params(slot[active])
-            state = BatchState(remaining=np.maximum(ends - pos[active], 1.0), acceptance=drafter.acceptance,
-                               c_base_s=cost.c_base_s, c_tok_s=cost.c_tok_s, k_max=k_max,
-                               c_spec_s=cost.spec_price(len(active)))
-            plan = policy.plan(state)
-            if isinstance(policy, OptimalPolicy):
-                plan = exploration[e].apply(plan, state, drafter.unmeasured, drafter.measured)
-            k, floor, explored = plan.lengths.astype(np.int64), plan.min_prob, plan.explored
-        drafted = np.zeros(len(active), dtype=np.int64)
-        accepted = np.zeros(len(active), dtype=np.int64)
-        advanced = np.ones(len(active), dtype=np.int64)
-        shadowed = None  # (slots, drafted, accepted) of the shadow drafts settled this pass
-        if policy is not None and len(active):
-            # as the proposer: drafts from what every request had committed before this pass, then its commits;
-            # a request the plan leaves without a draft keeps a shadow draft (acceptance where nothing is drafted)
-            at = prompt_len[active] + pos[active]
-            drafts = bank.draft_step(bank_slot[active], table, at, k.astype(np.int32), floor,
-                                     np.where(k > 0, 0, k_max).astype(np.int32), rows=active)
-            drafted = np.diff(drafts.offsets)
-            accepted = _accepted_prefixes(drafts, table, active, at, prompt_len[active] + lengths[active])
-            advanced = np.where(drafted > 0, np.minimum(accepted + 1, lengths[active] - pos[active]), 1)
-            settled = bank.commit_step(bank_slot[active], table, at, at + advanced, rows=active)
-            done_shadows = np.flatnonzero(settled.shadow_drafted)
-            shadowed = (slot[active][done_shadows], settled.shadow_drafted[done_shadows],
-                        settled.shadow_accepted[done_shadows])
-        decode_tokens = int(len(active) + drafted.sum())
-        room = max(engine.step_tokens - decode_tokens, 0)
-        chunks = 0
-        first: list[int] = []  # requests whose prompt is done this step: it samples their first token
-        for i in admitted[unprefilled[admitted] > 0]:
-            if room == 0:
-                break
-            chunk = int(min(room, unprefilled[i]))
-            unprefilled[i] -= chunk
-            room -= chunk
-            chunks += chunk
-            if unprefilled[i] == 0:
-                first.append(i)
-        step = cost.step_time(float(decode_tokens), drafted=bool(drafted.any()), prompt_tokens=float(chunks),
-                              requests=float(len(active)))
-        pos[active] += advanced
-        for i in first:
-            pos[i] = min(1, lengths[i])
-            if policy is not None:
-                bank.extend(ids[i], full[i][prompt_len[i]:prompt_len[i] + pos[i]])
-        counts.record(slot[active], drafted, accepted)
-        if shadowed is not None and shadowed[0].size:
-            counts.record(*(np.asarray(col, np.int64) for col in shadowed))
-        if explored is not None:  # as the engine's budget hook
-            exploration[e].refund(int(accepted[explored].sum()), cost, len(active))
-        passes += 1
-        verified += decode_tokens
-        accepted_total += int(accepted.sum())
-        stepped = np.concatenate([active, np.array(first, dtype=np.int64)])
-        done = stepped[pos[stepped] >= lengths[stepped]]
-        finish[done] = now + step
-        if len(done):
-            ended = set(done.tolist())
-            running[e] = [i for i in running[e] if i not in ended]
-            if policy is not None:
-                for i in done:
-                    bank.finish_request(ids[i])
-        if running[e] or waiting[e]:
-            heapq.heappush(clock, (now + step, e))
-    makespan = float(finish.max())
-    tail = (makespan - float(np.median(finish))) / makespan if makespan > 0 else 0.0
-    return makespan, tail, passes, verified, accepted_total
+    """One batch (`BatchSimulation`): (makespan_s, tail_share, forward_passes, tokens_verified, accepted_tokens).
+    oracle_lengths: placement and budget see each request's true length instead of the predictor's."""
+    signal = TrueLengths(batch) if oracle_lengths else PredictedLengths(batch, history)
+    out = BatchSimulation(batch, history, cost, engines, policy, k_max, drafter_config, signal,
+                          placement_by_name(placement), engine).run()
+    return out.makespan_s, out.tail_share, out.forward_passes, out.tokens_verified, out.accepted_tokens
 
 
 def _accepted_prefixes(drafts: StepDrafts, table: np.ndarray, rows: np.ndarray, at: np.ndarray,

@@ -13,6 +13,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from das.scheduler.policies import PolicyName
+
 # Results (tables, --json) go to stdout; vLLM logs to stdout unless told otherwise, and at INFO it logs every
 # engine start in detail. Its processes inherit the environment, so this covers the engine core too.
 os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
@@ -106,9 +108,9 @@ def serve(
                                                       "409, not a second run).")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
-    budget: Annotated[str, typer.Option(help="Draft budget of --speculation das: das (length-aware, on each "
-                                             "engine's online step-cost fit), uniform (K every step) or classes "
-                                             "(16/8/4 by predicted length).")] = "das",
+    budget: Annotated[PolicyName, typer.Option(help="Draft budget of --speculation das: das (length-aware, on "
+                                                    "each engine's online step-cost fit), uniform (K every step) or "
+                                                    "classes (16/8/4 by predicted length).")] = "das",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
                                             "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
@@ -154,16 +156,14 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
-    from das.service.batch_journal import BatchJournalConfig
-    from das.service.coordinator import RayBackend, ServiceConfig
-    from das.service.gateway import GatewaySettings, create_app
-    from das.service.request_guard import server_config
+    from das.service.cluster.coordinator import RayBackend, ServiceConfig
+    from das.service.cluster.engine_layout import LayoutError
+    from das.service.http.batch_journal import BatchJournalConfig
+    from das.service.http.gateway import GatewaySettings, create_app
+    from das.service.http.request_guard import server_config
     from das.service.state_dir_lock import StateDirInUse, lock_state_dir
-    from das.service.engine_layout import LayoutError
 
     try:
-        if budget not in ("das", "uniform", "classes"):
-            raise ValueError(f"--budget {budget!r}: expected das, uniform or classes")
         # held until the process ends: a second das serve on this state directory refuses to start
         state_lock = lock_state_dir(state_dir) if state_dir is not None else None
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
@@ -267,10 +267,10 @@ def rollout_cmd(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Multi-epoch rollouts against a server, like a trainer: makespan per epoch, results as a history file."""
-    from das.service.api import SamplingSpec
     from das.service.client import RolloutClient, RolloutError
-    from das.service.prompt_sets import PromptSetError, load_prompt_set
-    from das.service.rollout_run import run_rollouts
+    from das.service.client.prompt_sets import PromptSetError, load_prompt_set
+    from das.service.client.rollout_run import run_rollouts
+    from das.service.wire.api import SamplingSpec
 
     try:
         problem_set = load_prompt_set(problems)

@@ -1,5 +1,6 @@
 """The house rules that keep the code readable in one direction: the import layers (import-linter, contracts in
-pyproject.toml) and a trainer's client that installs without the server."""
+pyproject.toml: the packages', and the service's rooms), a trainer's client that loads only the wire contract, and a
+gateway and coordinator that load no vLLM, torch or native index."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,30 +27,67 @@ def _lint_imports(cwd: Path, pythonpath: Path | None = None) -> subprocess.Compl
 def test_layers_and_client_contracts_hold() -> None:
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 2 kept, 0 broken" in result.stdout, result.stdout
+    assert "Contracts: 4 kept, 0 broken" in result.stdout, result.stdout
 
 
-def test_an_upward_import_breaks_the_layers_contract(tmp_path: Path) -> None:
-    """The contract can fail: the same contracts over a copy of the tree in which the drafter imports the service.
-    The copy is renamed `dascopy` so that the installed `das` cannot shadow it."""
+@pytest.mark.parametrize("module, line, broken", [
+    ("drafter/records.py", "from das.service.wire import api", "dascopy.drafter.records -> dascopy.service.wire.api"),
+    ("service/wire/api.py", "from das.service.http import metrics",
+     "dascopy.service.wire.api -> dascopy.service.http.metrics"),
+    ("service/http/gateway.py", "from das.service.engine import sampling",
+     "dascopy.service.http.gateway -> dascopy.service.engine.sampling"),
+])
+def test_an_upward_or_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, line: str, broken: str) -> None:
+    """The contracts can fail: the same contracts over a copy of the tree with one import added (the drafter
+    importing the service, the wire types the gateway, the gateway vLLM's sampling glue). The copy is renamed
+    `dascopy` so that the installed `das` cannot shadow it."""
     for folder in ("drafter", "scheduler", "service", "bench"):
         shutil.copytree(ROOT / folder, tmp_path / "dascopy" / folder,
                         ignore=shutil.ignore_patterns("__pycache__", "native", "*.so"))
-    records = tmp_path / "dascopy" / "drafter" / "records.py"
-    records.write_text(records.read_text() + "\nfrom das.service import api  # upward\n")
+    target = tmp_path / "dascopy" / module
+    target.write_text(target.read_text() + f"\n{line}  # deliberately\n")
     for path in [*tmp_path.rglob("*.py"), tmp_path / "pyproject.toml"]:
         source = (ROOT / "pyproject.toml").read_text() if path.name == "pyproject.toml" else path.read_text()
         path.write_text(re.sub(r"\bdas\.(drafter|scheduler|service|bench)\b", r"dascopy.\1", source))
     result = _lint_imports(tmp_path, pythonpath=tmp_path)
     assert result.returncode != 0, result.stdout + result.stderr
-    assert "dascopy.drafter.records -> dascopy.service.api" in result.stdout, result.stdout + result.stderr
+    assert broken in result.stdout, result.stdout + result.stderr
 
 
-def test_the_client_imports_no_server_engine_or_native_code() -> None:
-    probe = ("import json, sys; import das.service.client; "
+def _loaded_after_import(module: str) -> list[str]:
+    """The modules a fresh interpreter holds after importing `module`, of the packages these tests watch."""
+    probe = (f"import json, sys; import {module}; "
              "print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in "
-             "('vllm', 'torch', 'ray', 'fastapi', 'uvicorn', 'transformers') or m == 'das.drafter._suffix_index' "
-             "or m.startswith('das.service.engine'))))")
+             "('vllm', 'torch', 'numpy', 'ray', 'fastapi', 'uvicorn', 'transformers') or m.startswith('das.'))))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert json.loads(result.stdout) == []
+    return json.loads(result.stdout)
+
+
+def test_the_client_loads_the_wire_contract_and_nothing_of_the_server_numpy_drafter_or_scheduler() -> None:
+    loaded = _loaded_after_import("das.service.client")
+    assert "das.service.client.client" in loaded and "das.service.wire.api" in loaded  # the probe sees imports
+    heavy = [m for m in loaded if m.split(".")[0] in ("vllm", "torch", "numpy", "ray", "fastapi", "uvicorn",
+                                                      "transformers")
+             or m.startswith(("das.drafter", "das.scheduler", "das.service.engine", "das.service.cluster",
+                              "das.service.http", "das.service.backends"))]
+    assert heavy == []
+
+
+@pytest.mark.parametrize("module", ["das.service.http.gateway", "das.service.cluster.coordinator"])
+def test_the_gateway_and_the_coordinator_load_no_vllm_torch_or_native_index(module: str) -> None:
+    loaded = _loaded_after_import(module)
+    assert module in loaded
+    assert [m for m in loaded if m.split(".")[0] in ("vllm", "torch") or m in (
+        "das.drafter._suffix_index", "das.drafter.history", "das.service.engine.async_engine")] == []
+
+
+def test_no_import_cycles_among_the_packages_modules() -> None:
+    """No module imports, directly or not, one that imports it back (function-level imports count: they once hid
+    a bench/e2e <-> bench/e2e_report cycle)."""
+    import grimp
+
+    graph = grimp.build_graph("das", include_external_packages=False, exclude_type_checking_imports=True)
+    edges = [(a, b) for a in graph.modules for b in graph.find_modules_directly_imported_by(a) if a != b]
+    assert len(edges) > 100  # the graph is the package's
+    assert [(a, b) for a, b in edges if graph.chain_exists(importer=b, imported=a)] == []

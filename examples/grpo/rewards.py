@@ -1,5 +1,5 @@
 """Verifiable rewards for the GRPO example, in TRL's reward-function shape: `f(completions, problem_id, **_)` ->
-one float per completion. The problems are reasoning-gym arithmetic (`das.service.prompt_sets`), whose system
+one float per completion. The problems are reasoning-gym arithmetic (`das.service.client.prompt_sets`), whose system
 prompt asks for the answer on the last line as 'Final answer: <number>'.
 
 - `correct`: 1.0 when the answer the text gives is right by the dataset's own checker (`Problem.score`, lenient:
@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from das.service.prompt_sets import Problem, states_final_answer
+from das.service.client.prompt_sets import Problem, states_final_answer
 
 _FORMAT = re.compile(r"^\s*final answer:\s*-?\d[\d,]*(?:\.\d+)?\s*\.?\s*$", re.IGNORECASE)
 

@@ -76,8 +76,8 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from das.service.client.prompt_sets import reasoning_gym_problems
     from das.service.engine.models import prepare_model
-    from das.service.prompt_sets import reasoning_gym_problems
 
     arm_dir = out / arm
     weights_root = arm_dir / "weights"

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import gc
 import logging
 import os
@@ -35,40 +34,37 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ValidationError
 
-from das.drafter.records import RecordError, RolloutRecord
-from das.scheduler.cost_model import prior_cost_model
-from das.service.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.scheduler.length import LengthCurve
 from das.service.engine import known_warnings
+from das.service.engine.config import EngineConfig, budget_settings
+from das.service.engine.contract import EngineInputError, EngineTally, context_error, validate_rollouts
 from das.service.engine.cost_warmup import warm_up_cost_fit
-from das.service.engine.cpu_allocator import CpuAllocator, cpu_allocator_env, model_vocab_size, resolve_allocator
-from das.service.engine.cpu_layout import CpuWorker, cpu_worker_layout, usable_cpus, worker_in_process
-from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY
-from das.service.engine.proposer import CONFIG_KEY, RequestTags
+from das.service.engine.cpu_allocator import cpu_allocator_env, model_vocab_size, resolve_allocator
+from das.service.engine.cpu_layout import cpu_worker_layout, usable_cpus, worker_in_process
+from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY, RequestTags
+from das.service.engine.proposer import CONFIG_KEY
 from das.service.engine.resume_seam import ResumeSeam
-from das.service.engine.runner_choice import V2_SWITCH, ModelRunner, RunnerChoice
-from das.service.engine.sampling import EngineInputError, context_error, sampling_params
+from das.service.engine.runner_choice import V2_SWITCH, RunnerChoice
+from das.service.engine.sampling import sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
 from das.service.engine.vllm_version import check_vllm_version
 from das.service.engine.worker_rpc import worker_rpc
-from das.service.history_store import unstorable
-from das.service.sample_progress import SampleProgress
-from das.service.sample_keys import fresh_seed
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.service.wire.sample_keys import fresh_seed
+from das.service.wire.sample_progress import SampleProgress
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
 
 log = logging.getLogger(__name__)
 
-Speculation = Literal["none", "das", "ngram", "suffix"]
-
-PROPOSER_CLASS = "das.service.engine.proposer.DasProposer"
-WORKER_EXTENSION = "das.service.engine.step_profile.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
+WORKER_EXTENSION = "das.service.engine.worker.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
 
 
 _NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
@@ -124,102 +120,6 @@ def kv_block_size(requested: int | None, *, cpu: bool) -> int | None:
     if cpu and requested % CPU_BLOCK_SIZE:
         raise ValueError(f"block_size {requested}: vLLM's CPU attention takes multiples of {CPU_BLOCK_SIZE} tokens")
     return requested
-
-
-def budget_settings(config: EngineConfig) -> dict[str, Any]:
-    """The proposer's budget settings: `config.budget` with, unless it names its own cost model, the prior the
-    engine's online cost fit starts from (a stored `das calibrate` result for this model, a shipped calibration,
-    or the generic prior: scheduler/cost_model.py `prior_cost_model`)."""
-    settings = dict(config.budget)
-    if not {"prior", "c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s"} & settings.keys():
-        settings["prior"] = dataclasses.asdict(prior_cost_model(config.model))
-    return settings
-
-
-class EngineConfig(BaseModel):
-    """Everything that shapes one engine. `model` is a prepared model directory (service/engine/models.py)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    model: str
-    speculation: Speculation = "das"
-    num_speculative_tokens: int = Field(8, ge=1, le=64)
-    budget: dict[str, Any] = Field(default_factory=dict, description="budget hook settings "
-                                   "(service/engine/budget_hook.py); empty: the length-aware budget (das) on an "
-                                   "online cost model")
-    drafter: dict[str, Any] = Field(default_factory=dict, description="DrafterConfig fields (drafter/history)")
-    cost_warmup_requests: int = Field(16, ge=0, le=256, description="the das budget only: requests of the start-up "
-                                      "decode that shows the online cost fit every batch size from this many down to 1 "
-                                      "(service/engine/cost_warmup.py); 0: none")
-    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
-        "auto", description="auto: bfloat16 on a GPU or a CPU with native bfloat16 (avx512_bf16 / amx_bf16), else "
-                            "float32 (`serving_dtype`)")
-    max_model_len: int = Field(2048, ge=16)
-    max_num_seqs: int = Field(256, ge=1)
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="model workers of one engine, each computing a "
-                                      "shard of the model on a GPU of its own (vLLM's tensor parallelism); a GPU node "
-                                      "runs its GPUs / this many engines (service/engine_layout.py); on a CPU above 1 "
-                                      "the workers run in processes of their own, whatever cpu_worker says")
-    seed: int = Field(0, ge=0, le=2**32 - 1, description="vLLM's engine seed (32-bit: numpy's legacy seeding "
-                      "refuses more); keyed sampling draws with the groups' own int64 seeds")
-    keyed_sampling: bool = Field(True, description="draw every sampled token with a key of (group seed, sample "
-                                 "index, position) (service/engine/keyed_sampler.py): the same tokens with or "
-                                 "without speculation; False: vLLM's own sampler (the distribution tests' reference)")
-    kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
-    enable_prefix_caching: bool = True
-    block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block; None: vLLM's default on a "
-                                   "GPU, CPU_BLOCK_SIZE on the CPU (`kv_block_size`)")
-    enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
-    model_runner: ModelRunner = Field("auto", description="auto: vLLM's choice (on a GPU: V2 with async scheduling, "
-                                      "but V1 without it for das and suffix); v1: V1 with async scheduling off for "
-                                      "every speculation, so arms compare like for like (runner_choice.py)")
-    cpu_worker: CpuWorker = Field("auto", description="a CPU engine's model worker: in_process (in the engine core "
-                                  "process, every core computes), separate (vLLM's CPU layout: a worker process, one "
-                                  "core reserved for the engine core), auto: in_process on up to 4 usable CPUs "
-                                  "(service/engine/cpu_layout.py); ignored on a GPU")
-    cpu_allocator: CpuAllocator = Field("auto", description="a CPU engine core's malloc: jemalloc (Ray's, keeping "
-                                        "freed pages for reuse: large-vocabulary logits are not page-faulted in anew "
-                                        "every step), system, or auto: jemalloc for a vocabulary of 2**17 entries or "
-                                        "more (service/engine/cpu_allocator.py); ignored on a GPU")
-    suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
-                                           "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
-                                           "empty)")
-
-    @field_validator("suffix_options")
-    @classmethod
-    def _suffix_keys(cls, options: dict[str, Any]) -> dict[str, Any]:
-        # Only suffix settings: anything else would silently change what the method is compared on.
-        bad = sorted(k for k in options if not k.startswith("suffix_decoding_"))
-        if bad:
-            raise ValueError(f"suffix_options takes suffix_decoding_* settings only, got {bad}")
-        return options
-
-    def speculative_config(self) -> dict[str, Any] | None:
-        k = self.num_speculative_tokens
-        if self.speculation == "none":
-            return None
-        if self.speculation == "das":
-            return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
-        if self.speculation == "ngram":
-            return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
-        return {"method": "suffix", "num_speculative_tokens": k, **self.suffix_options}
-
-
-@dataclass
-class EngineTally:
-    """One engine's counters from vLLM's own per-step scheduler stats, summed over its steps. Speculative
-    decoding (any method, so peer arms are counted the same way as ours): drafts, verification steps with a draft;
-    draft_tokens and accepted_tokens. Prefix caching: prompt_tokens, the prompt tokens of the requests it scheduled,
-    of which cached_prompt_tokens were found in the prefix cache (not computed). `running` and `waiting`: the
-    scheduler's request queues at its latest step (gauges, not sums)."""
-
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    running: int = 0
-    waiting: int = 0
 
 
 def _tally_logger_factory(tally: EngineTally) -> Any:
@@ -312,8 +212,8 @@ class Engine:
             tensor_parallel_size=config.tensor_parallel_size,
             distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
             worker_extension_cls=WORKER_EXTENSION,
-            additional_config={CONFIG_KEY: {"drafter": config.drafter, "budget": budget_settings(config)}} if das
-            else {})
+            additional_config=({CONFIG_KEY: {"drafter": config.drafter.given(), "budget": budget_settings(config)}}
+                               if das else {}))
         tally = EngineTally()
         cpu = current_platform.is_cpu()
         in_process = worker_in_process(config.cpu_worker, usable_cpus()) and config.tensor_parallel_size == 1
@@ -338,7 +238,7 @@ class Engine:
             vocab_size = llm.model_config.get_vocab_size()
             if das:
                 await worker_rpc(llm, "das_attach")
-                if config.cost_warmup_requests and config.budget.get("policy", "das") == "das":
+                if config.cost_warmup_requests and config.budget.policy == "das":
                     await warm_up_cost_fit(llm, min(config.cost_warmup_requests, config.max_num_seqs), vocab_size)
         except BaseException:
             llm.shutdown()
@@ -396,7 +296,8 @@ class Engine:
         """Sample `index`'s SamplingParams; a resumed sample (group.prefix_token_ids) draws its remaining tokens
         at the positions after its prefix."""
         resumed = len(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else 0
-        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, group.length_curve,
+        curve = LengthCurve.from_dict(group.length_curve.model_dump()) if group.length_curve is not None else None
+        tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, curve,
                            resumed_tokens=resumed, session_id=group.session_id)
         extra_args = tags.to_extra_args()
         key = group.sample_key(index)
@@ -663,19 +564,6 @@ class _Spans:
     def of(self, tokens: int) -> list[tuple[int, int]]:
         """The spans of a sample that ended with `tokens` tokens: a span that starts past them holds none."""
         return [span for span in self.spans if span[1] < tokens] or self.spans[:1]
-
-
-def validate_rollouts(rollouts: list[dict[str, Any]]) -> None:
-    """Checks history-format dicts, and that the history store could hold them; EngineInputError names the first
-    bad one by index and field."""
-    for i, rollout in enumerate(rollouts):
-        try:
-            record = RolloutRecord.from_dict(rollout)
-        except RecordError as exc:
-            raise EngineInputError(f"rollout {i}: {exc}") from None
-        problem = unstorable(record, f"rollout {i}")
-        if problem:
-            raise EngineInputError(problem)
 
 
 def _describe(exc: BaseException) -> str:

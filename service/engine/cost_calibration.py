@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 
 from das.scheduler.cost_model import CostModel, fit_cost_model
-from das.service.api import GroupRequest
 from das.service.engine.async_engine import Engine, EngineConfig
+from das.service.wire.api import GroupRequest
 
 DecodeStepProbe = Callable[[int], float]  # batch size -> seconds per decode step
 PrefillProbe = Callable[[], float]  # -> seconds per prompt token prefilled

@@ -25,10 +25,10 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from das.service.api import SamplingSpec
-from das.service.engine.proposer import RequestTags
+from das.service.engine.extra_args import RequestTags
 from das.service.engine.sampling import sampling_params
 from das.service.engine.token_prompt import engine_prompt
+from das.service.wire.api import SamplingSpec
 
 WARMUP_PROBLEM = "das-cost-warmup"
 _PROMPT_TOKENS = 8

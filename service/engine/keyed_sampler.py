@@ -1,7 +1,7 @@
 """Keyed sampling in vLLM's CPU worker: every sampled token is `argmax_v(logit_v + Gumbel(key, v))`, the Gumbel
 noise a function of the row's key alone (vLLM's own fused Gumbel-max kernel, `_C.fused_gumbel_argmax`, which
 seeds each vocabulary entry's SplitMix64 stream from the row's seed), the key a function of (sample key,
-position) (das.service.sample_keys). Nothing depends on a generator's running state, the batch's shape or the
+position) (das.service.wire.sample_keys). Nothing depends on a generator's running state, the batch's shape or the
 step's drafts, so a sample draws the same tokens with or without speculation.
 
 - Plain steps and bonus tokens: `TopKTopPSampler.forward_cpu` is vLLM's body with the row seeds replaced by the
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY
-from das.service.sample_keys import row_keys
+from das.service.engine.row_keys import row_keys
 
 
 @dataclass(frozen=True)

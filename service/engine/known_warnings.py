@@ -62,7 +62,7 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
                  "(2,048) a step that large would take seconds, and the budget drafts nowhere near it. On a GPU it "
                  "shows"),
     KnownWarning(_LOGITS, "min_p and logit_bias parameters won't work with speculative decoding",
-                 "our sampling spec (service/api.py SamplingSpec) carries neither", cpu_only=False),
+                 "our sampling spec (service/wire/api.py SamplingSpec) carries neither", cpu_only=False),
     KnownWarning(_TORCH_TRITON, "Triton not available, find_triton_kernels",
                  "torch notes it whenever it inspects a custom op; setup.sh removes the CUDA build of triton that "
                  "xgrammar pulls in, which the CPU platform cannot use"),

@@ -37,7 +37,6 @@ step in `stats()["step_us"]`; its cost at batches of 1-240 is in docs/design.md#
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections import deque
@@ -46,85 +45,23 @@ from typing import Any
 
 import numpy as np
 
-from das.drafter.history import DrafterConfig, HistoryBank
+from das.drafter.config import DrafterSettings
+from das.drafter.history import HistoryBank
 from das.scheduler.acceptance import AcceptanceCounts
-from das.scheduler.length import LengthCurve
-from das.service.engine.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
-from das.service.engine.request_columns import RequestColumns
+from das.scheduler.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
+from das.scheduler.draft_step import DraftStep
+from das.scheduler.request_columns import RequestColumns
+from das.service.engine.extra_args import RequestTags
 
 log = logging.getLogger(__name__)
-
-EXTRA_ARGS_KEY = "das"
-"""`SamplingParams.extra_args[EXTRA_ARGS_KEY]` carries a request's `RequestTags` as a dict."""
 
 _MAX_UNCLAIMED = 65536
 _STATS_WINDOW = 10000  # decode steps the cost figures of stats() cover
 IDLE_GAP_S = 1.0  # a gap between two proposals longer than this is the engine idle between batches, not a step
 
 CONFIG_KEY = "das"
-"""`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterConfig}, "budget": {...}}`."""
-
-
-@dataclass(frozen=True)
-class RequestTags:
-    """What the service tells the proposer about one sample (travels in SamplingParams.extra_args["das"]).
-
-    problem_id: the history the sample reads and feeds (siblings share it).
-    key: the caller's id for the sample; draft counts are returned under it (vLLM renames requests inside the
-        engine core, so its own ids are not the caller's).
-    sample_index: index of the sample in its group (for records only).
-    predicted_tokens: the scheduler's predicted total output length (tokens), or None when unknown;
-    length_curve: the same forecast as a function of the tokens generated so far, or None. The budget hook uses
-    the curve where there is one, else predicted_tokens, to tell long samples from short ones.
-    draft: False for a probe that must decode plainly (the cost warm-up, service/engine/cost_warmup.py): nothing
-    is drafted for it, so it moves no draft count, while its steps are timed like any other.
-    cost_probe: a warm-up probe whose steps also time drafted steps: on every other step the first such request of
-    the batch verifies one junk draft token (its last token again), so the online cost fit sees a drafted step's
-    price at every batch size of the warm-up. Those drafts feed no acceptance estimate, draft count or guard.
-    resumed_tokens: the last tokens of the request's prompt that are the sample's own output, delivered before its
-    engine died (a resumed sample): they count as generated (length forecast, max_tokens) and feed the live
-    segment at its first step, so the drafter's state is what it would have been without the death.
-    session_id: the agent session the sample is a turn of: the drafter indexes its prompt as the session's
-    context, turn by turn (drafter/history.py `SessionContext`), or None.
-    """
-
-    problem_id: str
-    key: str | None = None
-    sample_index: int = 0
-    predicted_tokens: float | None = None
-    length_curve: LengthCurve | None = None
-    draft: bool = True
-    cost_probe: bool = False
-    resumed_tokens: int = 0
-    session_id: str | None = None
-
-    def to_extra_args(self) -> dict[str, Any]:
-        curve = self.length_curve.to_dict() if self.length_curve is not None else None
-        return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
-                                 "predicted_tokens": self.predicted_tokens, "length_curve": curve,
-                                 "draft": self.draft, "cost_probe": self.cost_probe,
-                                 "resumed_tokens": self.resumed_tokens,
-                                 "session_id": self.session_id}}
-
-    @staticmethod
-    def from_extra_args(extra_args: dict[str, Any] | None, prompt: list[int]) -> RequestTags:
-        raw = (extra_args or {}).get(EXTRA_ARGS_KEY)
-        if not isinstance(raw, dict) or not raw.get("problem_id"):
-            digest = hashlib.blake2b(np.asarray(prompt, np.int64).tobytes(), digest_size=8).hexdigest()
-            return RequestTags(problem_id=f"prompt-{digest}")
-        predicted = raw.get("predicted_tokens")
-        key = raw.get("key")
-        curve = None
-        if raw.get("length_curve") is not None:
-            try:
-                curve = LengthCurve.from_dict(raw["length_curve"])
-            except ValueError as exc:  # the sample still runs; only its budget falls back to predicted_tokens
-                log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
-        session = raw.get("session_id")
-        return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
-                           None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)),
-                           bool(raw.get("cost_probe", False)), int(raw.get("resumed_tokens", 0)),
-                           None if session is None else str(session))
+"""`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterSettings}, "budget": {...BudgetSettings}}`
+as plain data (validated where the service started: service/engine/config.py `EngineConfig`)."""
 
 
 @dataclass
@@ -152,9 +89,10 @@ class DasProposer:
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         extra = (vllm_config.additional_config or {}).get(CONFIG_KEY, {})
-        self.bank = HistoryBank(DrafterConfig.for_drafts(self.k_max, **extra.get("drafter", {})))
+        self.bank = HistoryBank(DrafterSettings.model_validate(extra.get("drafter", {})).config(self.k_max))
         self.budget: BudgetHook = budget_hook_from_config(extra.get("budget", {}), self.k_max)
         self.acceptance = AcceptanceCounts(self.k_max)
+        self.step = DraftStep(self.bank, self.budget, self.acceptance, self.k_max)  # the simulator's step too
         self.policy_version = 0
         self._runner: Any = None
         self._running: dict[str, _Running] = {}
@@ -205,7 +143,7 @@ class DasProposer:
         ends = np.asarray(num_tokens_no_spec[:n], np.int64)
         starts = cols.fed[slots]
         bank_slots = cols.bank_slot[slots]
-        settled = self.bank.commit_step(bank_slots, table, starts, ends)
+        settled = self.step.settle(slots, bank_slots, table, starts, ends, explored=cols.explored[slots])
         advanced = slots[ends > starts]
         cols.fed[slots] = np.maximum(starts, ends)
         cols.steps[advanced] += 1
@@ -213,22 +151,17 @@ class DasProposer:
         if self._probes:
             probe_drafted = int(cols.probe_drafted[advanced].sum())
             cols.probe_drafted[advanced] = 0
-        verified = np.flatnonzero(settled.drafted)
+        commit, verified = settled.commit, settled.verified
         verified_slots = slots[verified]  # distinct, so += on fancy indices counts each once
-        drafted, accepted = self._record(verified_slots, settled.drafted[verified], settled.accepted[verified])
-        explored_accepted = int(settled.accepted[verified][cols.explored[verified_slots]].sum())
-        cols.proposed[verified_slots] += settled.drafted[verified]
-        cols.accepted[verified_slots] += settled.accepted[verified]
-        np.add.at(self._source_proposed, settled.source[verified], settled.drafted[verified])
-        np.add.at(self._source_accepted, settled.source[verified], settled.accepted[verified])
-        shadowed = np.flatnonzero(settled.shadow_drafted)  # at most one a request: distinct slots
-        if shadowed.size:
-            shadow_drafted, shadow_accepted = self._record(slots[shadowed], settled.shadow_drafted[shadowed],
-                                                           settled.shadow_accepted[shadowed])
-            self.shadow.proposed += shadow_drafted
-            self.shadow.accepted += shadow_accepted
-            self.shadow_drafts += int(shadowed.size)
-        self._observe_step(t0, prefill, n, drafted + probe_drafted, accepted, probe_drafted > 0, explored_accepted)
+        cols.proposed[verified_slots] += commit.drafted[verified]
+        cols.accepted[verified_slots] += commit.accepted[verified]
+        np.add.at(self._source_proposed, commit.source[verified], commit.drafted[verified])
+        np.add.at(self._source_accepted, commit.source[verified], commit.accepted[verified])
+        self.shadow.proposed += settled.shadow_drafted
+        self.shadow.accepted += settled.shadow_accepted
+        self.shadow_drafts += settled.shadows
+        self._observe_step(t0, prefill, n, settled.drafted + probe_drafted, settled.accepted, probe_drafted > 0,
+                           settled.explored_accepted)
         if not n:
             self._step_us.append((time.perf_counter() - t0) * 1e6)
             self._step_batch.append(0)
@@ -237,12 +170,9 @@ class DasProposer:
         max_tokens = cols.max_tokens[slots]
         room = np.maximum(0, np.minimum(max_tokens - generated, self.max_model_len - ends) - 1)
         view = BatchView(generated, cols.predicted[slots], max_tokens, cols.curves.at(slots, generated))
-        plan = self.budget.plan(view, self.acceptance.params(slots))
         draft_room = np.where(cols.may_draft[slots], room, 0)  # the warm-up's plain probes get no draft
-        k = np.minimum(np.minimum(plan.lengths, draft_room), self.k_max).astype(np.int32)
-        shadow_room = np.where(k == 0, np.minimum(draft_room, self.k_max), 0).astype(np.int32)
-        drafts = self.bank.draft_step(bank_slots, table, ends, k, np.asarray(plan.min_prob, np.float64),
-                                      shadow_room, self.vocab_size).lists()
+        step_drafts, plan = self.step.draft(slots, bank_slots, view, table, ends, draft_room, self.vocab_size)
+        drafts = step_drafts.lists()
         cols.explored[slots] = plan.explored if plan.explored is not None else False
         if self._probes:
             self._probe_draft(slots, room, table, drafts)
@@ -266,15 +196,6 @@ class DasProposer:
         self._batch_ids = list(req_ids)
         self._batch_slots = np.fromiter((run.slot for run in runs), np.int64, len(runs))
         return self._batch_slots, prefill
-
-    def _record(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> tuple[int, int]:
-        """Records the outcomes of distinct requests' drafts (request slots[j] drafted `drafted[j]` tokens, of
-        which `accepted[j]` were accepted) in the acceptance counts; returns the draft and accepted tokens they sum
-        to."""
-        if not slots.size:
-            return 0, 0
-        self.acceptance.record(slots, drafted.astype(np.int64), accepted.astype(np.int64))
-        return int(drafted.sum()), int(accepted.sum())
 
     def _probe_draft(self, slots: np.ndarray, room: np.ndarray, table: np.ndarray, drafts: list[list[int]]) -> None:
         """On every other step with a cost probe in the batch, the first probe with room for a draft token

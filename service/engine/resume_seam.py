@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from das.service.api import SamplingSpec
+from das.service.wire.api import SamplingSpec
 
 # Prefix tokens decoded with the new ones to find a stop string across the seam: a stop string is at most this many
 # tokens long in practice (each token one character or more; stop strings are short).

@@ -1,30 +1,16 @@
 """A group's sampling as vLLM's `SamplingParams`, built and checked in the request path as vLLM's own server does,
 so whatever vLLM would refuse is refused before anything is scheduled (`EngineInputError` naming the field) and
-never inside a running sample's task, where a refusal used to leave its group waiting forever.
-
-`EngineInputError` is defined here, not in async_engine.py (which imports it from here, as the rest of the service
-imports it from there), so that both modules raise it without importing each other."""
+never inside a running sample's task, where a refusal used to leave its group waiting forever."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from das.service.api import SamplingSpec
+from das.service.engine.contract import EngineInputError
+from das.service.wire.api import SamplingSpec
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
-
-
-class EngineInputError(ValueError):
-    """A group the engine refuses before scheduling anything; the message says which field and why."""
-
-
-def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:
-    """The refusal of a group whose prompt and max_tokens together exceed the model's context, in vLLM's server's
-    words (its OpenAI routes answer it with 400), naming the limit."""
-    return (f"sampling.max_tokens: this model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
-            f"completion). Please reduce the length of the prompt or max_tokens.")
 
 
 def sampling_params(spec: SamplingSpec, vocab_size: int, extra_args: dict[str, Any] | None = None

@@ -24,8 +24,8 @@ work is done when the call returns). The parts then hold the device time they qu
 at the price of the overlap of host and device work while profiling.
 
 `StepProfileExtension` is mixed into vLLM's worker (`worker_extension_cls`), so the timer runs in the engine
-process and is reached with `collective_rpc("das_profile_start" | "das_profile_take")`; `EngineWorkerExtension`
-is the class engines are started with (ours and the DAS proposer's methods).
+process and is reached with `collective_rpc("das_profile_start" | "das_profile_take")`; engines start with it
+inside worker.py's `EngineWorkerExtension`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from das.service.engine.worker import DasWorkerExtension
 
 IDLE_S = 1.0  # a gap between steps longer than this is the engine idle between batches, not loop overhead
 
@@ -140,11 +139,6 @@ class StepProfileExtension:
         if self._das_step_timer is None:
             raise RuntimeError("step profiling was not started (das_profile_start)")
         return self._das_step_timer.take()
-
-
-class EngineWorkerExtension(DasWorkerExtension, StepProfileExtension):
-    """The worker extension every engine starts with: the DAS proposer's methods (used only by das engines) and
-    step profiling."""
 
 
 @dataclass(frozen=True)

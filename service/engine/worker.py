@@ -1,4 +1,5 @@
-"""The worker extension that connects the engine to its `DasProposer` (`worker_extension_cls` in vLLM).
+"""The worker extension every engine starts with (`worker_extension_cls` in vLLM): `EngineWorkerExtension`, the
+methods that connect the engine to its `DasProposer` (`DasWorkerExtension`) and the step timers (step_profile.py).
 
 vLLM mixes this class into its worker, so its methods run in the worker (the engine core's thread when the
 executor is in-process) and are reached with `collective_rpc("das_...")`. Everything that crosses the process
@@ -11,7 +12,9 @@ import dataclasses
 from typing import Any
 
 from das.drafter.records import RolloutRecord
-from das.service.engine.proposer import EXTRA_ARGS_KEY, DasProposer
+from das.service.engine.extra_args import EXTRA_ARGS_KEY
+from das.service.engine.proposer import DasProposer
+from das.service.engine.step_profile import StepProfileExtension
 
 
 class DasWorkerExtension:
@@ -50,7 +53,7 @@ class DasWorkerExtension:
 
     def das_output_counts(self) -> dict[str, int]:
         """Output tokens committed so far by every request the model runner holds (running, or preempted and
-        waiting), by the key of its tags (proposer.RequestTags); any speculative method. What a weight update
+        waiting), by the key of its tags (extra_args.RequestTags); any speculative method. What a weight update
         under a paused engine reads to know where each held sample's new weights begin."""
         counts: dict[str, int] = {}
         for state in self.model_runner.requests.values():
@@ -58,3 +61,8 @@ class DasWorkerExtension:
             if tags.get("key") is not None:
                 counts[str(tags["key"])] = len(state.output_token_ids)
         return counts
+
+
+class EngineWorkerExtension(DasWorkerExtension, StepProfileExtension):
+    """The worker extension every engine starts with: the DAS proposer's methods (used only by das engines) and
+    step profiling."""

@@ -16,14 +16,15 @@ from das.bench.checkpoints import perturb_checkpoint
 from das.bench.cli import app
 from das.bench.e2e import ARMS, E2EConfig, E2EFailed, EngineArm, EpochOutput, Outcome, run_e2e, suffix_tuned_options
 from das.bench.e2e_report import markdown, plot
+from das.scheduler.budget_hook import BudgetSettings
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
-from das.service.api import GroupRequest
-from das.service.engine.async_engine import EngineConfig
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.client.prompt_sets import reasoning_gym_problems
+from das.service.engine.config import EngineConfig
 from das.service.engine.models import prepare_model
-from das.service.prompt_sets import reasoning_gym_problems
-from das.service.stub_engine import StubEngine, StubEngineConfig
+from das.service.wire.api import GroupRequest
 from tests.tiny_models import build_tiny_model
 
 # Scripted makespans per arm (seconds); repeat r multiplies them by REPEAT_SCALE[r], so the median is the script.
@@ -103,9 +104,9 @@ def test_arms_differ_only_in_speculation() -> None:
     assert engines["none"].speculative_config() is None and engines["none-service"].speculative_config() is None
     assert engines["suffix"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8}
     assert engines["suffix-t"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8, **tuned}
-    assert engines["das-uniform"].budget == {"policy": "uniform"}
-    assert engines["das"].budget == engines["das-service"].budget == budget
-    assert engines["ngram"].budget == {} and engines["ngram"].speculative_config()["method"] == "ngram"
+    assert engines["das-uniform"].budget == BudgetSettings(policy="uniform")
+    assert engines["das"].budget == engines["das-service"].budget == BudgetSettings.model_validate(budget)
+    assert engines["ngram"].budget == BudgetSettings() and engines["ngram"].speculative_config()["method"] == "ngram"
     with pytest.raises(ValueError, match="suffix_decoding_"):
         EngineConfig(model="m", suffix_options={"num_speculative_tokens": 3})
 
@@ -122,7 +123,8 @@ class RecordingStub(StubEngine):
 
     async def generate(self, group: GroupRequest, on_progress=None):  # type: ignore[override]
         self.started.append((group.problem_id, group.predicted_tokens))
-        self.curves.append(group.length_curve)
+        curve = group.length_curve  # read as the engine reads it (Engine._sampling_params)
+        self.curves.append(None if curve is None else LengthCurve.from_dict(curve.model_dump()))
         self.config = StubEngineConfig(tokens=self.lengths[group.problem_id])
         async for sample in super().generate(group, on_progress):
             yield sample

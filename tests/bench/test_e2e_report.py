@@ -1,5 +1,5 @@
 from das.bench.e2e_report import cost_fit_line
-from das.service.engine.budget_hook import budget_hook_from_config
+from das.scheduler.budget_hook import budget_hook_from_config
 
 
 def test_the_cost_fit_line_reads_what_the_budget_hook_reports():

@@ -23,8 +23,8 @@ from das.bench.e2e import (
 )
 from das.bench.e2e_report import EpochCheck, Validation, profile_cost, validate_rollouts
 from das.drafter.records import load_rollouts
-from das.service.api import GroupRequest
-from das.service.prompt_sets import Problem
+from das.service.client.prompt_sets import Problem
+from das.service.wire.api import GroupRequest
 
 PROBLEMS = [Problem("p0", prompt="a"), Problem("p1", prompt="b")]
 PROMPT = (5, 6, 7)

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from das.bench.gpu_check import (ArmBatch, Check, GpuCheckConfig, GpuCheckReport, control_plane_check, e2e_check,
                                  identity_check, kill_check)
-from das.service.api import SampleRecord
+from das.service.wire.api import SampleRecord
 
 
 def sample(problem: str, index: int, tokens: list[int], finish: str = "length", version: int = 0,

@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from das.bench.cli import app
 from das.bench.user_run import UserRunConfig, UserRunResult
-from das.service.rollout_run import EpochFigures
+from das.service.client.rollout_run import EpochFigures
 
 
 def figures(makespans: list[float], tokens: int = 1000, longest: int = 100, critical: int = 100) -> list[EpochFigures]:

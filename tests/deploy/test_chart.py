@@ -19,6 +19,7 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from das.service.cli import app as cli_app
+from das.service.engine.config import EngineConfig
 from tests.deploy.manifests import (
     CHART,
     ROOT,
@@ -110,6 +111,9 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     assert params["eager"] == values["engine"]["eager"]
     assert params["tensor_parallel_size"] == values["engine"]["tensorParallelSize"]
     assert params["budget"] == values["engine"]["budget"]
+    # the engine settings das serve validates before it starts anything (typed budget and drafter settings)
+    EngineConfig(model=params["model"], speculation=params["speculation"], num_speculative_tokens=params["k"],
+                 tensor_parallel_size=params["tensor_parallel_size"], budget={"policy": params["budget"]})
     assert params["max_restarts"] == values["engine"]["maxRestarts"]
     assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
     assert params["max_group_deaths"] == values["engine"]["maxGroupDeaths"]
@@ -241,6 +245,15 @@ def test_a_tensor_parallel_size_reaches_das_serve_and_must_divide_the_gpus_per_n
     assert serve.make_context("serve", serve_argv(docs)).params["tensor_parallel_size"] == 4
     with pytest.raises(helm.HelmError, match=r"engine.tensorParallelSize \(3\) must divide workers.gpusPerNode \(8\)"):
         render({"engine": {"tensorParallelSize": 3}, "workers": {"gpusPerNode": 8}})
+
+
+@pytest.mark.parametrize("engine, message", [({"budget": "fastest"}, "'fastest' is not one of 'das', 'uniform'"),
+                                             ({"k": 99}, "less than or equal to 64")])
+def test_a_bad_engine_value_is_refused_by_das_serve_not_by_the_engine(engine: dict[str, Any], message: str) -> None:
+    serve = typer.main.get_command(cli_app).commands["serve"]  # type: ignore[attr-defined]
+    argv = serve_argv(objects(render({"engine": engine})))
+    with pytest.raises(typer.BadParameter, match=message):
+        serve.make_context("serve", argv)
 
 
 @pytest.mark.parametrize("replicas,low,high", [(5, 1, 2), (1, 2, 4)])

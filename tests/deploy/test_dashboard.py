@@ -20,8 +20,8 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from das.service.gateway import GatewaySettings, create_app
-from das.service.rollout_backend import StubBackend
+from das.service.cluster.rollout_backend import StubBackend
+from das.service.http.gateway import GatewaySettings, create_app
 from tests.deploy.manifests import ROOT
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "das-stragglers.json"

@@ -1,15 +1,15 @@
-"""Resume, not restart (service/engine_failure.py `Share`, the stub engine's prefix): a sample an engine lost runs
-again from the tokens it had delivered and comes out as the undisturbed sample, logprobs and weight spans
+"""Resume, not restart (service/cluster/engine_failure.py `Share`, the stub engine's prefix): a sample an engine lost
+runs again from the tokens it had delivered and comes out as the undisturbed sample, logprobs and weight spans
 included. The death itself, through Ray, is in test_engine_failure.py."""
 
 from __future__ import annotations
 
 import asyncio
 
-from das.service.api import GroupRequest, SampleResult
-from das.service.engine_failure import Share
-from das.service.sample_progress import ProgressBatcher, SampleProgress
-from das.service.stub_engine import StubEngine, StubEngineConfig
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.cluster.engine_failure import Share
+from das.service.wire.api import GroupRequest, SampleResult
+from das.service.wire.sample_progress import ProgressBatcher, SampleProgress
 
 
 def run(engine: StubEngine, group: GroupRequest) -> tuple[list[SampleResult], list[SampleProgress]]:

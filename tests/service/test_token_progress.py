@@ -15,13 +15,13 @@ import msgpack
 import openai
 import pytest
 
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.client import RolloutClient, RolloutError
-from das.service.gateway import create_app
-from das.service.history_chunks import history_bodies
-from das.service.rollout_backend import EngineBackend, StubBackend
-from das.service.sample_progress import ProgressRecord
-from das.service.stub_engine import StubEngine, StubEngineConfig
-from tests.service.test_gateway import LiveServer, gateway_settings
+from das.service.client.history_chunks import history_bodies
+from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.http.gateway import create_app
+from das.service.wire.sample_progress import ProgressRecord
+from tests.service.http.test_gateway import LiveServer, gateway_settings
 
 
 def stub(**config: Any) -> EngineBackend:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from das.service.prompt_sets import reasoning_gym_problems
+from das.service.client.prompt_sets import reasoning_gym_problems
 from examples.grpo.rewards import Rewards, completion_text, is_formatted
 
 

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from das.service.api import GroupRequest, SampleResult
-from das.service.gateway import create_app
-from das.service.rollout_backend import StubBackend
+from das.service.cluster.rollout_backend import StubBackend
+from das.service.http.gateway import create_app
+from das.service.wire.api import GroupRequest, SampleResult
 from examples.grpo.rollout import (
     ServiceConfig,
     ServiceRollout,
@@ -20,8 +20,8 @@ from examples.grpo.rollout import (
     draft_counts_by_source,
     prompt_runs,
 )
-from tests.service.test_gateway import LiveServer, gateway_settings
-from tests.service.test_openai_api import STUB_TOKENS
+from tests.service.http.test_gateway import LiveServer, gateway_settings
+from tests.service.http.test_openai_api import STUB_TOKENS
 
 TOKEN = "grpo-test-token"
 CHAT_A = [{"role": "user", "content": "What is 2 + 2?"}]

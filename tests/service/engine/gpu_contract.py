@@ -7,7 +7,7 @@ raises ContractBroken, naming the file and what changed, when vLLM no longer doe
   is VLLM_USE_V2_MODEL_RUNNER, async scheduling is off for them (what `das bench e2e` equalises across arms);
 - the pause rules: `pause_generation(mode, clear_cache)`, abort / wait pause new work and keep freezes it, and no
   mode makes the engine reject new requests (the README promises they are held until /resume);
-- the RL routes our gateway mirrors (service/rl_control.py), and the worker RPCs and model-runner methods we call;
+- the RL routes our gateway mirrors (service/http/rl_control.py), and the worker RPCs and model-runner methods we call;
 - the sampler and rejection-sampler functions our patches replace (service/engine/patches.py): every target
   exists, and each replacement takes exactly vLLM's parameters.
 """
@@ -236,7 +236,7 @@ def check_pause_rules(src: Sources) -> None:
            "end with finish_reason 'error'")
 
 
-# (method, path) of vLLM's RL routes that service/rl_control.py mirrors
+# (method, path) of vLLM's RL routes that service/http/rl_control.py mirrors
 RL_ROUTES = {("post", "/pause"), ("post", "/resume"), ("get", "/is_paused"), ("post", "/abort_requests"),
              ("post", "/update_weights"), ("post", "/init_weight_transfer_engine"),
              ("post", "/shutdown_weight_transfer_engine"), ("post", "/start_weight_update"),

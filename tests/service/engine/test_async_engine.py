@@ -18,13 +18,13 @@ import httpx
 import psutil
 import pytest
 
-from das.service.api import GroupRequest, SampleResult, SamplingSpec
+from das.service.cluster.rollout_backend import EngineBackend
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
 from das.service.engine.cpu_allocator import jemalloc_library
 from das.service.engine.cpu_layout import usable_cpus, worker_in_process
 from das.service.engine.models import prepare_model
-from das.service.gateway import create_app
-from das.service.rollout_backend import EngineBackend
+from das.service.http.gateway import create_app
+from das.service.wire.api import GroupRequest, SampleResult, SamplingSpec
 from tests.tiny_models import build_tiny_model
 
 TINY_VOCAB = 32

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 import pytest
 
 from das.service.engine.cost_warmup import WARMUP_PROBLEM, warm_up_cost_fit
-from das.service.engine.proposer import RequestTags
+from das.service.engine.extra_args import RequestTags
 from tests.service.engine.vllm_frontend import PassThroughFrontend
 
 

@@ -61,7 +61,7 @@ def test_auto_picks_jemalloc_for_a_large_vocabulary_only(tmp_path):
 
 
 def test_an_unknown_allocator_is_refused_by_the_engine_config():
-    from das.service.engine.async_engine import EngineConfig
+    from das.service.engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="cpu_allocator"):
         EngineConfig(cpu_allocator="tcmalloc")

@@ -14,7 +14,8 @@ import pytest
 import torch
 from vllm import SamplingParams
 
-from das.service.engine.proposer import DasProposer, RequestTags
+from das.service.engine.extra_args import RequestTags
+from das.service.engine.proposer import DasProposer
 from tests.service.engine.gpu_wheel import Sources, WheelUnavailable, gpu_wheel
 from tests.service.engine.test_proposer import PROMPT, RESPONSE, make_proposer
 

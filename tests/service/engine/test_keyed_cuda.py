@@ -12,7 +12,7 @@ import torch
 from das.service.engine import keyed_cuda, keyed_sampler
 from das.service.engine.cpu_fixes.rejection import PLACEHOLDER, sample_without_draft_probs
 from das.service.engine.keyed_sampler import StepKeys, keyed_tokens, keys_of_step
-from das.service.sample_keys import derive
+from das.service.wire.sample_keys import derive
 from tests.service.engine.cpu_fixes.test_rejection import metadata
 
 VOCAB = 64

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from das.service.engine.keyed_draw import _kernel_row, gumbel_noise, keyed_draw
-from das.service.sample_keys import derive
+from das.service.wire.sample_keys import derive
 from tests.service.engine.cpu_fixes.test_rejection import fit_p_value
 
 
@@ -56,7 +56,7 @@ def test_verification_rows_with_drafts_accepted_draw_the_kernels_tokens():
     (as StepKeys.target_row_keys lays them out), drafts equal to the keyed draws (all accepted)."""
     import numpy as np
 
-    from das.service.sample_keys import row_keys
+    from das.service.engine.row_keys import row_keys
 
     torch.manual_seed(3)
     requests, k, vocab = 16, 5, 4096

@@ -16,7 +16,8 @@ from das.service.engine.cpu_fixes import rejection
 from das.service.engine.cpu_fixes.rejection import PLACEHOLDER, sample_without_draft_probs
 from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY
 from das.service.engine.keyed_sampler import StepKeys, keyed_tokens, step_keys
-from das.service.sample_keys import derive, row_keys
+from das.service.engine.row_keys import row_keys
+from das.service.wire.sample_keys import derive
 from tests.service.engine.cpu_fixes.test_rejection import fit_p_value, metadata
 
 VOCAB = 8

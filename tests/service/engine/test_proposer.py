@@ -11,8 +11,10 @@ import pytest
 
 from das.drafter.records import RolloutRecord
 from das.scheduler.budget import DraftPlan
+from das.scheduler.draft_step import DraftStep
 from das.scheduler.length import LengthCurve
-from das.service.engine.proposer import DasProposer, RequestTags
+from das.service.engine.extra_args import RequestTags
+from das.service.engine.proposer import DasProposer
 
 PROMPT = [7, 8, 9]
 RESPONSE = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
@@ -437,3 +439,12 @@ def test_a_sessions_turn_drafts_its_tool_output_from_the_sessions_context():
     drafts = runner.step(proposer, {"turn2": [60, 61]})  # the model starts re-emitting the tool's output
     assert drafts["turn2"] and drafts["turn2"] == tool[2:2 + len(drafts["turn2"])]
     assert proposer.bank.context_tokens == len(PROMPT) + 1 + len(tool)
+
+
+def test_the_proposer_drafts_through_the_step_the_simulator_runs():
+    """One draft step for the engine and for `das bench simulate` (scheduler/draft_step.py), over the proposer's own
+    bank, budget hook and acceptance counts."""
+    proposer = make_proposer()
+    assert isinstance(proposer.step, DraftStep)
+    assert (proposer.step.bank, proposer.step.budget, proposer.step.acceptance) == \
+        (proposer.bank, proposer.budget, proposer.acceptance)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from das.service.api import SamplingSpec
 from das.service.engine.resume_seam import ResumeSeam
+from das.service.wire.api import SamplingSpec
 
 
 class Chars:

@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
-from das.service.api import GroupRequest, SampleResult, SamplingSpec
+from das.service.cluster.rollout_backend import EngineBackend
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
 from das.service.engine.sampling import sampling_params
-from das.service.gateway import GatewaySettings, create_app
-from das.service.rollout_backend import EngineBackend
+from das.service.http.gateway import GatewaySettings, create_app
+from das.service.wire.api import GroupRequest, SampleResult, SamplingSpec
 from tests.service.engine.vllm_frontend import PassThroughFrontend
 
 VOCAB = 32
@@ -134,7 +134,7 @@ def test_through_the_gateway_the_batch_fails_and_a_reload_follows(engine, monkey
             reload = await http.post("/v1/weights", json={"path": str(tmp_path), "version": 1})
             return batch.text.splitlines(), reload
 
-    with caplog.at_level("ERROR", logger="das.service.gateway"):
+    with caplog.at_level("ERROR", logger="das.service.http.gateway"):
         lines, reload = asyncio.run(asyncio.wait_for(scenario(), 20))
     summary = json.loads(lines[-1])["summary"]
     assert summary["status"] == "failed" and "counts exploded" in summary["error"]

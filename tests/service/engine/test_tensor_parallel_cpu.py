@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from das.service.api import GroupRequest
 from das.service.engine.async_engine import Engine, EngineConfig
 from das.service.engine.models import prepare_model
+from das.service.wire.api import GroupRequest
 from tests.tiny_models import build_tiny_model
 
 

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from das.service.api import GroupRequest, SampleResult
 from das.service.engine.async_engine import Engine, EngineConfig
 from das.service.engine.step_profile import FIELDS
 from das.service.engine.worker_rpc import RULES, WorkerRepliesDiffer, one_reply
+from das.service.wire.api import GroupRequest, SampleResult
 from tests.service.engine.vllm_frontend import PassThroughFrontend
 
 VOCAB = 32

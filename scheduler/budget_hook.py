@@ -1,0 +1,319 @@
+"""Where the proposer asks how many draft tokens each running request gets this step.
+
+The policies themselves live in `das.scheduler.budget` (uniform K, the three length classes, the length-aware
+optimum); this module turns the proposer's view of its batch into their `BatchState` and back, with the engine's
+step costs as it measures them (`observe`: an online fit, scheduler/cost_model.py) and a guard that backs off
+when drafted steps lose (`SpeculationGuard`). The scheduler tunes a hook by its configuration (`{"policy": ...,
+...}` in `additional_config["das"]["budget"]`) and informs it per request through `RequestTags.length_curve` (the
+scheduler's forecast, re-read every step as the sample grows) or `RequestTags.predicted_tokens` (one number,
+fixed at submission).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from das.scheduler.budget import (
+    BatchState,
+    BudgetPolicy,
+    ClassPolicy,
+    DrafterParams,
+    DraftPlan,
+    OptimalPolicy,
+    UniformPolicy,
+    geometric_acceptance,
+)
+from das.scheduler.cost_model import GENERIC_PRIOR, CostModel, OnlineCostModel
+from das.scheduler.exploration import Exploration
+from das.scheduler.policies import PolicyName
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """The running requests as the budget hook sees them, one entry per request (tokens).
+
+    generated: output tokens so far (int64); predicted_tokens: predicted total output length (float64, NaN where
+    unknown); max_tokens: each request's output cap (int64); curve_final: the request's length curve read at its
+    `generated` (scheduler.length `LengthCurve.at`: its predicted total output length given that it got this far;
+    float64, NaN where it has no curve).
+    """
+
+    generated: np.ndarray
+    predicted_tokens: np.ndarray
+    max_tokens: np.ndarray
+    curve_final: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.generated)
+
+    def remaining(self) -> np.ndarray:
+        """Predicted remaining output tokens per request (float64, >= 1): from the curve where there is one (a
+        sample that outlives its problem's usual length is predicted to run on), else from predicted_tokens, else
+        the cap. Vectorised."""
+        total = np.where(np.isnan(self.predicted_tokens), self.max_tokens, self.predicted_tokens)
+        total = np.where(np.isnan(self.curve_final), total, self.curve_final)
+        return np.maximum(1.0, np.minimum(total, self.max_tokens) - self.generated)
+
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One engine step as the proposer measured it: `step_s` seconds from the previous step's proposal to this
+    one's (the whole step: forward pass, sampling, the engine core's bookkeeping, the proposer); `tokens` scheduled
+    (running requests plus the draft tokens they verified); `requests` running; `accepted` draft tokens accepted;
+    `probe`: the drafts include the cost warm-up's junk ones (`RequestTags.cost_probe`, service/engine/
+    extra_args.py), which price a drafted step for the cost fit but say nothing about what drafts buy;
+    `explored_accepted`: accepted tokens of exploration's drafts (`DraftPlan.explored`)."""
+
+    step_s: float
+    tokens: int
+    requests: int
+    drafted: int
+    accepted: int
+    probe: bool = False
+    explored_accepted: int = 0
+
+
+class BudgetHook(Protocol):
+    name: str
+
+    def plan(self, batch: BatchView, drafter: DrafterParams | None = None) -> DraftPlan:
+        """Per request, K_i >= 0 (int32; the proposer clips to its room and K_max) and the least estimated acceptance
+        probability a draft token must have. `drafter`: measured per-position acceptance per request (the
+        hook's geometric prior where None)."""
+        ...
+
+    def observe(self, step: StepSample) -> None:
+        """A measured step (decode only: prefill steps and idle gaps are not passed)."""
+        ...
+
+    def refund(self, explored_accepted: int, requests: int) -> None:
+        """Exploration's accepted draft tokens of a step `observe` is not given (a prefill in it, or after an idle
+        gap: not a decode step of its shape, but its accepted tokens did a plain token's work all the same)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """The live cost fit and the guard's state, plain data."""
+        ...
+
+
+# The guard's extra price on a drafted step, least to most demanding, as a share of a plain step of the batch's size.
+GUARD_PRICES = (0.0, 0.1, 0.25, 0.5, 1.0)
+
+
+class SpeculationGuard:
+    """Never a loss: watches what drafted steps buy and raises the price the budget sees on them while they lose.
+
+    A drafted step of r requests that got `accepted` draft tokens in `step_s` produced (r + accepted) / step_s
+    tokens per second; without drafts the same requests would have produced r / (c_base + c_tok r) by the live
+    cost fit. Their ratio, averaged over recent drafted steps (weight 1/16 each), is what speculation buys. Below
+    `lose` (after `patience` drafted steps at this level) the price goes one level up, above `win` (after `recover`
+    drafted steps) one level down. The price acts inside the budget model (an extra c_spec): the optimum then
+    drafts only where it predicts a gain that pays the price too, i.e. fewer drafted steps, for the requests and
+    draft lengths whose measured acceptance promises most. An earlier guard raised a floor on the drafter's own
+    per-token probabilities instead, which are counts, not calibrated: a continuation seen once is rated 1/3, under
+    every floor from 0.5 up, so a guard raised on one batch kept the next batch, whose drafts held ~100% (a repeated
+    greedy epoch), from drafting at all. A raised price may still leave nothing worth drafting, and then nothing
+    is measured: so after `relax` steps in a row without a drafted one the price also goes one level down.
+    """
+
+    def __init__(self, lose: float = 0.98, win: float = 1.05, patience: int = 16, recover: int = 4,
+                 relax: int = 64) -> None:
+        self.lose, self.win, self.patience, self.recover, self.relax = lose, win, patience, recover, relax
+        self.level = 0
+        self.gain: float | None = None
+        self._since_change = 0
+        self._plain_steps = 0  # steps in a row without a drafted one
+        self.raised = 0
+
+    @property
+    def price(self) -> float:
+        """The extra price of a drafted step, as a share of a plain step of the same batch."""
+        return GUARD_PRICES[self.level]
+
+    def observe(self, step: StepSample, cost: CostModel) -> None:
+        if step.requests == 0:
+            return
+        if not step.drafted:
+            self._plain_steps += 1
+            if self.level and self._plain_steps >= self.relax:
+                self._change(-1)
+            return
+        self._plain_steps = 0
+        plain_s = cost.step_time(step.requests)
+        ratio = ((step.requests + step.accepted) / step.step_s) / (step.requests / plain_s)
+        self.gain = ratio if self.gain is None else 0.9375 * self.gain + 0.0625 * ratio
+        self._since_change += 1
+        if self.gain > self.win and self.level > 0 and self._since_change >= self.recover:
+            self._change(-1)
+        elif self.gain < self.lose and self.level < len(GUARD_PRICES) - 1 and self._since_change >= self.patience:
+            self.raised += 1
+            self._change(+1)
+
+    def _change(self, levels: int) -> None:
+        self.level += levels
+        self._since_change = self._plain_steps = 0
+        self.gain = None
+
+
+class PolicyBudget:
+    """A `scheduler.budget` policy fed from the proposer's batch and the engine's live step costs.
+
+    acceptance: the ratio of the geometric per-position acceptance (q_j = acceptance^j) assumed for requests
+    without measured acceptance (the proposer passes measured ones, scheduler/acceptance.py). The step cost model is
+    `cost`, fitted online from the engine's own steps (`observe`) unless `online` is False, and read every step.
+    `guard`: the never-a-loss guard (`SpeculationGuard`), which only ever raises the price of a drafted step the
+    policy sees.
+    Requests with unmeasured acceptance get exploration tokens on a credit of ~0.5% of the engine's time
+    (scheduler/exploration.py; the fixed baselines draft everyone anyway).
+    Cost per step: one BatchState (two small numpy arrays) plus the policy, about 120-200 us for 8-256 requests
+    (scheduler/budget.py), plus the fit's ~50 us (scheduler/cost_model.py) and exploration's ~10 us.
+    """
+
+    def __init__(self, policy: BudgetPolicy, k_max: int, cost: CostModel, *, online: bool = True,
+                 guard: bool = True, acceptance: float = 0.6) -> None:
+        self.policy = policy
+        self.name = policy.name
+        self.k_max = k_max
+        self.fit = OnlineCostModel(cost) if online else None
+        self.cost = cost
+        self.guard = SpeculationGuard() if guard else None
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"budget acceptance must be a probability in [0, 1], got {acceptance}")
+        self.acceptance = acceptance
+        self.exploration = Exploration()
+
+    def plan(self, batch: BatchView, drafter: DrafterParams | None = None) -> DraftPlan:
+        n = len(batch)
+        acceptance = (drafter.acceptance if drafter is not None
+                      else geometric_acceptance(self.acceptance, n, max(self.k_max, 1)))
+        cost = self.cost
+        state = BatchState(batch.remaining(), acceptance, cost.c_base_s,
+                           cost.c_tok_s, self.k_max, c_spec_s=cost.spec_price(n))
+        if self.guard is not None and self.guard.level:
+            priced = dataclasses.replace(state, c_spec_s=state.c_spec_s + self.guard.price * cost.step_time(n))
+            plan = self.policy.plan(priced)
+        else:
+            plan = self.policy.plan(state)
+        # exploration pays the step's real price, not the guard's: its tokens are measurements, and they are what
+        # tells a raised guard that drafts pay again
+        if isinstance(self.policy, OptimalPolicy):
+            plan = self.exploration.apply(plan, state, drafter.unmeasured if drafter is not None else None,
+                                          drafter.measured if drafter is not None else np.inf)
+        return plan
+
+    def observe(self, step: StepSample) -> None:
+        if self.fit is not None:
+            self.fit.observe(step.tokens, step.drafted > 0, step.step_s, step.requests)
+            self.cost = self.fit.current()
+        if self.guard is not None and not step.probe:
+            self.guard.observe(step, self.cost)
+        self.refund(step.explored_accepted, step.requests)
+
+    def refund(self, explored_accepted: int, requests: int) -> None:
+        self.exploration.refund(explored_accepted, self.cost, requests)
+
+    def stats(self) -> dict[str, Any]:
+        cost = self.cost
+        out: dict[str, Any] = {"c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s, "c_spec_s": cost.c_spec_s,
+                               "c_spec_req_s": cost.c_spec_req_s, "c_prefill_s": cost.c_prefill_s,
+                               "prior": self.fit.prior.name if self.fit is not None else cost.name}
+        if self.fit is not None:
+            out.update(dataclasses.asdict(self.fit.stats()))
+        if self.guard is not None:
+            out.update(guard_price=self.guard.price, guard_gain=self.guard.gain, guard_raised=self.guard.raised)
+        out["explore_tokens"] = self.exploration.tokens
+        return out
+
+
+_POLICY_OPTIONS = {"das": {"per_token"}, "uniform": {"k"}, "classes": {"long", "medium", "short"}}
+_COEFFICIENTS = ("c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s")
+
+
+class BudgetSettings(BaseModel):
+    """One engine's draft budget, validated where the service starts (`das serve`, `EngineConfig`) and read by the
+    proposer inside vLLM's engine core (`budget_hook_from_config`), where it travels as plain data.
+
+    `policy` (scheduler/policies.py POLICIES); for uniform `k` (tokens per request per step; default K_max); for
+    classes `long`, `medium`, `short` (tokens by predicted length class; scheduler/budget.py `ClassPolicy`
+    defaults); for das `per_token` (up to K_max tokens above a per-token probability floor instead of the model's
+    K_i). For every
+    policy the step cost model the budget starts from: `prior` (CostModel fields; default `GENERIC_PRIOR`) or its
+    coefficients alone (`c_base_s`, `c_tok_s`, `c_spec_s`, `c_spec_req_s`, seconds); `online` (fit it from the
+    engine's own steps; False: keep the prior), `guard` (the never-a-loss guard; default: on for das only, the
+    uniform and classes baselines are never adjusted) and `acceptance` (the geometric ratio assumed for requests
+    without measured acceptance)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    policy: PolicyName = "das"
+    k: int | None = Field(None, ge=0)
+    long: int | None = Field(None, ge=0)
+    medium: int | None = Field(None, ge=0)
+    short: int | None = Field(None, ge=0)
+    per_token: bool | None = None
+    prior: dict[str, Any] | None = None
+    c_base_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    c_tok_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    c_spec_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    c_spec_req_s: float | None = Field(None, ge=0, allow_inf_nan=False)
+    online: bool = True
+    guard: bool | None = None
+    acceptance: float = Field(0.6, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> BudgetSettings:
+        options = {"k", "long", "medium", "short", "per_token"}
+        foreign = sorted(name for name in options - _POLICY_OPTIONS[self.policy] if getattr(self, name) is not None)
+        if foreign:
+            raise ValueError(f"unknown budget settings for policy {self.policy!r}: {foreign}")
+        if self.prior is not None and self.coefficients():
+            raise ValueError("give the budget's cost model as prior or as its coefficients, not both")
+        self.cost_prior()  # a prior that is not a cost model fails here, not in the engine
+        return self
+
+    def coefficients(self) -> dict[str, float]:
+        """The cost coefficients given one by one."""
+        return {key: value for key in _COEFFICIENTS if (value := getattr(self, key)) is not None}
+
+    def names_cost_model(self) -> bool:
+        """Whether these settings give the budget's cost model (else the engine supplies its prior)."""
+        return self.prior is not None or bool(self.coefficients())
+
+    def cost_prior(self) -> CostModel:
+        """The cost model the budget starts from. ValueError where `prior` is not a valid cost model."""
+        if self.prior is not None:
+            try:
+                return CostModel(**self.prior)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"budget prior {self.prior!r} is not a cost model: {exc}") from None
+        fixed = self.coefficients()
+        if fixed:  # shorthand: the prior's coefficients given one by one (e.g. a bench arm's fixed cost model)
+            try:
+                return CostModel("configured", **{"c_base_s": 0.0, "c_tok_s": 0.0, **fixed}, source="budget settings")
+            except ValueError as exc:
+                raise ValueError(f"budget cost settings {fixed!r}: {exc}") from None
+        return GENERIC_PRIOR
+
+    def budget_policy(self, k_max: int) -> BudgetPolicy:
+        """The scheduler.budget policy these settings name, for drafts of at most `k_max` tokens."""
+        if self.policy == "uniform":
+            return UniformPolicy(k_max if self.k is None else self.k)
+        if self.policy == "classes":
+            return ClassPolicy(**{key: value for key in ("long", "medium", "short")
+                                  if (value := getattr(self, key)) is not None})
+        return OptimalPolicy(per_token=bool(self.per_token))
+
+
+def budget_hook_from_config(config: BudgetSettings | Mapping[str, Any], k_max: int) -> BudgetHook:
+    """The budget hook `config` (BudgetSettings, or its fields as plain data: what crosses into vLLM's engine core)
+    describes, for drafts of at most `k_max` tokens. Bad settings raise ValueError (pydantic's ValidationError)."""
+    settings = config if isinstance(config, BudgetSettings) else BudgetSettings.model_validate(config)
+    guard = settings.guard if settings.guard is not None else settings.policy == "das"
+    return PolicyBudget(settings.budget_policy(k_max), k_max, settings.cost_prior(), online=settings.online,
+                        guard=guard, acceptance=settings.acceptance)

@@ -1,0 +1,901 @@
+"""`RayBackend`: the coordinator of the Ray-distributed service (a `RolloutBackend` for the gateway).
+
+Actors (Ray's own scheduling, node affinity and failure reporting; no cluster manager of ours):
+- `HistoryShard` x S (service/cluster/history_store.py), on the coordinator's node: rollouts and difficulty by problem,
+  snapshotted to the state directory every `history.snapshot_interval_s` and at shutdown.
+- `NodeEngine` x engines (service/cluster/node_engine.py), one per engine (a GPU node's GPUs / `tensor_parallel_size`,
+  `engines_per_node` on a node without), pinned to its node with a hard node-affinity strategy: every GPU node, or
+  every node when the cluster has no GPU (a CPU machine; the embedded default). A node that
+  joins later (a worker pod added, or replacing a lost one) gets its actors within `adopt_nodes_interval_s`.
+
+The coordinator itself runs in the gateway's process (the Ray driver), not as an actor: it only predicts, places
+and relays, and keeping it beside the gateway saves every sample one more hop. Per batch it predicts each group's
+length from the difficulty records (scheduler.length; the records are loaded from the store at start and updated
+from every sample that passes), places groups on engines longest-predicted first onto the least loaded engine
+(scheduler.placement; a group's samples stay together so they share the drafter's live segment), starts each
+engine's groups longest first, and merges the engines' streams as samples finish. An engine's load counts every
+batch running at once (`_PlacedWork`): the predicted output tokens of the samples placed there that have not
+arrived, so batches of one group each (a trainer that sends a request per prompt, as OpenAI-style clients do)
+spread over the engines instead of all landing on the first; and a problem whose samples already run on an engine
+gets its next groups there, so siblings from separate requests share the live segment too. A session's turns (groups
+with a session_id, service/cluster/sessions.py) go to the engine holding the session's prefix while it serves and is not
+overloaded, and idle sessions' predicted remaining work counts in their engine's load (`attach_sessions`).
+
+Locally `RayBackend.start(config)` starts an embedded single-node cluster; with `address` it joins a running one
+(`ray start --head` on the head node, `ray start --address=...` on the others, or KubeRay).
+
+An engine that dies loses nothing (docs/design.md "Failure behaviour"). The NodeEngine actors are created with
+unbounded Ray restarts and no task retries (nothing runs twice behind our back); the coordinator counts the
+restarts itself, `FailureConfig.max_restarts` per `restart_window_s`, and kills an actor for good past that. A
+death is noticed by the stream that breaks or by a call the coordinator keeps pending on every actor
+(`NodeEngine.watch`); the engine stops serving, the coordinator calls `start()` on the restarted actor (which
+reloads the model and pulls its drafter history from the store with fresh cursors) and reloads the weights last
+served, then it serves again. The samples the dead engine owed that had not arrived are sent to a serving engine
+(or the restarted one) as a group with n = their count, and renumbered back to the missing indices
+(service/cluster/engine_failure.py `Share`), so every sample index reaches the client exactly once. Each resumes
+from the tokens it had delivered (the engines report each sample's new tokens every
+`node_engine.PROGRESS_INTERVAL_S`; the coordinator keeps them per sample and hands them to the caller's
+`on_progress`), so a death costs the recomputation of prompt + prefix and the tokens of the last interval, not the sample. `ready()` while at
+least one engine serves; `live()` False once no engine can ever serve again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from das.drafter.records import RolloutRecord
+from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
+from das.scheduler.length import LengthPredictor
+from das.scheduler.placement import place_groups
+from das.service.backends.stub_engine import StubEngineConfig
+from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
+from das.service.cluster.engine_layout import LayoutError, gpu_engines
+from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
+from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
+from das.service.cluster.pause_hold import PauseHold
+from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink
+from das.service.engine.config import EngineConfig
+from das.service.engine.contract import validate_rollouts
+from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
+from das.service.wire.sample_progress import SampleProgress
+from das.service.cluster.sessions import SessionBook
+
+log = logging.getLogger(__name__)
+
+# Passed on to the engine actors' processes, which do not inherit the driver's environment when joining a cluster.
+_FORWARDED_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "VLLM_PLUGINS", "DAS_DATA_DIR",
+                  "VLLM_CPU_OMP_THREADS_BIND")
+
+
+def _describe(exc: BaseException) -> str:
+    """The first line of `exc` with its type (Ray's death messages run to many lines)."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _sample_load(group: GroupRequest) -> float:
+    """What one sample of a group placed by `with_length_predictions` weighs in placement: its predicted output
+    tokens."""
+    return float(group.predicted_tokens or 0.0)
+
+
+class _PlacedWork:
+    """The samples placed on the engines that have not arrived, over every batch running at once: per engine their
+    predicted output tokens (what placement balances), per problem the engines they run on (so that a problem's
+    groups running at once share an engine, and its drafter's live segment sees all of them). Every sample is added
+    once when placed (`hold`) and removed once: when it arrives (`arrived`) or when its job ends or moves without
+    it (`release`)."""
+
+    def __init__(self) -> None:
+        self.tokens: Counter[str] = Counter()
+        self._problems: dict[str, Counter[str]] = {}
+
+    def load(self, name: str) -> float:
+        """Engine `name`'s predicted output tokens placed and not arrived (>= 0: the float sums may round below)."""
+        return max(self.tokens[name], 0.0)
+
+    def hold(self, name: str, work: Sequence[tuple[Share, GroupRequest]]) -> None:
+        for share, group in work:
+            self._add(name, group, len(share.missing()))
+
+    def arrived(self, name: str, group: GroupRequest) -> None:
+        self._add(name, group, -1)
+
+    def release(self, name: str, work: Sequence[tuple[Share, GroupRequest]]) -> None:
+        for share, group in work:
+            self._add(name, group, -len(share.missing()))
+
+    def engine_of(self, problem_id: str, names: Sequence[str]) -> int | None:
+        """The index in `names` of the engine running most of the problem's samples (ties: the first), None if
+        none of them runs any."""
+        engines = self._problems.get(problem_id, Counter())
+        running = [i for i, name in enumerate(names) if engines[name] > 0]
+        return max(running, key=lambda i: (engines[names[i]], -i)) if running else None
+
+    def _add(self, name: str, group: GroupRequest, samples: int) -> None:
+        if not samples:
+            return
+        self.tokens[name] += samples * _sample_load(group)
+        engines = self._problems.setdefault(group.problem_id, Counter())
+        engines[name] += samples
+        if engines[name] <= 0:
+            del engines[name]
+            if not engines:
+                del self._problems[group.problem_id]
+
+
+def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRequest]) -> list[GroupRequest]:
+    """The groups with the scheduler's forecasts, every one with `predicted_tokens` set: a group without it gets
+    its problem's predicted mean length (for placement and submission order) and, unless it brought a
+    `length_curve`, the curve the draft budget reads every step. A group with `predicted_tokens` of its own keeps
+    it and gets no curve, so the caller's prediction is the one the budget uses."""
+    forecast = predictor.predict([g.problem_id for g in groups], np.zeros(len(groups), np.int64))
+    curves = predictor.curves([g.problem_id for g in groups])
+    return [g if g.predicted_tokens else
+            g.model_copy(update={"predicted_tokens": float(m),
+                                 "length_curve": g.length_curve or LengthCurveSpec.model_validate(c.to_dict())})
+            for g, m, c in zip(groups, forecast.mean, curves)]
+
+
+class ServiceConfig(BaseModel):
+    """Everything that shapes the service. Exactly one of `engine` (vLLM; its `model` may be a known model name,
+    prepared on each node) and `stub_engine` (no model: tests and load tests)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: EngineConfig | None = None
+    stub_engine: StubEngineConfig | None = None
+    address: str | None = Field(None, description="Ray cluster to join ('auto', 'HOST:PORT'); None: embedded")
+    state_dir: Path | None = Field(None, description="history snapshots; None: history lives in memory only")
+    history: HistoryConfig = HistoryConfig()
+    stats_interval_s: float = Field(2.0, gt=0, description="seconds between engine and store figure refreshes")
+    object_store_mib: int = Field(256, ge=64, description="object store of an embedded cluster, MiB")
+    engines_per_node: int = Field(1, ge=1, description="engines on each node without a GPU, each in a NodeEngine "
+                                  "actor of its own so that one dying leaves the others serving (a GPU node runs "
+                                  "its GPUs / the engine's tensor_parallel_size, an actor each)")
+    failure: FailureConfig = FailureConfig()
+    adopt_nodes_interval_s: float = Field(10.0, gt=0, description="seconds between looks for Ray nodes that joined "
+                                          "after the start (a replaced or added worker pod) and have no engine yet; "
+                                          "each gets its engine actors")
+
+    @model_validator(mode="after")
+    def _one_engine(self) -> ServiceConfig:
+        if (self.engine is None) == (self.stub_engine is None):
+            raise ValueError("give exactly one of engine and stub_engine")
+        return self
+
+
+# Seconds of calls refused with ActorDiedError after which an actor is taken to be dead for good.
+_DEAD_FOR_GOOD_S = 30.0
+
+
+# A stream or call that raises one of these lost its engine actor (its process, or its node: Ray cannot place an
+# actor pinned to a node that left), or the object holding its samples, or reached the restarted actor before its
+# death was noticed: what it owed is re-dispatched. Anything else an engine raises fails the batch.
+def _lost_errors() -> tuple[type[BaseException], ...]:
+    import ray
+
+    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError, ray.exceptions.ObjectLostError,
+            EngineNotStarted)
+
+
+def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool
+                   ) -> list[Any]:
+    """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one per engine, each holding its
+    `tensor_parallel_size` GPUs (service/cluster/engine_layout.py; LayoutError where that does not divide the node's
+    GPUs), or `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
+    `short_name` (a cluster of one node)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    gpus = int(node["Resources"].get("GPU", 0))
+    name = node["NodeManagerAddress"] if short_name else f"{node['NodeManagerAddress']}:{node['NodeID'][:6]}"
+    engine = config.engine or config.stub_engine
+    assert engine is not None
+    # Restarted by Ray on the same node (the hard affinity holds for every incarnation) as often as it dies: the
+    # coordinator applies the cap per window. No task retries: what a dead actor owed is re-dispatched by the
+    # coordinator, so nothing runs twice.
+    tp = engine.tensor_parallel_size
+    count = gpu_engines(gpus, tp, f"node {node['NodeManagerAddress']}") if gpus else config.engines_per_node
+    options = ray.remote(NodeEngine).options(
+        num_cpus=0, num_gpus=tp if gpus else 0, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
+    return [options.remote(name, engine, shard_names, 1, first_index=g, history_push=config.history.push)
+            for g in range(count)]
+
+
+@dataclass(eq=False)
+class _Actor:
+    """One NodeEngine actor as the coordinator sees it. `incarnation` counts the deaths noticed, so the many
+    streams that see one death count it once; `names`: its engines, the same after every restart."""
+
+    handle: Any
+    restarts: RestartWindow
+    node_id: str = ""  # the Ray node it is pinned to
+    names: list[str] = field(default_factory=list)
+    state: Literal["loading", "serving", "recovering", "failed"] = "loading"
+    incarnation: int = 0
+    error: str | None = None  # why it failed for good
+    node_left: bool = False  # failed because its node left the cluster (its batches' work moves on)
+    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # its watcher and recovery
+
+
+_Engine = tuple[_Actor, int, str]  # (actor, engine index in the actor, engine name)
+# What a batch's jobs hand its stream: (group index, sample or progress), None at a job's end, or its error.
+_Out = asyncio.Queue[tuple[int, SampleResult | SampleProgress] | BaseException | None]
+_Placement = list[list[tuple[int, GroupRequest]]]  # per engine, (batch index, group) pairs in start order
+
+
+class _RayInThisProcess:
+    """Ray as the backends of one process share it: a backend joins the Ray connection an earlier one made, and Ray
+    that a backend started stops when the last backend using it closes, not when the one that started it does
+    (the others' actors would die with it; `das bench e2e` runs two service arms side by side)."""
+
+    started_here = False
+    users = 0
+
+
+class RayBackend:
+    """Use `await RayBackend.start(config)`; `await close()` at the end (snapshots the history)."""
+
+    def __init__(self, config: ServiceConfig, shards: list[Any], shard_names: list[str],
+                 actors: list[tuple[str, Any]], gpu_nodes: bool) -> None:
+        self.config = config
+        self._shards = shards
+        self._shard_names = shard_names  # what an engine actor created later is given
+        self._actors = [_Actor(handle, RestartWindow(config.failure), node_id) for node_id, handle in actors]
+        self._gpu_nodes = gpu_nodes  # engines on the GPU nodes only (else on every node)
+        self._refused_nodes: set[str] = set()  # joined with GPUs the engines' tensor parallel size does not divide
+        self._uses_ray = True  # until close: counted in _RayInThisProcess.users
+        self._engines: list[_Engine] = []  # every engine, serving or not, once the first load is done
+        self._version = 0
+        self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
+        self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
+        self._paused: tuple[PauseMode, bool] | None = None  # the last /pause (mode, clear_cache) until /resume
+        # every dispatch to an engine actor waits here while paused (service/cluster/pause_hold.py)
+        self._hold = PauseHold()
+        self._control_lock = asyncio.Lock()  # a pause or resume and a recovered engine's catch-up never interleave
+        self._book = DifficultyBook()
+        self._predictor = LengthPredictor(self._book)
+        self._stats = BackendStats()
+        self._loading: asyncio.Task[None] | None = None
+        self._background: list[asyncio.Task[None]] = []
+        self._closing = False
+        self._changed = asyncio.Event()  # replaced at every change of an actor's state
+        self._placed = _PlacedWork()
+        self._restarts: Counter[str] = Counter()  # per engine
+        self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
+        self._redispatched = 0
+        self._given_up = 0  # samples ended with an error after max_group_deaths engine deaths
+        self._given_up_prompts = GivenUpPrompts(config.failure)  # what `check` refuses for a while after that
+        self.load_error: str | None = None  # why the service is not ready: an engine failed its first load
+        self._sessions: SessionBook | None = None  # the gateway's (attach_sessions): where sessions' prefixes are
+
+    # ---- lifecycle ----
+
+    @classmethod
+    async def start(cls, config: ServiceConfig, progress: Callable[[str], None] = log.info) -> RayBackend:
+        """Connects to (or starts) Ray and creates the actors. The engines load in the background: `ready()` is
+        False until every one has loaded (`load_error` says why if one failed)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        if not ray.is_initialized():
+            env = {k: os.environ[k] for k in _FORWARDED_ENV if k in os.environ}
+            kwargs: dict[str, Any] = {"include_dashboard": False, "runtime_env": {"env_vars": env}}
+            if config.address is None:
+                kwargs["object_store_memory"] = config.object_store_mib << 20
+            # "local": always a cluster of our own; with no address Ray would join one that `ray start` left
+            # running on this machine.
+            ray.init(address=config.address or "local", **kwargs)
+            _RayInThisProcess.started_here = True
+        engine = config.engine or config.stub_engine
+        assert engine is not None
+        for node in ray.nodes():  # before any actor exists: LayoutError for a node whose GPUs do not split
+            if node["Alive"] and node["Resources"].get("GPU", 0) > 0:
+                gpu_engines(int(node["Resources"]["GPU"]), engine.tensor_parallel_size,
+                            f"node {node['NodeManagerAddress']}")
+        here = ray.get_runtime_context().get_node_id()
+        state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
+        # Restarted by Ray when it dies, from its last snapshot; no task retries: engines re-send their pushes.
+        shard_actor = ray.remote(HistoryShardActor)
+        # Named, and named to the engine actors: a restarted NodeEngine re-runs its constructor, and handles among
+        # its arguments would have to outlive it in Ray's object store (Ray logs an error at every start).
+        shard_names = [f"das-history-{uuid.uuid4().hex[:12]}-{i}" for i in range(config.history.shards)]
+        shards = [shard_actor.options(num_cpus=0, name=name, max_restarts=config.history.max_restarts,
+                                      max_task_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
+            here, soft=True)).remote(i, config.history, state_dir) for i, name in enumerate(shard_names)]
+
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        gpu_nodes = [n for n in alive if n["Resources"].get("GPU", 0) > 0]
+        actors = [(n["NodeID"], handle) for n in gpu_nodes or alive
+                  for handle in _engine_actors(config, n, shard_names, short_name=len(alive) == 1)]
+        backend = cls(config, shards, shard_names, actors, bool(gpu_nodes))
+        _RayInThisProcess.users += 1
+        await backend._load_difficulty()
+        progress(f"{len(shards)} history shards, {len(actors)} engine actors; loading engines")
+        backend._loading = asyncio.create_task(backend._load_engines(progress))
+        backend._background = [asyncio.create_task(backend._every(config.stats_interval_s, backend.refresh_stats)),
+                               asyncio.create_task(backend._every(config.history.snapshot_interval_s,
+                                                                  backend._snapshot)),
+                               asyncio.create_task(backend._every(config.adopt_nodes_interval_s,
+                                                                  backend._adopt_nodes))]
+        return backend
+
+    async def _load_engines(self, progress: Callable[[str], None]) -> None:
+        try:
+            names = await asyncio.gather(*(actor.handle.start.remote() for actor in self._actors))
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            log.error("an engine failed to load: %s", self.load_error)
+            return
+        for actor, actor_names in zip(self._actors, names):
+            actor.names = list(actor_names)
+        self._engines = [(actor, i, name) for actor in self._actors for i, name in enumerate(actor.names)]
+        for actor in self._actors:
+            self._serve(actor)
+        await self.refresh_stats()
+        progress(f"{len(self._engines)} engines ready: {', '.join(n for _, _, n in self._engines)}")
+
+    async def _load_difficulty(self) -> None:
+        blobs = await asyncio.gather(*(s.difficulty_blobs.remote() for s in self._shards))
+        for shard_blobs in blobs:
+            for pid, blob in shard_blobs.items():
+                try:
+                    self._book.put(load_difficulty(blob))
+                except (DifficultyFormatError, ValueError) as exc:
+                    log.warning("difficulty record of %s skipped: %s", pid, exc)
+
+    async def wait_ready(self) -> None:
+        """Returns once every engine has loaded; RuntimeError if one failed."""
+        if self._loading is not None:
+            await asyncio.shield(self._loading)
+        if self.load_error is not None:
+            raise RuntimeError(f"an engine failed to load: {self.load_error}")
+
+    async def close(self) -> None:
+        """Snapshots the history, stops the engines and the actors, and Ray if a backend of this process started
+        it and no other backend of this process still uses it."""
+        import ray
+
+        self._closing = True
+        actor_tasks = [task for actor in self._actors for task in actor.tasks]
+        for task in (*self._background, *actor_tasks, *([self._loading] if self._loading else [])):
+            task.cancel()
+        await asyncio.gather(*self._background, *actor_tasks, return_exceptions=True)
+        try:
+            written = await asyncio.gather(*(s.snapshot.remote(True) for s in self._shards))
+            log.info("history snapshots: %s", [w for w in written if w])
+        except Exception:
+            log.exception("history snapshot at shutdown failed")
+        # Not those restarting: a call would wait for their model to load.
+        await asyncio.gather(*(actor.handle.close.remote() for actor in self._actors
+                               if actor.state in ("loading", "serving")), return_exceptions=True)
+        for handle in (*(actor.handle for actor in self._actors), *self._shards):
+            ray.kill(handle)
+        if self._uses_ray:
+            self._uses_ray = False
+            _RayInThisProcess.users -= 1
+            if _RayInThisProcess.users == 0 and _RayInThisProcess.started_here:
+                _RayInThisProcess.started_here = False
+                ray.shutdown()
+
+    # ---- RolloutBackend ----
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    @property
+    def engine_names(self) -> list[str]:
+        """Every engine, serving or not (`serving_engines` for those that serve now)."""
+        return [name for _, _, name in self._engines]
+
+    @property
+    def serving_engines(self) -> list[str]:
+        return [name for _, _, name in self._serving()]
+
+    async def ready(self) -> bool:
+        """True once the first load is done and while at least one engine serves."""
+        return self._loading is not None and self._loading.done() and self.load_error is None \
+            and bool(self._serving())
+
+    async def live(self) -> bool:
+        """False once no engine can serve again: every actor past its restart cap or its recovery timeout."""
+        return not all(actor.state == "failed" for actor in self._actors)
+
+    async def check(self, groups: Sequence[GroupRequest]) -> None:
+        held = self._given_up_prompts.refused(list(groups), time.monotonic())
+        if held is not None:
+            raise GroupInputError(*held)
+        lost = _lost_errors()
+        for actor in dict.fromkeys(actor for actor, _, _ in self._serving()):
+            try:
+                refused = await actor.handle.check.remote(list(groups))
+            except lost:  # its watcher takes care of it; another engine checks
+                continue
+            if refused is not None:
+                raise GroupInputError(*refused)
+            return
+        raise RuntimeError("no engine serves: the groups cannot be checked")
+
+    def attach_sessions(self, book: SessionBook) -> None:
+        """The gateway's session book: a session's turns go to the engine holding its prefix, and idle sessions'
+        predicted remaining work counts in their engine's load (`_place`)."""
+        self._sessions = book
+
+    def place(self, groups: Sequence[GroupRequest]) -> _Placement:
+        """Per serving engine (in `serving_engines` order), the (batch index, group) pairs it would run, longest
+        predicted first (`with_length_predictions` tags the groups), given the work already placed there."""
+        return self._place(groups, self._serving())
+
+    def _place(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> _Placement:
+        """A session's turn goes to the engine holding its prefix while that one serves and is not overloaded
+        (SessionBook.engine_for; each session is its own unit, so a problem's trajectories spread); a problem's
+        other groups go where its samples already run, if they run on a serving engine; the rest, a problem's groups
+        of this batch together, by LPT from the engines' placed loads plus the idle sessions' reserved work."""
+        tagged = with_length_predictions(self._predictor, groups)
+        if self._sessions is not None:
+            # A turn tagged here plans its drafts with its trajectory's remaining tokens (one tagged before, e.g.
+            # re-run after its engine died, has its curve already; one with the caller's prediction keeps it).
+            book = self._sessions
+            tagged = [t if t.session_id is None or g.predicted_tokens else t.model_copy(update={
+                "length_curve": book.trajectory_curve(t.session_id, t.length_curve, _sample_load(t))})
+                for g, t in zip(groups, tagged)]
+        names = [name for _, _, name in serving]
+        loads = np.array([g.n * _sample_load(g) for g in tagged])
+        existing = np.array([self._placed.load(name) for name in names], dtype=np.float64)
+        if self._sessions is not None:
+            reserved = self._sessions.reserved()
+            existing += np.array([reserved[name] for name in names], dtype=np.float64)
+        assignment = np.empty(len(tagged), np.int64)
+        units: dict[tuple[str, str], list[int]] = {}  # ("problem" or "session", id) -> its groups placed by LPT
+        for i, group in enumerate(tagged):
+            if group.session_id is not None and self._sessions is not None:
+                engine = self._sessions.engine_for(group.session_id, names, existing.tolist())
+                unit = ("session", group.session_id)
+            else:
+                engine = self._placed.engine_of(group.problem_id, names)
+                unit = ("problem", group.problem_id)
+            if engine is None:
+                units.setdefault(unit, []).append(i)
+            else:
+                assignment[i] = engine
+                existing[engine] += loads[i]
+        members = list(units.values())
+        if members:
+            placement = place_groups([loads[m].sum() for m in members], len(names), existing_loads=existing)
+            for unit_groups, engine in zip(members, placement.assignment.tolist()):
+                assignment[unit_groups] = engine
+        if self._sessions is not None:
+            for i, group in enumerate(tagged):
+                if group.session_id is not None:
+                    self._sessions.placed(group.session_id, names[int(assignment[i])])
+        # inside an engine, longest predicted first (ties in batch order)
+        by_load = np.argsort(-loads, kind="stable")
+        return [[(int(i), tagged[int(i)]) for i in by_load[assignment[by_load] == e]] for e in range(len(names))]
+
+    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
+                       ) -> AsyncGenerator[tuple[int, SampleResult], None]:
+        serving = self._serving() or [await self._wait_serving()]
+        placed = [(engine, [(Share(i, tuple(range(g.n))), g) for i, g in items])
+                  for engine, items in zip(serving, self._place(groups, serving)) if items]
+        # Held now, before anything awaits: a batch placed at the same moment sees this one's work.
+        for engine, work in placed:
+            self._placed.hold(engine[2], work)
+        # Each job puts (group index, sample or progress) pairs, then None at its end, or the exception that ended it.
+        out: _Out = asyncio.Queue()
+        jobs = [asyncio.create_task(self._job(engine, work, out)) for engine, work in placed]
+        try:
+            running = len(jobs)
+            while running:
+                item = await out.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                index, sample = item
+                if isinstance(sample, SampleProgress):
+                    if on_progress is not None:
+                        on_progress(index, sample)
+                    continue
+                if sample.finish_reason in ("stop", "length"):
+                    self._book.history(sample.problem_id).add_length(sample.policy_version, len(sample.token_ids),
+                                                                     sample.finish_reason)
+                yield index, sample
+        finally:
+            for job in jobs:
+                job.cancel()
+            await asyncio.gather(*jobs, return_exceptions=True)
+
+    async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
+                   out: _Out) -> None:
+        """Runs `work` on `engine` (`_run`), putting its samples on `out` as they arrive, renumbered as the batch's.
+        Ends with None on `out`, or the exception that failed the batch. The caller has put `work` in `_placed` on
+        `engine`."""
+        try:
+            await self._run(engine, work, out)
+            out.put_nowait(None)
+        except Exception as exc:  # handed to the batch, which owns the error
+            out.put_nowait(exc)
+
+    async def _run(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
+                   out: _Out) -> None:
+        """Runs `work` (held in `_placed` on `engine`) there; the samples go to `out` as they arrive and leave the
+        ledger, and what never arrived leaves it when this ends. When the engine dies, what had not arrived runs
+        again (`_run_again`). Returns once every sample of `work` has reached `out`."""
+        import ray
+
+        actor, local, name = engine
+        incarnation = actor.incarnation
+        rest: list[tuple[Share, GroupRequest]] | None = None  # what a death left owed
+        try:
+            await self._hold.wait()  # first dispatches and re-dispatches alike reach engines that have resumed
+            generator = actor.handle.run.remote(local, [(k, share.request(group))
+                                                        for k, (share, group) in enumerate(work)])
+            try:
+                async for ref in generator:
+                    for k, sample in await ref:
+                        if isinstance(sample, SampleProgress):
+                            report = work[k][0].progress(sample)
+                            if report is not None:
+                                out.put_nowait((work[k][0].group_index, report))
+                            continue
+                        taken = work[k][0].take(sample)
+                        if taken is not None:
+                            self._placed.arrived(name, work[k][1])
+                            out.put_nowait((work[k][0].group_index, taken))
+            except _lost_errors() as exc:
+                self._engine_died(actor, incarnation, exc)
+                if actor.state == "failed" and not actor.node_left:  # past its restart cap: its batches fail
+                    raise RuntimeError(actor.error) from None
+                rest = [(share, group) for owed, group in work if (share := owed.remainder()) is not None]
+            finally:
+                with contextlib.suppress(Exception):
+                    ray.cancel(generator)
+            missing = sum(len(share.missing()) for share, _ in work)
+            if rest is None and missing:
+                raise RuntimeError(f"engine {name} ended its stream with {missing} samples missing")
+        finally:
+            self._placed.release(name, work)
+        if rest is not None:
+            await self._run_again(name, rest, out)
+
+    async def _run_again(self, dead: str, work: list[tuple[Share, GroupRequest]],
+                         out: _Out) -> None:
+        """Runs the shares that engine `dead` owed. A share that has run through `max_group_deaths` deaths is
+        given up (`_give_up`). One whose next death would give it up runs alone, one share after another, so that a
+        group that only ran beside the one that kills engines is not given up with it; the rest are placed again over
+        the serving engines (`_place`, as a batch is) and run at once."""
+        limit = self.config.failure.max_group_deaths
+        alone = [item for item in work if item[0].deaths == limit - 1]
+        together = [item for item in work if item[0].deaths < limit - 1]
+        self._give_up([item for item in work if item[0].deaths >= limit], out)
+        count = sum(len(share.indices) for share, _ in alone + together)
+        self._redispatched += count
+        if count:
+            log.warning("engine %s died; %d of its samples in this batch are run again elsewhere%s", dead, count,
+                        f" ({len(alone)} group(s) alone, one after another)" if alone else "")
+        runs = []
+        if together:
+            serving = self._serving() or [await self._wait_serving()]
+            placement = self._place([share.request(group) for share, group in together], serving)
+            for engine, items in zip(serving, placement):
+                part = [together[i] for i, _ in items]
+                if part:
+                    self._placed.hold(engine[2], part)
+                    runs.append(self._run(engine, part, out))
+        if alone:
+            runs.append(self._one_at_a_time(alone, out))
+        tasks = [asyncio.create_task(run) for run in runs]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _one_at_a_time(self, work: list[tuple[Share, GroupRequest]],
+                             out: _Out) -> None:
+        """Runs the shares one after another, each on the serving engine with the least work placed at its turn."""
+        for item in work:
+            engine = await self._wait_serving()
+            self._placed.hold(engine[2], [item])
+            await self._run(engine, [item], out)
+
+    def _give_up(self, work: list[tuple[Share, GroupRequest]],
+                 out: _Out) -> None:
+        """Ends the shares' missing samples with finish_reason "error": their group ran through
+        `max_group_deaths` engine deaths, the last one alone on its engine."""
+        for share, group in work:
+            error = (f"not run again: the samples of group {share.group_index} (problem {group.problem_id!r}) were "
+                     f"running on an engine each of the {share.deaths} times one died"
+                     f"{', the last time alone' if share.deaths > 1 else ''} (FailureConfig.max_group_deaths, "
+                     f"das serve --max-group-deaths): the prompt may crash the engine")
+            log.error("%s; %d sample(s) end with this error", error, len(share.indices))
+            self._given_up += len(share.indices)
+            self._given_up_prompts.add(group, time.monotonic())
+            for index in share.indices:
+                out.put_nowait((share.group_index, SampleResult(
+                    problem_id=group.problem_id, sample_index=index, token_ids=[], logprobs=[],
+                    finish_reason="error", policy_version=self._version, error=error)))
+
+    async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
+        """Reloads every serving engine; an engine that is restarting loads these weights before it serves."""
+        await self._wait_serving()  # someone must check the path and version before they are kept for restarts
+        async with self._weights_lock:
+            await self._on_serving(lambda node: node.reload_weights.remote(str(path), version))
+            self._weights = (str(path), version)
+            self._version = version
+        return self._version
+
+    async def add_history(self, records: list[dict[str, Any]]) -> int:
+        validate_rollouts(records)
+        by_shard: dict[int, list[dict[str, Any]]] = {}
+        for record in records:
+            by_shard.setdefault(shard_of(record["problem_id"], len(self._shards)), []).append(record)
+        counts = await asyncio.gather(*(self._shards[s].put.remote("import", rs) for s, rs in by_shard.items()))
+        for record in sorted(records, key=lambda r: r["policy_version"]):
+            self._book.add_record(RolloutRecord.from_dict(record))
+        return int(sum(counts))
+
+    async def history(self, problem_id: str) -> ProblemSummary | None:
+        shard = self._shards[shard_of(problem_id, len(self._shards))]
+        summary: ProblemSummary | None = await shard.summary.remote(problem_id)
+        return summary
+
+    def stats(self) -> BackendStats:
+        return replace(self._stats, engines_ready=len(self._serving()), engine_restarts=dict(self._restarts),
+                       samples_redispatched=self._redispatched, samples_given_up=self._given_up,
+                       engine_recovery_s=dict(self._recovery_s),
+                       engine_placed_tokens={name: self._placed.load(name) for name in self.engine_names})
+
+    # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        async with self._control_lock:
+            self._paused = (mode, clear_cache)
+            self._hold.pause()
+            await self._on_serving(lambda node: node.pause.remote(mode, clear_cache))
+
+    async def resume(self) -> None:
+        async with self._control_lock:
+            await self._on_serving(lambda node: node.resume.remote())
+            self._paused = None
+            self._hold.release()
+
+    async def is_paused(self) -> bool:
+        return any(await self._on_serving(lambda node: node.is_paused.remote()))
+
+    async def abort_samples(self) -> int:
+        return int(sum(await self._on_serving(lambda node: node.abort_samples.remote())))
+
+    async def _on_serving(self, call: Callable[[Any], Any]) -> list[Any]:
+        """`call(actor handle)` on every serving NodeEngine at once; their replies. An actor lost meanwhile is
+        left to its watcher (its restart catches up on the weights and the pause); any other error is raised."""
+        actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
+        incarnations = [actor.incarnation for actor in actors]
+        replies = await asyncio.gather(*(call(actor.handle) for actor in actors), return_exceptions=True)
+        lost = _lost_errors()
+        for actor, incarnation, reply in zip(actors, incarnations, replies):
+            if isinstance(reply, lost):
+                self._engine_died(actor, incarnation, reply)
+            elif isinstance(reply, BaseException):
+                raise reply
+        return [reply for reply in replies if not isinstance(reply, BaseException)]
+
+    # ---- engine failures ----
+
+    def _serving(self) -> list[_Engine]:
+        return [engine for engine in self._engines if engine[0].state == "serving"]
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_serving(self) -> _Engine:
+        """The serving engine with the least predicted work outstanding, once one serves. RuntimeError once none
+        ever will."""
+        while True:
+            serving = self._serving()
+            if serving:
+                return min(serving, key=lambda engine: self._placed.load(engine[2]))
+            if all(actor.state == "failed" for actor in self._actors):
+                raise RuntimeError("no engine can serve: " + "; ".join(str(a.error) for a in self._actors))
+            await self._changed.wait()
+
+    def _spawn(self, actor: _Actor, job: Any) -> None:
+        task = asyncio.create_task(job)
+        actor.tasks.add(task)
+        task.add_done_callback(actor.tasks.discard)
+
+    def _serve(self, actor: _Actor) -> None:
+        """Marks `actor` serving and keeps a call pending on it, so its death is noticed at once even when idle."""
+        actor.state = "serving"
+        self._spawn(actor, self._watch(actor, actor.incarnation))
+        self._notify()
+
+    async def _watch(self, actor: _Actor, incarnation: int) -> None:
+        try:
+            await actor.handle.watch.remote()
+        except _lost_errors() as exc:
+            self._engine_died(actor, incarnation, exc)
+
+    def _engine_died(self, actor: _Actor, incarnation: int, exc: BaseException) -> None:
+        """`actor` (as of `incarnation`) was seen dead: it stops serving, and is restarted unless its cap is spent.
+        Idempotent per incarnation: every stream that breaks on one death calls it."""
+        if self._closing or actor.incarnation != incarnation or actor.state != "serving":
+            return
+        import ray
+
+        actor.incarnation += 1
+        names = ", ".join(actor.names)
+        failure = self.config.failure
+        if isinstance(exc, ray.exceptions.ActorUnschedulableError):  # pinned to a node that left: no restart
+            actor.node_left = True
+            self._fail(actor, f"engine {names} lost its node, which left the Ray cluster; it stays down (a node that "
+                              f"joins gets engines of its own): {_describe(exc)}")
+        elif actor.restarts.allow(time.monotonic()):
+            actor.state = "recovering"
+            for name in actor.names:
+                self._restarts[name] += 1
+            log.warning("engine %s died (%s); restarting it", names, _describe(exc))
+            self._spawn(actor, self._recover(actor, time.monotonic()))
+        else:
+            self._fail(actor, f"engine {names} died again after {failure.max_restarts} restart(s) within "
+                              f"{failure.restart_window_s:g} s (the restart cap, FailureConfig.max_restarts); it "
+                              f"stays down and the batches running on it fail: {_describe(exc)}")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
+        self._notify()
+
+    def _fail(self, actor: _Actor, error: str) -> None:
+        actor.state, actor.error = "failed", error
+        log.error("%s", error)
+        self._notify()
+
+    async def _recover(self, actor: _Actor, died: float) -> None:
+        """Waits for Ray to restart `actor`, loads its engines and the weights last served; then it serves."""
+        import ray
+
+        timeout = self.config.failure.recovery_timeout_s
+        refused_since: float | None = None  # the first of an unbroken run of ActorDiedError answers
+        try:
+            async with asyncio.timeout(timeout):
+                while True:
+                    try:
+                        await actor.handle.start.remote()
+                        async with self._weights_lock, self._control_lock:
+                            await self._catch_up(actor)
+                            elapsed = time.monotonic() - died
+                            for name in actor.names:
+                                self._recovery_s[name] = elapsed
+                            log.warning("engine %s serves again after %.1f s", ", ".join(actor.names), elapsed)
+                            self._serve(actor)
+                            return
+                    except ray.exceptions.ActorDiedError as exc:
+                        # A restarting actor holds calls until it is back; one Ray will not restart (killed with
+                        # no_restart, its node gone) refuses every call at once. A refusal or two right after the
+                        # death comes from calls sent before the driver learned of it.
+                        now = time.monotonic()
+                        refused_since = refused_since if refused_since is not None else now
+                        if now - refused_since > _DEAD_FOR_GOOD_S:
+                            raise RuntimeError(f"Ray does not restart it ({_describe(exc)})") from None
+                        await asyncio.sleep(0.5)
+                    except ray.exceptions.RayActorError:  # unavailable for now, or died while loading: try again
+                        refused_since = None
+                        await asyncio.sleep(0.5)
+        except TimeoutError:
+            self._fail(actor, f"engine {', '.join(actor.names)} did not come back within {timeout:g} s "
+                              f"(FailureConfig.recovery_timeout_s); it stays down")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
+        except Exception as exc:
+            self._fail(actor, f"engine {', '.join(actor.names)} failed to restart: {_describe(exc)}")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
+
+    async def _catch_up(self, actor: _Actor) -> None:
+        """Brings a loaded actor to the others' state: the weights last served, the pause in force. Called under
+        `_weights_lock` and `_control_lock`."""
+        # An actor that only seemed dead (unreachable for a moment) kept its weights.
+        if self._weights is not None and await actor.handle.policy_version.remote() != self._weights[1]:
+            await actor.handle.reload_weights.remote(*self._weights)
+        if self._paused is not None:  # it holds new work until /resume, as the others do
+            await actor.handle.pause.remote(*self._paused)
+
+    async def _adopt_nodes(self) -> None:
+        """Gives engine actors to the nodes that joined after the start (a worker pod replaced, which Ray sees as a
+        new node, or added): every live node of the kind that runs engines and has none. They load in the
+        background and serve once loaded and caught up. Nothing while the first load runs or after it failed."""
+        import ray
+
+        if self._loading is None or not self._loading.done() or self.load_error is not None or self._closing:
+            return
+        known = {actor.node_id for actor in self._actors}
+        nodes = [n for n in await asyncio.to_thread(ray.nodes) if n["Alive"] and n["NodeID"] not in known
+                 and (not self._gpu_nodes or n["Resources"].get("GPU", 0) > 0)]
+        for node in nodes:
+            if node["NodeID"] in self._refused_nodes:
+                continue
+            try:
+                handles = _engine_actors(self.config, node, self._shard_names, short_name=False)
+            except LayoutError as exc:  # said once; the engines already serving go on
+                self._refused_nodes.add(node["NodeID"])
+                log.error("node %s joined but runs no engine: %s", node["NodeManagerAddress"], exc)
+                continue
+            log.warning("node %s joined: starting %d engine actor(s) there", node["NodeManagerAddress"], len(handles))
+            for handle in handles:
+                actor = _Actor(handle, RestartWindow(self.config.failure), node["NodeID"])
+                self._actors.append(actor)
+                self._spawn(actor, self._join(actor))
+
+    async def _join(self, actor: _Actor) -> None:
+        """Loads an actor created after the start, catches it up, adds its engines, and lets it serve; an actor
+        that fails to load is failed for good (the engines already serving go on)."""
+        import ray
+
+        try:
+            async with asyncio.timeout(self.config.failure.recovery_timeout_s):
+                actor.names = list(await actor.handle.start.remote())
+                async with self._weights_lock, self._control_lock:
+                    await self._catch_up(actor)
+                    self._engines.extend((actor, i, name) for i, name in enumerate(actor.names))
+                    log.warning("engine %s joined and serves", ", ".join(actor.names))
+                    self._serve(actor)
+        except Exception as exc:
+            self._fail(actor, f"an engine actor on a node that joined failed to load: {_describe(exc)}")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
+
+    # ---- background ----
+
+    @staticmethod
+    async def _every(seconds: float, job: Callable[[], Any]) -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            try:
+                await job()
+            except Exception:  # figures and snapshots are retried next time; the service goes on
+                log.exception("background job %s failed", getattr(job, "__name__", job))
+
+    async def refresh_stats(self) -> None:
+        """Reads every serving node's and every shard's figures now (the background job does it every
+        stats_interval_s). An actor that dies meanwhile is left out: its watcher deals with it."""
+        actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
+        replies = await asyncio.gather(*(actor.handle.stats.remote() for actor in actors), return_exceptions=True)
+        lost = _lost_errors()
+        nodes = [r for r in replies if not isinstance(r, lost)]
+        for reply in nodes:
+            if isinstance(reply, BaseException):
+                raise reply
+        shards = await asyncio.gather(*(s.stats.remote() for s in self._shards))
+        self._stats = BackendStats(
+            engines=tuple(load for n in nodes for load in n.engines),
+            history_problems=sum(s.problems for s in shards), history_tokens=sum(s.output_tokens for s in shards),
+            history_shards=tuple(shards),
+            history_outbox_records=sum(n.history_outbox_records for n in nodes),
+            history_records_given_up=sum(n.history_records_given_up for n in nodes),
+            resident_bytes={"history_store": sum(s.resident_bytes for s in shards),
+                            "node_engine": sum(n.resident_bytes for n in nodes)})
+
+    async def _snapshot(self) -> None:
+        await asyncio.gather(*(s.snapshot.remote() for s in self._shards))
+
+    async def snapshot(self) -> None:
+        """Snapshots, now, every history shard that changed since its last snapshot (`das serve` on a signal)."""
+        await self._snapshot()
+

@@ -1,0 +1,305 @@
+"""`NodeEngine`: the Ray actor that owns engines of one node (the service gives each engine an actor of its own:
+service/cluster/coordinator.py `_engine_actors`).
+
+For the groups the coordinator gives it, it pulls from the history store what other engines and imports added for
+those problems since its last pull (the rollouts it made itself are already in its drafter) and installs them in
+the engine's drafter; then it runs the groups, streams the samples back as they finish, and pushes each finished
+rollout to the store (batched per group, awaited before its stream ends, so nothing accepted is dropped).
+
+Run by Ray as an async actor: every method runs on the actor's event loop, so concurrent batches share the
+engines the same way concurrent groups do in one `Engine`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.cluster.history_client import HistoryClient
+from das.service.cluster.history_store import HistoryPushConfig, resident_bytes, shard_of
+from das.service.cluster.pause_hold import PauseHold
+from das.service.cluster.rollout_backend import EngineLoad, merge_batches
+from das.service.engine.config import EngineConfig
+from das.service.engine.contract import EngineInputError
+from das.service.engine.spawn_env import restored_environ
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult
+from das.service.wire.sample_progress import ProgressBatcher, SampleProgress
+
+if TYPE_CHECKING:
+    from das.service.engine.async_engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Samples a stream item carries at most: samples that finish together travel in one Ray object.
+_MAX_SAMPLES_PER_ITEM = 64
+# Seconds between an engine's progress reports at most (docs/design.md "Token progress"): often enough for a stream
+# of deltas to look live and for a death to lose little, rare enough to cost one Ray object per engine per interval.
+PROGRESS_INTERVAL_S = 0.05
+
+
+def _shard_actor(shard: Any) -> Any:
+    """A shard actor handle from its Ray actor name; a handle (or an in-process shard) as it is. A name Ray no longer
+    knows (a shard past a finite restart cap) gives a `_GoneShard`: this engine then runs without that shard's
+    history, as it does while a shard is down, instead of failing to start."""
+    if not isinstance(shard, str):
+        return shard
+    import ray
+
+    try:
+        return ray.get_actor(shard)
+    except ValueError:
+        log.error("history shard %s is gone for good: this engine drafts without its rollouts", shard)
+        return _GoneShard(shard)
+
+
+class _GoneShard:
+    """Stands in for a shard actor that no longer exists: every call raises RayActorError, which the history
+    client treats as an unavailable shard (service/cluster/history_client.py)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __getattr__(self, method: str) -> Any:
+        import ray
+
+        def remote(*args: Any, **kwargs: Any) -> Any:
+            raise ray.exceptions.RayActorError(error_msg=f"history shard {self.name} is gone for good")
+
+        return SimpleNamespace(remote=remote)
+
+
+class EngineNotStarted(RuntimeError):
+    """A call reached an incarnation of the actor that has not loaded its engines: the incarnation the caller knew
+    died and Ray restarted the actor before the caller noticed. The coordinator treats it as that death."""
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    engines: tuple[EngineLoad, ...]
+    resident_bytes: int  # this actor's process; the engine core processes are children and not counted
+    history_outbox_records: int = 0  # rollouts pushed that no shard snapshot holds yet (die with this process)
+    history_records_given_up: int = 0  # since this process started: dropped from a full outbox, or refused
+
+
+class NodeEngine:
+    """The `engines` engines of one node (named `node/i`, i counted from `first_index`, so several actors on one
+    node name their engines apart). `shards`: the HistoryStore shard actors in shard order, as Ray actor names
+    (looked up here, in every incarnation) or as handles (in-process use). With several
+    engines, the GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES) are dealt out evenly, one slice per engine.
+    A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/models.py).
+
+    A vLLM engine core that dies (EngineDeadError) ends this actor's process: Ray restarts the actor and the
+    coordinator recovers it like any actor that died (service/cluster/coordinator.py), re-dispatching what it owed.
+    Why not recreate the engine here: that one path then covers both deaths (restart cap, weights catch-up, history
+    re-pull, re-dispatch), and nothing of the dead engine (its processes, its memory) lingers in a live one; the
+    cost is that an actor's other engines restart with it, which is why on a node without a GPU each engine has an
+    actor of its own."""
+
+    def __init__(self, node: str, config: EngineConfig | StubEngineConfig, shards: Sequence[Any],
+                 engines: int = 1, history_push: HistoryPushConfig | None = None, first_index: int = 0
+                 ) -> None:
+        if engines < 1:
+            raise ValueError(f"engines must be >= 1, got {engines}")
+        self.node = node
+        self.config = config
+        self.shards = [_shard_actor(s) for s in shards]
+        self.engines: list[Engine | StubEngine] = []
+        self.names = [f"{node}/{first_index + i}" for i in range(engines)]
+        # What this actor pushes is tagged with a name of this incarnation: after a restart the same engine name
+        # must still pull the rollouts its predecessor pushed (its fresh drafter never saw them).
+        self._origins = [f"{name}#{uuid.uuid4().hex[:8]}" for name in self.names]
+        # Per engine: problem id -> the store sequence number its drafter has seen up to.
+        self._cursors: list[dict[str, int]] = [{} for _ in range(engines)]
+        self._history = HistoryClient(self.shards, history_push or HistoryPushConfig())
+        # Groups that reach this actor while it is paused (sent just before the coordinator's pause) wait here, not in
+        # vLLM's queue (service/cluster/pause_hold.py); paused before the engines, released after they resume.
+        self._hold = PauseHold()
+
+    def _engine_envs(self) -> list[dict[str, str]]:
+        count = len(self.names)
+        gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        if count == 1 or not gpus:
+            return [{} for _ in range(count)]
+        per = max(len(gpus) // count, 1)
+        return [{"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * per:(i + 1) * per])} for i in range(count)]
+
+    async def start(self) -> list[str]:
+        """Loads every engine (minutes with torch.compile); returns the engine names. Once they have loaded, a
+        second call only returns the names (the coordinator calls it after every death it noticed)."""
+        if self.engines:
+            return self.names
+        config = self.config
+        if isinstance(config, EngineConfig):
+            # vLLM is loaded here, in the actor's process, never where the module is imported (the coordinator)
+            from das.service.engine.async_engine import engine_dtype
+            from das.service.engine.models import prepare_model
+
+            model = prepare_model(config.model, progress=False, dtype=engine_dtype(config.dtype))
+            config = config.model_copy(update={"model": str(model)})
+        for env in self._engine_envs():
+            with restored_environ(env):
+                os.environ.update(env)  # the engine core process is spawned now and inherits it
+                if isinstance(config, StubEngineConfig):
+                    engine: Engine | StubEngine = await StubEngine.create(config)
+                else:
+                    from das.service.engine.async_engine import Engine
+
+                    engine = await Engine.create(config)
+            self.engines.append(engine)
+        return self.names
+
+    def _started(self) -> None:
+        if not self.engines:
+            raise EngineNotStarted(f"{', '.join(self.names)}: this actor restarted and has not loaded its engines")
+
+    async def check(self, groups: Sequence[GroupRequest]) -> tuple[int, str] | None:
+        """The first group an engine would refuse, as (index, message), or None."""
+        self._started()
+        for i, group in enumerate(groups):
+            try:
+                self.engines[0].prompt_token_ids(group)
+            except EngineInputError as exc:
+                return i, str(exc)
+        return None
+
+    async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]],
+                  progress_interval_s: float = PROGRESS_INTERVAL_S
+                  ) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
+        """Runs (batch index, group) pairs on engine `engine`, starting them in the given order; yields lists of
+        (batch index, sample) as samples finish, and (batch index, progress) of the samples in flight: each
+        sample's new tokens since its last report, every `progress_interval_s` seconds at most (merged per sample,
+        all samples' reports in one item). Cancelling the Ray task aborts the samples still running."""
+        self._started()
+        target = self.engines[engine]
+        name, origin = self.names[engine], self._origins[engine]
+        try:
+            await self._pull(engine, [g.problem_id for _, g in groups])
+        except Exception:
+            if target.dead:
+                self._engine_died(engine)
+            raise
+        batcher = ProgressBatcher()
+        running = len(groups)
+        ended = asyncio.Event()
+
+        async def one(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
+            nonlocal running
+            records: list[dict[str, Any]] = []
+
+            def report(progress: SampleProgress) -> None:
+                batcher.add((index, progress.sample_index), progress)
+
+            try:
+                await self._hold.wait()
+                async for sample in target.generate(group, report):
+                    batcher.drop((index, sample.sample_index))  # its result carries those tokens
+                    if sample.finish_reason == "error" and target.dead:
+                        self._engine_died(engine)  # the sample is owed, not failed: it is drawn again elsewhere
+                    sample.engine = name
+                    if sample.finish_reason in ("stop", "length") and sample.prompt_token_ids:
+                        records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
+                                        "sample_index": sample.sample_index,
+                                        "prompt_token_ids": sample.prompt_token_ids,
+                                        "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason})
+                    yield index, sample
+                await self._push(origin, records)
+            finally:
+                running -= 1
+                if not running:
+                    ended.set()
+
+        async def progress() -> AsyncIterator[list[tuple[int, SampleProgress]]]:
+            while not ended.is_set():
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(ended.wait(), progress_interval_s)
+                taken = batcher.take()
+                if taken and not ended.is_set():
+                    yield [(key[0], report) for key, report in taken]  # type: ignore[index]
+
+        streams: list[AsyncIterator[Any]] = [one(i, g) for i, g in groups]
+        if groups:
+            streams.append(progress())
+        async with contextlib.aclosing(merge_batches(streams, _MAX_SAMPLES_PER_ITEM)) as merged:
+            async for items in merged:
+                yield [pair for item in items for pair in (item if isinstance(item, list) else [item])]
+
+    def _engine_died(self, engine: int) -> None:
+        """Ends this process: Ray restarts the actor, and the coordinator re-dispatches what it had not received."""
+        log.error("%s: the vLLM engine core died; ending this actor so that Ray restarts it", self.names[engine])
+        logging.shutdown()
+        os._exit(1)
+
+    async def policy_version(self) -> int:
+        """The policy version the engines serve (0 before any reload)."""
+        return self.engines[0].policy_version
+
+    async def watch(self) -> None:
+        """Never returns: the coordinator keeps this call pending to learn of this actor's death at once."""
+        await asyncio.Event().wait()
+
+    async def reload_weights(self, path: str, version: int) -> int:
+        """Reloads every engine of the node (they drain their running samples first)."""
+        versions = await asyncio.gather(*(e.reload_weights(path, version) for e in self.engines))
+        return int(versions[0])
+
+    # ---- vLLM's RL control plane: every engine of the node at once (rollout_backend.RolloutBackend says what) ----
+
+    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._hold.pause()
+        await asyncio.gather(*(e.pause(mode, clear_cache) for e in self.engines))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(e.resume() for e in self.engines))
+        self._hold.release()
+
+    async def is_paused(self) -> bool:
+        return any(await asyncio.gather(*(e.is_paused() for e in self.engines)))
+
+    async def abort_samples(self) -> int:
+        return sum(await asyncio.gather(*(e.abort_samples() for e in self.engines)))
+
+    async def stats(self) -> NodeStats:
+        loads = []
+        for name, engine in zip(self.names, self.engines):
+            drafter = await engine.drafter_stats() if getattr(engine.config, "speculation", None) == "das" else {}
+            loads.append(EngineLoad.of(name, engine.tally, drafter))
+        return NodeStats(tuple(loads), resident_bytes(), self._history.pending(), self._history.given_up)
+
+    async def close(self) -> None:
+        for engine in self.engines:
+            await engine.close()
+        self.engines.clear()
+
+    # ---- history ----
+
+    async def _pull(self, engine: int, problem_ids: Sequence[str]) -> None:
+        """Installs in `engine`'s drafter what the store got for these problems since its last pull."""
+        cursors = self._cursors[engine]
+        by_shard: dict[int, dict[str, int]] = defaultdict(dict)
+        for pid in set(problem_ids):
+            by_shard[shard_of(pid, len(self.shards))][pid] = cursors.get(pid, 0)
+        if not by_shard:
+            return
+        replies = await asyncio.gather(*(self._history.pull(s, c, self._origins[engine]) for s, c in by_shard.items()))
+        records = []
+        for reply in replies:
+            for pid, (new, cursor) in reply.items():
+                records.extend(new)
+                cursors[pid] = cursor
+        if records:
+            added = await self.engines[engine].add_history(records)
+            log.info("%s: installed %d of %d pulled rollouts", self.names[engine], added, len(records))
+
+    async def _push(self, origin: str, records: list[dict[str, Any]]) -> None:
+        """Hands the records to the store; kept and re-sent until a snapshot holds them
+        (service/cluster/history_client.py says what is guaranteed)."""
+        await self._history.push(origin, records)

@@ -1,0 +1,100 @@
+"""`EngineConfig`: everything that shapes one engine, as one typed object that the service validates when it starts
+(`das serve`) and hands to its engine actors, without importing vLLM (the coordinator holds one)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from das.drafter.config import DrafterSettings
+from das.scheduler.budget_hook import BudgetSettings
+from das.scheduler.cost_model import prior_cost_model
+from das.service.engine.cpu_allocator import CpuAllocator
+from das.service.engine.cpu_layout import CpuWorker
+from das.service.engine.runner_choice import ModelRunner
+
+Speculation = Literal["none", "das", "ngram", "suffix"]
+
+PROPOSER_CLASS = "das.service.engine.proposer.DasProposer"
+
+
+def budget_settings(config: EngineConfig) -> dict[str, Any]:
+    """The proposer's budget settings as plain data (they cross into vLLM's engine core): `config.budget` with,
+    unless it names its own cost model, the prior the engine's online cost fit starts from (a stored `das calibrate`
+    result for this model, a shipped calibration, or the generic prior: scheduler/cost_model.py
+    `prior_cost_model`)."""
+    settings = config.budget.model_dump(exclude_none=True)
+    if not config.budget.names_cost_model():
+        settings["prior"] = dataclasses.asdict(prior_cost_model(config.model))
+    return settings
+
+
+class EngineConfig(BaseModel):
+    """Everything that shapes one engine. `model` is a prepared model directory (service/engine/models.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    speculation: Speculation = "das"
+    num_speculative_tokens: int = Field(8, ge=1, le=64)
+    budget: BudgetSettings = Field(BudgetSettings(), description="the draft budget (scheduler/budget_hook.py); "
+                                   "default: the length-aware budget (das) on an online cost model")
+    drafter: DrafterSettings = Field(DrafterSettings(), description="DrafterConfig fields to set "
+                                     "(drafter/config.py)")
+    cost_warmup_requests: int = Field(16, ge=0, le=256, description="the das budget only: requests of the start-up "
+                                      "decode that shows the online cost fit every batch size from this many down to 1 "
+                                      "(service/engine/cost_warmup.py); 0: none")
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto", description="auto: bfloat16 on a GPU or a CPU with native bfloat16 (avx512_bf16 / amx_bf16), else "
+                            "float32 (`serving_dtype`)")
+    max_model_len: int = Field(2048, ge=16)
+    max_num_seqs: int = Field(256, ge=1)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="model workers of one engine, each computing a "
+                                      "shard of the model on a GPU of its own (vLLM's tensor parallelism); a GPU node "
+                                      "runs its GPUs / this many engines (service/cluster/engine_layout.py); on a CPU "
+                                      "above 1 the workers run in processes of their own, whatever cpu_worker says")
+    seed: int = Field(0, ge=0, le=2**32 - 1, description="vLLM's engine seed (32-bit: numpy's legacy seeding "
+                      "refuses more); keyed sampling draws with the groups' own int64 seeds")
+    keyed_sampling: bool = Field(True, description="draw every sampled token with a key of (group seed, sample "
+                                 "index, position) (service/engine/keyed_sampler.py): the same tokens with or "
+                                 "without speculation; False: vLLM's own sampler (the distribution tests' reference)")
+    kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
+    enable_prefix_caching: bool = True
+    block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block; None: vLLM's default on a "
+                                   "GPU, CPU_BLOCK_SIZE on the CPU (`kv_block_size`)")
+    enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
+    model_runner: ModelRunner = Field("auto", description="auto: vLLM's choice (on a GPU: V2 with async scheduling, "
+                                      "but V1 without it for das and suffix); v1: V1 with async scheduling off for "
+                                      "every speculation, so arms compare like for like (runner_choice.py)")
+    cpu_worker: CpuWorker = Field("auto", description="a CPU engine's model worker: in_process (in the engine core "
+                                  "process, every core computes), separate (vLLM's CPU layout: a worker process, one "
+                                  "core reserved for the engine core), auto: in_process on up to 4 usable CPUs "
+                                  "(service/engine/cpu_layout.py); ignored on a GPU")
+    cpu_allocator: CpuAllocator = Field("auto", description="a CPU engine core's malloc: jemalloc (Ray's, keeping "
+                                        "freed pages for reuse: large-vocabulary logits are not page-faulted in anew "
+                                        "every step), system, or auto: jemalloc for a vocabulary of 2**17 entries or "
+                                        "more (service/engine/cpu_allocator.py); ignored on a GPU")
+    suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
+                                           "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
+                                           "empty)")
+
+    @field_validator("suffix_options")
+    @classmethod
+    def _suffix_keys(cls, options: dict[str, Any]) -> dict[str, Any]:
+        # Only suffix settings: anything else would silently change what the method is compared on.
+        bad = sorted(k for k in options if not k.startswith("suffix_decoding_"))
+        if bad:
+            raise ValueError(f"suffix_options takes suffix_decoding_* settings only, got {bad}")
+        return options
+
+    def speculative_config(self) -> dict[str, Any] | None:
+        k = self.num_speculative_tokens
+        if self.speculation == "none":
+            return None
+        if self.speculation == "das":
+            return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
+        if self.speculation == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 5, "prompt_lookup_min": 2}
+        return {"method": "suffix", "num_speculative_tokens": k, **self.suffix_options}

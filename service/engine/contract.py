@@ -1,0 +1,61 @@
+"""What the service and an engine (vLLM's `Engine`, or the stub engine) agree on beyond the wire types, without
+vLLM: the error for a group an engine refuses before scheduling anything, an engine's counters, and the check of
+history-format rollouts an engine is handed. The gateway and the coordinator import these from here, so that
+neither loads vLLM, torch or the drafter's native index (a forbidden contract in pyproject.toml keeps it so)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from das.drafter.records import RecordError, RolloutRecord
+from das.service.wire.api import wire_problem
+
+
+class EngineInputError(ValueError):
+    """A group the engine refuses before scheduling anything; the message says which field and why."""
+
+
+@dataclass
+class EngineTally:
+    """One engine's counters from vLLM's own per-step scheduler stats, summed over its steps. Speculative
+    decoding (any method, so peer arms are counted the same way as ours): drafts, verification steps with a draft;
+    draft_tokens and accepted_tokens. Prefix caching: prompt_tokens, the prompt tokens of the requests it scheduled,
+    of which cached_prompt_tokens were found in the prefix cache (not computed). `running` and `waiting`: the
+    scheduler's request queues at its latest step (gauges, not sums)."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    running: int = 0
+    waiting: int = 0
+
+
+def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:
+    """The refusal of a group whose prompt and max_tokens together exceed the model's context, in vLLM's server's
+    words (its OpenAI routes answer it with 400), naming the limit."""
+    return (f"sampling.max_tokens: this model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
+            f"completion). Please reduce the length of the prompt or max_tokens.")
+
+
+def unstorable(record: RolloutRecord, where: str = "record") -> str | None:
+    """Why a valid history record cannot be stored (the format bounds its token ids and reward, not its other
+    fields, and a snapshot's msgpack holds no integer beyond int64 and no lone surrogate), or None."""
+    return wire_problem({"problem_id": record.problem_id, "policy_version": record.policy_version,
+                         "sample_index": record.sample_index, "finish_reason": record.finish_reason}, where)
+
+
+def validate_rollouts(rollouts: list[dict[str, Any]]) -> None:
+    """Checks history-format dicts, and that the history store could hold them; EngineInputError names the first
+    bad one by index and field."""
+    for i, rollout in enumerate(rollouts):
+        try:
+            record = RolloutRecord.from_dict(rollout)
+        except RecordError as exc:
+            raise EngineInputError(f"rollout {i}: {exc}") from None
+        problem = unstorable(record, f"rollout {i}")
+        if problem:
+            raise EngineInputError(problem)

@@ -1,0 +1,866 @@
+"""The HTTP gateway: `create_app(backend, settings)` builds the FastAPI app over a `RolloutBackend`.
+
+Endpoints (bearer-token auth on all but /healthz and /readyz when `settings.token` is set, checked from the headers
+before the body is read: service/http/request_guard.py, which also bounds how long a request's head and body may take):
+
+- `POST /v1/rollouts` (`RolloutRequest`): runs a batch and streams one `SampleRecord` per sample as it finishes,
+  then one `{"summary": BatchSummary}` object, the last of the stream. Wire formats: NDJSON (one JSON object a
+  line, `application/x-ndjson`) by default; with `Accept: application/msgpack` a **msgpack stream**: the same
+  objects as msgpack maps, concatenated with no length prefix (msgpack is self-delimiting: feed the bytes to a
+  `msgpack.Unpacker`). Response headers: `X-Batch-Id` names the batch; `X-Stream-Offset` is the position of the
+  stream's first record in the batch (`resume_from` when attaching to an existing batch, else 0).
+- `GET /v1/rollouts/{id}`: a batch's `BatchSummary` (status and progress). `DELETE /v1/rollouts/{id}`: aborts it.
+- `POST /v1/weights` `{path, version}`: reloads the policy. It **waits** for the running batches to finish and
+  holds batches that arrive meanwhile until the reload is done, so no batch mixes two policy versions; the
+  response comes once the new weights serve. `path` must resolve (symlinks followed) inside
+  `settings.weights_root`, 403 otherwise; relative paths are taken from that root.
+- `POST /v1/history` `{records: [...]}`: imports finished rollouts (history-file records) for drafting.
+- vLLM's RL control routes (`/pause`, `/resume`, `/is_paused`, `/abort_requests`, `/update_weights`, ...):
+  service/http/rl_control.py. While paused, reloads do not wait for running batches and stall timeouts are off.
+- `GET /v1/history/{problem_id}`: what the history store holds for a problem (404 none, 501 no store).
+- `GET /v1/sessions/{id}`, `DELETE /v1/sessions/{id}`: an open agent session, or its end (service/http/session_routes.py);
+  a group with a `session_id` is a turn of that session (service/cluster/sessions.py: one turn at a time, 409 otherwise).
+- `GET /metrics` (Prometheus text), `GET /healthz` (liveness: 503 once the backend cannot serve again without a
+  restart of the process, e.g. every engine past its restart cap, or makes no progress: `stalls_until_unlive`
+  batches in a row failed by the stall timeout with no sample finishing in between), `GET /readyz` (503 until
+  the backend is ready, and while no engine serves).
+
+Batches run as their own tasks, not tied to a connection: a client that drops its connection loses nothing, and a
+request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
+instead of running it again. A batch requested without a `batch_id` is aborted once the last connection streaming it
+leaves before it ended (nothing could name it again), counted in `das_requests_abandoned_total`. Results are held
+msgpack-encoded (a few bytes a token); ended batches stay
+replayable within `retained_batches` / `retained_bytes`; a repeated id older than that gets 410, never a second
+run. A batch always ends: whatever goes wrong in its task ends it
+`failed` with the error in its summary and a log line, and a batch in which no sample made a token for
+`batch_stall_timeout_s` is failed and its running samples aborted, so a reload never waits on a batch that cannot
+finish. A stall is judged by token progress (the engines report each sample's new tokens every ~50 ms): a batch
+fails only when no sample made a token for the timeout, so a long sample generating steadily is never one.
+
+With `"progress": true` in the request, the stream also carries each running sample's new tokens as they are made,
+as `{"progress": {"group_index", "sample_index", "offset", "token_ids", "text", "policy_version"}}` objects (plus
+"logprobs" when the batch asked for them; ~50 ms apart per engine at most), each sample's before its record;
+`offset` is the position of the first of `token_ids` in the sample's output, and the record holds every token.
+
+Across restarts (`settings.batch_journal`, on with `das serve --state-dir`): every batch a request names (batch_id
+given) is journaled before it runs and when it ends (service/http/batch_journal.py: id, request digest, status, sample
+counts, times; no prompts). A request repeating the id of a batch that an *earlier run* of the service accepted is
+not run again: 409 with `detail` = `BatchFromPreviousRun`: `{"code": "batch_from_previous_run", "message",
+"batch_id", "status": done|failed|aborted|interrupted (cut off by the restart), "samples_delivered" (samples it
+produced before it ended; null if the process died before recording that), "samples_expected", "same_request"
+(whether the groups and options match), "accepted_unix_s", "ended_unix_s"}`; its results are gone with the old
+process, so the trainer resubmits what it still needs under a new batch_id (`das.service.client` raises
+`BatchFromPreviousRunError`). Without a journal (no state directory) the registry is in memory only: after a
+restart a retried id is unknown and runs again from the start.
+
+Errors: 401 bad or missing token (before the body is read; the connection is closed when a body may follow); 403
+weights path outside the root; 404 unknown batch; 408 the body did not arrive within `body_timeout_s` of the head,
+or the head within `header_timeout_s` (server_config), the connection closed; 409 a batch id reused for
+a different batch or accepted by an earlier run (`batch_from_previous_run`, above), or a weights version not newer
+than the served one, or a group whose session is running a turn; 410 batch results no longer retained;
+413 a request body over `max_body_bytes` (refused before it is read when its Content-Length says so), a batch over
+`max_batch_samples` samples
+or a history import over `max_history_records`; 422 invalid input, naming the field (request validation, or the
+backend refusing a group before anything runs, e.g. sampling the engine would refuse: `loc` names the group);
+429 too many batches in flight (`max_batches_in_flight`, never exceeded however many requests arrive at once);
+503 backend not ready. Every error body is JSON: a refused value JSON cannot carry (NaN, a lone surrogate) is
+echoed as text. What requests may carry (integers within int64, finite floats, valid Unicode) is in service/wire/api.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import hashlib
+import json
+import logging
+import math
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
+from fastapi.encoders import jsonable_encoder
+from fastapi.exception_handlers import http_exception_handler
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPBearer
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import BaseRoute, Match
+
+from das.service.cluster.pause_hold import PauseHold
+from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
+from das.service.engine.contract import EngineInputError
+from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
+from das.service.http.batch_progress import ProgressLog
+from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
+from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
+from das.service.http.request_guard import OffloopJsonRoute, RequestGuard
+from das.service.http.rl_control import rl_control_router
+from das.service.wire.api import (
+    INT64_MAX,
+    MSGPACK,
+    NDJSON,
+    BatchStatus,
+    BatchSummary,
+    EndStatus,
+    GroupRequest,
+    HistoryRequest,
+    HistoryResponse,
+    ProblemSummary,
+    RolloutRequest,
+    SampleRecord,
+    SampleResult,
+    WeightsRequest,
+    WeightsResponse,
+    error_responses,
+    seeded_groups,
+)
+from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
+from das.service.http.batch_progress import ProgressLog
+from das.service.engine.contract import EngineInputError
+from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
+from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
+from das.service.http.request_guard import OffloopJsonRoute, RequestGuard
+from das.service.cluster.pause_hold import PauseHold
+from das.service.http.rl_control import rl_control_router
+from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
+from das.service.wire.sample_keys import fresh_seed
+from das.service.wire.sample_progress import SampleProgress
+from das.service.http.session_routes import session_router
+from das.service.cluster.sessions import SessionBook, SessionConfig, SessionConflict
+
+log = logging.getLogger(__name__)
+
+# Records a stream chunk carries at most: a replay of a large batch goes out in pieces, not one huge buffer.
+_CHUNK_RECORDS = 1024
+
+
+class GatewaySettings(BaseModel):
+    """Everything that configures the gateway. `token` is a SecretStr so it never shows in a repr or log."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    token: SecretStr | None = Field(None, description="bearer token required on every API call; None: no auth")
+    weights_root: Path | None = Field(None, description="weights paths must lie under it; None: reloads refused")
+    max_batch_samples: int = Field(65536, ge=1, description="samples (sum of n) one batch may ask for")
+    max_batches_in_flight: int = Field(64, ge=1, description="batches queued or running at once")
+    batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample made a "
+                                         "token for this long is failed and its running samples aborted (a sample "
+                                         "generating steadily for longer is no stall)")
+    stalls_until_unlive: int = Field(2, ge=1, description="batches failed in a row by batch_stall_timeout_s, no "
+                                     "sample finishing anywhere in between, after which /healthz answers 503: the "
+                                     "engines make no progress and only a restart of the process can help")
+    max_body_bytes: int = Field(64 << 20, ge=1, description="request bodies over this are refused (413) before "
+                                                            "they are parsed; split larger history imports")
+    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="a request's line and headers must arrive "
+                                    "within this many seconds of the connection opening (or of the first byte of "
+                                    "its next request), else 408 and the connection is closed (slowloris); applied "
+                                    "by the server (das serve: request_guard.server_config), not the ASGI app")
+    body_timeout_s: float = Field(60.0, gt=0, le=3600, description="a request body must have fully arrived this "
+                                  "many seconds after its headers, else 408 and the connection is closed; at least "
+                                  "max_body_bytes over the slowest client link")
+    max_history_records: int = Field(1_000_000, ge=1, description="records one history import may carry")
+    retained_batches: int = Field(256, ge=0, description="ended batches whose results are kept for replay")
+    retained_bytes: int = Field(1 << 30, ge=0, description="results kept over all retained ended batches, in "
+                                                           "bytes of msgpack (about 3 a token, 12 with logprobs)")
+    served_model_name: str | None = Field(None, min_length=1, description="the model name of the OpenAI-compatible "
+                                          "routes; None: the backend's served_model_name if it has one, else 'das'")
+    openai_coalesce_s: float = Field(0.02, ge=0, le=10, description="OpenAI-compatible requests for one problem "
+                                     "with equal prompt and sampling arriving within this many seconds run as one "
+                                     "group (their n summed); 0: every request its own group")
+    batch_journal: BatchJournalConfig | None = Field(None, description="where accepted batches are journaled, so "
+                                                     "a batch id an earlier run accepted is refused (409), not "
+                                                     "run again; None (no --state-dir): in memory only")
+    sessions: SessionConfig = Field(SessionConfig(), description="bounds and placement thresholds of agent "
+                                    "sessions (groups with a session_id; service/cluster/sessions.py)")
+    freeze_gc: bool = Field(False, description="at startup, move every object alive to the garbage collector's "
+                                               "permanent generation (gc.freeze); process-wide, so for the "
+                                               "process that serves (das serve, the load test), not a library "
+                                               "user's process")
+
+
+class _Batch:
+    """One accepted batch. Its records are appended in finishing order, msgpack-encoded, and never change, so
+    any number of readers can follow it by position. Encoded once: a msgpack reader streams the stored bytes as
+    they are, and results held for replay cost bytes per token rather than Python objects."""
+
+    def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, prompts: bool,
+                 fingerprint: str, seed: int, progress: bool = False) -> None:
+        self.batch_id = batch_id
+        # Token progress and records in one order, for streams that asked for progress (service/http/batch_progress.py)
+        self.progress_log = ProgressLog(_pack, logprobs) if progress else None
+        self.seed = seed
+        self.groups = groups
+        self.logprobs = logprobs
+        self.prompts = prompts
+        self.fingerprint = fingerprint
+        self.expected = sum(g.n for g in groups)
+        self.frames: list[bytes] = []
+        self.size = 0  # bytes in frames (and progress frames, where kept)
+        self.status: BatchStatus = "queued"
+        self.error: str | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.stall: asyncio.Timeout | None = None  # its stall timer, once running (suspended while paused)
+        # Without a batch_id no retry can name it: aborted once no connection follows it (_Gateway.follow).
+        self.tied = False
+        self.readers = 0  # connections streaming it now
+        self.finish_times: list[float] = []  # seconds after start, per record
+        self.lengths: list[int] = []
+        self.tokens = self.draft_tokens = self.accepted_tokens = self.errors = 0
+        self._start = 0.0
+        # Replaced on every change; readers wait on the one they saw (an Event survives a waiter's cancellation).
+        self._changed = asyncio.Event()
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ("done", "aborted", "failed")
+
+    def start(self) -> None:
+        self.status = "running"
+        self._start = time.perf_counter()
+
+    def add(self, group_index: int, sample: SampleResult) -> None:
+        latency = time.perf_counter() - self._start
+        record: dict[str, Any] = {
+            "group_index": group_index, "problem_id": sample.problem_id, "sample_index": sample.sample_index,
+            "output_token_ids": sample.token_ids, "text": sample.text, "finish_reason": sample.finish_reason,
+            "policy_version": sample.policy_version, "draft_tokens": sample.draft_tokens,
+            "accepted_tokens": sample.accepted_tokens, "latency_s": latency, "error": sample.error,
+            "engine": sample.engine}
+        if self.logprobs:
+            record["logprobs"] = sample.logprobs
+        if self.prompts:
+            record["prompt_token_ids"] = sample.prompt_token_ids
+        if sample.policy_spans is not None:
+            record["policy_spans"] = sample.policy_spans
+        frame = _pack(record)
+        self.frames.append(frame)
+        self.size += len(frame)
+        if self.progress_log is not None:
+            self.progress_log.record(frame)
+        self.finish_times.append(latency)
+        self.lengths.append(len(sample.token_ids))
+        self.tokens += len(sample.token_ids)
+        self.draft_tokens += sample.draft_tokens
+        self.accepted_tokens += sample.accepted_tokens
+        self.errors += sample.finish_reason == "error"
+        self._notify()
+
+    def progress(self, group_index: int, report: SampleProgress) -> None:
+        """A sample's new tokens: into the progress log if the batch keeps one."""
+        if self.progress_log is not None:
+            before = self.progress_log.size
+            self.progress_log.progress(group_index, report)
+            self.size += self.progress_log.size - before  # retained with the batch, so counted in retained_bytes
+            self._notify()
+
+    def end(self, status: BatchStatus, error: str | None) -> None:
+        self.status, self.error = status, error
+        self._notify()
+
+    async def wait_beyond(self, count: int, frames: list[bytes] | None = None) -> None:
+        """Returns once there are more than `count` records (or frames of `frames`) or the batch has ended."""
+        frames = self.frames if frames is None else frames
+        while len(frames) <= count and not self.ended:
+            await self._changed.wait()
+
+    def summary(self) -> BatchSummary:
+        return BatchSummary(
+            batch_id=self.batch_id, status=self.status, groups=len(self.groups), samples_expected=self.expected,
+            samples=len(self.frames), tokens=self.tokens, draft_tokens=self.draft_tokens,
+            accepted_tokens=self.accepted_tokens, errors=self.errors,
+            makespan_s=self.finish_times[-1] if self.finish_times else None, error=self.error, seed=self.seed)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+
+class _BatchRegistry:
+    """Live batches, plus ended ones for replay up to `retained_batches` and `retained_bytes` (oldest ended
+    first out). Evicted ids are remembered (ids only, bounded) so a late retry is refused, not run again."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self._settings = settings
+        self.live: dict[str, _Batch] = {}
+        self._ended: OrderedDict[str, _Batch] = OrderedDict()
+        self._ended_bytes = 0
+        self._evicted: OrderedDict[str, None] = OrderedDict()
+        self._evicted_cap = 16 * max(settings.retained_batches, 64)
+
+    def get(self, batch_id: str) -> _Batch | None:
+        return self.live.get(batch_id) or self._ended.get(batch_id)
+
+    def evicted(self, batch_id: str) -> bool:
+        return batch_id in self._evicted
+
+    def add(self, batch: _Batch) -> None:
+        self.live[batch.batch_id] = batch
+
+    def ended(self, batch: _Batch) -> None:
+        del self.live[batch.batch_id]
+        self._ended[batch.batch_id] = batch
+        self._ended_bytes += batch.size
+        s = self._settings
+        while self._ended and (len(self._ended) > s.retained_batches or self._ended_bytes > s.retained_bytes):
+            old_id, old = self._ended.popitem(last=False)
+            self._ended_bytes -= old.size
+            self._evicted[old_id] = None
+            if len(self._evicted) > self._evicted_cap:
+                self._evicted.popitem(last=False)
+
+    def all_live(self) -> list[_Batch]:
+        return list(self.live.values())
+
+
+class _ReloadGate:
+    """Batches run concurrently; a weight reload runs alone. A reload first stops new batches from starting, then
+    waits for the running ones to end, so it is never starved and no batch sees two policy versions."""
+
+    def __init__(self) -> None:
+        self._cond = asyncio.Condition()
+        self._running = 0
+        self._reloading = False
+
+    @contextlib.asynccontextmanager
+    async def batch(self) -> AsyncIterator[None]:
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._reloading)
+            self._running += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._running -= 1
+                self._cond.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def reload(self, drain: bool = True) -> AsyncIterator[None]:
+        """`drain` False: without waiting for the running batches (the engines are paused, docs/design.md
+        "vLLM's RL control plane")."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._reloading)
+            self._reloading = True
+            try:
+                if drain:
+                    await self._cond.wait_for(lambda: self._running == 0)
+            except BaseException:
+                self._reloading = False
+                self._cond.notify_all()
+                raise
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self._reloading = False
+                self._cond.notify_all()
+
+
+_pack = msgpack.Packer().pack  # one per process is safe: the event loop calls it from one thread
+_json = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _encoder(wire: str) -> Callable[[list[bytes]], bytes]:
+    """Stored msgpack frames to the wire: as they are, or re-encoded as NDJSON lines."""
+    if wire == MSGPACK:
+        return b"".join
+    return lambda frames: "".join(_json(msgpack.unpackb(f)) + "\n" for f in frames).encode()
+
+
+def _json_safe(value: Any) -> Any:
+    """`value` with what JSON cannot carry (NaN and infinite floats, lone UTF-16 surrogates) turned into text, so
+    an error that echoes a refused input is still a JSON body and not a 500."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode()
+    if isinstance(value, dict):
+        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+_INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+
+
+def _exact_integers(node: Any) -> None:
+    """Integer schemas' bounds in `node` (an OpenAPI document, in place) as JSON integers. FastAPI's schema model types
+    bounds as floats, so int64's 2**63 - 1 came out as 9.223372036854776e+18 (= 2**63), a value the validators
+    refuse. A float bound below 2**53 is the integer exactly; 2**63 can only stand for INT64_MAX (its nearest double),
+    the one bound beyond 2**53 the models declare."""
+    if isinstance(node, dict):
+        if node.get("type") == "integer":
+            for key in _INTEGER_BOUNDS:
+                bound = node.get(key)
+                if isinstance(bound, float) and bound.is_integer():
+                    node[key] = INT64_MAX if bound >= 2**63 else max(int(bound), -INT64_MAX - 1)
+        for value in node.values():
+            _exact_integers(value)
+    elif isinstance(node, list):
+        for value in node:
+            _exact_integers(value)
+
+
+def _exact_integer_bounds(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's OpenAPI schema of `app`, with exact integer bounds (`_exact_integers`); built once."""
+    if not app.openapi_schema:
+        _exact_integers(FastAPI.openapi(app))
+    return app.openapi_schema
+
+
+def _engine_error(exc: EngineInputError, loc: list[str | int]) -> HTTPException:
+    """A backend refusal in the shape of FastAPI's own validation errors, so clients parse one format."""
+    return HTTPException(422, [{"loc": loc, "msg": _json_safe(str(exc)), "type": "value_error"}])
+
+
+class _Gateway:
+    """The app's state and the logic behind its routes."""
+
+    def __init__(self, backend: RolloutBackend, settings: GatewaySettings) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.metrics = GatewayMetrics(backend.stats)
+        self.metrics.policy_version = backend.policy_version
+        self.batches = _BatchRegistry(settings)
+        self.gate = _ReloadGate()
+        self._current: _Batch | None = None  # the most recently started batch
+        self.paused = False  # by POST /pause, until POST /resume (service/http/rl_control.py)
+        self.hold = PauseHold()  # new batches wait here while paused (service/cluster/pause_hold.py says why)
+        self._admitting = 0  # requests between the in-flight check and their batch's registration
+        self.stalls_in_a_row = 0  # batches failed by the stall timeout since a sample last finished
+        self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
+        self.metrics.batch_journal = self.journal
+        self.sessions = SessionBook(settings.sessions, on_close=self.metrics.observe_session)
+        self.metrics.sessions = self.sessions
+        attach = getattr(backend, "attach_sessions", None)  # a backend that places turns by engine reads the book
+        if attach is not None:
+            attach(self.sessions)
+        self._stopping = False  # batches aborted from now on were cut off by the shutdown
+        self._aborts: set[asyncio.Task[None]] = set()  # aborts of abandoned batches (the loop holds tasks weakly)
+
+    # ---- rollouts ----
+
+    def _existing(self, body: RolloutRequest, fingerprint: str) -> _Batch | None:
+        if body.batch_id is None:
+            return None
+        if self.batches.evicted(body.batch_id):
+            raise HTTPException(410, f"batch {body.batch_id} ended and its results are no longer retained")
+        batch = self.batches.get(body.batch_id)
+        if batch is not None and batch.fingerprint != fingerprint:
+            raise HTTPException(409, f"batch_id {body.batch_id} is already used by a different batch")
+        if batch is None and self.journal is not None and (old := self.journal.previous(body.batch_id)):
+            self.metrics.previous_run_refusals += 1
+            raise HTTPException(409, old.refusal(fingerprint).model_dump())
+        return batch
+
+    async def admit(self, body: RolloutRequest) -> tuple[_Batch, int]:
+        """The batch this request streams (a new one, or the running/ended one with its id) and the record to
+        start from."""
+        identity = body.model_dump_json(include={"groups", "logprobs", "return_prompt_token_ids", "seed"})
+        fingerprint = hashlib.sha256(identity.encode()).hexdigest()
+        batch = self._existing(body, fingerprint)
+        if batch is not None:
+            return batch, body.resume_from
+        samples = sum(g.n for g in body.groups)
+        if samples > self.settings.max_batch_samples:
+            raise HTTPException(413, f"the batch asks for {samples} samples; the limit is "
+                                     f"{self.settings.max_batch_samples} (max_batch_samples)")
+        if not await self.backend.ready():
+            raise HTTPException(503, "the backend is not ready", headers={"Retry-After": "5"})
+        # Requests still being checked hold a slot too: counting registered batches only, every request checked at
+        # the same time would pass.
+        in_flight = len(self.batches.live) + self._admitting
+        if in_flight >= self.settings.max_batches_in_flight:
+            raise HTTPException(429, f"{in_flight} batches in flight; the limit is "
+                                     f"{self.settings.max_batches_in_flight}", headers={"Retry-After": "1"})
+        self._admitting += 1
+        try:
+            try:
+                await self.backend.check(body.groups)
+            except GroupInputError as exc:
+                raise _engine_error(exc, ["body", "groups", exc.group_index]) from None
+            except EngineInputError as exc:
+                raise _engine_error(exc, ["body", "groups"]) from None
+            # A concurrent request with the same id may have started the batch while the checks awaited.
+            batch = self._existing(body, fingerprint)
+            if batch is not None:
+                return batch, body.resume_from
+            # Seeds are fixed here, once: a sample re-run after its engine died draws the same tokens.
+            seed = body.seed if body.seed is not None else fresh_seed()
+            batch = _Batch(body.batch_id or uuid.uuid4().hex, seeded_groups(body.groups, seed), body.logprobs,
+                           body.return_prompt_token_ids, fingerprint, seed, body.progress)
+            turns = [(g.session_id, g.problem_id) for g in body.groups if g.session_id is not None]
+            if turns:
+                try:
+                    self.sessions.begin(batch.batch_id, turns)
+                except SessionConflict as exc:
+                    if exc.status != 422:
+                        raise HTTPException(exc.status, str(exc)) from None
+                    index = next(i for i, g in enumerate(body.groups) if g.session_id == exc.session_id)
+                    raise _engine_error(EngineInputError(str(exc)), ["body", "groups", index, "session_id"]) from None
+            self.batches.add(batch)
+            if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id
+                self.journal.accepted(batch.batch_id, fingerprint, batch.expected)
+        finally:
+            self._admitting -= 1
+        self.metrics.batches_in_flight += 1
+        batch.task = asyncio.create_task(self._run(batch), name=f"batch-{batch.batch_id}")
+        return batch, 0
+
+    async def _run(self, batch: _Batch) -> None:
+        status: BatchStatus = "failed"
+        error: str | None = None
+        stall_s = self.settings.batch_stall_timeout_s
+        stalled: asyncio.Timeout | None = None
+        try:
+            await self.hold.wait()  # a batch sent while paused reaches the engines once they have resumed
+            async with self.gate.batch():
+                batch.start()
+                self._current = batch
+                self.metrics.current_batch_longest = 0
+                loop = asyncio.get_running_loop()
+                # Started here, not before the gate: a batch held behind a reload is waiting, not stalled.
+                stalled = batch.stall = asyncio.timeout(None if self.paused else stall_s)
+                def heard(group_index: int, report: SampleProgress) -> None:
+                    # a token made anywhere in the batch: it is not stalled (a long sample is not a stall)
+                    assert stalled is not None
+                    stalled.reschedule(None if self.paused else loop.time() + stall_s)
+                    self.stalls_in_a_row = 0
+                    batch.progress(group_index, report)
+
+                async with stalled, contextlib.aclosing(self.backend.generate(batch.groups, heard)) as stream:
+                    async for group_index, sample in stream:
+                        stalled.reschedule(None if self.paused else loop.time() + stall_s)
+                        self.stalls_in_a_row = 0
+                        self.metrics.observe_sample(sample, batch.groups[group_index].sampling.max_tokens)
+                        if batch is self._current:
+                            self.metrics.current_batch_longest = max(self.metrics.current_batch_longest,
+                                                                     len(sample.token_ids))
+                        batch.add(group_index, sample)
+                        if (group := batch.groups[group_index]).session_id is not None:
+                            self.sessions.finished(
+                                batch.batch_id, group.session_id, engine=sample.engine,
+                                prompt_tokens=len(sample.prompt_token_ids or group.prompt_token_ids or ()),
+                                output_tokens=len(sample.token_ids), finish_reason=sample.finish_reason,
+                                policy_version=sample.policy_version, policy_spans=sample.policy_spans)
+            status = "done"
+        except asyncio.CancelledError:
+            # DELETE or shutdown. Not re-raised: this task is the batch's own and ends here.
+            status = "aborted"
+        except Exception as exc:
+            if stalled is not None and stalled.expired():
+                error = (f"no sample made a token for {stall_s:g} s (batch_stall_timeout_s); the samples still "
+                         f"running were aborted")
+                self.stalls_in_a_row += 1
+                log.error("batch %s failed: %s", batch.batch_id, error)
+            else:
+                log.exception("batch %s failed", batch.batch_id)
+                error = f"{type(exc).__name__}: {exc}"
+        finally:
+            self._finish(batch, status, error)
+
+    def _finish(self, batch: _Batch, status: BatchStatus, error: str | None) -> None:
+        """Ends the batch once (its task, or `abort` when the task was cancelled before its first step)."""
+        if batch.ended:
+            return
+        batch.end(status, error)
+        self.batches.ended(batch)
+        self.sessions.batch_ended(batch.batch_id)
+        if self.journal is not None:
+            ended: EndStatus = "interrupted" if self._stopping and status == "aborted" else status
+            self.journal.ended(batch.batch_id, ended, len(batch.frames))
+        self.metrics.batches_in_flight -= 1
+        makespan = batch.finish_times[-1] if batch.finish_times else 0.0
+        self.metrics.observe_batch(status, makespan, batch.finish_times, batch.lengths)
+
+    @staticmethod
+    async def stream(batch: _Batch, start: int, wire: str, progress: bool = False) -> AsyncIterator[bytes]:
+        """The batch's records from position `start`, as they come, then its summary. Whatever is ready goes out
+        in one chunk: one write per burst, not per sample. With `progress` (and a batch that keeps progress), the
+        samples' progress frames too, each before its sample's record."""
+        encode = _encoder(wire)
+        log = batch.progress_log if progress else None
+        frames = log.frames if log is not None else batch.frames
+        sent = log.start(start) if log is not None else start
+        while True:
+            available = len(frames)
+            if sent < available:
+                end = min(available, sent + _CHUNK_RECORDS)
+                yield encode(frames[sent:end])
+                sent = end
+            elif batch.ended:
+                yield encode([_pack({"summary": batch.summary().model_dump()})])
+                return
+            else:
+                await batch.wait_beyond(sent, frames)
+
+    async def follow(self, batch: _Batch, start: int, wire: str, progress: bool) -> AsyncIterator[bytes]:
+        """`stream` for one client connection of POST /v1/rollouts. A tied batch (no batch_id) that its last reader
+        leaves before it ended is aborted, and counted abandoned: nothing could attach to it again. A named batch
+        runs on, replayable under its retention."""
+        batch.readers += 1
+        try:
+            async with contextlib.aclosing(self.stream(batch, start, wire, progress)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
+        finally:
+            batch.readers -= 1
+            if batch.tied and batch.readers == 0 and not batch.ended:
+                self.metrics.requests_abandoned["/v1/rollouts"] += 1
+                # A task: this generator is being closed (cancelled), and must not await the abort itself.
+                task = asyncio.create_task(self.abort(batch), name=f"abandoned-{batch.batch_id}")
+                self._aborts.add(task)
+                task.add_done_callback(self._aborts.discard)
+
+    async def abort(self, batch: _Batch) -> None:
+        if batch.task is not None and not batch.ended:
+            batch.task.cancel()
+            await asyncio.wait([batch.task])
+            self._finish(batch, "aborted", None)
+
+    async def shutdown(self) -> None:
+        self._stopping = True
+        for batch in self.batches.all_live():
+            await self.abort(batch)
+        if self.journal is not None:
+            self.journal.close()
+
+    # ---- weights ----
+
+    def weights_path(self, given: str) -> Path:
+        root = self.settings.weights_root
+        if root is None:
+            raise HTTPException(403, "weight reloads are disabled: no weights root is configured")
+        root = root.resolve()
+        path = Path(given)
+        try:
+            path = (path if path.is_absolute() else root / path).resolve()
+        except (OSError, RuntimeError) as exc:  # a symlink loop, a directory it may not enter: nothing to load
+            # The reason only: the message would show where the weights root lies on the server.
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else "a symlink loop"
+            raise HTTPException(422, [{"loc": ["body", "path"], "msg": f"cannot be resolved: {reason}",
+                                       "type": "value_error"}]) from None
+        if not path.is_relative_to(root):
+            raise HTTPException(403, "path: the weights must lie under the configured weights root")
+        return path
+
+    async def reload(self, body: WeightsRequest) -> WeightsResponse:
+        version, seconds = await self.load_weights(body.path, body.version)
+        return WeightsResponse(policy_version=version, reload_s=seconds)
+
+    async def load_weights(self, given: str, version: int | None) -> tuple[int, float]:
+        """Loads the checkpoint `given` (confined to the weights root) as policy `version` (None: the served one
+        + 1) on every engine; returns the version served and the seconds it took. Waits for the running batches
+        first unless the service is paused (their samples then span the update: SampleResult.policy_spans)."""
+        path = self.weights_path(given)
+        start = time.perf_counter()
+        async with self.gate.reload(drain=not self.paused):
+            # Checked inside the gate: a concurrent reload may have moved the version while this one waited.
+            served = self.backend.policy_version
+            version = served + 1 if version is None else version
+            if version <= served:
+                raise HTTPException(409, f"version: {version} is not newer than the served {served}")
+            try:
+                version = await self.backend.reload_weights(path, version)
+            except EngineInputError as exc:
+                raise _engine_error(exc, ["body"]) from None
+        seconds = time.perf_counter() - start
+        self.metrics.reload_duration.observe(seconds)
+        self.metrics.policy_version = version
+        return version, seconds
+
+    def set_paused(self, paused: bool) -> None:
+        """Marks the service paused or not; a paused batch's stall timer is off (no sample may finish while the
+        engines are paused), and starts afresh on resume."""
+        self.paused = paused
+        if paused:
+            self.hold.pause()
+        else:
+            self.hold.release()
+        deadline = None if paused else asyncio.get_running_loop().time() + self.settings.batch_stall_timeout_s
+        for batch in self.batches.all_live():
+            if batch.stall is not None and not batch.ended:
+                with contextlib.suppress(RuntimeError):  # its timer has already been left (the batch is ending)
+                    batch.stall.reschedule(deadline)
+
+
+def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None) -> FastAPI:
+    """The gateway over `backend`. Batches still running at shutdown are aborted."""
+    gateway = _Gateway(backend, settings or GatewaySettings())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if gateway.settings.freeze_gc:
+            # Imports and setup leave ~70k long-lived objects; a full collection scans them all (45 ms on this
+            # machine), and the first one comes during the first batches, stalling every stream. Frozen, they
+            # are never scanned again.
+            gc.collect()
+            gc.freeze()
+        yield
+        await gateway.shutdown()
+
+    # Every route: RequestGuard answers before any route runs.
+    guarded = error_responses({408: "the request body did not arrive within body_timeout_s (connection closed)",
+                               413: "the request body is over max_body_bytes (refused before it is parsed)"})
+    app = FastAPI(title="DAS rollout service", version="1", lifespan=lifespan, description=__doc__,
+                  responses=guarded)
+    app.openapi = lambda: _exact_integer_bounds(app)  # type: ignore[method-assign]
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        """FastAPI's own 422, with the echoed input made JSON-safe."""
+        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        """FastAPI's own answers, except a body that is not UTF-8: FastAPI gives it a bare 400, where a body that is
+        not JSON is 422; both are invalid input, 422 here. A 405's Allow lists the methods of every route of the
+        path (Starlette's names the first route's only: GET /v1/rollouts/{id} hid DELETE)."""
+        if isinstance(exc.__cause__, UnicodeDecodeError):
+            return JSONResponse({"detail": [{"loc": ["body"], "msg": "JSON decode error: the body is not UTF-8",
+                                             "type": "json_invalid"}]}, 422)
+        if exc.status_code == 405:
+            allowed = sorted({method for route in app.routes if isinstance(route, BaseRoute)
+                              and route.matches(request.scope)[0] is not Match.NONE
+                              for method in getattr(route, "methods", None) or ()})
+            exc = StarletteHTTPException(405, exc.detail, headers={**(exc.headers or {}), "Allow": ", ".join(allowed)})
+        return await http_exception_handler(request, exc)
+
+    token = gateway.settings.token
+    # HTTPBearer documents the scheme in the OpenAPI schema; RequestGuard enforces it, before any body is read.
+    api = APIRouter(route_class=OffloopJsonRoute,
+                    dependencies=[Depends(HTTPBearer(auto_error=False))] if token is not None else [],
+                    responses=error_responses({401: "missing or wrong bearer token"}) if token is not None else None)
+
+    def known(batch_id: str) -> _Batch:
+        batch = gateway.batches.get(batch_id)
+        if batch is None:
+            if gateway.batches.evicted(batch_id):
+                raise HTTPException(410, f"batch {batch_id} ended and its results are no longer retained")
+            raise HTTPException(404, f"batch {batch_id} is unknown")
+        return batch
+
+    @api.post("/v1/rollouts", response_class=StreamingResponse, responses={200: {
+        "model": SampleRecord,
+        "description": "a stream of SampleRecord objects, then {\"summary\": BatchSummary}: NDJSON, or a msgpack "
+                       "stream (concatenated maps, no length prefix) with Accept: application/msgpack",
+        "content": {NDJSON: {}, MSGPACK: {}}}, **error_responses({
+            409: "batch_id already used by a different batch (or accepted by an earlier run), or a group's session "
+                 "is running a turn",
+            410: "the batch with this batch_id ended and its results are no longer retained",
+            413: "the body is over max_body_bytes, or the batch asks for more than max_batch_samples samples",
+            429: "max_batches_in_flight batches are queued or running (Retry-After)",
+            503: "the backend is not ready (Retry-After)"})})
+    async def post_rollouts(body: RolloutRequest, request: Request) -> StreamingResponse:
+        """Run a batch (or attach to the batch with this batch_id) and stream its samples as they finish."""
+        batch, start = await gateway.admit(body)
+        if body.batch_id is None:
+            batch.tied = True  # a new batch (an unnamed request never attaches): its client alone can read it
+        wire = MSGPACK if MSGPACK in request.headers.get("accept", "") else NDJSON
+        return StreamingResponse(gateway.follow(batch, start, wire, body.progress), media_type=wire,
+                                 headers={"X-Batch-Id": batch.batch_id, "X-Stream-Offset": str(start)})
+
+    unknown_batch = error_responses({404: "no batch has this id",
+                                     410: "the batch ended and its results are no longer retained"})
+
+    @api.get("/v1/rollouts/{batch_id}", responses=unknown_batch)
+    async def get_rollout(batch_id: str) -> BatchSummary:
+        """Status and progress of a batch."""
+        return known(batch_id).summary()
+
+    @api.delete("/v1/rollouts/{batch_id}", responses=unknown_batch)
+    async def delete_rollout(batch_id: str) -> BatchSummary:
+        """Abort a batch (its samples so far stay replayable); an ended batch is left as it is."""
+        batch = known(batch_id)
+        await gateway.abort(batch)
+        return batch.summary()
+
+    @api.post("/v1/weights", responses=error_responses({
+        403: "path outside the weights root, or no weights root configured",
+        409: "version not newer than the served one"}))
+    async def post_weights(body: WeightsRequest) -> WeightsResponse:
+        """Reload the policy; waits for running batches, holds new ones until done."""
+        return await gateway.reload(body)
+
+    @api.post("/v1/history", responses=error_responses({
+        413: "the body is over max_body_bytes, or it carries more than max_history_records records"}))
+    async def post_history(body: HistoryRequest) -> HistoryResponse:
+        """Import finished rollouts for drafting; all are validated first, so a bad one imports nothing."""
+        limit = gateway.settings.max_history_records
+        if len(body.records) > limit:
+            raise HTTPException(413, f"{len(body.records)} records; the limit is {limit} (max_history_records)")
+        try:
+            added = await backend.add_history(body.records)
+        except EngineInputError as exc:
+            raise _engine_error(exc, ["body", "records"]) from None
+        gateway.metrics.history_imported += added
+        return HistoryResponse(added=added)
+
+    @api.get("/v1/history/{problem_id}", responses=error_responses({404: "no rollouts of this problem are held",
+                                                                     501: "the backend keeps no history store"}))
+    async def get_history(problem_id: str) -> ProblemSummary:
+        """What the history store holds for a problem: rollouts, tokens, policy versions, lengths."""
+        try:
+            summary = await backend.history(problem_id)
+        except HistoryUnavailable as exc:
+            raise HTTPException(501, str(exc)) from None
+        if summary is None:
+            raise HTTPException(404, f"no rollouts of problem {problem_id!r} are held")
+        return summary
+
+    @api.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus text exposition."""
+        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
+
+    api.include_router(openai_router(gateway))  # under the same auth
+    api.include_router(rl_control_router(gateway))
+    api.include_router(session_router(gateway))
+    app.include_router(api)
+
+    @app.get("/healthz", responses=error_responses({503: "the backend cannot serve again without a restart, or "
+                                                          "makes no progress"}))
+    async def healthz(response: Response) -> dict[str, str]:
+        """200 while the process answers and the backend can serve or is recovering; 503 once it cannot recover
+        (every engine past its restart cap) or makes no progress (`stalls_until_unlive` batches in a row failed by
+        the stall timeout), so an orchestrator restarts the process."""
+        if not await backend.live():
+            response.status_code = 503
+            return {"status": "failed", "reason": "no engine can serve again (restart cap)"}
+        stalls = gateway.stalls_in_a_row
+        if stalls >= gateway.settings.stalls_until_unlive:
+            response.status_code = 503
+            return {"status": "failed", "reason": f"{stalls} batches in a row finished no sample within "
+                                                  f"batch_stall_timeout_s"}
+        return {"status": "ok"}
+
+    @app.get("/readyz", responses=error_responses({503: "the backend is not ready"}))
+    async def readyz(response: Response) -> dict[str, bool]:
+        """200 once the backend can run batches, 503 before."""
+        ready = await backend.ready()
+        if not ready:
+            response.status_code = 503
+        return {"ready": ready}
+
+    # Routes answering in OpenAI's (and vLLM's) error shape get their refusals before any route in that shape too.
+    openai_paths = frozenset(route.path for route in app.routes if isinstance(route, OpenAIErrorRoute))
+
+    def error_body(path: str, status: int, message: str) -> dict[str, Any]:
+        if path in openai_paths:
+            return OpenAIError(status, message, code="invalid_api_key" if status == 401 else None).body().model_dump()
+        return {"detail": message}
+
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=gateway.settings.max_body_bytes,
+                       body_timeout_s=gateway.settings.body_timeout_s, error_body=error_body,
+                       open_paths=frozenset({"/healthz", "/readyz", app.openapi_url, app.docs_url, app.redoc_url,
+                                             app.swagger_ui_oauth2_redirect_url}) - {None},
+                       on_body_timeout=gateway.metrics.body_timed_out)
+    return app

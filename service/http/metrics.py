@@ -1,0 +1,354 @@
+"""Prometheus metrics of the gateway (prefix `das_`, units in the names, docs/design.md "Metrics").
+
+The gateway updates plain counters and bucket arrays on its event loop, per sample as it streams; prometheus-client
+reads them at scrape time through a custom collector. Why not its Counter/Histogram objects: each update takes a
+lock and checks (2-5 us on this machine), a sample touches six of them, and in a profile of the load test that was
+a third of the gateway's per-sample work. Each `GatewayMetrics` has its own CollectorRegistry, so several apps in
+one process (tests, an embedded service beside a trainer) never register the same name twice.
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import Counter as Tally
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.utils import floatToGoString
+
+from das.service.cluster.history_store import resident_bytes
+from das.service.cluster.rollout_backend import BackendStats
+from das.service.http.batch_journal import BatchJournal
+from das.service.wire.api import SampleResult
+from das.service.cluster.sessions import Session, SessionBook
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # what `render()` produces
+
+_LENGTH_BUCKETS = tuple(float(2**k) for k in range(4, 16))  # 16 .. 32768 tokens
+_SECONDS_BUCKETS = (0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 3600)
+_SHARE_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_RATIO_BUCKETS = (1.0, 1.25, 1.5, 2, 3, 4, 6, 8, 12, 16, 32)
+_TURN_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64)
+_ACCEPT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2, 2.5, 3, 4, 5, 6, 8, 12, 16)
+LENGTH_CLASSES = ("short", "medium", "long")
+
+
+def length_class(length: int, max_tokens: int) -> str:
+    """A sample's length class by its output length as a share of its max_tokens: short < 1/4 <= medium < 3/4 <=
+    long. By the final length, so the dashboard shows where the drafts went: the length-aware budget should give
+    the long class most of them."""
+    share = length / max_tokens if max_tokens > 0 else 1.0
+    return "short" if share < 0.25 else "medium" if share < 0.75 else "long"
+
+
+class _Histogram:
+    """Bucket counts of one histogram; `le` semantics: a value equal to a bound falls in that bound's bucket."""
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float]) -> None:
+        self.name, self.doc = name, doc
+        self._bounds = tuple(float(b) for b in bounds)
+        self._counts = [0] * (len(self._bounds) + 1)  # the last one: above every bound (+Inf only)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def buckets(self) -> list[tuple[str, float]]:
+        cumulative, buckets = 0, []
+        for bound, count in zip((*self._bounds, float("inf")), self._counts):
+            cumulative += count
+            buckets.append((floatToGoString(bound), cumulative))
+        return buckets
+
+    def family(self) -> HistogramMetricFamily:
+        return HistogramMetricFamily(self.name, self.doc, buckets=self.buckets(), sum_value=self._sum)
+
+
+class _LabelledHistogram:
+    """One `_Histogram` per value of one label, created on first use."""
+
+    def __init__(self, name: str, doc: str, bounds: Sequence[float], label: str) -> None:
+        self.name, self.doc, self.label = name, doc, label
+        self._bounds = bounds
+        self._by_value: dict[str, _Histogram] = {}
+
+    def observe(self, value: str, x: float) -> None:
+        histogram = self._by_value.get(value)
+        if histogram is None:
+            histogram = self._by_value[value] = _Histogram(self.name, self.doc, self._bounds)
+        histogram.observe(x)
+
+    def family(self) -> HistogramMetricFamily:
+        family = HistogramMetricFamily(self.name, self.doc, labels=[self.label])
+        for value, histogram in sorted(self._by_value.items()):
+            family.add_metric([value], histogram.buckets(), histogram._sum)  # noqa: SLF001 -- same module
+        return family
+
+
+class GatewayMetrics:
+    """The gateway's metrics; `render()` is the /metrics body. Call from the event loop thread only.
+    `backend_stats` gives the engine and history figures at scrape time (it must not block)."""
+
+    def __init__(self, backend_stats: Callable[[], BackendStats] = BackendStats) -> None:
+        self.backend_stats = backend_stats
+        self.samples: Tally[str] = Tally()  # by finish reason
+        self.output_tokens = 0
+        self.draft_proposed: Tally[str] = Tally()  # by length class
+        self.draft_accepted: Tally[str] = Tally()
+        self.current_batch_longest = 0  # tokens, the most recently started batch
+        self.batches: Tally[str] = Tally()  # ended, by status
+        self.batches_in_flight = 0
+        self.policy_version = 0
+        self.history_imported = 0
+        self.previous_run_refusals = 0  # requests for a batch id an earlier run of the service accepted
+        self.requests_abandoned: Tally[str] = Tally()  # by route: clients that left before their work was done
+        self.body_timeouts = 0  # requests answered 408: the body did not arrive within body_timeout_s
+        self.batch_journal: BatchJournal | None = None  # the gateway's, when it has a state directory
+        self.acceptance_length = _LabelledHistogram(
+            "das_acceptance_length_tokens", "Output tokens per decode step of a sample (1 = no draft accepted), "
+            "by length class.", _ACCEPT_BUCKETS, "length_class")
+        self.generated_length = _Histogram("das_generated_length_tokens", "Output length of a sample.",
+                                           _LENGTH_BUCKETS)
+        self.makespan = _Histogram("das_batch_makespan_seconds", "Start of a batch to its last sample.",
+                                   _SECONDS_BUCKETS)
+        self.tail_share = _Histogram("das_batch_tail_share_ratio",
+                                     "Share of the makespan after the median sample finished.", _SHARE_BUCKETS)
+        self.straggler = _Histogram("das_batch_straggler_ratio", "Longest / median output length of a batch.",
+                                    _RATIO_BUCKETS)
+        self.reload_duration = _Histogram("das_weight_reload_seconds",
+                                          "A weight reload, including the wait for running batches.",
+                                          _SECONDS_BUCKETS)
+        self.sessions: SessionBook | None = None  # the gateway's
+        self.session_makespan = _Histogram("das_session_makespan_seconds", "An agent trajectory (session) that "
+                                           "ended: its first turn's start to its last turn's end, tool time "
+                                           "included.", _SECONDS_BUCKETS)
+        self.session_turns = _Histogram("das_session_trajectory_turns", "Turns of a trajectory (session) that "
+                                        "ended.", _TURN_BUCKETS)
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def observe_sample(self, sample: SampleResult, max_tokens: int) -> None:
+        """One finished sample, as soon as the backend hands it over; `max_tokens` is its group's limit."""
+        length = len(sample.token_ids)
+        cls = length_class(length, max_tokens)
+        self.samples[sample.finish_reason] += 1
+        self.output_tokens += length
+        self.generated_length.observe(length)
+        self.draft_proposed[cls] += sample.draft_tokens
+        self.draft_accepted[cls] += sample.accepted_tokens
+        if sample.decode_steps:
+            self.acceptance_length.observe(cls, length / sample.decode_steps)
+
+    def body_timed_out(self) -> None:
+        """A request body that did not arrive in time (service/http/request_guard.py)."""
+        self.body_timeouts += 1
+
+    def observe_session(self, session: Session, reason: str) -> None:
+        """A session that ended (closed, aborted, expired or evicted), if any turn of it finished."""
+        if session.turns and session.ended_s is not None:
+            self.session_makespan.observe(session.ended_s - session.opened_s)
+            self.session_turns.observe(len(session.turns))
+
+    def observe_batch(self, status: str, makespan_s: float, finish_times_s: Sequence[float],
+                      lengths: Sequence[int]) -> None:
+        """A batch that ended; the shape metrics (makespan, tail, stragglers) only for completed, non-empty ones.
+        `finish_times_s`: each sample's finish, seconds after the batch started."""
+        self.batches[status] += 1
+        if status != "done" or not lengths:
+            return
+        self.makespan.observe(makespan_s)
+        if makespan_s > 0:
+            self.tail_share.observe((makespan_s - statistics.median(finish_times_s)) / makespan_s)
+        median_length = statistics.median(lengths)
+        if median_length > 0:
+            self.straggler.observe(max(lengths) / median_length)
+
+    def collect(self) -> Iterator[Metric]:
+        """prometheus-client's collector hook: the current values as metric families."""
+        yield _labelled("das_samples_served", "Samples finished and streamed, by finish reason.", "finish_reason",
+                        self.samples)
+        yield CounterMetricFamily("das_output_tokens", "Output tokens of served samples.",
+                                  value=self.output_tokens)
+        yield _labelled("das_draft_tokens_proposed", "Draft tokens proposed and verified, by the sample's length "
+                        "class.", "length_class", self.draft_proposed)
+        yield _labelled("das_draft_tokens_accepted", "Draft tokens accepted by verification, by the sample's length "
+                        "class.", "length_class", self.draft_accepted)
+        yield _labelled("das_batches", "Batches ended, by status (done, aborted, failed).", "status", self.batches)
+        yield GaugeMetricFamily("das_batches_in_flight", "Batches accepted and not yet ended.",
+                                value=self.batches_in_flight)
+        yield GaugeMetricFamily("das_policy_version", "Policy version being served.", value=self.policy_version)
+        yield CounterMetricFamily("das_history_records_imported", "Rollout records imported for drafting.",
+                                  value=self.history_imported)
+        yield GaugeMetricFamily("das_current_batch_longest_tokens", "Longest output among the samples finished "
+                                "so far in the most recently started batch.", value=self.current_batch_longest)
+        yield CounterMetricFamily("das_batches_from_previous_run_refused", "Requests refused (409) because an "
+                                  "earlier run of the service accepted their batch id.",
+                                  value=self.previous_run_refusals)
+        yield _labelled("das_requests_abandoned", "Requests whose client left before all their samples came, by "
+                        "route; their work is given up (a batch is aborted once nothing reads it).", "route",
+                        self.requests_abandoned)
+        yield CounterMetricFamily("das_request_body_timeouts", "Requests answered 408 because their body did not "
+                                  "arrive within body_timeout_s.", value=self.body_timeouts)
+        if self.batch_journal is not None:
+            journal = self.batch_journal.counters()
+            yield CounterMetricFamily("das_batch_journal_torn_records", "Torn records dropped from the end of the "
+                                      "batch journal at start.", value=journal.torn_records)
+            yield CounterMetricFamily("das_batch_journal_quarantined", "Damaged batch journal files set aside "
+                                      "(renamed .bad-<reason>-<time>) at start.", value=journal.quarantined_files)
+            yield CounterMetricFamily("das_batch_journal_write_failures", "Batch journal records or compactions "
+                                      "that could not be written (those batches are not protected against a "
+                                      "second run after a restart).", value=journal.write_failures)
+        yield from self._backend_families()
+        yield from self._session_families()
+        for histogram in (self.acceptance_length, self.generated_length, self.makespan, self.tail_share,
+                          self.straggler, self.reload_duration, self.session_makespan, self.session_turns):
+            yield histogram.family()
+
+    def _backend_families(self) -> Iterator[Metric]:
+        stats = self.backend_stats()
+        running = GaugeMetricFamily("das_engine_requests_running", "Requests in the engine's running batch.",
+                                    labels=["engine"])
+        waiting = GaugeMetricFamily("das_engine_requests_waiting", "Requests queued in the engine.",
+                                    labels=["engine"])
+        speculate = GaugeMetricFamily("das_speculate_latency_seconds", "Proposer time per decode step (whole "
+                                      "batch), over the engine's recent steps.", labels=["engine", "quantile"])
+        proposed = CounterMetricFamily("das_source_draft_tokens_proposed", "Draft tokens proposed by our drafter "
+                                       "since the engine started, by the source they came from (live, prompt, "
+                                       "global, sealed-age-<a>: the rollouts of the policy a versions back).",
+                                       labels=["engine", "source"])
+        accepted = CounterMetricFamily("das_source_draft_tokens_accepted", "Draft tokens accepted, by source.",
+                                       labels=["engine", "source"])
+        cost = {key: GaugeMetricFamily(name, doc, labels=["engine"]) for key, name, doc in (
+            ("c_base_s", "das_engine_step_base_seconds", "The engine's live step cost fit: seconds a decode step "
+             "costs however few tokens it verifies."),
+            ("c_tok_s", "das_engine_step_token_seconds", "The live step cost fit: seconds per token verified."),
+            ("c_spec_s", "das_engine_step_spec_seconds", "The live step cost fit: the extra seconds of a step that "
+             "verifies drafts, whatever its size."),
+            ("c_spec_req_s", "das_engine_step_spec_request_seconds", "The live step cost fit: the extra seconds of a "
+             "step that verifies drafts, per running request."),
+            ("fit_error", "das_engine_step_fit_error_ratio", "Recent relative RMS error of the step cost fit."),
+            ("guard_price", "das_engine_guard_price_ratio", "The never-a-loss guard's extra price on a drafted step, "
+             "as a share of a plain step (0: not backing off)."))}
+        prompt = CounterMetricFamily("das_engine_prompt_tokens", "Prompt tokens of the requests the engine "
+                                     "scheduled (each sample of a group counts its prompt).", labels=["engine"])
+        cached = CounterMetricFamily("das_engine_prompt_tokens_cached", "Prompt tokens found in the engine's prefix "
+                                     "cache instead of computed (a group's samples share their prompt's full KV "
+                                     "blocks).", labels=["engine"])
+        rejected = CounterMetricFamily("das_engine_step_fit_rejected", "Measured steps (what=step) and fits "
+                                       "(what=fit) the online cost model rejected.", labels=["engine", "what"])
+        for load in stats.engines:
+            for key, family in cost.items():
+                if isinstance(load.step_cost.get(key), (int, float)):
+                    family.add_metric([load.engine], float(load.step_cost[key]))
+            for what in ("step", "fit"):
+                if isinstance(load.step_cost.get(f"rejected_{what}s"), int):
+                    rejected.add_metric([load.engine, what], load.step_cost[f"rejected_{what}s"])
+            for source, (p, a) in sorted(load.drafts_by_source.items()):
+                proposed.add_metric([load.engine, source], p)
+                accepted.add_metric([load.engine, source], a)
+            running.add_metric([load.engine], load.running)
+            prompt.add_metric([load.engine], load.prompt_tokens)
+            cached.add_metric([load.engine], load.cached_prompt_tokens)
+            waiting.add_metric([load.engine], load.waiting)
+            for q, value in (("0.5", load.speculate_p50_s), ("0.99", load.speculate_p99_s)):
+                if value is not None:
+                    speculate.add_metric([load.engine, q], value)
+        yield from (running, waiting, speculate, proposed, accepted, prompt, cached, *cost.values(), rejected)
+        yield GaugeMetricFamily("das_engines_ready", "Engines loaded and serving.", value=stats.engines_ready)
+        restarts = CounterMetricFamily("das_engine_restarts", "Restarts of an engine after it died (its actor "
+                                       "process or its vLLM engine core).", labels=["engine"])
+        recovery = GaugeMetricFamily("das_engine_last_recovery_seconds", "The engine's latest recovery: its death "
+                                     "noticed to serving again (restart, model load, weights).", labels=["engine"])
+        for engine, count in sorted(stats.engine_restarts.items()):
+            restarts.add_metric([engine], count)
+        for engine, seconds in sorted(stats.engine_recovery_s.items()):
+            recovery.add_metric([engine], seconds)
+        yield restarts
+        yield recovery
+        placed = GaugeMetricFamily("das_engine_placed_tokens", "Predicted output tokens of the samples placed on the "
+                                   "engine that have not reached the client, over every batch running (what "
+                                   "placement balances).", labels=["engine"])
+        for engine, tokens in sorted(stats.engine_placed_tokens.items()):
+            placed.add_metric([engine], tokens)
+        yield placed
+        yield CounterMetricFamily("das_samples_redispatched", "Samples a dead engine owed that had not reached the "
+                                  "client, run again on a serving engine.", value=stats.samples_redispatched)
+        yield CounterMetricFamily("das_samples_given_up", "Samples ended with finish_reason error, not run again: "
+                                  "their group was running on an engine at each of max_group_deaths engine "
+                                  "deaths (a prompt that may crash the engine).", value=stats.samples_given_up)
+        yield GaugeMetricFamily("das_history_problems_stored", "Problems with rollouts in the history store.",
+                                value=stats.history_problems)
+        yield GaugeMetricFamily("das_history_tokens_stored", "Output tokens of the rollouts in the history store.",
+                                value=stats.history_tokens)
+        yield GaugeMetricFamily("das_history_outbox_records", "Finished rollouts the engines hold until a history "
+                                "snapshot holds them (lost if their engine actor dies; grows while a shard is down).",
+                                value=stats.history_outbox_records)
+        yield CounterMetricFamily("das_history_records_given_up", "Rollouts the engines dropped instead of storing "
+                                  "them: an outbox over its token cap while a shard stayed down, or a record a shard "
+                                  "refused (summed over the engine actors' current processes).",
+                                  value=stats.history_records_given_up)
+        yield from _history_snapshot_families(stats)
+        memory = GaugeMetricFamily("das_memory_resident_bytes", "Resident memory by component (summed over its "
+                                   "processes).", labels=["component"])
+        for component, value in sorted({**stats.resident_bytes, "gateway": resident_bytes()}.items()):
+            memory.add_metric([component], value)
+        yield memory
+
+    def _session_families(self) -> Iterator[Metric]:
+        """Agent sessions (service/cluster/sessions.py): open ones, turns, moves off their engine, ends by reason."""
+        book = self.sessions
+        if book is None:
+            return
+        book.expire()  # a scrape sees expired sessions gone even when no turn arrives to expire them
+        yield GaugeMetricFamily("das_session_open", "Agent sessions open (idle between turns or running one).",
+                                value=book.open_sessions)
+        yield GaugeMetricFamily("das_session_context_tokens", "Context tokens (latest prompt + output) summed over "
+                                "the open sessions (bounded by SessionConfig.max_context_tokens).",
+                                value=book.context_tokens)
+        yield CounterMetricFamily("das_session_turns", "Session turns finished.", value=book.turns)
+        yield _labelled("das_session_moves", "Session turns placed away from the engine holding the session's "
+                        "prefix, by reason (not_serving: the engine died, drains or recovers; overload).", "reason",
+                        book.moves)
+        yield _labelled("das_session_ended", "Sessions ended, by reason (closed, aborted, expired, evicted).",
+                        "reason", book.closed)
+        reserved = GaugeMetricFamily("das_session_reserved_tokens", "Predicted remaining output tokens of the idle "
+                                     "sessions whose prefix the engine holds (added to its placed work).",
+                                     labels=["engine"])
+        for engine, tokens in sorted(book.reserved().items()):
+            reserved.add_metric([engine], tokens)
+        yield reserved
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+def _history_snapshot_families(stats: BackendStats) -> Iterator[Metric]:
+    """Snapshot health of the history shards: counters summed over the shards' current processes (a restarted
+    shard starts its own from zero), the snapshot time per shard."""
+    shards = stats.history_shards
+    yield CounterMetricFamily("das_history_snapshot_fallbacks", "Shard starts that restored the previous snapshot "
+                              "generation because the newest was missing or unreadable.",
+                              value=sum(s.snapshot_fallbacks for s in shards))
+    yield CounterMetricFamily("das_history_snapshot_quarantined", "Unreadable snapshot files set aside (renamed "
+                              ".bad-<reason>-<time>) at shard start.",
+                              value=sum(s.snapshot_quarantined for s in shards))
+    yield CounterMetricFamily("das_history_snapshot_failures", "History snapshots that could not be written.",
+                              value=sum(s.snapshot_failures for s in shards))
+    last = GaugeMetricFamily("das_history_last_snapshot_timestamp_seconds", "Unix time the shard's snapshot on disk "
+                             "was written (absent: none yet).", labels=["shard"])
+    for index, shard in enumerate(shards):
+        if shard.last_snapshot_unix_s is not None:
+            last.add_metric([str(index)], shard.last_snapshot_unix_s)
+    yield last
+
+
+def _labelled(name: str, documentation: str, label: str, counts: Mapping[str, int]) -> CounterMetricFamily:
+    """A counter family with one sample per label value, in label order."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value, count in sorted(counts.items()):
+        family.add_metric([value], count)
+    return family

@@ -1,0 +1,46 @@
+"""`NodeEngine` on stub engines, as a plain object (no Ray): what its stats report of the history outbox."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from das.service.backends.stub_engine import StubEngineConfig
+from das.service.cluster.history_store import HistoryPushConfig
+from das.service.cluster.node_engine import NodeEngine, NodeStats
+from das.service.wire.api import GroupRequest
+from tests.service.cluster.test_history_client import FlakyShard
+
+
+def test_stats_count_the_rollouts_the_outbox_holds_and_those_it_gave_up(tmp_path: Path) -> None:
+    shard = FlakyShard(tmp_path)
+    # 3 output tokens a rollout, an outbox of at most 7 tokens
+    node = NodeEngine("n0", StubEngineConfig(tokens=3), [shard],
+                      history_push=HistoryPushConfig(retry_s=0, max_pending_tokens=7))
+
+    async def run_group(problem: str) -> int:
+        group = GroupRequest(problem_id=problem, n=1, prompt_token_ids=[1, 2], sampling={"max_tokens": 3})
+        samples = 0
+        async for items in node.run(0, [(0, group)]):
+            samples += len(items)
+        return samples
+
+    async def scenario() -> list[NodeStats]:
+        await node.start()
+        seen = [await node.stats()]
+        assert await run_group("up") == 1  # the shard takes it (stored, not yet in a snapshot: still held)
+        seen.append(await node.stats())
+        shard.shard.snapshot()
+        shard.down = 1000
+        for problem in ("down0", "down1", "down2"):
+            assert await run_group(problem) == 1  # every sample still reaches the caller
+        seen.append(await node.stats())
+        await node.close()
+        return seen
+
+    start, after_one, after_outage = asyncio.run(scenario())
+    assert (start.history_outbox_records, start.history_records_given_up) == (0, 0)
+    assert (after_one.history_outbox_records, after_one.history_records_given_up) == (1, 0)
+    # the engine learns of the snapshot only from a push's reply, and every push after it failed: "up" and the
+    # three new rollouts (12 tokens) exceed the 7-token cap, so the two oldest are given up
+    assert (after_outage.history_outbox_records, after_outage.history_records_given_up) == (2, 2)
