@@ -9,10 +9,12 @@ the engine holding the session's prefix prefills only the new tokens.
 
 Arms: a fresh `das serve --speculation ARM` each (bench/user_run.py's `ServeProcess`), epochs run back to back on
 it, so epoch e+1 drafts from epoch e's trajectories. Turn k of task i in epoch e has the seed
-derive(derive(derive(seed, e), i), k) in every arm: under keyed sampling the arms produce identical trajectories
-and differ in speed alone. Per arm and epoch: makespan (first turn sent to last trajectory ended), output tokens/s,
-the prefix-cache hit rate of the prompt tokens (from /metrics), turns, rewards, and draft tokens proposed and
-accepted by source (from /metrics: `das_source_*` for our drafter; vLLM's own drafters report no source).
+derive(derive(derive(seed, e), i), k) in every arm: under keyed sampling in float32 (`--serve-args "--dtype
+float32"`) the arms produce identical trajectories (checked: `trajectories_identical`) and differ in speed alone;
+in bfloat16 only in distribution. Per arm and epoch: makespan (first turn sent to last trajectory ended),
+output tokens/s, the prefix-cache hit rate of the prompt tokens (from /metrics), turns, rewards, and draft tokens
+proposed and accepted by source (from /metrics: `das_source_*` for our drafter; vLLM's own drafters report no
+source).
 """
 
 from __future__ import annotations
