@@ -345,6 +345,42 @@ def bench_serve(
     emit(result, as_json)
 
 
+@bench_app.command("agent")
+def bench_agent(
+    arms: Annotated[str, typer.Option(help="Comma-separated `das serve --speculation` values; the first is the "
+                                           "baseline of the ratios.")] = "none,das,suffix",
+    model: Annotated[str, typer.Option(help="Model name (see `das models list`).")] = "smollm2",
+    tasks: Annotated[int, typer.Option(min=1, help="The first N bundled code tasks, a trajectory each.")] = 12,
+    epochs: Annotated[int, typer.Option(min=1)] = 3,
+    turns: Annotated[int, typer.Option(min=1, help="Most model turns of a trajectory.")] = 4,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1, help="Per turn.")] = 512,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 0.7,
+    seed: Annotated[int, typer.Option(min=-(2**63), max=2**63 - 1, help="The arms draw the same trajectories.")] = 0,
+    port: Annotated[int, typer.Option(help="Port of the servers (one at a time).")] = 8124,
+    serve_args: Annotated[str, typer.Option("--serve-args", help="More `das serve` flags for every arm, as one "
+                                                                  "string (e.g. '--eager').")] = "",
+    log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each server's log goes.")] = Path("bench-logs"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """A multi-turn code-repair agent (write, run the tests, fix) per arm on a fresh `das serve`: per epoch
+    makespan, tokens/s, prefix-cache hit rate, turns and acceptance by source, at identical trajectories."""
+    import shlex
+
+    from das.bench.agent import AgentBenchConfig, run_agent_bench
+    from das.service.engine.models import prepare_model
+
+    try:
+        config = AgentBenchConfig(arms=tuple(a.strip() for a in arms.split(",") if a.strip()), model=model,
+                                  tasks=tasks, epochs=epochs, turns=turns, max_tokens=max_tokens,
+                                  temperature=temperature, seed=seed, port=port,
+                                  serve_args=tuple(shlex.split(serve_args)))
+        result = run_agent_bench(config, prepare_model(model, progress=not as_json), log_dir,
+                                 progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+    except (OSError, ValueError, RuntimeError, TimeoutError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
+
+
 @bench_app.command("architecture")
 def bench_architecture(
     root: Annotated[Path, typer.Option(help="Repository root (holds pyproject.toml).")] = Path("."),

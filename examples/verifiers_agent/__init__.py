@@ -1,0 +1,1 @@
+"""A code-repair agent on `verifiers` driving `das serve` (see README.md)."""
