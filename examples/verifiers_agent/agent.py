@@ -20,9 +20,9 @@ import verifiers.v1 as vf
 from verifiers.v1.dialects import ChatDialect
 from verifiers.v1.dialects.chat import message_to_wire
 
-from das.service.code_checks import check_code
-from das.service.code_tasks import CODE_SYSTEM_PROMPT, CODE_TASKS
-from das.service.sample_keys import derive
+from das.service.client.code_checks import check_code
+from das.service.client.code_tasks import CODE_SYSTEM_PROMPT, CODE_TASKS
+from das.service.wire.sample_keys import derive
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ import pytest
 
 from das.bench.agent import (AgentBenchConfig, ServerCounters, Trajectory, TurnOutput, epoch_figures,
                              parse_counters, run_epochs, run_trajectory, same_trajectories)
-from das.service.code_checks import CodeCheck
-from das.service.code_tasks import CODE_TASKS
+from das.service.client.code_checks import CodeCheck
+from das.service.client.code_tasks import CODE_TASKS
 
 
 class FakeModel:

@@ -2,20 +2,17 @@
 tiny real model (SmolLM2, eager): two code-repair trajectories of up to two turns, each a session whose turns stay
 on one engine, every turn's token ids collected for training.
 
-verifiers 0.4.0 pins openai<3 while this project runs openai 3.x, so it is not in requirements/cpu.txt: install it
-with requirements/verifiers.txt (`--no-deps`); without it this module is skipped at collection."""
+verifiers 0.4.0 pins openai<3 while this project runs openai 3.x: setup.sh installs it from requirements/verifiers.txt
+with `--no-deps`."""
 
 from __future__ import annotations
 
 import asyncio
 
 import httpx
-import pytest
 
-pytest.importorskip("verifiers.v1", reason="verifiers is installed with requirements/verifiers.txt")
-
-from examples.verifiers_agent.agent import AgentConfig, run_agent  # noqa: E402
-from examples.verifiers_agent.run import _serve  # noqa: E402
+from examples.verifiers_agent.agent import AgentConfig, run_agent
+from examples.verifiers_agent.run import _serve
 
 
 def test_verifiers_drives_das_serve_through_sessions_and_collects_token_ids(tmp_path):

@@ -1,4 +1,4 @@
-"""Checks for the bundled code tasks (`service/code_tasks.py`): a test per task, and the tool an agent calls to run
+"""Checks for the bundled code tasks (`service/client/code_tasks.py`): a test per task, and the tool an agent calls to run
 them.
 
 `CODE_TASK_TESTS[name]` is Python source of plain `assert` statements against the task's function (or class); it
@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from das.service.code_tasks import CODE_TASKS
+from das.service.client.code_tasks import CODE_TASKS
 
 CODE_TASK_TESTS: dict[str, str] = {
     "running_median": """

@@ -1,4 +1,4 @@
-"""The code tasks' checks (service/code_checks.py): every task has tests, a right reply passes, a wrong one fails
+"""The code tasks' checks (service/client/code_checks.py): every task has tests, a right reply passes, a wrong one fails
 with the failing assertion as feedback, an endless loop is killed at the timeout."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from das.service.code_checks import CODE_TASK_TESTS, check_code, code_task_names, extract_code
+from das.service.client.code_checks import CODE_TASK_TESTS, check_code, code_task_names, extract_code
 
 ROMAN = '''Here it is:
 ```python
