@@ -33,12 +33,12 @@ from __future__ import annotations
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.scheduler.length import LengthCurve
+from das.service.wire.api import LengthCurveSpec
 from das.service.wire.sessions import SessionState, SessionSummary, TurnSummary
 
 MoveReason = Literal["not_serving", "overload"]
@@ -319,7 +319,8 @@ class SessionBook:
         sessions' current turns are in the placed work already). Kept as sessions change: O(engines) to read."""
         return Counter(self._reserved)
 
-    def trajectory_curve(self, session_id: str, curve: LengthCurve | None, turn_tokens: float) -> LengthCurve | None:
+    def trajectory_curve(self, session_id: str, curve: LengthCurveSpec | None,
+                         turn_tokens: float) -> LengthCurveSpec | None:
         """The trajectory-level forecast for the draft budget of a turn predicted at `turn_tokens` output tokens:
         its per-turn `curve` with every final length raised by the tokens the trajectory is predicted to produce in
         its later turns (its problem's mean trajectory output over closed sessions, less what it produced so far
@@ -333,7 +334,7 @@ class SessionBook:
         later = past.tokens / past.count - session.output_tokens - turn_tokens
         if later <= 0:
             return curve
-        return replace(curve, ends=tuple(end + later for end in curve.ends))
+        return curve.model_copy(update={"ends": tuple(end + later for end in curve.ends)})
 
     def predicted_turns(self, problem_id: str) -> float | None:
         """Mean turns of the problem's closed trajectories; None before one closed."""

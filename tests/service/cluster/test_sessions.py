@@ -8,8 +8,7 @@ from collections import Counter
 
 import pytest
 
-from das.scheduler.length import LengthCurve
-from das.service.wire.api import GroupRequest
+from das.service.wire.api import GroupRequest, LengthCurveSpec
 from das.service.cluster.coordinator import RayBackend, ServiceConfig, with_length_predictions
 from das.service.cluster.sessions import Session, SessionBook, SessionConfig, SessionConflict
 from das.service.backends.stub_engine import StubEngineConfig
@@ -258,7 +257,7 @@ def test_the_incremental_reservation_ledger_equals_a_recount_after_any_sequence_
 def test_a_turns_budget_forecast_covers_its_trajectorys_later_turns() -> None:
     book = SessionBook(clock=Clock())
     coordinator = backend(book)
-    curve = LengthCurve((0, 50), (80.0, 120.0), 200, 0.5)
+    curve = LengthCurveSpec(starts=(0, 50), ends=(80.0, 120.0), tail_from=200, tail_ratio=0.5)
     assert book.trajectory_curve("unknown", curve, 60.0) is curve
     for sid in ("old1", "old2"):  # the problem's closed trajectories: 1000 output tokens each
         book.begin(f"b-{sid}", [(sid, "p")])
