@@ -46,6 +46,9 @@ class RequestTags:
     resumed_tokens: the last tokens of the request's prompt that are the sample's own output, delivered before its
     engine died (a resumed sample): they count as generated (length forecast, max_tokens) and feed the live
     segment at its first step, so the drafter's state is what it would have been without the death.
+    oracle: the sample's whole recorded output (token ids) for the oracle benchmark arm (drafter/oracle.py): its
+    drafts are this continuation's next tokens instead of the history bank's; None (always, outside that
+    benchmark): the bank drafts.
     """
 
     problem_id: str
@@ -56,10 +59,12 @@ class RequestTags:
     draft: bool = True
     cost_probe: bool = False
     resumed_tokens: int = 0
+    oracle: tuple[int, ...] | None = None
 
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
-        return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
+        oracle = {"oracle": list(self.oracle)} if self.oracle is not None else {}
+        return {EXTRA_ARGS_KEY: {**oracle, "problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
                                  "predicted_tokens": self.predicted_tokens, "length_curve": curve,
                                  "draft": self.draft, "cost_probe": self.cost_probe,
                                  "resumed_tokens": self.resumed_tokens}}
@@ -78,6 +83,8 @@ class RequestTags:
                 curve = LengthCurve.from_dict(raw["length_curve"])
             except ValueError as exc:  # the sample still runs; only its budget falls back to predicted_tokens
                 log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
+        oracle = raw.get("oracle")
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
                            None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)),
-                           bool(raw.get("cost_probe", False)), int(raw.get("resumed_tokens", 0)))
+                           bool(raw.get("cost_probe", False)), int(raw.get("resumed_tokens", 0)),
+                           None if oracle is None else tuple(int(t) for t in oracle))
