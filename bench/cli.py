@@ -205,7 +205,8 @@ def bench_e2e(
     temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature (0: greedy, then outputs are "
                                                              "compared token by token).")] = 0.8,
     arms: Annotated[str, typer.Option(help="Comma-separated arms: none, ngram, suffix, suffix-t, das-uniform, das, "
-                                           "das-service, none-service.")] =
+                                           "das-service, none-service, oracle (drafts the exact future none "
+                                           "generated; after none), oracle-k (the same at a uniform K).")] =
         "none,ngram,suffix,suffix-t,das-uniform,das,das-service",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens of every arm.")] = 8,
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
