@@ -11,7 +11,10 @@ Slot-indexed like scheduler/request_columns.py (slots are the proposer's request
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -85,3 +88,21 @@ class OracleDrafts:
             drafted[r] = draft.size
             accepted[r] = accepted_prefix(draft, np.asarray(table[r, start:end - 1]))
         return drafted, accepted
+
+
+def write_continuations(path: str | os.PathLike[str], continuations: Mapping[int, Sequence[int]]) -> None:
+    """Writes recorded outputs by sample key (int64 keys, token-id lists) as JSON, for `das serve --oracle-file`."""
+    Path(path).write_text(json.dumps({"continuations": {str(k): list(v) for k, v in continuations.items()}}),
+                          encoding="utf-8")
+
+
+def load_continuations(path: str | os.PathLike[str]) -> dict[int, list[int]]:
+    """Reads what `write_continuations` wrote; ValueError naming the file where it is not such a file."""
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))["continuations"]
+        out = {int(k): [int(t) for t in v] for k, v in raw.items()}
+    except (OSError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ValueError(f"{path}: not an oracle continuations file ({type(exc).__name__}: {exc})") from None
+    if any(t < 0 for v in out.values() for t in v):
+        raise ValueError(f"{path}: token ids must be >= 0")
+    return out

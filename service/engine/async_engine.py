@@ -246,6 +246,14 @@ class Engine:
             raise
         engine = cls(config, llm, tokenizer, vocab_size, tally)
         engine.runner = runner
+        if config.oracle_file is not None:
+            from das.drafter.oracle import load_continuations
+
+            try:
+                engine.set_oracle(load_continuations(config.oracle_file))
+            except ValueError:
+                await engine.close()
+                raise
         # This frame outlives the call (an exception vLLM keeps from its imports above holds it through a
         # traceback): it must not hold the AsyncLLM, or `close` could not release it (see there).
         del llm
