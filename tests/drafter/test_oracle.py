@@ -58,3 +58,17 @@ def test_bad_continuations_are_refused_and_change_nothing() -> None:
     with pytest.raises(ValueError, match="slot must be >= 0"):
         oracle.set(-1, [1])
     assert len(oracle) == 0 and not oracle.active.any()
+
+
+def test_continuation_files_round_trip_and_bad_ones_are_named(tmp_path) -> None:
+    from das.drafter.oracle import load_continuations, write_continuations
+
+    path = tmp_path / "oracle.json"
+    write_continuations(path, {-(2**63): [1, 2], 2**63 - 1: []})
+    assert load_continuations(path) == {-(2**63): [1, 2], 2**63 - 1: []}
+    path.write_text('{"other": {}}')
+    with pytest.raises(ValueError, match="oracle.json: not an oracle continuations file"):
+        load_continuations(path)
+    path.write_text('{"continuations": {"1": [-3]}}')
+    with pytest.raises(ValueError, match="token ids must be >= 0"):
+        load_continuations(path)
