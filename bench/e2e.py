@@ -172,7 +172,8 @@ class E2EConfig:
     def engine_config(self, arm: str, repeat: int) -> EngineConfig:
         """The engine of `arm` in repeat `repeat` (0-based): the same settings for every arm but speculation."""
         speculation = ARM_SPECULATION[arm]
-        budget = {"policy": "uniform"} if arm in ("das-uniform", "oracle-k") else self.budget if speculation == "das" else {}
+        uniform = arm in ("das-uniform", "oracle-k")
+        budget = {"policy": "uniform"} if uniform else self.budget if speculation == "das" else {}
         return EngineConfig(
             model=self.model, speculation=speculation,  # type: ignore[arg-type]
             num_speculative_tokens=self.num_speculative_tokens,

@@ -64,7 +64,8 @@ class RequestTags:
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
         oracle = {"oracle": list(self.oracle)} if self.oracle is not None else {}
-        return {EXTRA_ARGS_KEY: {**oracle, "problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
+        return {EXTRA_ARGS_KEY: {**oracle,
+                                 "problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
                                  "predicted_tokens": self.predicted_tokens, "length_curve": curve,
                                  "draft": self.draft, "cost_probe": self.cost_probe,
                                  "resumed_tokens": self.resumed_tokens}}

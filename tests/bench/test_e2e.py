@@ -41,7 +41,7 @@ from tests.tiny_models import build_tiny_model
 MAKESPAN = {"none": 10.0, "ngram": 3.0, "suffix": 5.0, "suffix-t": 6.0, "das-uniform": 8.0, "das": 4.0,
             "das-service": 4.4, "none-service": 11.0}
 REPEAT_SCALE = (1.0, 1.3, 0.8)
-ARMS = tuple(a for a in ALL_ARMS if a not in ORACLE_ARMS)  # the scripted arms (tests/bench/test_e2e_oracle.py: the rest)
+ARMS = tuple(a for a in ALL_ARMS if a not in ORACLE_ARMS)  # scripted here; the oracle arms in test_e2e_oracle.py
 
 
 class ScriptedArm:
