@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from rich.console import Console
 
 from das.bench.e2e import E2EConfig, EpochOutput, Outcome, oracle_ratios, run_e2e
-from das.bench.e2e_report import markdown
+from das.bench.e2e_report import markdown, print_tables
 from das.bench.oracle_bound import StepPrice, engine_bound
 from das.service.client.prompt_sets import reasoning_gym_problems
 from das.service.wire.api import GroupRequest
@@ -46,7 +47,7 @@ class KeyedArm:
         raise AssertionError("no drift here")
 
     async def proposer_stats(self) -> dict:
-        return {"cost": FIT} if self.name != "none" else {}
+        return {"cost": FIT} if self.name.startswith("oracle") else {}
 
     async def close(self) -> None:
         pass
@@ -90,6 +91,10 @@ def test_oracle_arms_draft_nones_tokens_by_key_and_the_report_says_how_far_from_
     assert data["oracle"] == table and data["bounds"][0]["epochs"][0]["bound_s"] == result.bounds[0][0]["bound_s"]
     text = markdown(result)
     assert "das saving / oracle saving" in text and "oracle-k False" in text
+    console = Console(record=True, width=200)
+    print_tables(result, console)
+    printed = console.export_text()
+    assert "the limit: oracle drafts" in printed and "oracle outputs identical to none's: oracle True" in printed
 
 
 def test_oracle_ratios_and_config_errors() -> None:
