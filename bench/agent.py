@@ -349,7 +349,7 @@ def run_agent_bench(config: AgentBenchConfig, model_path: Path, log_dir: Path,
 
     for arm in config.arms:
         progress(f"arm {arm}: starting das serve --speculation {arm}")
-        server = ServeProcess(arm, serve, log_dir / f"agent-serve-{arm}.log")
+        server = ServeProcess(("--speculation", arm), serve, log_dir / f"agent-serve-{arm}.log")
         try:
             server.wait_ready(config.ready_timeout_s, progress)
             result.epochs[arm], runs[arm] = asyncio.run(one_arm(server.url))

@@ -205,7 +205,8 @@ def bench_e2e(
     temperature: Annotated[float, typer.Option(min=0.0, help="Sampling temperature (0: greedy, then outputs are "
                                                              "compared token by token).")] = 0.8,
     arms: Annotated[str, typer.Option(help="Comma-separated arms: none, ngram, suffix, suffix-t, das-uniform, das, "
-                                           "das-service, none-service.")] =
+                                           "das-service, none-service, oracle (drafts the exact future none "
+                                           "generated; after none), oracle-k (the same at a uniform K).")] =
         "none,ngram,suffix,suffix-t,das-uniform,das,das-service",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens of every arm.")] = 8,
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
@@ -307,7 +308,8 @@ def bench_e2e(
 @bench_app.command("serve")
 def bench_serve(
     arms: Annotated[str, typer.Option(help="Comma-separated `das serve --speculation` values; the first is the "
-                                           "baseline of the ratios.")] = "none,das",
+                                           "baseline of the ratios; oracle / oracle-k (with none): das drafting "
+                                           "none's exact outputs, with the bound.")] = "none,das",
     problems: Annotated[str, typer.Option(help="JSONL prompt file, reasoning-gym:N or code:N.")] = "reasoning-gym:8",
     samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 8,
     epochs: Annotated[int, typer.Option(min=1)] = 3,
@@ -335,7 +337,8 @@ def bench_serve(
         problem_set = load_prompt_set(problems)
         config = UserRunConfig(arms=tuple(a.strip() for a in arms.split(",") if a.strip()), repeats=repeats,
                                samples=samples, epochs=epochs, max_tokens=max_tokens, temperature=temperature,
-                               port=port, serve_args=tuple(shlex.split(serve_args)), seed=seed)
+                               port=port, serve_args=tuple(shlex.split(serve_args)), seed=seed,
+                               k=_serve_k(shlex.split(serve_args)))
         result = run_user_bench(config, problem_set, problems, log_dir,
                                 progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
     except (PromptSetError, OSError, ValueError, RuntimeError, TimeoutError) as exc:
@@ -379,6 +382,16 @@ def bench_agent(
     except (OSError, ValueError, RuntimeError, TimeoutError) as exc:
         fail(str(exc))
     emit(result, as_json)
+
+
+def _serve_k(args: list[str]) -> int:
+    """The `--k` among `das serve` flags (its default 8 where absent)."""
+    for i, arg in enumerate(args):
+        if arg == "--k" and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith("--k="):
+            return int(arg.split("=", 1)[1])
+    return 8
 
 
 @bench_app.command("architecture")

@@ -9,6 +9,11 @@ Arms (one engine each, the same engine settings: model, dtype, context, K, seed)
   Ray backend started in this process behind the gateway on a loopback port, driven by `AsyncRolloutClient`);
   `none-service`: `none` through the service the same way (with `das-service`, the quick start's das against
   none on the same samples in one run).
+- `oracle`: the das engine and budget drafting each sample's own future (the tokens `none` generated for its key,
+  drafter/oracle.py; needs `none` listed before it); `oracle-k`: the same under the uniform budget (K every step).
+  Their outputs must equal none's (`oracle_identical`); with the computed bound (`bound_s`, bench/oracle_bound.py:
+  the critical path's steps at K + 1 tokens a step, priced by the engine's measured step cost) they say where the
+  time goes: the drafter (das against oracle) or the machinery (oracle against the bound).
 
 The two in-process das arms get the coordinator's length predictions (scheduler.length over the lengths of their
 own finished samples, the same call as `RayBackend.place`), so `das-service / das` measures the service path, not
@@ -98,9 +103,10 @@ log = logging.getLogger(__name__)
 # das-uniform is das's proposer under the uniform budget, suffix-t vLLM's suffix with a tuned threshold, the
 # -service arms run through `das serve`.
 ARM_SPECULATION = {"none": "none", "ngram": "ngram", "suffix": "suffix", "suffix-t": "suffix", "das-uniform": "das",
-                   "das": "das", "das-service": "das", "none-service": "none"}
+                   "das": "das", "das-service": "das", "none-service": "none", "oracle": "das", "oracle-k": "das"}
 ARMS = tuple(ARM_SPECULATION)
 SERVICE_ARMS = ("das-service", "none-service")
+ORACLE_ARMS = ("oracle", "oracle-k")  # draft the baseline's recorded tokens (drafter/oracle.py)
 BASELINE = "none"
 SUFFIX_ARMS = ("suffix", "suffix-t")
 ALPHA = 0.01  # per test: an arm whose rewards or lengths differ from the baseline's at p < ALPHA is flagged
@@ -149,6 +155,10 @@ class E2EConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not -(2**63) <= self.seed <= 2**63 - self.repeats:  # repeat r seeds its groups from seed + r (int64)
             raise ValueError(f"seed must be an int64 with room for {self.repeats} repeats, got {self.seed}")
+        oracles = [a for a in self.arms if a in ORACLE_ARMS]
+        if oracles and (BASELINE not in self.arms or self.arms.index(BASELINE) > min(map(self.arms.index, oracles))):
+            raise ValueError(f"the {', '.join(oracles)} arm(s) draft what {BASELINE} generated: list {BASELINE} "
+                             f"before them (e.g. --arms {BASELINE},das,oracle)")
         if "suffix-t" in self.arms and not self.suffix_tuned:
             raise ValueError("the suffix-t arm needs suffix_tuned settings (else it is the suffix arm)")
         if self.drift:
@@ -162,7 +172,8 @@ class E2EConfig:
     def engine_config(self, arm: str, repeat: int) -> EngineConfig:
         """The engine of `arm` in repeat `repeat` (0-based): the same settings for every arm but speculation."""
         speculation = ARM_SPECULATION[arm]
-        budget = {"policy": "uniform"} if arm == "das-uniform" else self.budget if speculation == "das" else {}
+        uniform = arm in ("das-uniform", "oracle-k")
+        budget = {"policy": "uniform"} if uniform else self.budget if speculation == "das" else {}
         return EngineConfig(
             model=self.model, speculation=speculation,  # type: ignore[arg-type]
             num_speculative_tokens=self.num_speculative_tokens,
@@ -293,6 +304,10 @@ class EngineArm:
     async def reload(self, checkpoint: str, version: int) -> None:
         await self.engine.reload_weights(checkpoint, version)
 
+    def set_oracle(self, continuations: dict[int, list[int]]) -> None:
+        """The next epochs' samples draft these recorded outputs, by sample key (Engine.set_oracle)."""
+        self.engine.set_oracle(continuations)
+
     async def proposer_stats(self) -> dict[str, Any]:
         return await self.engine.drafter_stats()
 
@@ -392,7 +407,8 @@ async def start_arm(arm: str, config: E2EConfig, repeat: int) -> Arm:
         if root is not None and len(config.drift) == 1:
             root = root.parent  # commonpath of one checkpoint is the checkpoint itself; the root must contain it
         return await ServiceArm.create(engine, root)
-    return await EngineArm.create(engine, predict=arm.startswith("das"), profile=config.profile)
+    return await EngineArm.create(engine, predict=arm.startswith("das") or arm in ORACLE_ARMS,
+                                  profile=config.profile)
 
 
 # ---- results ----
@@ -498,6 +514,10 @@ class E2EResult:
     rollouts: list[RolloutRecord] = field(default_factory=list, repr=False)
     cost_fits: list[dict[str, dict[str, Any]]] = field(default_factory=list)  # per repeat: arm -> live cost fit
     runners: dict[str, str] = field(default_factory=dict)  # arm -> the model runner and scheduling its engine ran
+    # with an oracle arm: per repeat and epoch, the computed bound (`bound_figures`); whether each oracle arm's
+    # outputs equalled the baseline's in every repeat and epoch
+    bounds: list[list[dict[str, Any]]] = field(default_factory=list)
+    oracle_identical: dict[str, bool] = field(default_factory=dict)
 
     @property
     def arms(self) -> tuple[str, ...]:
@@ -582,7 +602,51 @@ class E2EResult:
                 "proposer": self.proposer,
                 "drafts_by_source": self.drafts_by_source,
                 "runners": self.runners,
+                **({"oracle": self.oracle_table(), "oracle_identical": self.oracle_identical,
+                    "bounds": [{"repeat": r + 1, "epochs": b} for r, b in enumerate(self.bounds)]}
+                   if self.bounds else {}),
                 "wall_s": round(self.wall_s, 1)}
+
+    def oracle_table(self) -> list[dict[str, Any]]:
+        """Per epoch (medians over repeats, seconds): none, das, oracle, oracle-k and bound_s (the arms run);
+        das_share_of_oracle_saving = (none - das) / (none - oracle); oracle_over_bound = oracle / bound_s."""
+        medians = self.medians()
+        rows = []
+        for e in range(self.config.epochs):
+            row: dict[str, Any] = {"epoch": e + 1}
+            for arm in (BASELINE, "das", *ORACLE_ARMS):
+                if arm in self.arms:
+                    row[arm] = medians[e][arm]["makespan_s"]
+            row["bound_s"] = _median([b[e]["bound_s"] for b in self.bounds if e < len(b)])
+            row.update(oracle_ratios(row.get(BASELINE), row.get("das"), row.get("oracle"), row["bound_s"]))
+            rows.append(row)
+        return rows
+
+
+def oracle_ratios(none: float | None, das: float | None, oracle: float | None,
+                  bound: float | None) -> dict[str, float | None]:
+    """das's saving as a share of the oracle's ((none - das) / (none - oracle); None where either is missing or
+    the oracle saved nothing) and oracle / bound (None where either is missing or the bound is 0)."""
+    share = (round((none - das) / (none - oracle), 3)
+             if none is not None and das is not None and oracle is not None and none > oracle else None)
+    over = round(oracle / bound, 3) if oracle is not None and bound else None
+    return {"das_share_of_oracle_saving": share, "oracle_over_bound": over}
+
+
+def bound_figures(lengths: Sequence[int], k: int, profile: StepProfile | None,
+                  fit: dict[str, Any] | None) -> dict[str, Any]:
+    """One epoch's bound (bench/oracle_bound.py) for one engine running samples of `lengths` tokens at K = `k`,
+    priced by the oracle arm's step profile of the epoch where it has one, else by `fit` (a live cost fit); no
+    price: bound_s None."""
+    from das.bench.oracle_bound import StepPrice, engine_bound
+
+    price = StepPrice.from_profile(profile) if profile is not None else None
+    if price is None and fit:
+        price = StepPrice.from_fit(fit)
+    if price is None:
+        return {"bound_s": None, "steps": None, "price": None}
+    bound = engine_bound(lengths, k, price)
+    return {"bound_s": round(bound.seconds, 3), "steps": bound.steps, "price": dataclasses.asdict(price)}
 
 
 def _median(values: list[Any]) -> float | None:
@@ -641,12 +705,14 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
     result = E2EResult(config)
     tokens: dict[str, list[list[list[int]]]] = {arm: [] for arm in config.arms}  # arm -> (repeat, epoch) -> samples
     completed: list[dict[str, Any]] = []  # what an E2EFailed reports
+    oracles = [a for a in config.arms if a in ORACLE_ARMS]
     began = time.perf_counter()
     for repeat in range(config.repeats):
         where = f"repeat {repeat + 1}/{config.repeats}, " if config.repeats > 1 else ""
         setup: dict[str, float] = {}
         fits: dict[str, dict[str, Any]] = {}
         run: list[dict[str, ArmEpoch]] = [{} for _ in range(config.epochs)]
+        recorded: list[dict[int, list[int]]] = [{} for _ in range(config.epochs)]  # the baseline's tokens by key
         # Engines alive together: all arms (interleaved epochs), or one arm at a time (sequential).
         for together in ([[a] for a in config.arms] if config.sequential else [list(config.arms)]):
             arms: dict[str, Arm] = {}
@@ -671,6 +737,8 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                     seeded = epoch_groups(groups, config.seed + repeat, 0 if config.same_seeds else epoch)
                     for name, arm in arms.items():
                         step = f"{where}epoch {epoch + 1}/{config.epochs} {name}"
+                        if name in ORACLE_ARMS:
+                            arm.set_oracle(recorded[epoch])  # type: ignore[attr-defined]
                         out = await arm.run_epoch(seeded)
                         if len(out.outcomes) != len(groups) * config.samples:  # the tests pair samples by position
                             raise RuntimeError(f"{len(out.outcomes)} samples came back, expected "
@@ -680,12 +748,21 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
                         run[epoch][name] = stats = ArmEpoch.of(out, problems)
                         completed.append({"repeat": repeat + 1, "epoch": epoch + 1, "arm": name, **stats.figures()})
                         tokens[name].append([o.token_ids for o in out.outcomes])
+                        if name == BASELINE and oracles:
+                            recorded[epoch] = {key: o.token_ids for o in out.outcomes
+                                               if (key := seeded[o.group].sample_key(o.sample_index)) is not None}
+                        elif name in ORACLE_ARMS:
+                            same = tokens[name][-1] == tokens[BASELINE][repeat * config.epochs + epoch]
+                            result.oracle_identical[name] = result.oracle_identical.get(name, True) and same
+                            if not same:
+                                progress(f"WARNING: {name}'s outputs differ from {BASELINE}'s in {step}: its "
+                                         f"figures are not the oracle's")
                         result.rollouts.extend(_records(name, repeat, epoch, out.outcomes, problems))
                         reward = f", reward {stats.reward_mean:.3f}" if stats.reward_mean is not None else ""
                         progress(f"{step}: {stats.makespan_s:.1f} s, "
                                  f"{stats.tokens} tokens, accepted {stats.accepted_tokens}/{stats.draft_tokens}"
                                  f"{reward} ({time.perf_counter() - began:.0f} s so far)")
-                for name in ("das-uniform", "das", "das-service"):  # the arms that run our proposer
+                for name in ("das-uniform", "das", "das-service", *ORACLE_ARMS):  # the arms that run our proposer
                     if name in arms:
                         stats = await arms[name].proposer_stats()
                         result.drafts_by_source.setdefault(name, []).append(stats.get("by_source", {}))
@@ -704,6 +781,10 @@ async def run_e2e(config: E2EConfig, problems: list[Problem], progress: Callable
         result.runs.append(run)
         result.setup_s.append(setup)
         result.cost_fits.append(fits)
+        if oracles:
+            fit = next((fits[a] for a in (*oracles, "das") if a in fits), None)
+            result.bounds.append([bound_figures(epoch[BASELINE].lengths, config.num_speculative_tokens,
+                                                epoch[oracles[0]].profile, fit) for epoch in run])
     result.wall_s = time.perf_counter() - began
     result.tests = compare_arms(result, problems)
     _identity(result, tokens)

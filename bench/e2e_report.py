@@ -22,6 +22,7 @@ from das.bench.e2e import (
     ARM_SPECULATION,
     BASELINE,
     E2EResult,
+    ORACLE_ARMS,
     RolloutsSidecar,
     machine_info,
     rollout_tag,
@@ -100,6 +101,27 @@ _PROFILE_COLUMNS = ("epoch", "arm", "steps", "requests", "tokens/step", "drafts/
 _PROFILE_TITLE = "where an engine step's time goes (mean per step; medians over repeats)"
 
 
+def _oracle_rows(result: E2EResult) -> list[list[str]]:
+    """Per epoch (medians over repeats): makespans of none, das, oracle, oracle-k (the arms run), the bound, das's
+    saving as a share of the oracle's and oracle / bound (E2EResult.oracle_table)."""
+    if not result.bounds:
+        return []
+    return [[str(row["epoch"]), *(_fmt(row.get(arm), "{:.2f}") for arm in (BASELINE, "das", *ORACLE_ARMS)),
+             _fmt(row["bound_s"], "{:.2f}"), _fmt(row["das_share_of_oracle_saving"], "{:.3f}"),
+             _fmt(row["oracle_over_bound"], "{:.3f}")] for row in result.oracle_table()]
+
+
+_ORACLE_COLUMNS = ("epoch", f"{BASELINE} s", "das s", "oracle s", "oracle-k s", "bound s",
+                   "das saving / oracle saving", "oracle / bound")
+_ORACLE_TITLE = ("the limit: oracle drafts (the exact future) through the same proposer and budget, and the "
+                 "bound (critical path at K + 1 tokens a step, priced by the measured step cost)")
+
+
+def _oracle_identity(result: E2EResult) -> str:
+    return "oracle outputs identical to none's: " + ", ".join(
+        f"{arm} {same}" for arm, same in result.oracle_identical.items())
+
+
 def _goal_lines(result: E2EResult) -> list[str]:
     lines = []
     for g in result.goals():
@@ -139,6 +161,10 @@ def print_tables(result: E2EResult, console: Any) -> None:
     profile = _profile_rows(result)
     if profile:
         console.print(_rich_table(_PROFILE_TITLE, _PROFILE_COLUMNS, profile))
+    oracle = _oracle_rows(result)
+    if oracle:
+        console.print(_rich_table(_ORACLE_TITLE, _ORACLE_COLUMNS, oracle))
+        console.print(_oracle_identity(result))
     for line in _goal_lines(result):
         console.print(line)
     if result.identical_outputs is not None:
@@ -216,6 +242,10 @@ def markdown(result: E2EResult, command: str | None = None) -> str:
                   f"propose = the drafter, rest = the runner's bookkeeping, gap = scheduler and output handling "
                   f"between steps:", ""]
         lines += _markdown_table(_PROFILE_COLUMNS, profile) + [""]
+    oracle = _oracle_rows(result)
+    if oracle:
+        lines += [f"{_ORACLE_TITLE[0].upper()}{_ORACLE_TITLE[1:]}; {_oracle_identity(result)}:", ""]
+        lines += _markdown_table(_ORACLE_COLUMNS, oracle) + [""]
     goals = _goal_lines(result)
     if goals:
         lines += ["Goals (ratios of median makespans; below 1 is faster):", ""]
@@ -288,6 +318,8 @@ def simulated_arm(arm: str, k: int) -> str | None:
     (vLLM's own drafters)."""
     if arm == "das-uniform":
         return f"uniform-{k}"
+    if arm in ORACLE_ARMS:  # drafts no simulated drafter can make
+        return None
     return {"none": "none", "das": "das"}.get(ARM_SPECULATION.get(arm, ""))
 
 

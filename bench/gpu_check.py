@@ -243,7 +243,7 @@ def run_gpu_check(config: GpuCheckConfig, problems: list[Problem], log_dir: Path
     log_dir.mkdir(parents=True, exist_ok=True)
     for arm in ARMS:
         progress(f"{arm}: starting das serve --speculation {arm}")
-        server = ServeProcess(arm, serve, log_dir / f"gpu-check-{arm}.log")
+        server = ServeProcess(("--speculation", arm), serve, log_dir / f"gpu-check-{arm}.log")
         try:
             server.wait_ready(config.ready_timeout_s, progress)
             with RolloutClient(server.url, None) as client:

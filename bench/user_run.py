@@ -8,6 +8,12 @@ token of the longest sample (at T > 0 a makespan follows the longest sample draw
 first arm measured in the same run. Every arm of repeat r runs `das rollout --seed derive(seed, r)`: under keyed
 sampling the arms draw the same samples (speculation changes none), so their makespans differ by speed alone,
 while the repeats draw different ones.
+
+`oracle` / `oracle-k` arms (after `none`, which every repeat then runs first): `das serve --speculation das
+--oracle-file F` (with `--budget uniform` for oracle-k), F holding every sample's output from that repeat's `none`
+run by sample key, so each sample drafts its own exact future (drafter/oracle.py). Their outputs must equal
+none's (`oracle_identical`); `bound_s` per epoch (bench/oracle_bound.py): the critical path at K + 1 tokens a step
+for none's lengths on one engine, priced by the oracle server's live step-cost fit (its /metrics).
 """
 
 from __future__ import annotations
@@ -29,9 +35,14 @@ from rich.table import Table
 
 from das.service.client import RolloutClient
 from das.service.client.prompt_sets import Problem
+from das.bench.oracle_bound import StepPrice, engine_bound
+from das.drafter.oracle import write_continuations
 from das.service.client.rollout_run import EpochFigures, run_rollouts
 from das.service.wire.api import SamplingSpec
 from das.service.wire.sample_keys import derive
+
+ORACLE_ARMS = {"oracle": ("--speculation", "das"), "oracle-k": ("--speculation", "das", "--budget", "uniform")}
+BASELINE = "none"
 
 
 @dataclass(frozen=True)
@@ -49,6 +60,23 @@ class UserRunConfig:
     port: int = 8123
     serve_args: tuple[str, ...] = ()
     ready_timeout_s: float = 900.0
+    k: int = 8  # the servers' --k (num_speculative_tokens), for the bound
+
+    def __post_init__(self) -> None:
+        oracles = [a for a in self.arms if a in ORACLE_ARMS]
+        if oracles and BASELINE not in self.arms:
+            raise ValueError(f"the {', '.join(oracles)} arm(s) draft what {BASELINE} generated: add {BASELINE} to "
+                             f"the arms")
+
+    def order(self, repeat: int) -> tuple[str, ...]:
+        """Repeat `repeat`'s arm order: the others alternating (das, none, then none, das, ...) so that a drift of
+        the machine's load falls on both; with oracle arms, none first and the oracle arms last."""
+        plain = [a for a in self.arms if a not in ORACLE_ARMS]
+        oracles = [a for a in self.arms if a in ORACLE_ARMS]
+        if oracles:
+            plain.remove(BASELINE)
+            return (BASELINE, *(plain if repeat % 2 == 0 else reversed(plain)), *oracles)
+        return tuple(plain if repeat % 2 == 0 else reversed(plain))
 
 
 @dataclass
@@ -56,6 +84,28 @@ class UserRunResult:
     config: UserRunConfig
     problems: str
     runs: dict[str, list[list[EpochFigures]]] = field(default_factory=dict)  # arm -> repeat -> epochs
+    # with oracle arms: per repeat and epoch the bound (bound_s, steps, price); whether each oracle arm's outputs
+    # equalled none's in every repeat and epoch
+    bounds: list[list[dict[str, Any]]] = field(default_factory=list)
+    oracle_identical: dict[str, bool] = field(default_factory=dict)
+
+    def oracle_table(self) -> list[dict[str, Any]]:
+        """Per epoch (medians over repeats, seconds): none, das, oracle, oracle-k and bound_s (the arms run), das's
+        saving as a share of the oracle's and oracle / bound (bench/e2e.py `oracle_ratios`)."""
+        from das.bench.e2e import oracle_ratios
+
+        rows = []
+        medians = {arm: self.medians(arm) for arm in self.runs if self.runs[arm]}
+        for e in range(self.config.epochs):
+            row: dict[str, Any] = {"epoch": e + 1}
+            for arm in (BASELINE, "das", *ORACLE_ARMS):
+                if arm in medians:
+                    row[arm] = round(medians[arm][e]["makespan_s"], 3)
+            bounds = [b[e]["bound_s"] for b in self.bounds if e < len(b) and b[e]["bound_s"] is not None]
+            row["bound_s"] = round(statistics.median(bounds), 3) if bounds else None
+            row.update(oracle_ratios(row.get(BASELINE), row.get("das"), row.get("oracle"), row["bound_s"]))
+            rows.append(row)
+        return rows
 
     def medians(self, arm: str) -> list[dict[str, float]]:
         """Per epoch, the median over repeats of makespan, tokens/s, seconds per longest-sample token and seconds per
@@ -85,7 +135,10 @@ class UserRunResult:
                                              "seconds_per_critical_step": e.seconds_per_critical_step}
                                 for e in run] for run in runs] for arm, runs in self.runs.items()},
                 "medians": {arm: self.medians(arm) for arm in self.runs},
-                "ratios": {arm: self.ratios(arm) for arm in self.runs}}
+                "ratios": {arm: self.ratios(arm) for arm in self.runs},
+                **({"oracle": self.oracle_table(), "oracle_identical": self.oracle_identical,
+                    "bounds": [{"repeat": r + 1, "epochs": b} for r, b in enumerate(self.bounds)]}
+                   if self.bounds else {})}
 
     def markdown(self) -> str:
         base = self.config.arms[0]
@@ -100,6 +153,14 @@ class UserRunResult:
                              f"{m['s_per_longest_token'] * 1e3:.1f} | {m['s_per_critical_step'] * 1e3:.1f} | "
                              f"{r.get('makespan_s', 0):.3f} | {r.get('tokens_per_s', 0):.3f} | "
                              f"{r.get('s_per_longest_token', 0):.3f} | {r.get('s_per_critical_step', 0):.3f} |")
+        if self.bounds:
+            lines += ["", f"Oracle (outputs identical to none's: {self.oracle_identical}); bound: critical path at "
+                          f"K + 1 tokens a step on one engine, priced by the oracle server's step-cost fit", "",
+                      "| epoch | none s | das s | oracle s | oracle-k s | bound s | das saving / oracle saving "
+                      "| oracle / bound |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            lines += ["| " + " | ".join(_cell(row.get(c)) for c in (
+                "epoch", BASELINE, "das", "oracle", "oracle-k", "bound_s", "das_share_of_oracle_saving",
+                "oracle_over_bound")) + " |" for row in self.oracle_table()]
         return "\n".join(lines) + "\n"
 
     def print(self, console: Console) -> None:
@@ -119,6 +180,39 @@ class UserRunResult:
                               f"{r.get('makespan_s', 0):.3f}", f"{r.get('tokens_per_s', 0):.3f}",
                               f"{r.get('s_per_longest_token', 0):.3f}", f"{r.get('s_per_critical_step', 0):.3f}")
         console.print(table)
+        if self.bounds:
+            oracle = Table(title="the limit: oracle drafts (the exact future) and the bound (critical path at K + 1 "
+                                 "tokens a step, priced by the oracle server's step-cost fit)")
+            columns = ("epoch", BASELINE, "das", "oracle", "oracle-k", "bound_s", "das_share_of_oracle_saving",
+                       "oracle_over_bound")
+            for column in columns:
+                oracle.add_column(column, justify="right")
+            for row in self.oracle_table():
+                oracle.add_row(*(_cell(row.get(c)) for c in columns))
+            console.print(oracle)
+            console.print(f"oracle outputs identical to {BASELINE}'s: {self.oracle_identical}")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.3f}" if isinstance(value, float) else str(value)
+
+
+def step_price_from_metrics(text: str) -> tuple[StepPrice | None, int]:
+    """The step-cost fit of a server's engines from its /metrics text (das_engine_step_*_seconds gauges, one per
+    engine), and the number of engines reporting one. The price is the first engine's; None where none reports."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = {"das_engine_step_base_seconds": "c_base_s", "das_engine_step_token_seconds": "c_tok_s",
+             "das_engine_step_spec_seconds": "c_spec_s", "das_engine_step_spec_request_seconds": "c_spec_req_s"}
+    fits: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name in names:
+            for sample in family.samples:
+                fits.setdefault(sample.labels.get("engine", ""), {})[names[family.name]] = sample.value
+    complete = [fit for _, fit in sorted(fits.items()) if "c_base_s" in fit and "c_tok_s" in fit]
+    return (StepPrice.from_fit(complete[0], "server cost fit") if complete else None), len(complete)
 
 
 def _das_program() -> list[str]:
@@ -130,12 +224,13 @@ def _das_program() -> list[str]:
 class ServeProcess:
     """`das serve` in a process group of its own; `stop()` sends SIGINT (what a user's Ctrl-C does) and waits."""
 
-    def __init__(self, speculation: str, config: UserRunConfig, log_path: Path) -> None:
+    def __init__(self, flags: tuple[str, ...], config: UserRunConfig, log_path: Path) -> None:
+        """`flags`: the arm's `das serve` flags (e.g. ("--speculation", "none"))."""
         self.url = f"http://127.0.0.1:{config.port}"
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [*_das_program(), "serve", "--port", str(config.port), "--speculation", speculation,
-             *config.serve_args], stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+            [*_das_program(), "serve", "--port", str(config.port), *flags, *config.serve_args],
+            stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def wait_ready(self, timeout_s: float, progress: Callable[[str], None]) -> None:
         deadline = time.monotonic() + timeout_s
@@ -166,6 +261,22 @@ class ServeProcess:
         self._log.close()
 
 
+def epoch_bounds(recorded: list[dict[int, list[int]]], k: int, metrics: str) -> list[dict[str, Any]]:
+    """Per epoch, the bound for none's outputs (`recorded`, by key) at K = `k` on one engine, priced by the step-cost
+    fit in `metrics` (a server's /metrics text); bound_s None without a fit or with more than one engine (the
+    batch's split between engines is not known here)."""
+    price, engines = step_price_from_metrics(metrics)
+    out = []
+    for epoch in recorded:
+        if price is None or engines != 1:
+            out.append({"bound_s": None, "steps": None, "price": None, "engines": engines})
+            continue
+        bound = engine_bound([len(v) for v in epoch.values()], k, price)
+        out.append({"bound_s": round(bound.seconds, 3), "steps": bound.steps, "price": asdict(price),
+                    "engines": engines})
+    return out
+
+
 def run_user_bench(config: UserRunConfig, problems: list[Problem], problems_spec: str, log_dir: Path,
                    progress: Callable[[str], None]) -> UserRunResult:
     """Every repeat runs every arm once (order alternating); see the module docstring."""
@@ -173,19 +284,38 @@ def run_user_bench(config: UserRunConfig, problems: list[Problem], problems_spec
     sampling = SamplingSpec(max_tokens=config.max_tokens, temperature=config.temperature)
     log_dir.mkdir(parents=True, exist_ok=True)
     quiet = Console(stderr=True, quiet=True)
+    oracles = [a for a in config.arms if a in ORACLE_ARMS]
     for repeat in range(config.repeats):
-        order = config.arms if repeat % 2 == 0 else tuple(reversed(config.arms))
-        for arm in order:
-            progress(f"repeat {repeat + 1}/{config.repeats}, arm {arm}: starting das serve --speculation {arm}")
-            server = ServeProcess(arm, config, log_dir / f"serve-{arm}-{repeat + 1}.log")
+        recorded: list[dict[int, list[int]]] = []  # none's outputs by sample key, per epoch
+        oracle_file = log_dir / f"oracle-{repeat + 1}.json"
+        for arm in config.order(repeat):
+            flags: tuple[str, ...] = ("--speculation", arm)
+            if arm in ORACLE_ARMS:
+                write_continuations(oracle_file, {k: v for epoch in recorded for k, v in epoch.items()})
+                flags = (*ORACLE_ARMS[arm], "--oracle-file", str(oracle_file))
+            progress(f"repeat {repeat + 1}/{config.repeats}, arm {arm}: starting das serve {' '.join(flags)}")
+            server = ServeProcess(flags, config, log_dir / f"serve-{arm}-{repeat + 1}.log")
+            outputs: list[dict[int, list[int]]] | None = [] if oracles and arm in (BASELINE, *oracles) else None
+            metrics = ""
             try:
                 server.wait_ready(config.ready_timeout_s, progress)
                 with RolloutClient(server.url, None) as client:
                     run = run_rollouts(client, problems, config.samples, config.epochs, sampling, None, quiet,
-                                       derive(config.seed, repeat))
+                                       derive(config.seed, repeat), outputs)
+                if arm in ORACLE_ARMS:
+                    metrics = httpx.get(f"{server.url}/metrics", timeout=10.0).text
             finally:
                 server.stop()
             result.runs[arm].append(run.epochs)
+            if arm == BASELINE and outputs is not None:
+                recorded = outputs
+            elif arm in ORACLE_ARMS and outputs is not None:
+                same = outputs == recorded
+                result.oracle_identical[arm] = result.oracle_identical.get(arm, True) and same
+                if not same:
+                    progress(f"WARNING: {arm}'s outputs differ from {BASELINE}'s in repeat {repeat + 1}")
+                if arm == oracles[0]:
+                    result.bounds.append(epoch_bounds(recorded, config.k, metrics))
             progress(f"repeat {repeat + 1}, arm {arm}: makespans "
                      + ", ".join(f"{e.makespan_s:.1f} s" for e in run.epochs))
     return result

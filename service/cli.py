@@ -115,6 +115,9 @@ def serve(
                                             "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
+    oracle_file: Annotated[Optional[Path], typer.Option("--oracle-file", help="Benchmarks only (`das bench serve "
+                                                        "--arms none,oracle`): recorded outputs by sample key that "
+                                                        "those samples draft (--speculation das).")] = None,
     history_shards: Annotated[int, typer.Option("--history-shards", min=1, help="HistoryStore actors.")] = 2,
     snapshot_interval: Annotated[float, typer.Option("--snapshot-interval", min=0.1, help="Seconds between history "
                                                      "snapshots (of shards that changed) with --state-dir.")] = 60.0,
@@ -172,7 +175,8 @@ def serve(
         engine = ({"stub_engine": {"tensor_parallel_size": tensor_parallel_size}} if stub_engine else {"engine": {
             "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
-            "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget}}})
+            "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget},
+            **({"oracle_file": str(oracle_file.resolve())} if oracle_file is not None else {})}})
         config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
                                                "engines_per_node": engines_per_node,
                                                "failure": {"max_restarts": max_restarts,

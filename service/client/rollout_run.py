@@ -20,7 +20,7 @@ from rich.table import Table
 from das.drafter.records import RolloutRecord, write_rollouts
 from das.service.client import RolloutClient
 from das.service.client.prompt_sets import Problem
-from das.service.wire.api import SamplingSpec
+from das.service.wire.api import SamplingSpec, seeded_groups
 from das.service.wire.sample_keys import derive
 
 
@@ -82,10 +82,16 @@ class RolloutRun:
 
 
 def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, epochs: int, sampling: SamplingSpec,
-                 history_file: Path | None, console: Console | None = None, seed: int | None = None) -> RolloutRun:
+                 history_file: Path | None, console: Console | None = None, seed: int | None = None,
+                 outputs: list[dict[int, list[int]]] | None = None) -> RolloutRun:
     """Runs `epochs` batches of every problem x `samples`; see the module docstring. `seed`: epoch e's batch
-    seed is derive(seed, e - 1), so a run with the same seed draws the same samples; None: the server's choice."""
-    groups = [p.group(samples, sampling).model_dump(exclude_none=True) for p in problems]
+    seed is derive(seed, e - 1), so a run with the same seed draws the same samples; None: the server's choice.
+    `outputs` (needs `seed`): gets, per epoch, every finished sample's output tokens by its keyed-sampling key (what
+    the oracle benchmark arm drafts, drafter/oracle.py)."""
+    if outputs is not None and seed is None:
+        raise ValueError("outputs are kept by sample key, which needs a seed")
+    requests = [p.group(samples, sampling) for p in problems]
+    groups = [g.model_dump(exclude_none=True) for g in requests]
     expected = len(problems) * samples
     figures: list[EpochFigures] = []
     records: list[RolloutRecord] = []
@@ -97,6 +103,9 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
             received = tokens = drafted = accepted = errors = longest = critical = 0
             versions: set[int] = set()
             batch_seed = None if seed is None else derive(seed, epoch - 1)
+            keyed = seeded_groups(requests, batch_seed) if outputs is not None and batch_seed is not None else None
+            if outputs is not None:
+                outputs.append({})
             for sample in client.generate(groups, return_prompt_token_ids=history_file is not None,
                                           seed=batch_seed):
                 bar.advance(task)
@@ -108,6 +117,10 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
                 errors += sample.finish_reason == "error"
                 versions.add(sample.policy_version)
                 received += 1
+                if keyed is not None and outputs is not None and sample.finish_reason in ("stop", "length"):
+                    key = keyed[sample.group_index].sample_key(sample.sample_index)
+                    if key is not None:
+                        outputs[-1][key] = list(sample.output_token_ids)
                 if history_file is not None and sample.finish_reason in ("stop", "length") \
                         and sample.prompt_token_ids:
                     records.append(RolloutRecord(sample.problem_id, sample.policy_version, sample.sample_index,

@@ -31,7 +31,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,6 +185,7 @@ class Engine:
         # seconds in 30 s, against 1 without the polls (docs/design.md, "Engine").
         self._changes = 0
         self._stats: tuple[int, dict[str, Any]] | None = None  # (self._changes when read, the stats)
+        self._oracle: Mapping[int, Sequence[int]] = {}  # sample key -> recorded output (set_oracle); empty: none
 
     @classmethod
     async def create(cls, config: EngineConfig) -> Engine:
@@ -245,6 +246,14 @@ class Engine:
             raise
         engine = cls(config, llm, tokenizer, vocab_size, tally)
         engine.runner = runner
+        if config.oracle_file is not None:
+            from das.drafter.oracle import load_continuations
+
+            try:
+                engine.set_oracle(load_continuations(config.oracle_file))
+            except ValueError:
+                await engine.close()
+                raise
         # This frame outlives the call (an exception vLLM keeps from its imports above holds it through a
         # traceback): it must not hold the AsyncLLM, or `close` could not release it (see there).
         del llm
@@ -297,10 +306,13 @@ class Engine:
         at the positions after its prefix."""
         resumed = len(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else 0
         curve = LengthCurve.from_dict(group.length_curve.model_dump()) if group.length_curve is not None else None
+        sample_key = group.sample_key(index)
+        oracle = self._oracle.get(sample_key) if self._oracle and sample_key is not None else None
         tags = RequestTags(group.problem_id, key, index, group.predicted_tokens, curve,
-                           resumed_tokens=resumed, session_id=group.session_id)
+                           resumed_tokens=resumed, session_id=group.session_id,
+                           oracle=None if oracle is None else tuple(oracle))
         extra_args = tags.to_extra_args()
-        key = group.sample_key(index)
+        key = sample_key
         if self.config.keyed_sampling and key is not None:
             extra_args[SAMPLE_KEY] = key
             if resumed:
@@ -505,6 +517,15 @@ class Engine:
         self._changes += 1
         count = await worker_rpc(self._llm, "das_add_rollouts", args=(rollouts,))
         return int(count)
+
+    def set_oracle(self, continuations: Mapping[int, Sequence[int]]) -> None:
+        """The oracle benchmark arm (drafter/oracle.py): from now on a sample whose keyed-sampling key is in
+        `continuations` drafts the recorded output given for it (its whole output, token ids) instead of the
+        history bank's drafts; an empty mapping turns the oracle off. Only a das engine with keyed sampling drafts,
+        and only under keyed sampling is a key's output the same in every arm (ValueError otherwise)."""
+        if continuations and (self.config.speculation != "das" or not self.config.keyed_sampling):
+            raise ValueError("the oracle needs a das engine with keyed sampling")
+        self._oracle = dict(continuations)
 
     async def drafter_stats(self) -> dict[str, Any]:
         """The proposer's stats (DasProposer.stats); read from the worker unless the engine has been idle and

@@ -76,6 +76,9 @@ class EngineConfig(BaseModel):
                                         "freed pages for reuse: large-vocabulary logits are not page-faulted in anew "
                                         "every step), system, or auto: jemalloc for a vocabulary of 2**17 entries or "
                                         "more (service/engine/cpu_allocator.py); ignored on a GPU")
+    oracle_file: str | None = Field(None, description="benchmarks only (`das bench serve --arms none,oracle`): "
+                                    "a file of recorded outputs by sample key (drafter/oracle.py) that samples with "
+                                    "those keys draft instead of the history bank's drafts; needs speculation das")
     suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
                                            "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
                                            "empty)")
@@ -88,6 +91,13 @@ class EngineConfig(BaseModel):
         if bad:
             raise ValueError(f"suffix_options takes suffix_decoding_* settings only, got {bad}")
         return options
+
+    @field_validator("oracle_file")
+    @classmethod
+    def _oracle_needs_das(cls, path: str | None, info: Any) -> str | None:
+        if path is not None and info.data.get("speculation") != "das":
+            raise ValueError("oracle_file drafts through the das proposer: it needs speculation das")
+        return path
 
     def speculative_config(self) -> dict[str, Any] | None:
         k = self.num_speculative_tokens

@@ -48,6 +48,9 @@ class RequestTags:
     segment at its first step, so the drafter's state is what it would have been without the death.
     session_id: the agent session the sample is a turn of: the drafter indexes its prompt as the session's
     context, turn by turn (drafter/history.py `SessionContext`), or None.
+    oracle: the sample's whole recorded output (token ids) for the oracle benchmark arm (drafter/oracle.py): its
+    drafts are this continuation's next tokens instead of the history bank's; None (always, outside that
+    benchmark): the bank drafts.
     """
 
     problem_id: str
@@ -59,10 +62,13 @@ class RequestTags:
     cost_probe: bool = False
     resumed_tokens: int = 0
     session_id: str | None = None
+    oracle: tuple[int, ...] | None = None
 
     def to_extra_args(self) -> dict[str, Any]:
         curve = self.length_curve.to_dict() if self.length_curve is not None else None
-        return {EXTRA_ARGS_KEY: {"problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
+        oracle = {"oracle": list(self.oracle)} if self.oracle is not None else {}
+        return {EXTRA_ARGS_KEY: {**oracle,
+                                 "problem_id": self.problem_id, "key": self.key, "sample_index": self.sample_index,
                                  "predicted_tokens": self.predicted_tokens, "length_curve": curve,
                                  "draft": self.draft, "cost_probe": self.cost_probe,
                                  "resumed_tokens": self.resumed_tokens,
@@ -83,7 +89,9 @@ class RequestTags:
             except ValueError as exc:  # the sample still runs; only its budget falls back to predicted_tokens
                 log.warning("request of problem %s: length curve ignored: %s", raw["problem_id"], exc)
         session = raw.get("session_id")
+        oracle = raw.get("oracle")
         return RequestTags(str(raw["problem_id"]), None if key is None else str(key), int(raw.get("sample_index", 0)),
                            None if predicted is None else float(predicted), curve, bool(raw.get("draft", True)),
                            bool(raw.get("cost_probe", False)), int(raw.get("resumed_tokens", 0)),
-                           None if session is None else str(session))
+                           None if session is None else str(session),
+                           None if oracle is None else tuple(int(t) for t in oracle))

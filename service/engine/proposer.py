@@ -47,6 +47,7 @@ import numpy as np
 
 from das.drafter.config import DrafterSettings
 from das.drafter.history import HistoryBank
+from das.drafter.oracle import OracleDrafts
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
 from das.scheduler.draft_step import DraftStep
@@ -112,6 +113,8 @@ class DasProposer:
         self._columns = RequestColumns()
         self._batch_ids: list[str] | None = None  # the last step's input batch, and its requests' slots
         self._batch_slots = np.zeros(0, np.int64)
+        self._oracle = OracleDrafts()  # requests with a recorded continuation (RequestTags.oracle); empty otherwise
+        self.oracle_counts = DraftCounts()  # verified oracle draft tokens since start (steps unused)
 
     def attach(self, runner: Any) -> None:
         self._runner = runner
@@ -144,6 +147,11 @@ class DasProposer:
         starts = cols.fed[slots]
         bank_slots = cols.bank_slot[slots]
         settled = self.step.settle(slots, bank_slots, table, starts, ends, explored=cols.explored[slots])
+        oracle_rows = np.flatnonzero(self._oracle.active[slots]) if len(self._oracle) else None
+        oracle_drafted = oracle_accepted = oracle_explored = 0
+        if oracle_rows is not None and oracle_rows.size:
+            oracle_drafted, oracle_accepted, oracle_explored = self._settle_oracle(
+                slots[oracle_rows], table[oracle_rows], starts[oracle_rows], ends[oracle_rows])
         advanced = slots[ends > starts]
         cols.fed[slots] = np.maximum(starts, ends)
         cols.steps[advanced] += 1
@@ -160,8 +168,9 @@ class DasProposer:
         self.shadow.proposed += settled.shadow_drafted
         self.shadow.accepted += settled.shadow_accepted
         self.shadow_drafts += settled.shadows
-        self._observe_step(t0, prefill, n, settled.drafted + probe_drafted, settled.accepted, probe_drafted > 0,
-                           settled.explored_accepted)
+        self._observe_step(t0, prefill, n, settled.drafted + probe_drafted + oracle_drafted,
+                           settled.accepted + oracle_accepted, probe_drafted > 0,
+                           settled.explored_accepted + oracle_explored)
         if not n:
             self._step_us.append((time.perf_counter() - t0) * 1e6)
             self._step_batch.append(0)
@@ -171,8 +180,20 @@ class DasProposer:
         room = np.maximum(0, np.minimum(max_tokens - generated, self.max_model_len - ends) - 1)
         view = BatchView(generated, cols.predicted[slots], max_tokens, cols.curves.at(slots, generated))
         draft_room = np.where(cols.may_draft[slots], room, 0)  # the warm-up's plain probes get no draft
-        step_drafts, plan = self.step.draft(slots, bank_slots, view, table, ends, draft_room, self.vocab_size)
+        bank_room = draft_room
+        if oracle_rows is not None and oracle_rows.size:
+            bank_room = draft_room.copy()
+            bank_room[oracle_rows] = 0  # no bank draft (nor shadow) where the oracle drafts
+        step_drafts, plan = self.step.draft(slots, bank_slots, view, table, ends, bank_room, self.vocab_size)
         drafts = step_drafts.lists()
+        if oracle_rows is not None and oracle_rows.size:
+            # the same plan's K_i, capped as the bank's drafts are; an oracle token's probability is 1, so only a
+            # floor above 1 (the plan verifying nothing) cuts it
+            k = np.minimum(np.minimum(plan.lengths[oracle_rows], draft_room[oracle_rows]), self.k_max)
+            k = np.where(np.asarray(plan.min_prob)[oracle_rows] > 1.0, 0, k)
+            for row, draft in zip(oracle_rows.tolist(),
+                                  self._oracle.draft(slots[oracle_rows], generated[oracle_rows], k)):
+                drafts[row] = draft
         cols.explored[slots] = plan.explored if plan.explored is not None else False
         if self._probes:
             self._probe_draft(slots, room, table, drafts)
@@ -196,6 +217,25 @@ class DasProposer:
         self._batch_ids = list(req_ids)
         self._batch_slots = np.fromiter((run.slot for run in runs), np.int64, len(runs))
         return self._batch_slots, prefill
+
+    def _settle_oracle(self, slots: np.ndarray, table: np.ndarray, starts: np.ndarray,
+                       ends: np.ndarray) -> tuple[int, int, int]:
+        """Scores the oracle drafts of the requests in `slots` (rows of their committed tokens in `table`) as
+        `DraftStep.settle` scores the bank's: into the acceptance counts the budget plans from and the requests'
+        counts. Returns the draft tokens verified, the accepted ones, and those of them from exploration's drafts."""
+        drafted, accepted = self._oracle.settle(slots, table, starts, ends)
+        verified = np.flatnonzero(drafted)
+        if not verified.size:
+            return 0, 0, 0
+        cols = self._columns
+        done = slots[verified]
+        self.acceptance.record(done, drafted[verified], accepted[verified])
+        cols.proposed[done] += drafted[verified]
+        cols.accepted[done] += accepted[verified]
+        total_drafted, total_accepted = int(drafted.sum()), int(accepted.sum())
+        self.oracle_counts.proposed += total_drafted
+        self.oracle_counts.accepted += total_accepted
+        return total_drafted, total_accepted, int(accepted[verified][cols.explored[done]].sum())
 
     def _probe_draft(self, slots: np.ndarray, room: np.ndarray, table: np.ndarray, drafts: list[list[int]]) -> None:
         """On every other step with a cost probe in the batch, the first probe with room for a draft token
@@ -275,6 +315,7 @@ class DasProposer:
             "shadow": {"drafts": self.shadow_drafts, "proposed": self.shadow.proposed,
                        "accepted": self.shadow.accepted},
             "cost": self.budget.stats(),
+            "oracle": {"proposed": self.oracle_counts.proposed, "accepted": self.oracle_counts.accepted},
         }
 
     @property
@@ -302,6 +343,7 @@ class DasProposer:
         self._columns.start(run.slot, prompt_len=prompt_len, max_tokens=max_tokens + resumed, bank_slot=bank_slot,
                             predicted=tags.predicted_tokens, curve=tags.length_curve, may_draft=tags.draft,
                             cost_probe=tags.cost_probe)
+        self._oracle.set(run.slot, tags.oracle)
         self._probes += tags.cost_probe
         self._running[rid] = run
         return run
@@ -325,5 +367,7 @@ class DasProposer:
         self._finished[self._key(rid, run)] = DraftCounts(int(cols.proposed[run.slot]), int(cols.accepted[run.slot]),
                                                           int(cols.steps[run.slot]))
         cols.curves.clear(run.slot)
+        if len(self._oracle):
+            self._oracle.clear(run.slot)
         while len(self._finished) > _MAX_UNCLAIMED:  # nobody asked (plain vLLM use): drop the oldest
             self._finished.pop(next(iter(self._finished)))

@@ -14,7 +14,17 @@ from typer.testing import CliRunner
 
 from das.bench.checkpoints import perturb_checkpoint
 from das.bench.cli import app
-from das.bench.e2e import ARMS, E2EConfig, E2EFailed, EngineArm, EpochOutput, Outcome, run_e2e, suffix_tuned_options
+from das.bench.e2e import ARMS as ALL_ARMS
+from das.bench.e2e import (
+    ORACLE_ARMS,
+    E2EConfig,
+    E2EFailed,
+    EngineArm,
+    EpochOutput,
+    Outcome,
+    run_e2e,
+    suffix_tuned_options,
+)
 from das.bench.e2e_report import markdown, plot
 from das.scheduler.budget_hook import BudgetSettings
 from das.scheduler.cost_model import CostModel
@@ -31,6 +41,7 @@ from tests.tiny_models import build_tiny_model
 MAKESPAN = {"none": 10.0, "ngram": 3.0, "suffix": 5.0, "suffix-t": 6.0, "das-uniform": 8.0, "das": 4.0,
             "das-service": 4.4, "none-service": 11.0}
 REPEAT_SCALE = (1.0, 1.3, 0.8)
+ARMS = tuple(a for a in ALL_ARMS if a not in ORACLE_ARMS)  # scripted here; the oracle arms in test_e2e_oracle.py
 
 
 class ScriptedArm:

@@ -19,4 +19,4 @@ def test_every_arm_replays_as_its_own_policy_or_not_at_all():
 
     assert {arm: simulated_arm(arm, 8) for arm in ARMS} == {
         "none": "none", "ngram": None, "suffix": None, "suffix-t": None, "das-uniform": "uniform-8", "das": "das",
-        "das-service": "das", "none-service": "none"}
+        "das-service": "das", "none-service": "none", "oracle": None, "oracle-k": None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from das.drafter.records import load_rollouts
@@ -13,7 +14,8 @@ from das.service.client.prompt_sets import Problem
 from das.service.client.rollout_run import run_rollouts
 from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.gateway import create_app
-from das.service.wire.api import SampleRecord, SamplingSpec
+from das.service.wire.api import SampleRecord, SamplingSpec, seeded_groups
+from das.service.wire.sample_keys import derive
 from tests.service.http.test_gateway import TOKEN, LiveServer, gateway_settings
 
 
@@ -60,3 +62,16 @@ def test_critical_path_is_the_most_steps_any_sample_took_not_the_longest_sample(
     (epoch,) = run.epochs
     assert (epoch.longest_tokens, epoch.critical_steps, epoch.accepted_tokens) == (20, 13, 14)
     assert epoch.seconds_per_critical_step == epoch.makespan_s / 13
+
+
+def test_outputs_are_kept_by_the_key_each_sample_drew_with() -> None:
+    client = _Client([(3, 0), (4, 0)])
+    problems = [Problem("q", prompt_token_ids=(1, 2))]
+    outputs: list[dict[int, list[int]]] = []
+    run_rollouts(client, problems, 2, 2, SamplingSpec(max_tokens=8), None, seed=7, outputs=outputs)
+    for epoch, kept in enumerate(outputs):
+        (group,) = seeded_groups([problems[0].group(2, SamplingSpec(max_tokens=8))], derive(7, epoch))
+        assert kept == {group.sample_key(0): [5] * 3, group.sample_key(1): [5] * 4}
+    assert len(outputs) == 2 and outputs[0].keys() != outputs[1].keys()
+    with pytest.raises(ValueError, match="needs a seed"):
+        run_rollouts(client, problems, 2, 1, SamplingSpec(max_tokens=8), None, outputs=[])

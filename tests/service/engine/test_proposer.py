@@ -448,3 +448,40 @@ def test_the_proposer_drafts_through_the_step_the_simulator_runs():
     assert isinstance(proposer.step, DraftStep)
     assert (proposer.step.bank, proposer.step.budget, proposer.step.acceptance) == \
         (proposer.bank, proposer.budget, proposer.acceptance)
+
+
+def test_an_oracle_request_drafts_its_recorded_future_through_the_budget_and_has_it_all_accepted():
+    proposer, runner = attached(budget={"policy": "uniform"})
+    tags = RequestTags("p", key="o", oracle=tuple(RESPONSE))
+    assert RequestTags.from_extra_args(tags.to_extra_args(), PROMPT) == tags
+    runner.add("o", PROMPT, tags=tags)
+    drafts = runner.step(proposer, {})
+    seen = []
+    pos = 0
+    while pos < len(RESPONSE):
+        draft = drafts["o"]
+        seen.append(draft)
+        assert draft == RESPONSE[pos:pos + 4]  # the next K = 4 recorded tokens, none past the end
+        commit = RESPONSE[pos:pos + len(draft) + 1]
+        pos += len(commit)
+        drafts = runner.step(proposer, {"o": commit})
+    assert seen[0] == RESPONSE[:4] and seen[-1] == RESPONSE[10:]  # the last draft is cut at the recorded end
+    runner.remove("o")
+    runner.step(proposer, {})
+    counts = proposer.pop_counts(["o"])["o"]
+    # every draft token accepted but a draft's last token at the sample's end (the bank's rule: the last committed
+    # token is the verifier's own)
+    assert counts.proposed == sum(len(d) for d in seen) and counts.accepted >= counts.proposed - 1
+    assert counts.steps == 3  # 12 tokens at 5 a step
+    assert proposer.stats()["oracle"] == {"proposed": counts.proposed, "accepted": counts.accepted}
+    assert proposer.stats()["by_source"] == {}  # the history bank drafted nothing for it
+
+
+def test_an_oracle_request_beside_a_plain_one_leaves_the_plain_ones_drafts_to_the_bank():
+    proposer, runner = attached(budget={"policy": "uniform"})
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)  # history for problem p
+    runner.add("b", PROMPT, tags=RequestTags("p", key="b"))
+    runner.add("o", PROMPT, tags=RequestTags("q", key="o", oracle=(90, 91, 92)))
+    assert runner.step(proposer, {})["o"] == [90, 91, 92]
+    drafts = runner.step(proposer, {"b": RESPONSE[:1], "o": [90]})
+    assert drafts == {"b": RESPONSE[1:5], "o": [91, 92]}
