@@ -89,9 +89,15 @@ class ChatMessageParam(BaseModel):
 
 
 class ChatCompletionRequest(SamplingRequest):
+    # the conversation comes as messages or as prompt_token_ids: exactly one of them (the route refuses the others)
+    model_config = ConfigDict(extra="allow", json_schema_extra={"oneOf": [
+        {"required": ["messages"], "properties": {"messages": {"minItems": 1}, "prompt_token_ids": {"type": "null"}}},
+        {"required": ["prompt_token_ids"], "properties": {"prompt_token_ids": {"type": "array"},
+                                                          "messages": {"maxItems": 0}}}]})
+
     messages: list[ChatMessageParam] = Field(default_factory=list, description="the conversation; empty when "
                                              "prompt_token_ids is given")
-    prompt_token_ids: list[int] | None = Field(None, description="DAS: the conversation as token ids, chat "
+    prompt_token_ids: _TokenIds | None = Field(None, description="DAS: the conversation as token ids, chat "
                                                "template applied (a session's context as the previous turns' "
                                                "prompt_token_ids + token_ids + the new turn's tokens), instead of "
                                                "messages: nothing is re-tokenized")

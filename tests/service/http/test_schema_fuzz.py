@@ -45,7 +45,8 @@ CHECKS = [status_code_conformance, content_type_conformance, response_schema_con
 # a schema-valid (positive) request must never get one. Other refusals of positive requests stay allowed: what the
 # schema cannot say (a prompt over the context, a batch id in use, a version not newer, `x-` rules).
 STATED_RULES = ("9223372036854775807", "9223372036854775808", "int64", "give exactly one of",
-                "prompt_token_ids is empty", "messages is empty", "missing", "not a field of the format",
+                "prompt_token_ids is empty", "messages is empty", "at least one message", "not both", "missing",
+                "not a field of the format",
                 "Field required")
 
 
