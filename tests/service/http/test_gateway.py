@@ -22,6 +22,7 @@ import uvicorn
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.engine.contract import EngineInputError, EngineTally
 from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.request_guard import server_config
 from das.service.wire.api import GroupRequest, SampleRecord, SampleResult
 from das.service.wire.sample_keys import derive
 
@@ -29,13 +30,17 @@ TOKEN = "s3cret-token"
 
 
 class LiveServer:
-    """uvicorn serving `app` on a free loopback port in a daemon thread; `url` once started."""
+    """uvicorn serving `app` on a free loopback port in a daemon thread; `url` once started. With
+    `header_timeout_s`, served as `das serve` serves it (request_guard.server_config: the header deadline)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, header_timeout_s: float | None = None) -> None:
         self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1))
+        self.port = self._socket.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = (uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=1) if header_timeout_s is None
+                  else server_config(app, header_timeout_s, log_level="warning", timeout_graceful_shutdown=1))
+        self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
 
     def __enter__(self) -> LiveServer:

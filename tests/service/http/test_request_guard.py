@@ -9,51 +9,30 @@ from __future__ import annotations
 import json
 import re
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.batch_journal import JournalEntry
 from das.service.http.gateway import GatewaySettings, create_app
-from das.service.http.request_guard import parse_json_yielding, server_config
+from das.service.http.request_guard import parse_json_yielding
 from das.service.wire.api import INT64_MAX
+from tests.service.http.test_gateway import LiveServer
 
 TOKEN = "guard-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-class GuardedServer:
+class GuardedServer(LiveServer):
     """The gateway served by uvicorn with the header deadline, on a free loopback port, in a daemon thread."""
 
     def __init__(self, backend: StubBackend, **settings: Any) -> None:
         self.settings = GatewaySettings(token=TOKEN, **settings)
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.bind(("127.0.0.1", 0))
-        self.port = self._socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = server_config(create_app(backend, self.settings), self.settings.header_timeout_s,
-                               log_level="warning", timeout_graceful_shutdown=1)
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]}, daemon=True)
-
-    def __enter__(self) -> GuardedServer:
-        self._thread.start()
-        deadline = time.monotonic() + 10
-        while not self._server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.01)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._socket.close()
+        super().__init__(create_app(backend, self.settings), self.settings.header_timeout_s)
 
     def connect(self) -> socket.socket:
         return socket.create_connection(("127.0.0.1", self.port), timeout=10)
