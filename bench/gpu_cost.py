@@ -3,8 +3,9 @@ for the service in a few minutes, standalone: it imports torch, transformers, th
 (service/engine/keyed_draw.py) and the cost model (scheduler/cost_model.py) only.
 
 (a) The keyed draw on the device: rows x vocabulary (Qwen2.5's 151,936 entries) of random float32 logits drawn on
-    the device and, from the same logits and keys, on CPU tensors; the tokens must be identical (the CPU draw is the
-    fused CPU kernel's token, tests/service/engine/test_keyed_draw.py). Median milliseconds per draw on the device.
+    the device, eager and compiled, and, from the same logits and keys, on CPU tensors; the tokens must be identical
+    (the CPU draw is the fused CPU kernel's token, tests/service/engine/test_keyed_draw.py). Median milliseconds per
+    draw on the device, for each row count (`--draw-only` stops here).
 (b) A decode step-cost surface: a 7B-shaped Llama (Qwen2.5-7B's shape: 28 layers, hidden 3,584, 28 query / 4 KV
     heads, MLP 18,944, vocabulary 152,064; random weights, bfloat16) on the device, a static KV cache of `context`
     positions per request, and one forward of batch x tokens-per-request (1 + K drafts) tokens at the cache's end:
@@ -12,8 +13,9 @@ for the service in a few minutes, standalone: it imports torch, transformers, th
     shape is captured as a CUDA graph and replayed, as vLLM replays its decode steps (eager if capture fails; the
     output says which). The KV cache's contents are zeros: attention's cost does not depend on them.
 
-Written to `--out`: `<name>.json`, a `CostModel` (c_base + c_tok x tokens, least squares over the surface at
-`--fit-context`) that `das bench simulate --cost-model <path>` takes in place of the estimated `h100-7b`, and
+Written to `--out`: `<name>.json`, a `CostModel` (c_base and c_tok of a least-squares fit of c_base + per-request x
+requests + c_tok x tokens over the surface at the fit context; the per-request term, transformers' attention, is
+left out of the model) that `das bench simulate --cost-model <path>` takes in place of the estimated `h100-7b`, and
 `<name>-surface.json` with every point and the keyed-draw figures. `--tiny` runs a tiny config on the CPU in
 seconds (what the tests run). Without das installed, from a checkout: a directory holding a link named `das` to the
 checkout on PYTHONPATH, then `python -m das.bench.gpu_cost`.
@@ -29,9 +31,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from das.scheduler.cost_model import fit_cost_model
+from das.scheduler.cost_model import CostModel
 from das.service.engine.keyed_draw import keyed_draw
 
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -43,7 +46,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 @dataclass(frozen=True)
 class GpuCostConfig:
     """One run: the model shape (`tiny` or 7B), the grid (batches x tokens per request x contexts, in requests,
-    tokens, KV positions), the keyed-draw shape, `repeats` timed calls per point, `kv_gib` the most KV cache a
+    tokens, KV positions), the keyed draw's row counts and vocabulary, `repeats` timed calls per point, `kv_gib` the most KV cache a
     point may allocate (GiB; larger points are skipped and listed), `fit_context` the context the cost model is
     fitted at (the grid's middle one by default)."""
 
@@ -53,16 +56,18 @@ class GpuCostConfig:
     tokens: tuple[int, ...]
     contexts: tuple[int, ...]
     repeats: int
-    draw_rows: int
+    draw_rows: tuple[int, ...]
     draw_vocab: int
     kv_gib: float
     fit_context: int | None = None
+    draw_only: bool = False
 
     @classmethod
     def default(cls, device: str, tiny: bool) -> GpuCostConfig:
         if tiny:
-            return cls(device, True, (1, 4), (1, 3), (16, 64), 3, 16, 512, 1.0)
-        return cls(device, False, (1, 8, 32, 64, 128), (1, 2, 4, 8), (1024, 4096, 16384), 10, 256, 151936, 40.0)
+            return cls(device, True, (1, 4), (1, 3), (16, 64), 3, (1, 16), 512, 1.0)
+        return cls(device, False, (1, 8, 32, 64, 128), (1, 2, 4, 8, 16), (1024, 4096, 16384), 10,
+                   (1, 8, 64, 256, 1024), 151936, 40.0)
 
 
 def _median_s(call: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
@@ -82,20 +87,28 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
-def keyed_draw_figures(cfg: GpuCostConfig) -> dict[str, object]:
-    """(a): the draw's identity with its CPU-tensor run and its median milliseconds on the device."""
+def keyed_draw_figures(cfg: GpuCostConfig) -> list[dict[str, object]]:
+    """(a): for each row count, the draw's identity with its CPU-tensor run, eager and compiled (torch.compile, the
+    CUDA default), and each one's median milliseconds on the device."""
     device = torch.device(cfg.device)
-    gen = torch.Generator().manual_seed(0)
-    logits = torch.randn(cfg.draw_rows, cfg.draw_vocab, generator=gen) * 2
-    logits[:, cfg.draw_vocab // 2:] = torch.where(torch.rand(cfg.draw_rows, 1, generator=gen) < 0.5, float("-inf"),
-                                                  logits[:, cfg.draw_vocab // 2:])  # top-k-like masks on half
-    keys = torch.randint(-2**63, 2**63 - 1, (cfg.draw_rows,), generator=gen)
-    on_cpu = keyed_draw(logits, keys)
-    dev_logits, dev_keys = logits.to(device), keys.to(device)
-    on_device = keyed_draw(dev_logits, dev_keys)
-    ms = _median_s(lambda: keyed_draw(dev_logits, dev_keys), cfg.repeats, _sync(device)) * 1e3
-    return {"rows": cfg.draw_rows, "vocab": cfg.draw_vocab, "device": str(device),
-            "identical_to_cpu": bool(torch.equal(on_device.cpu(), on_cpu)), "median_ms": round(ms, 3)}
+    figures = []
+    for rows in cfg.draw_rows:
+        gen = torch.Generator().manual_seed(rows)
+        logits = torch.randn(rows, cfg.draw_vocab, generator=gen) * 2
+        logits[:, cfg.draw_vocab // 2:] = torch.where(torch.rand(rows, 1, generator=gen) < 0.5, float("-inf"),
+                                                      logits[:, cfg.draw_vocab // 2:])  # top-k-like masks on half
+        keys = torch.randint(-2**63, 2**63 - 1, (rows,), generator=gen)
+        on_cpu = keyed_draw(logits, keys, compiled=False)
+        dev_logits, dev_keys = logits.to(device), keys.to(device)
+        row: dict[str, object] = {"rows": rows, "vocab": cfg.draw_vocab, "device": str(device)}
+        for mode, compiled in (("eager", False), ("compiled", True)):
+            on_device = keyed_draw(dev_logits, dev_keys, compiled=compiled)
+            ms = _median_s(lambda: keyed_draw(dev_logits, dev_keys, compiled=compiled), cfg.repeats,
+                           _sync(device)) * 1e3
+            row[f"{mode}_identical_to_cpu"] = bool(torch.equal(on_device.cpu(), on_cpu))
+            row[f"{mode}_median_ms"] = round(ms, 3)
+        figures.append(row)
+    return figures
 
 
 def _model(cfg: GpuCostConfig) -> tuple[torch.nn.Module, object]:
@@ -165,25 +178,53 @@ def step_surface(cfg: GpuCostConfig) -> tuple[list[dict[str, object]], list[dict
     return points, skipped
 
 
+def fit_step_terms(points: Sequence[dict[str, object]]) -> dict[str, float]:
+    """Least squares of step = c_base + per_request x batch + c_tok x batch x tokens_per_request (seconds) over
+    surface points at one context; coefficients clipped at 0; `fit_error` the RMS relative error. A token's
+    marginal price (c_tok) is what a draft token costs to verify; the per-request term is the attention over each
+    request's cache."""
+    b = np.array([float(p["batch"]) for p in points])
+    k = np.array([float(p["tokens_per_request"]) for p in points])
+    t = np.array([float(p["step_s"]) for p in points])
+    if len(np.unique(b)) < 2 or len(np.unique(b * k)) < 3:
+        raise ValueError("the fit needs at least two batch sizes and three batch x tokens-per-request products")
+    a = np.stack([np.ones_like(b), b, b * k], axis=1)
+    coef = np.clip(np.linalg.lstsq(a, t, rcond=None)[0], 0.0, None)
+    error = float(np.sqrt(np.mean(((a @ coef - t) / t) ** 2)))
+    return {"c_base_s": float(coef[0]), "per_request_s": float(coef[1]), "c_tok_s": float(coef[2]),
+            "fit_error": error}
+
+
 def run_gpu_cost(cfg: GpuCostConfig, out: Path, name: str) -> dict[str, object]:
     """Runs (a) and (b) and writes `<out>/<name>.json` (the cost model) and `<out>/<name>-surface.json`; returns
     the surface document."""
     if min(cfg.batches + cfg.tokens + cfg.contexts) < 1 or cfg.repeats < 1:
         raise ValueError("batches, tokens per request, contexts and repeats must be >= 1")
-    if len({b * t for b in cfg.batches for t in cfg.tokens}) < 2:
-        raise ValueError("the cost model's fit needs at least two distinct batch x tokens-per-request products")
+    if not cfg.draw_only and (len(set(cfg.batches)) < 2 or len({b * t for b in cfg.batches for t in cfg.tokens}) < 3):
+        raise ValueError("the cost model's fit needs at least two batch sizes and three distinct batch x "
+                         "tokens-per-request products")
+    if not cfg.draw_rows or min(cfg.draw_rows) < 1:
+        raise ValueError("draw rows must be >= 1")
     draw = keyed_draw_figures(cfg)
+    device_name = torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.device.startswith("cuda") else "cpu"
+    doc: dict[str, object] = {"config": asdict(cfg), "device_name": device_name, "torch": torch.__version__,
+                              "keyed_draw": draw}
+    if cfg.draw_only:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{name}-draw.json").write_text(json.dumps(doc, indent=2))
+        return doc
     points, skipped = step_surface(cfg)
     fit_context = cfg.fit_context or sorted(cfg.contexts)[len(cfg.contexts) // 2]
-    at = [p for p in points if p["context"] == fit_context]
-    device_name = torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.device.startswith("cuda") else "cpu"
+    fit = fit_step_terms([p for p in points if p["context"] == fit_context])
     shape = "tiny Llama" if cfg.tiny else "7B-shaped Llama (Qwen2.5-7B's dimensions), random weights, bfloat16"
-    model = fit_cost_model(name, [p["batch"] * p["tokens_per_request"] for p in at], [p["step_s"] for p in at],
-                           source=f"measured by das bench gpu-cost on {device_name}: {shape}, decode forwards at "
-                                  f"context {fit_context} (no sampler, no scheduler; transformers, not vLLM)")
-    doc = {"config": asdict(cfg), "device_name": device_name, "torch": torch.__version__,
-           "keyed_draw": draw, "points": points, "skipped_over_kv_budget": skipped, "fit_context": fit_context,
-           "cost_model": json.loads(model.to_json())}
+    model = CostModel(name=name, c_base_s=fit["c_base_s"], c_tok_s=fit["c_tok_s"], fit_error=fit["fit_error"],
+                      source=f"measured by das bench gpu-cost on {device_name}: {shape}, decode forwards at context "
+                             f"{fit_context} (no sampler, no scheduler; transformers, not vLLM); fitted as c_base + "
+                             f"per-request x requests + c_tok x tokens, the per-request term "
+                             f"({fit['per_request_s'] * 1e3:.3f} ms: transformers' attention over the cache, far "
+                             f"dearer than vLLM's) left out")
+    doc.update({"points": points, "skipped_over_kv_budget": skipped, "fit_context": fit_context, "fit": fit,
+                "cost_model": json.loads(model.to_json())})
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(model.to_json())
     (out / f"{name}-surface.json").write_text(json.dumps(doc, indent=2))
@@ -204,22 +245,27 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--tokens", type=_ints, default=None, help="comma-separated tokens per request (1 + K)")
     parser.add_argument("--contexts", type=_ints, default=None, help="comma-separated KV cache lengths")
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (medians)")
+    parser.add_argument("--draw-rows", type=_ints, default=None, help="comma-separated keyed-draw row counts")
+    parser.add_argument("--draw-only", action="store_true", help="time the keyed draw only (no step surface)")
     parser.add_argument("--kv-gib", type=float, default=None, help="skip points whose KV cache exceeds this")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = GpuCostConfig.default(device, args.tiny)
     overrides = {k: v for k, v in (("batches", args.batches), ("tokens", args.tokens), ("contexts", args.contexts),
-                                   ("repeats", args.repeats), ("kv_gib", args.kv_gib)) if v is not None}
-    cfg = GpuCostConfig(**{**asdict(cfg), **overrides})
+                                   ("repeats", args.repeats), ("kv_gib", args.kv_gib),
+                                   ("draw_rows", args.draw_rows)) if v is not None}
+    cfg = GpuCostConfig(**{**asdict(cfg), **overrides, "draw_only": args.draw_only})
     name = args.name or ("tiny-cpu" if args.tiny else "gpu-7b")
     try:
         doc = run_gpu_cost(cfg, args.out, name)
     except ValueError as exc:
         parser.error(str(exc))
-    print(json.dumps({"keyed_draw": doc["keyed_draw"], "cost_model": doc["cost_model"],
+    if cfg.draw_only:
+        print(json.dumps({"keyed_draw": doc["keyed_draw"], "files": [str(args.out / f"{name}-draw.json")]}, indent=2))
+        return
+    print(json.dumps({"keyed_draw": doc["keyed_draw"], "fit": doc["fit"], "cost_model": doc["cost_model"],
                       "points": len(doc["points"]), "skipped": len(doc["skipped_over_kv_budget"]),
                       "files": [str(args.out / f"{name}.json"), str(args.out / f"{name}-surface.json")]}, indent=2))
-
 
 if __name__ == "__main__":
     main()

@@ -26,15 +26,25 @@ kernel); elsewhere the argmax provably equals the kernel's choice (its running b
 no larger than the row's best, which beats every other entry by more than any comparison's rounding). That check
 reads one bool per call on the host (a device sync on CUDA).
 
-Cost: ~20 elementwise passes over rows x vocab int64/float64 words, in chunks of at most `chunk_elements` entries
-(memory: ~5 words per entry of a chunk).
+Cost: eager, ~20 elementwise passes over rows x vocab int64/float64 words, in chunks of at most `chunk_elements`
+entries (memory: ~5 words per entry of a chunk): 6.1 ms for 256 rows x 151,936 entries on an H200
+(docs/results/2026-11-27-h200-gpu-cost.md), a large share of a decode step. `compiled` (the default on CUDA) runs the
+noise and the best-two reduction as one `torch.compile`d function (Inductor fuses the passes into a few kernels;
+Triton on CUDA): the same arithmetic, so the same tokens, and the same exactness argument (the near-tie check is
+unchanged); there 0.97 ms for 256 rows (4.9x faster) and 3.1 ms for 1,024 (5.9x), every token and every gap the
+eager draw's. It compiles once per process (dynamic shapes); if compiling fails the eager path is used, with one
+warning.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from collections.abc import Callable
 
 import torch
+
+log = logging.getLogger(__name__)
 
 TIE_GAP = 1e-6  # rows whose two best perturbed logits are closer than this are redrawn by the exact scan
 CHUNK_ELEMENTS = 1 << 24  # entries drawn per pass: ~640 MiB of temporaries at 5 eight-byte words an entry
@@ -72,10 +82,46 @@ def gumbel_noise(keys: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
     return -torch.log(-torch.log(u))
 
 
-def keyed_draw(logits: torch.Tensor, keys: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+def best_two(logits: torch.Tensor, keys: torch.Tensor, entries: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For float32 logits [rows, vocab], int64 keys [rows] and entries = arange(vocab): each row's perturbed argmax
+    (int64, the lowest index on a tie), its perturbed value and the best value at any other entry (float64; -inf
+    when vocab is 1), perturbed = (logit - row max) + the key's Gumbel noise, all in float64."""
+    x = logits.to(torch.float64)
+    perturbed = (x - x.amax(-1, keepdim=True)) + gumbel_noise(keys, entries)
+    best, at = perturbed.max(-1)
+    second = perturbed.masked_fill(entries.unsqueeze(0) == at.unsqueeze(1), -math.inf).amax(-1)
+    return at, best, second
+
+
+BestTwo = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+_compiled: list[BestTwo | None] = []  # [the compiled best_two], or [None] once compiling failed: compile at most once per process
+
+
+def _compiled_best_two() -> BestTwo | None:
+    if not _compiled:
+        # Inductor's split reductions broke compiling a one-row float64 draw on CUDA (torch 2.11, an H200) and were
+        # slower at every row count measured there; one reduction per row is enough for 150k entries
+        _compiled.append(torch.compile(best_two, dynamic=True, options={"split_reductions": False}))
+    return _compiled[0]
+
+
+def _run_best_two(compiled: BestTwo | None, logits: torch.Tensor, keys: torch.Tensor, entries: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if compiled is not None:
+        try:
+            return compiled(logits, keys, entries)
+        except Exception as exc:  # Inductor/Triton missing or broken here: the eager path draws the same tokens
+            log.warning("keyed draw: torch.compile failed (%s: %s); drawing eagerly", type(exc).__name__, exc)
+            _compiled[:] = [None]
+    return best_two(logits, keys, entries)
+
+
+def keyed_draw(logits: torch.Tensor, keys: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS,
+               compiled: bool | None = None) -> torch.Tensor:
     """int64 [rows] on logits' device: the keyed Gumbel-max token of each row of processed logits (float32
     [rows, vocab]; -inf entries are never drawn) under its key (int64 [rows]); the fused CPU kernel's token for
-    every row (module docstring)."""
+    every row (module docstring). `compiled`: fuse the draw with torch.compile (None: on CUDA only)."""
     if logits.dim() != 2 or keys.dim() != 1 or keys.shape[0] != logits.shape[0] or logits.shape[1] == 0:
         raise ValueError(f"need logits [rows, vocab >= 1] and keys [rows], got {tuple(logits.shape)} and "
                          f"{tuple(keys.shape)}")
@@ -85,19 +131,14 @@ def keyed_draw(logits: torch.Tensor, keys: torch.Tensor, chunk_elements: int = C
     entries = torch.arange(vocab, device=logits.device, dtype=torch.int64)
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     unsure = torch.empty(rows, dtype=torch.bool, device=logits.device)
+    best_two = _compiled_best_two() if (logits.device.type == "cuda" if compiled is None else compiled) else None
     step = max(1, chunk_elements // vocab)
     for start in range(0, rows, step):
         part = slice(start, start + step)
-        x = logits[part].to(torch.float64)
-        perturbed = (x - x.amax(-1, keepdim=True)) + gumbel_noise(keys[part], entries)
-        if vocab == 1:
-            best, tokens[part] = perturbed[:, 0], 0
-            unsure[part] = ~torch.isfinite(best)
-            continue
-        top, at = perturbed.topk(2, dim=-1)
-        tokens[part] = at[:, 0]
+        at, best, second = _run_best_two(best_two, logits[part], keys[part], entries)
+        tokens[part] = at
         # NaN, +inf (NaN after the max is taken off) or an all -inf row: the exact scan decides
-        unsure[part] = ~torch.isfinite(top[:, 0]) | (top[:, 0] - top[:, 1] <= TIE_GAP)
+        unsure[part] = ~torch.isfinite(best) | (best - second <= TIE_GAP)
     if bool(unsure.any()):
         redo = unsure.nonzero().squeeze(1).cpu()
         host_rows, host_keys = logits.index_select(0, redo.to(logits.device)).cpu(), keys.cpu()[redo]

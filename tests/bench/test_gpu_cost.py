@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from das.bench.gpu_cost import fit_step_terms
 from das.scheduler.cost_model import load_cost_model
 
 WITHOUT_VLLM = "import sys; sys.modules['vllm'] = None\nfrom das.bench.gpu_cost import main\nmain(sys.argv[1:])"
@@ -22,19 +25,41 @@ def test_the_tiny_run_writes_a_surface_and_a_cost_model(tmp_path: Path):
     done = run("--tiny", "--out", str(tmp_path), "--repeats", "2")
     assert done.returncode == 0, done.stderr[-2000:]
     summary = json.loads(done.stdout)
-    assert summary["keyed_draw"]["identical_to_cpu"] is True and summary["keyed_draw"]["median_ms"] > 0
+    assert [d["rows"] for d in summary["keyed_draw"]] == [1, 16]
+    for draw in summary["keyed_draw"]:
+        assert draw["eager_identical_to_cpu"] is True and draw["compiled_identical_to_cpu"] is True
+        assert draw["eager_median_ms"] > 0 and draw["compiled_median_ms"] > 0
     surface = json.loads((tmp_path / "tiny-cpu-surface.json").read_text())
     shapes = {(p["batch"], p["tokens_per_request"], p["context"]) for p in surface["points"]}
     assert shapes == {(b, t, c) for b in (1, 4) for t in (1, 3) for c in (16, 64)}
     assert all(p["step_s"] > 0 and p["cuda_graph"] is False for p in surface["points"])
     model = load_cost_model(str(tmp_path / "tiny-cpu.json"))
     assert model.name == "tiny-cpu" and model.c_base_s + model.c_tok_s > 0 and "gpu-cost" in model.source
-    assert surface["cost_model"]["c_tok_s"] == model.c_tok_s
+    assert surface["cost_model"]["c_tok_s"] == model.c_tok_s == surface["fit"]["c_tok_s"]
+    assert "per-request term" in model.source
+
+
+def test_draw_only_times_the_draw_and_nothing_else(tmp_path: Path):
+    done = run("--tiny", "--out", str(tmp_path), "--repeats", "1", "--draw-only", "--draw-rows", "2,5")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [d["rows"] for d in json.loads(done.stdout)["keyed_draw"]] == [2, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-cpu-draw.json"]
+
+
+def test_the_fit_recovers_a_known_step_cost():
+    """step = 2 ms + 0.5 ms a request + 30 us a token, over a grid: the three terms come back."""
+    points = [{"batch": b, "tokens_per_request": k, "step_s": 2e-3 + 0.5e-3 * b + 30e-6 * b * k}
+              for b in (1, 8, 32) for k in (1, 4, 16)]
+    fit = fit_step_terms(points)
+    assert abs(fit["c_base_s"] - 2e-3) < 1e-9 and abs(fit["per_request_s"] - 0.5e-3) < 1e-9
+    assert abs(fit["c_tok_s"] - 30e-6) < 1e-10 and fit["fit_error"] < 1e-9
+    with pytest.raises(ValueError, match="two batch sizes"):
+        fit_step_terms([p for p in points if p["batch"] == 8])
 
 
 def test_bad_grids_are_refused_before_anything_runs(tmp_path: Path):
     done = run("--tiny", "--out", str(tmp_path), "--batches", "0")
     assert done.returncode == 2 and ">= 1" in done.stderr
     done = run("--tiny", "--out", str(tmp_path), "--batches", "2", "--tokens", "1")
-    assert done.returncode == 2 and "two distinct" in done.stderr
+    assert done.returncode == 2 and "two batch sizes" in done.stderr
     assert not any(tmp_path.iterdir())

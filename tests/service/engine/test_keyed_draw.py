@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+from das.service.engine import keyed_draw as keyed_draw_module
 from das.service.engine.keyed_draw import _kernel_row, gumbel_noise, keyed_draw
 from das.service.wire.sample_keys import derive
 from tests.service.engine.cpu_fixes.test_rejection import fit_p_value
@@ -147,3 +148,32 @@ def test_the_module_imports_without_vllm():
             "assert 'vllm' not in {m.split('.')[0] for m in sys.modules if sys.modules[m] is not None}")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("vocab", [1, 50, 49152])
+def test_the_compiled_draw_gives_the_fused_kernels_tokens(vocab: int):
+    """torch.compile's fused draw (the CUDA default; Inductor's C++ here) over varying row counts in one compiled
+    function (dynamic shapes): the kernel's tokens, ties and non-finite rows included."""
+    torch.manual_seed(11)
+    for rows in (3, 17):
+        logits = torch.randn(rows, vocab) * 2
+        logits[0, : vocab // 2] = float("-inf")
+        if vocab > 1:
+            logits[1, 1] = logits[1, 0] = float("inf")
+            logits[2, 1] = float("nan")
+        keys = keys_of(rows, seed=rows)
+        assert torch.equal(keyed_draw(logits, keys, compiled=True), fused(logits, keys))
+    assert keyed_draw_module._compiled and keyed_draw_module._compiled[0] is not None  # it did compile
+
+
+def test_a_failing_compile_falls_back_to_the_eager_draw(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture):
+    def broken(*args: object) -> None:
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(keyed_draw_module, "_compiled", [broken])
+    logits, keys = torch.randn(4, 30), keys_of(4, seed=3)
+    with caplog.at_level("WARNING"):
+        assert torch.equal(keyed_draw(logits, keys, compiled=True), fused(logits, keys))
+    assert "torch.compile failed" in caplog.text and keyed_draw_module._compiled == [None]
+    assert torch.equal(keyed_draw(logits, keys, compiled=True), fused(logits, keys))  # eager from now on
