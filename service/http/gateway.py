@@ -240,6 +240,9 @@ class _Batch:
             record["prompt_token_ids"] = sample.prompt_token_ids
         if sample.policy_spans is not None:
             record["policy_spans"] = sample.policy_spans
+        if sample.tool_calls is not None:
+            record["tool_calls"] = [call.model_dump() for call in sample.tool_calls]
+            record["content"] = sample.content
         frame = _pack(record)
         self.frames.append(frame)
         self.size += len(frame)
