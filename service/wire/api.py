@@ -254,9 +254,11 @@ class GroupRequest(BaseModel):
         None, description="the scheduler's predicted output length as a function of the tokens a sample has "
                           "generated (what the draft budget reads every step); the service fills it in when neither "
                           "this nor predicted_tokens is given")
-    tools: tuple[ToolSpec, ...] | None = Field(None, description="chat only: the tools the chat template shows the "
-                                               "model (OpenAI's `tools`)")
-    tool_parser: NonEmptyText | None = Field(None, description="chat only: the vLLM tool-call parser (its "
+    tools: tuple[ToolSpec, ...] | None = Field(None, description="the tools the model may call (OpenAI's `tools`): "
+                                               "with messages the chat template shows them to the model; with "
+                                               "prompt_token_ids the template was applied already, and they inform "
+                                               "tool_parser only")
+    tool_parser: NonEmptyText | None = Field(None, description="the vLLM tool-call parser (its "
                                              "ToolParserManager name, e.g. hermes) that splits each sample's text "
                                              "into content and tool calls (SampleResult.tool_calls); None: no "
                                              "parsing")
@@ -276,9 +278,6 @@ class GroupRequest(BaseModel):
             raise ValueError("prompt_token_ids is empty")
         if self.messages is not None and len(self.messages) == 0:
             raise ValueError("messages is empty")
-        if (self.tools is not None or self.tool_parser is not None) and self.messages is None:
-            raise ValueError("tools and tool_parser are for chat: they need messages (the chat template renders "
-                             "the tools)")
         if self.session_id is not None and self.n != 1:
             raise ValueError(f"a session's turn is one trajectory: n must be 1, got {self.n} (open a session per "
                              f"trajectory)")
