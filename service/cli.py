@@ -142,6 +142,12 @@ def serve(
     body_timeout: Annotated[float, typer.Option("--body-timeout", min=0.1, max=3600, help="Seconds a request's "
                                                 "body may take to arrive after its headers; then 408 and the "
                                                 "connection is closed.")] = 60.0,
+    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", help="vLLM's: the tool-call "
+                                                            "parser for the model's format (e.g. hermes for "
+                                                            "Qwen2.5) that reads chat replies' tool calls.")] = None,
+    enable_auto_tool_choice: Annotated[bool, typer.Option("--enable-auto-tool-choice", help="vLLM's: chat requests "
+                                                          "with tools and tool_choice auto get message.tool_calls "
+                                                          "(needs --tool-call-parser).")] = False,
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
@@ -171,7 +177,8 @@ def serve(
         state_lock = lock_state_dir(state_dir) if state_dir is not None else None
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
         settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
-                                   header_timeout_s=header_timeout, body_timeout_s=body_timeout)
+                                   header_timeout_s=header_timeout, body_timeout_s=body_timeout,
+                                   tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
         engine = ({"stub_engine": {"tensor_parallel_size": tensor_parallel_size}} if stub_engine else {"engine": {
             "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
@@ -190,6 +197,12 @@ def serve(
             from das.service.engine.vllm_version import check_vllm_version
 
             check_vllm_version()  # UnsupportedVllmVersion is a ValueError: refused below, before anything starts
+            if tool_call_parser is not None:
+                from das.service.engine.tool_calls import tool_parser_names
+
+                if tool_call_parser not in tool_parser_names():
+                    raise ValueError(f"--tool-call-parser {tool_call_parser!r} is not a vLLM tool-call parser; "
+                                     f"vLLM has {', '.join(tool_parser_names())}")
 
             # here first, in the dtype the engines serve: they reuse it, and a bad name fails now
             prepare_model(model, progress=True, dtype=engine_dtype(dtype))

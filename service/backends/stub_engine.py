@@ -77,7 +77,7 @@ class StubEngine:
                 raise EngineInputError(f"prompt_token_ids: {len(bad)} token id(s) outside the vocabulary "
                                        f"[0, {self.config.vocab_size}), first {bad[0]}")
         else:
-            text = group.prompt if group.prompt is not None else " ".join(m.content for m in group.messages or ())
+            text = group.prompt if group.prompt is not None else " ".join(m.content or "" for m in group.messages or ())
             ids = [1 + len(word) % (self.config.vocab_size - 1) for word in text.split()] or [1]
         if len(ids) >= self.config.max_model_len:
             raise EngineInputError(f"prompt is {len(ids)} tokens; the context holds {self.config.max_model_len} "

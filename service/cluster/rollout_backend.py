@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
-from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult
+from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult, ToolCall
 from das.service.wire.sample_progress import SampleProgress
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 ProgressSink = Callable[[int, SampleProgress], None]
 """Hears a batch's token progress: (index of the group in the batch, the sample's new tokens). Called on the event
 loop, so it must not block."""
+# (group, a sample's text, its token ids) -> (content, tool calls): what an engine's tool-call parsing returns
+ToolParsing = Callable[[GroupRequest, str, Sequence[int]], tuple[str | None, list[ToolCall]]]
 
 
 class GroupInputError(EngineInputError):
@@ -289,6 +291,11 @@ class StubBackend:
     calls, `received` keeps the groups of each. With `on_progress`, each sample's tokens but its last are reported
     in `progress_reports` pieces just before it is emitted.
 
+    `text`: every sample's text (None: no tokenizer ran, as the stub engine); `tool_parsing`, given a text, is
+    what an engine applies to it for a group naming a tool_parser (service/engine/tool_calls.py's
+    `ToolCallParsing.parse`, which tests pass in: this layer loads no vLLM), so the route's tool-call path runs on a
+    text the test chose.
+
     Pause as an engine does (`RolloutBackend.pause`), per emission: a batch that starts while paused waits for
     `resume`; under "keep" no sample is emitted until `resume`; "abort" ends the samples not yet emitted with
     finish_reason "abort" and no tokens; "wait" returns once the batches running have ended.
@@ -296,8 +303,11 @@ class StubBackend:
 
     def __init__(self, *, output_tokens: int = 16, first_delay_s: float = 0.0, interval_s: float = 0.0,
                  max_prompt_tokens: int | None = None, ready: bool = True, log_emissions: bool = False,
-                 vocab_size: int = 32000, progress_reports: int = 4) -> None:
+                 vocab_size: int = 32000, progress_reports: int = 4, text: str | None = None,
+                 tool_parsing: ToolParsing | None = None) -> None:
         self.output_tokens = output_tokens
+        self.text = text
+        self.tool_parsing = tool_parsing
         self.progress_reports = progress_reports
         self.first_delay_s = first_delay_s
         self.interval_s = interval_s
@@ -343,7 +353,7 @@ class StubBackend:
             elif group.prompt is not None:
                 length = len(group.prompt.split())
             else:
-                length = sum(len(m.content.split()) for m in group.messages or ())
+                length = sum(len((m.content or "").split()) for m in group.messages or ())
             if length >= self.max_prompt_tokens:
                 raise GroupInputError(i, f"prompt is {length} tokens; the context holds {self.max_prompt_tokens} "
                                          f"and at least one output token must fit")
@@ -406,12 +416,16 @@ class StubBackend:
         time in the gateway's process that a real engine spends elsewhere."""
         length = min(self.output_tokens, group.sampling.max_tokens)
         accepted = length // 4
+        content, calls = None, None
+        if group.tool_parser is not None and self.tool_parsing is not None and self.text is not None:
+            content, calls = self.tool_parsing(group, self.text, self._tokens[:length])
         return SampleResult.model_construct(
             problem_id=group.problem_id, sample_index=0, token_ids=self._tokens[:length],
             logprobs=self._logprobs[:length], finish_reason="length" if length < self.output_tokens else "stop",
             policy_version=self._version, draft_tokens=length // 2, accepted_tokens=accepted,
-            decode_steps=length - accepted, first_token_s=None, total_s=0.0, error=None, text=None, engine="stub-0",
-            prompt_token_ids=list(group.prompt_token_ids) if group.prompt_token_ids is not None else None)
+            decode_steps=length - accepted, first_token_s=None, total_s=0.0, error=None, text=self.text, engine="stub-0",
+            prompt_token_ids=list(group.prompt_token_ids) if group.prompt_token_ids is not None else None,
+            tool_calls=calls, content=content)
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
         if version <= self._version:

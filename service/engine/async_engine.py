@@ -53,6 +53,7 @@ from das.service.engine.sampling import sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
 from das.service.engine.token_prompt import engine_prompt
+from das.service.engine.tool_calls import ToolCallParsing, template_messages, template_tools
 from das.service.engine.vllm_version import check_vllm_version
 from das.service.engine.worker_rpc import worker_rpc
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
@@ -172,6 +173,7 @@ class Engine:
         self.policy_version = 0
         self._llm = llm
         self._tokenizer = tokenizer
+        self._tool_calls = ToolCallParsing(tokenizer)
         self._vocab_size = vocab_size
         self._inflight = 0
         self._death_reported = False
@@ -282,8 +284,15 @@ class Engine:
             field, ids = "prompt", list(self._tokenizer.encode(group.prompt))
         else:
             assert group.messages is not None
-            messages = [m.model_dump() for m in group.messages]
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            if group.tool_parser is not None:
+                self._tool_calls.check(group.tool_parser)
+            try:
+                # tools as vLLM's renderer passes them: the template shows them to the model (or ignores them)
+                text = self._tokenizer.apply_chat_template(template_messages(group.messages),
+                                                           tools=template_tools(group), add_generation_prompt=True,
+                                                           tokenize=False)
+            except Exception as exc:  # jinja's errors, or a template's own raise_exception (e.g. role order)
+                raise EngineInputError(f"messages: the model's chat template cannot render them: {exc}") from None
             field, ids = "messages", list(self._tokenizer.encode(text, add_special_tokens=False))
         # Tokenized text too: a tokenizer with more tokens than the model's embedding (added tokens, a mismatched
         # checkpoint) gives ids the engine core cannot embed, and that error kills the engine, not the request.
@@ -320,7 +329,12 @@ class Engine:
         spec = group.sampling
         if resumed:
             spec = spec.model_copy(update={"max_tokens": spec.max_tokens - resumed})
-        return sampling_params(spec, self._vocab_size, extra_args)
+        params = sampling_params(spec, self._vocab_size, extra_args)
+        if group.tool_parser is not None:
+            # as vLLM's hermes parser adjusts a request with tools: some models mark their tool-call tags special,
+            # and skipped they would never reach the parser
+            params.skip_special_tokens = False
+        return params
 
     async def generate(self, group: GroupRequest | dict[str, Any],
                        on_progress: Callable[[SampleProgress], None] | None = None) -> AsyncIterator[SampleResult]:
@@ -429,6 +443,9 @@ class Engine:
             del self._live[key]
         spans = live.of(len(prefix) + len(tokens))
         counts = await self._draft_counts(key) if not self._llm.errored else {}
+        out_text = seam.text(tokens) if seam is not None else "".join(text)
+        content, calls = (self._tool_calls.parse(group, out_text, prefix + tokens)
+                          if group.tool_parser is not None and error is None else (None, None))
         results.put_nowait(SampleResult(
             problem_id=group.problem_id, sample_index=index, token_ids=prefix + tokens, logprobs=logprobs,
             finish_reason=finish if finish in ("stop", "length", "abort", "error") else "stop",
@@ -436,7 +453,7 @@ class Engine:
             draft_tokens=counts.get("proposed", 0),
             accepted_tokens=counts.get("accepted", 0), decode_steps=counts.get("steps", 0),
             first_token_s=first, total_s=time.perf_counter() - start, error=error,
-            text=seam.text(tokens) if seam is not None else "".join(text), prompt_token_ids=prompt))
+            text=out_text, prompt_token_ids=prompt, tool_calls=calls, content=content))
 
     def _eos_token_ids(self) -> set[int]:
         eos = getattr(self._tokenizer, "eos_token_id", None)

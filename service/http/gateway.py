@@ -90,7 +90,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
@@ -172,6 +172,12 @@ class GatewaySettings(BaseModel):
                                                            "bytes of msgpack (about 3 a token, 12 with logprobs)")
     served_model_name: str | None = Field(None, min_length=1, description="the model name of the OpenAI-compatible "
                                           "routes; None: the backend's served_model_name if it has one, else 'das'")
+    tool_call_parser: str | None = Field(None, min_length=1, description="vLLM's --tool-call-parser: the "
+                                         "ToolParserManager name (e.g. hermes, for Qwen2.5) the engines parse chat "
+                                         "replies' tool calls with")
+    enable_auto_tool_choice: bool = Field(False, description="vLLM's --enable-auto-tool-choice: chat requests with "
+                                          "tools and tool_choice auto get the calls parsed out of their replies; "
+                                          "without it they are refused (400), as vLLM refuses them")
     openai_coalesce_s: float = Field(0.02, ge=0, le=10, description="OpenAI-compatible requests for one problem "
                                      "with equal prompt and sampling arriving within this many seconds run as one "
                                      "group (their n summed); 0: every request its own group")
@@ -184,6 +190,13 @@ class GatewaySettings(BaseModel):
                                                "permanent generation (gc.freeze); process-wide, so for the "
                                                "process that serves (das serve, the load test), not a library "
                                                "user's process")
+
+    @model_validator(mode="after")
+    def _auto_tools_need_a_parser(self) -> GatewaySettings:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice requires tool_call_parser (vLLM: --enable-auto-tool-choice "
+                             "requires --tool-call-parser)")
+        return self
 
 
 class _Batch:
@@ -240,6 +253,9 @@ class _Batch:
             record["prompt_token_ids"] = sample.prompt_token_ids
         if sample.policy_spans is not None:
             record["policy_spans"] = sample.policy_spans
+        if sample.tool_calls is not None:
+            record["tool_calls"] = [call.model_dump() for call in sample.tool_calls]
+            record["content"] = sample.content
         frame = _pack(record)
         self.frames.append(frame)
         self.size += len(frame)

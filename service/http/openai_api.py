@@ -105,7 +105,9 @@ from das.service.wire.openai_protocol import (
     CompletionRequest,
     CompletionResponse,
     DasInfo,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
     ErrorInfo,
     ErrorResponse,
     ModelCard,
@@ -123,7 +125,7 @@ _GROUP_MAX_N = next(m.le for m in GroupRequest.model_fields["n"].metadata if isi
 # OpenAI's default for completions; chat has none (the SamplingSpec default applies).
 _COMPLETIONS_MAX_TOKENS = 16
 
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 Record = dict[str, Any]  # one SampleRecord as the gateway's batch stream carries it (logprobs and prompt ids on)
 
@@ -216,11 +218,17 @@ def _chat_prompt(messages: list[ChatMessageParam]) -> dict[str, Any]:
         role = _ROLES.get(message.role)
         if role is None:
             raise OpenAIError(400, f"messages.{i}.role: {message.role!r} is not supported (system, developer, user, "
-                                   f"assistant)", param=f"messages.{i}.role")
-        if message.content is None:
-            raise OpenAIError(400, f"messages.{i}.content: required (tool calls are not supported)",
-                              param=f"messages.{i}.content")
-        if isinstance(message.content, str):
+                                   f"assistant, tool)", param=f"messages.{i}.role")
+        if message.content is None and not (role == "assistant" and message.tool_calls):
+            raise OpenAIError(400, f"messages.{i}.content: required (null only in an assistant turn with "
+                                   f"tool_calls)", param=f"messages.{i}.content")
+        if message.tool_calls is not None and role != "assistant":
+            raise OpenAIError(400, f"messages.{i}.tool_calls: only an assistant turn carries tool calls",
+                              param=f"messages.{i}.tool_calls")
+        if role == "tool" and not message.tool_call_id:
+            raise OpenAIError(400, f"messages.{i}.tool_call_id: required in a tool turn (the call it answers)",
+                              param=f"messages.{i}.tool_call_id")
+        if message.content is None or isinstance(message.content, str):
             text = message.content
         else:
             other = [p.type for p in message.content if p.type != "text" or p.text is None]
@@ -228,8 +236,45 @@ def _chat_prompt(messages: list[ChatMessageParam]) -> dict[str, Any]:
                 raise OpenAIError(400, f"messages.{i}.content: only text parts are supported, got {other[0]!r}",
                                   param=f"messages.{i}.content")
             text = "\n".join(p.text or "" for p in message.content)
-        turns.append({"role": role, "content": text})
+        turn: dict[str, Any] = {"role": role, "content": text}
+        if message.tool_calls:
+            turn["tool_calls"] = [{"id": c.id, "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                  for c in message.tool_calls]
+        if role == "tool":
+            turn["tool_call_id"] = message.tool_call_id
+        turns.append(turn)
     return {"messages": turns}
+
+
+def _tool_fields(body: ChatCompletionRequest, parser: str | None) -> dict[str, Any]:
+    """The request's tools as GroupRequest fields (`tools`, and `tool_parser` where the reply's tool calls are to be
+    parsed: tool_choice auto), after vLLM's checks of them: tools non-empty, tool_choice none, auto (the default
+    with tools; it needs `parser`, das serve's --enable-auto-tool-choice --tool-call-parser), or refused."""
+    if body.tools is not None and not body.tools:
+        raise OpenAIError(400, "tools: must not be an empty array; give at least one tool or leave the field out",
+                          param="tools")
+    choice = body.tool_choice if body.tool_choice is not None else "auto" if body.tools else "none"
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise OpenAIError(400, f"tool_choice: {choice!r} is not one of none, auto, required or a named function",
+                          param="tool_choice")
+    if choice != "none" and not body.tools:
+        raise OpenAIError(400, "tool_choice: needs tools", param="tool_choice")
+    if choice == "required" or not isinstance(choice, str):
+        named = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+        raise OpenAIError(400, f"tool_choice: {named} is not supported: vLLM forces it with guided decoding, which "
+                               f"this server's engines do not run; use auto (the model decides, vLLM's parser reads "
+                               f"its calls)", param="tool_choice")
+    if choice == "auto" and parser is None:
+        raise OpenAIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                               'set (das serve)', param="tool_choice")
+    fields: dict[str, Any] = {}
+    if body.tools:
+        # OpenAI's fields only (unknown ones are ignored, as everywhere in these routes)
+        fields["tools"] = [{"type": "function", "function": t.function.model_dump(
+            include={"name", "description", "parameters", "strict"}, exclude_none=True)} for t in body.tools]
+    if choice == "auto":
+        fields["tool_parser"] = parser
+    return fields
 
 
 def _prompt_problem_id(prompt: dict[str, Any]) -> str:
@@ -412,6 +457,11 @@ def _completion_choice(record: Record, body: CompletionRequest) -> CompletionCho
                             token_ids=record["output_token_ids"] if ids else None,
                             prompt_token_ids=record["prompt_token_ids"] if ids else None,
                             policy_spans=record.get("policy_spans"))
+
+
+def _chat_finish(record: Record) -> str | None:
+    """vLLM's finish_reason for chat: tool_calls where the parser found calls, else the sample's."""
+    return "tool_calls" if record.get("tool_calls") else record["finish_reason"]
 
 
 def _chat_logprobs(record: Record, body: ChatCompletionRequest) -> ChatLogProbs | None:
@@ -611,25 +661,40 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
             raise OpenAIError(400, "give messages or prompt_token_ids, not both", param="prompt_token_ids")
         if body.prompt_token_ids is None and not body.messages:
             raise OpenAIError(400, "messages: at least one message (or prompt_token_ids instead)", param="messages")
+        parser = gateway.settings.tool_call_parser if gateway.settings.enable_auto_tool_choice else None
         prompt = ({"prompt_token_ids": body.prompt_token_ids} if body.prompt_token_ids is not None
-                  else _chat_prompt(body.messages))
+                  else _chat_prompt(body.messages)) | _tool_fields(body, parser)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "prompt_token_ids" if body.prompt_token_ids is not None else "messages"
         reply = await start(body, prompt, param, max_tokens, "chatcmpl")
         ids = body.return_token_ids
 
+        parsing = "tool_parser" in prompt
+
         def choice(r: Record) -> ChatChoice:
-            return ChatChoice(index=r["sample_index"], message=AssistantMessage(content=r["text"] or ""),
-                              logprobs=_chat_logprobs(r, body), finish_reason=r["finish_reason"],
+            calls = r.get("tool_calls")
+            message = (AssistantMessage(content=r["text"] or "") if calls is None
+                       else AssistantMessage(content=r["content"], tool_calls=calls or None))
+            return ChatChoice(index=r["sample_index"], message=message,
+                              logprobs=_chat_logprobs(r, body), finish_reason=_chat_finish(r),
                               token_ids=r["output_token_ids"] if ids else None, policy_spans=r.get("policy_spans"))
 
         def chunk(r: Record, first: bool) -> ChatCompletionChunk:
-            delta = DeltaMessage(role="assistant", content=r["text"] or "")
+            # With tool parsing a choice's text goes out in its last chunk, parsed (content and calls): the parse
+            # runs on the engine once the sample ended; its earlier chunks carry its tokens only.
+            calls = r.get("tool_calls")
+            if calls is not None:
+                delta = DeltaMessage(role="assistant", content=r["content"], tool_calls=[
+                    DeltaToolCall(index=i, id=c["id"], type="function", function=DeltaFunctionCall(**c["function"]))
+                    for i, c in enumerate(calls)] or None)
+            else:
+                delta = DeltaMessage(role="assistant",
+                                     content=None if parsing and r["finish_reason"] is None else r["text"] or "")
             return ChatCompletionChunk(
                 **reply.header(), das=reply.das([r]),
                 prompt_token_ids=r["prompt_token_ids"] if ids and first else None,
                 choices=[ChatStreamChoice(index=r["sample_index"], delta=delta, logprobs=_chat_logprobs(r, body),
-                                          finish_reason=r["finish_reason"],
+                                          finish_reason=_chat_finish(r),
                                           token_ids=r["output_token_ids"] if ids else None,
                                           policy_spans=r.get("policy_spans"))])
 

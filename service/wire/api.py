@@ -98,11 +98,65 @@ class SamplingSpec(BaseModel):
         "engine, after a re-dispatch; None: derived from the batch's seed (RolloutRequest.seed)"))
 
 
-class ChatMessage(BaseModel):
+class FunctionCall(BaseModel):
+    """A call the model made (OpenAI's `function` of a tool call): `arguments` is a JSON text, as the model wrote
+    it, not parsed here."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: Literal["system", "user", "assistant"]
-    content: Text
+    name: NonEmptyText
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    """One tool call of an assistant turn (OpenAI's shape): in a chat's history, or parsed out of a sample's text."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    id: NonEmptyText
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionSpec(BaseModel):
+    """A tool the model may call, as OpenAI's `tools[].function` defines it: `parameters` is its arguments' JSON
+    Schema, passed to the chat template as given."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: NonEmptyText
+    description: Text | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionSpec
+
+
+class ChatMessage(BaseModel):
+    """One turn of a chat. A `tool` turn answers the call `tool_call_id` names; an assistant turn may carry the
+    `tool_calls` it made (then `content` may be None). The chat template renders both."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Text | None = None
+    tool_calls: tuple[ToolCall, ...] | None = None
+    tool_call_id: NonEmptyText | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls: only an assistant turn carries them, not a {self.role} turn")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("tool_call_id: a tool turn names the call it answers")
+        if self.content is None and not self.tool_calls:
+            raise ValueError("content: required (an assistant turn without it carries tool_calls)")
+        return self
 
 
 # The service's own curves have at most window x max_per_version + 64 steps (321 at the defaults).
@@ -200,6 +254,14 @@ class GroupRequest(BaseModel):
         None, description="the scheduler's predicted output length as a function of the tokens a sample has "
                           "generated (what the draft budget reads every step); the service fills it in when neither "
                           "this nor predicted_tokens is given")
+    tools: tuple[ToolSpec, ...] | None = Field(None, description="the tools the model may call (OpenAI's `tools`): "
+                                               "with messages the chat template shows them to the model; with "
+                                               "prompt_token_ids the template was applied already, and they inform "
+                                               "tool_parser only")
+    tool_parser: NonEmptyText | None = Field(None, description="the vLLM tool-call parser (its "
+                                             "ToolParserManager name, e.g. hermes) that splits each sample's text "
+                                             "into content and tool calls (SampleResult.tool_calls); None: no "
+                                             "parsing")
     prefix_token_ids: tuple[tuple[TokenId, ...], ...] | None = Field(
         None, description="per sample (n entries), output tokens it already has: the service sets it when it resumes "
                           "the samples an engine lost from the tokens they had delivered. Sample j continues from the "
@@ -274,6 +336,11 @@ class SampleResult(BaseModel):
                           "update under POST /pause?mode=keep): [policy version, index of its first token in "
                           "token_ids] pairs, first index 0, both increasing; None: every token is of "
                           "policy_version. policy_version is always the version of the first token")
+    tool_calls: list[ToolCall] | None = Field(
+        None, description="where the group named a tool_parser: the tool calls it found in `text` (maybe none); "
+                          "None: not parsed. token_ids are the tokens generated, parsed or not")
+    content: str | None = Field(None, description="where tool_calls is set: `text` less the tool-call markup "
+                                                  "(None when nothing else was said)")
 
 
 # --- the HTTP batch API ----------------------------------------------------------------------------------------
@@ -341,6 +408,9 @@ class SampleRecord(BaseModel):
     policy_spans: list[tuple[int, int]] | None = Field(None, description="as SampleResult.policy_spans: "
                                                        "[version, first token index] pairs where the weights "
                                                        "changed during the sample, else absent")
+    tool_calls: list[ToolCall] | None = Field(None, description="as SampleResult.tool_calls: present where the "
+                                              "group named a tool_parser")
+    content: str | None = Field(None, description="as SampleResult.content: present with tool_calls")
 
 
 BatchStatus = Literal["queued", "running", "done", "aborted", "failed"]

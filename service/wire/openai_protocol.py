@@ -12,11 +12,11 @@ sampling ranges (`n`, `max_tokens`, `temperature`, ...) are checked by building 
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from das.service.wire.api import INT64_MAX
+from das.service.wire.api import INT64_MAX, ToolCall
 
 # vLLM's default --max-logprobs: the most logprobs (completions) or top_logprobs (chat) a request may ask for;
 # vLLM refuses more with a 400 naming this bound, and so does this service.
@@ -79,13 +79,59 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+class FunctionCallParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str = Field(description="the arguments as JSON text")
+
+
+class ToolCallParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
 class ChatMessageParam(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     # A str, not a Literal: the router refuses another role itself, naming the message (param messages.<i>.role).
-    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant"]},
-                      description="developer is taken as system; tool and function turns are not supported")
+    role: str = Field(json_schema_extra={"enum": ["system", "developer", "user", "assistant", "tool"]},
+                      description="developer is taken as system; a tool turn answers the call tool_call_id names "
+                                  "(the legacy function role is not supported)")
     content: str | list[ContentPart] | None = None
+    tool_calls: list[ToolCallParam] | None = Field(None, description="an assistant turn's calls (then content may "
+                                                   "be null)")
+    tool_call_id: str | None = Field(None, description="a tool turn's: the call it answers")
+
+
+class FunctionDefinitionParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="the arguments' JSON Schema")
+    strict: bool | None = None
+
+
+class ChatToolParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinitionParam
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoiceParam(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -104,6 +150,15 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = Field(None, description="OpenAI's newer name for max_tokens; wins over it")
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ChatToolParam] | None = Field(None, description="functions the model may call; the chat template "
+                                              "shows them to the model")
+    tool_choice: str | NamedToolChoiceParam | None = Field(
+        None, json_schema_extra={"enum": ["none", "auto", "required"]},
+        description="none, or auto (the default with tools; needs das serve --enable-auto-tool-choice "
+                    "--tool-call-parser): the reply's tool calls parsed out of its text by vLLM's parser. required and "
+                    "a named function are refused: vLLM forces them with guided decoding, which these engines do not "
+                    "run")
+    parallel_tool_calls: bool | None = Field(None, description="accepted; every call the parser finds is returned")
 
 
 # --- responses --------------------------------------------------------------------------------------------------
@@ -186,7 +241,9 @@ class ChatLogProbs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None = Field(description="None where the reply was tool calls only")
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls vLLM's tool parser found in the reply "
+                                              "(tool_choice auto); finish_reason is then tool_calls")
 
 
 class ChatChoice(BaseModel):
@@ -212,9 +269,22 @@ class ChatCompletionResponse(BaseModel):
     das: DasInfo | None = None
 
 
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    index: int = Field(description="the call's position among the choice's calls")
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

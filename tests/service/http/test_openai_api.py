@@ -181,10 +181,9 @@ def test_bad_input_gets_openai_errors_with_the_right_status(serve):
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model="das", **{"messages": [{"role": "user", "content": "x"}], **bad})
         assert error.value.param == param, bad
-    with pytest.raises(openai.BadRequestError) as tool:
-        client.chat.completions.create(model="das", messages=[{"role": "tool", "content": "x",
-                                                                "tool_call_id": "1"}])
-    assert tool.value.param == "messages.0.role"
+    with pytest.raises(openai.BadRequestError) as function:  # OpenAI's legacy function role (tool turns are served)
+        client.chat.completions.create(model="das", messages=[{"role": "function", "content": "x", "name": "f"}])
+    assert function.value.param == "messages.0.role"
     wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as auth:
         wrong.completions.create(model="das", prompt="x")
@@ -252,7 +251,7 @@ def test_the_schema_says_what_the_routes_answer(serve):
                                                                                      "ErrorResponse"}
     # the roles a chat may carry (another is refused with a 400 naming the message)
     role = schema["components"]["schemas"]["ChatMessageParam"]["properties"]["role"]
-    assert role["enum"] == ["system", "developer", "user", "assistant"]
+    assert role["enum"] == ["system", "developer", "user", "assistant", "tool"]
 
 
 def test_limits_and_readiness_answer_429_and_503(serve):
