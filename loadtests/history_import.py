@@ -6,6 +6,7 @@ process is the trainer: `RolloutClient.add_history` imports about `--mb` MB of J
 cuts into requests under the body limit (its `max_body_bytes` set to the server's B), while a thread polls
 `/healthz` every 20 ms on its own connection. Then:
 
+- a request announcing one byte over the limit is answered 413 (the limit the client split under is in force);
 - what was stored is read back through the API: `GET /v1/history/{problem}` for every problem (rollouts and output
   tokens each must be exactly what was sent: a request imported twice shows as too many) and the gateway's
   `das_history_records_imported` counter;
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,6 +68,7 @@ class ImportResult:
     read_back_tokens: int = 0
     problems_wrong: list[str] = field(default_factory=list)  # problems whose rollouts or tokens differ from sent
     imported_metric: float = 0.0  # das_history_records_imported
+    over_limit_status: int | None = None  # the answer to a request announcing max_body_bytes + 1 bytes
     healthz_ms: dict[str, float] = field(default_factory=dict)
     healthz_failures: int = 0
     second_exit_code: int | None = None
@@ -105,6 +108,17 @@ def _metric(url: str, token: str, name: str) -> float:
     text = httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {token}"}, timeout=30).text
     return sum(float(line.split()[-1]) for line in text.splitlines()
                if line.startswith((f"{name} ", f"{name}{{", f"{name}_total ", f"{name}_total{{")))
+
+
+def over_limit_status(port: int, token: str, max_body_bytes: int) -> int | None:
+    """The status the server answers to a history import announcing `max_body_bytes + 1` bytes (its headers only:
+    the limit is checked before a body is read); None if it closed without an answer."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(b"POST /v1/history HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer %s\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (token.encode(),
+                                                                                        max_body_bytes + 1))
+        answer = sock.recv(65536)
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/1.1 ") else None
 
 
 def second_server(state_dir: Path, timeout_s: float) -> tuple[int | None, str]:
@@ -162,6 +176,7 @@ def run(config: ImportConfig, state_dir: Path | None = None) -> ImportResult:
                 if (summary.rollouts, summary.output_tokens) != (count, tokens):
                     result.problems_wrong.append(problem)
         result.imported_metric = _metric(server.url, server.token, "das_history_records_imported")
+        result.over_limit_status = over_limit_status(server.port, server.token, config.max_body_bytes)
 
         result.second_exit_code, result.second_message = second_server(state_dir, config.refusal_timeout_s)
         try:
@@ -172,7 +187,7 @@ def run(config: ImportConfig, state_dir: Path | None = None) -> ImportResult:
 
     total_tokens = sum(tokens for _, tokens in expected.values())
     result.verdicts = {
-        "split_into_several_requests": result.requests > 1,
+        "split_into_several_requests": result.requests > 1 and result.over_limit_status == 413,
         "every_record_stored_once": result.added == result.records == result.read_back_rollouts
         == int(result.imported_metric) and result.read_back_tokens == total_tokens and not result.problems_wrong,
         "healthz_never_stalled": result.healthz_failures == 0 and bool(during)
