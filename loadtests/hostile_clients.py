@@ -19,7 +19,7 @@ Phases, one after another, with a `/healthz` poller (its own thread, one kept-al
    `das_requests_abandoned_total` count.
 
 4. (with `--import-mib N`, informational) one authenticated history import of about N MiB: its status and
-   seconds, and `/healthz` p99 while it ran (its parse runs off the event loop; its validation does not).
+   seconds, and `/healthz` p99 while it ran (its parse and validation run off the event loop).
 
 Verdicts (`passed`): memory growth < 50 MB and every big-body connection answered 401 before it had sent its body;
 every slow head and stalled body cut off within its timeout + `--slack` s; every dropped request's batch ended
