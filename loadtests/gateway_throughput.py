@@ -16,7 +16,7 @@ and without it (the stub reports progress to the gateway in both: engines always
 detection; what --progress adds is the per-sample progress frames stored and streamed).
 
 Goal (issue 5): >= 5,000 samples/s with msgpack and <= 5 ms p99 added per sample.
-Run: .venv/bin/python loadtests/gateway_throughput.py [--progress]
+Run: .venv/bin/python -m loadtests.gateway_throughput [--progress]
 """
 
 from __future__ import annotations
@@ -33,13 +33,15 @@ from typing import Any
 
 import httpx
 
+from loadtests.child_gateway import SpawnedGateway
+
 GOAL_SAMPLES_PER_S = 5000.0
 GOAL_P99_ADDED_MS = 5.0
 
 
 def _serve(sock: socket.socket, stub: dict[str, Any], conn: Connection) -> None:
-    """Child process: the gateway over a StubBackend on `sock`; answers "emissions" (returns and clears the
-    stub's emission log) and "stop" on `conn`."""
+    """Child process: the gateway over a StubBackend on `sock` until SIGTERM; answers "emissions" (returns and
+    clears the stub's emission log) on `conn`."""
     import uvicorn
 
     from das.service.cluster.rollout_backend import StubBackend
@@ -56,50 +58,22 @@ def _serve(sock: socket.socket, stub: dict[str, Any], conn: Connection) -> None:
                 assert backend.emissions is not None
                 log, backend.emissions[:] = list(backend.emissions), []
                 conn.send(log)
-            elif command == "stop":
-                server.should_exit = True
-                return
 
     threading.Thread(target=commands, daemon=True).start()
     server.run(sockets=[sock])
 
 
-class StubServer:
-    """The gateway in a child process on a free loopback port."""
+class StubServer(SpawnedGateway):
+    """The gateway in a child process on a free loopback port, its stub's emission log on a pipe."""
 
     def __init__(self, **stub: Any) -> None:
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
         self._conn, child = multiprocessing.Pipe()
-        self._process = multiprocessing.get_context("spawn").Process(target=_serve,
-                                                                      args=(self._socket, stub, child))
-
-    def __enter__(self) -> StubServer:
-        self._process.start()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or not self._process.is_alive():
-                raise RuntimeError("the gateway process did not start")
-            time.sleep(0.1)
+        super().__init__(_serve, stub, child)
 
     def emissions(self) -> dict[tuple[int, int], float]:
         """(group, sample) -> perf_counter time the stub emitted it, since the last call."""
         self._conn.send("emissions")
         return {(g, s): t for g, s, t in self._conn.recv()}
-
-    def __exit__(self, *exc: object) -> None:
-        self._conn.send("stop")
-        self._process.join(timeout=10)
-        if self._process.is_alive():
-            self._process.terminate()
-            self._process.join()
-        self._socket.close()
 
 
 def _groups(samples: int, group_size: int) -> list[dict[str, Any]]:

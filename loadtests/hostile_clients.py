@@ -19,20 +19,19 @@ Phases, one after another, with a `/healthz` poller (its own thread, one kept-al
    `das_requests_abandoned_total` count.
 
 4. (with `--import-mib N`, informational) one authenticated history import of about N MiB: its status and
-   seconds, and `/healthz` p99 while it ran (its parse runs off the event loop; its validation does not).
+   seconds, and `/healthz` p99 while it ran (its parse and validation run off the event loop).
 
 Verdicts (`passed`): memory growth < 50 MB and every big-body connection answered 401 before it had sent its body;
 every slow head and stalled body cut off within its timeout + `--slack` s; every dropped request's batch ended
 within 1 s; `/healthz` p99 < 100 ms over the whole run.
 
-Run:  .venv/bin/python loadtests/hostile_clients.py            (--json for one JSON object)
+Run:  .venv/bin/python -m loadtests.hostile_clients            (--json for one JSON object)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import re
 import secrets
 import select
@@ -42,10 +41,11 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import httpx
+
+from loadtests.child_gateway import SpawnedGateway
 
 MIB = 1 << 20
 HEALTHZ_P99_LIMIT_S = 0.1
@@ -106,17 +106,6 @@ class HostileResult:
         return all(self.verdicts.values())
 
 
-def vm_rss_bytes(pid: int) -> int:
-    """Resident memory of process `pid` (Linux /proc), 0 when it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def _serve(sock: socket.socket, token: str, header_timeout_s: float, body_timeout_s: float) -> None:
     """Child process: the gateway over a StubBackend whose first sample comes after 60 s, until SIGTERM."""
     import uvicorn
@@ -132,44 +121,12 @@ def _serve(sock: socket.socket, token: str, header_timeout_s: float, body_timeou
     uvicorn.Server(config).run(sockets=[sock])
 
 
-class Gateway:
-    """The gateway child process on a free loopback port."""
+class Gateway(SpawnedGateway):
+    """The gateway child process on a free loopback port, with a random token."""
 
     def __init__(self, config: HostileConfig) -> None:
         self.token = secrets.token_hex(16)
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.bind(("127.0.0.1", 0))
-        self.port = self._socket.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=_serve, args=(self._socket, self.token, config.header_timeout_s, config.body_timeout_s),
-            daemon=True)
-
-    @property
-    def rss(self) -> int:
-        return vm_rss_bytes(self._process.pid) if self._process.pid else 0
-
-    def __enter__(self) -> Gateway:
-        self._process.start()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or not self._process.is_alive():
-                self.__exit__()
-                raise RuntimeError("the gateway child process did not start")
-            time.sleep(0.1)
-
-    def __exit__(self, *exc: object) -> None:
-        self._process.terminate()
-        self._process.join(timeout=15)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._socket.close()
+        super().__init__(_serve, self.token, config.header_timeout_s, config.body_timeout_s)
 
     def metric(self, name: str, labels: str = "") -> float:
         text = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {self.token}"}, timeout=10).text

@@ -13,7 +13,7 @@ half is warm-up: imports, caches, the gateway's retained ended batches filling u
 By default the gateway runs over a StubBackend (no model) in a child process on a free loopback port, with a
 random token; --server URL targets a running gateway instead, on loopback only. Progress goes to stderr.
 
-Run:  .venv/bin/python loadtests/soak.py --trainers 10 --duration 120
+Run:  .venv/bin/python -m loadtests.soak --trainers 10 --duration 120
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ import argparse
 import asyncio
 import ipaddress
 import json
-import multiprocessing
 import secrets
 import socket
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -37,6 +35,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from das.service.client import AsyncRolloutClient
+from loadtests.child_gateway import SpawnedGateway, vm_rss_bytes
 
 
 @dataclass(frozen=True)
@@ -111,42 +110,13 @@ def _serve(sock: socket.socket, token: str, tokens: int, interval_s: float) -> N
                                   access_log=False)).run(sockets=[sock])
 
 
-class StubGateway:
-    """The gateway with a stub engine in a child process on a free loopback port; `pid` for its memory."""
+class StubGateway(SpawnedGateway):
+    """The gateway with a stub engine in a child process on a free loopback port, with a random token; `pid` for
+    its memory."""
 
     def __init__(self, tokens: int, interval_s: float) -> None:
         self.token = secrets.token_hex(16)
-        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._socket.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self._socket.getsockname()[1]}"
-        self._process = multiprocessing.get_context("spawn").Process(
-            target=_serve, args=(self._socket, self.token, tokens, interval_s), daemon=True)
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid
-
-    def __enter__(self) -> StubGateway:
-        self._process.start()
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=1).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline or not self._process.is_alive():
-                self.__exit__()
-                raise RuntimeError("the gateway child process did not start")
-            time.sleep(0.1)
-
-    def __exit__(self, *exc: object) -> None:
-        self._process.terminate()
-        self._process.join(timeout=15)
-        if self._process.is_alive():
-            self._process.kill()
-            self._process.join()
-        self._socket.close()
+        super().__init__(_serve, self.token, tokens, interval_s)
 
 
 def require_loopback(url: str) -> None:
@@ -160,17 +130,6 @@ def require_loopback(url: str) -> None:
     except ValueError:
         pass
     raise SystemExit(f"--server {url}: only loopback targets (127.0.0.0/8, ::1, localhost) are allowed")
-
-
-def vm_rss_bytes(pid: int) -> int | None:
-    """Resident memory of process `pid` from /proc (Linux), None when it cannot be read."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def resident_from_metrics(text: str) -> dict[str, int]:

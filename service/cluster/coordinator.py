@@ -56,7 +56,6 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from das.drafter.records import RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
@@ -643,13 +642,14 @@ class RayBackend:
         return self._version
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
-        validate_rollouts(records)
+        # the checks walk every token: off the event loop, so a large import does not stall the other requests
+        checked = await asyncio.to_thread(validate_rollouts, records)
         by_shard: dict[int, list[dict[str, Any]]] = {}
         for record in records:
             by_shard.setdefault(shard_of(record["problem_id"], len(self._shards)), []).append(record)
         counts = await asyncio.gather(*(self._shards[s].put.remote("import", rs) for s, rs in by_shard.items()))
-        for record in sorted(records, key=lambda r: r["policy_version"]):
-            self._book.add_record(RolloutRecord.from_dict(record))
+        for rollout in sorted(checked, key=lambda r: r.policy_version):
+            self._book.add_record(rollout)
         return int(sum(counts))
 
     async def history(self, problem_id: str) -> ProblemSummary | None:

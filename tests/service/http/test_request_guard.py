@@ -257,3 +257,39 @@ def test_a_previous_run_refusal_reads_without_a_doubled_word():
     entry = JournalEntry(batch_id="b", digest="d", samples_expected=8, accepted_unix_s=0.0, previous_run=True)
     message = entry.refusal("d").message
     assert "an unknown number of 8 samples" in message and "of of" not in message
+
+
+def test_a_large_history_import_is_validated_off_the_loop_and_its_errors_do_not_echo_it(serve, monkeypatch):
+    """The records' checks of a body over OFFLOOP_JSON_BYTES run in a worker thread, not on the event loop's (a
+    small body's stay on it); a bad record is 422 naming it, without the 2 MB of input echoed back."""
+    import threading
+
+    from das.service.wire import api
+
+    checked_in: list[str] = []
+    real_check = api.wire_problem
+
+    def recording_check(value: Any, where: str = "value") -> str | None:
+        checked_in.append(threading.current_thread().name)
+        return real_check(value, where)
+
+    monkeypatch.setattr(api, "wire_problem", recording_check)
+    server = serve(StubBackend())
+    record = {"problem_id": "p", "policy_version": 0, "sample_index": 0, "prompt_token_ids": [1, 2, 3],
+              "output_token_ids": list(range(1000))}
+    headers = {**AUTH, "Content-Type": "application/json"}
+    small = httpx.post(f"{server.url}/v1/history", headers=headers, json={"records": [record]})
+    assert small.status_code == 200 and small.json() == {"added": 1}
+    loop_thread = checked_in[0]  # the request's checks come first; then the backend's, in a worker thread
+    checked_in.clear()
+    records = [{**record, "sample_index": i} for i in range(400)]  # ~2 MB
+    big = httpx.post(f"{server.url}/v1/history", headers=headers, json={"records": records}, timeout=30)
+    assert big.status_code == 200 and big.json() == {"added": 400}
+    assert checked_in and loop_thread not in set(checked_in), (loop_thread, set(checked_in))
+    records[250]["output_token_ids"] = [*range(7), INT64_MAX + 1]
+    bad = httpx.post(f"{server.url}/v1/history", headers=headers, json={"records": records}, timeout=30)
+    assert bad.status_code == 422 and len(bad.content) < 1000
+    [error] = bad.json()["detail"]
+    assert error["loc"] == ["body", "records"] and "record 250.output_token_ids[7]: integer beyond int64" in error["msg"]
+    assert "input" not in error
+    assert httpx.get(f"{server.url}/metrics", headers=AUTH).text.count("das_history_records_imported_total 401.0") == 1
