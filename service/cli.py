@@ -142,19 +142,16 @@ def serve(
     body_timeout: Annotated[float, typer.Option("--body-timeout", min=0.1, max=3600, help="Seconds a request's "
                                                 "body may take to arrive after its headers; then 408 and the "
                                                 "connection is closed.")] = 60.0,
-<<<<<<< HEAD
     tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", help="vLLM's: the tool-call "
                                                             "parser for the model's format (e.g. hermes for "
                                                             "Qwen2.5) that reads chat replies' tool calls.")] = None,
     enable_auto_tool_choice: Annotated[bool, typer.Option("--enable-auto-tool-choice", help="vLLM's: chat requests "
                                                           "with tools and tool_choice auto get message.tool_calls "
                                                           "(needs --tool-call-parser).")] = False,
-=======
     max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="Request bodies over this many "
                                                 "bytes are refused (413) before they are read; a client's "
                                                 "add_history splits an import under it (set the client's "
                                                 "max_body_bytes to match).")] = 64 << 20,
->>>>>>> histimport
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
@@ -185,11 +182,8 @@ def serve(
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
         settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
                                    header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-<<<<<<< HEAD
-                                   tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice)
-=======
+                                   tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                                    max_body_bytes=max_body_bytes)
->>>>>>> histimport
         engine = ({"stub_engine": {"tensor_parallel_size": tensor_parallel_size}} if stub_engine else {"engine": {
             "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
