@@ -96,6 +96,7 @@ from starlette.routing import BaseRoute, Match
 
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
+from das.service.cluster.sessions import SessionBook, SessionConfig, SessionConflict
 from das.service.engine.contract import EngineInputError
 from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
 from das.service.http.batch_progress import ProgressLog
@@ -103,6 +104,7 @@ from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
 from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
 from das.service.http.request_guard import OffloopJsonRoute, RequestGuard
 from das.service.http.rl_control import rl_control_router
+from das.service.http.session_routes import session_router
 from das.service.wire.api import (
     INT64_MAX,
     MSGPACK,
@@ -122,19 +124,8 @@ from das.service.wire.api import (
     error_responses,
     seeded_groups,
 )
-from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
-from das.service.http.batch_progress import ProgressLog
-from das.service.engine.contract import EngineInputError
-from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
-from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
-from das.service.http.request_guard import OffloopJsonRoute, RequestGuard
-from das.service.cluster.pause_hold import PauseHold
-from das.service.http.rl_control import rl_control_router
-from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
 from das.service.wire.sample_keys import fresh_seed
 from das.service.wire.sample_progress import SampleProgress
-from das.service.http.session_routes import session_router
-from das.service.cluster.sessions import SessionBook, SessionConfig, SessionConflict
 
 log = logging.getLogger(__name__)
 
