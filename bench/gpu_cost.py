@@ -5,7 +5,8 @@ for the service in a few minutes, standalone: it imports torch, transformers, th
 (a) The keyed draw on the device: rows x vocabulary (Qwen2.5's 151,936 entries) of random float32 logits drawn on
     the device, eager and compiled, and, from the same logits and keys, on CPU tensors; the tokens must be identical
     (the CPU draw is the fused CPU kernel's token, tests/service/engine/test_keyed_draw.py). Median milliseconds per
-    draw on the device, for each row count (`--draw-only` stops here).
+    draw on the device, for each row count, beside vLLM's unkeyed draw re-stated in torch (`--draw-only` stops
+    here).
 (b) A decode step-cost surface: a 7B-shaped Llama (Qwen2.5-7B's shape: 28 layers, hidden 3,584, 28 query / 4 KV
     heads, MLP 18,944, vocabulary 152,064; random weights, bfloat16) on the device, a static KV cache of `context`
     positions per request, and one forward of batch x tokens-per-request (1 + K drafts) tokens at the cache's end:
@@ -87,9 +88,18 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
+def unkeyed_draw(logits: torch.Tensor) -> torch.Tensor:
+    """The draw keyed sampling replaces: vLLM 0.32's plain random sampling (`TopKTopPSampler.forward_native` without
+    top-k/top-p, then `random_sample` without per-request generators), re-stated in torch because the machines
+    that time it may have no vLLM: float32 softmax, Exp(1) noise, argmax of probs / noise."""
+    probs = logits.softmax(dim=-1, dtype=torch.float32)
+    return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
 def keyed_draw_figures(cfg: GpuCostConfig) -> list[dict[str, object]]:
     """(a): for each row count, the draw's identity with its CPU-tensor run, eager and compiled (torch.compile, the
-    CUDA default), and each one's median milliseconds on the device."""
+    CUDA default), and each one's median milliseconds on the device; beside them the unkeyed draw's
+    (`unkeyed_draw`: what a plain vLLM engine pays)."""
     device = torch.device(cfg.device)
     figures = []
     for rows in cfg.draw_rows:
@@ -107,6 +117,8 @@ def keyed_draw_figures(cfg: GpuCostConfig) -> list[dict[str, object]]:
                            _sync(device)) * 1e3
             row[f"{mode}_identical_to_cpu"] = bool(torch.equal(on_device.cpu(), on_cpu))
             row[f"{mode}_median_ms"] = round(ms, 3)
+        row["unkeyed_median_ms"] = round(_median_s(lambda: unkeyed_draw(dev_logits), cfg.repeats, _sync(device)) * 1e3,
+                                         3)
         figures.append(row)
     return figures
 

@@ -31,8 +31,8 @@ entries (memory: ~5 words per entry of a chunk): 6.1 ms for 256 rows x 151,936 e
 (docs/results/2026-11-27-h200-gpu-cost.md), a large share of a decode step. `compiled` (the default on CUDA) runs the
 noise and the best-two reduction as one `torch.compile`d function (Inductor fuses the passes into a few kernels;
 Triton on CUDA): the same arithmetic, so the same tokens, and the same exactness argument (the near-tie check is
-unchanged); there 0.97 ms for 256 rows (4.9x faster) and 3.1 ms for 1,024 (5.9x), every token and every gap the
-eager draw's. It compiles once per process (dynamic shapes); if compiling fails the eager path is used, with one
+unchanged); there 1.19 ms for 256 rows (4.6x faster), 3.9 ms for 1,024 and 7.6 ms for 2,304 (6.0x), every token
+the eager draw's; vLLM's unkeyed draw takes 0.43 / 1.54 / 3.34 ms. It compiles once per process (dynamic shapes); if compiling fails the eager path is used, with one
 warning.
 """
 
@@ -47,7 +47,10 @@ import torch
 log = logging.getLogger(__name__)
 
 TIE_GAP = 1e-6  # rows whose two best perturbed logits are closer than this are redrawn by the exact scan
-CHUNK_ELEMENTS = 1 << 24  # entries drawn per pass: ~640 MiB of temporaries at 5 eight-byte words an entry
+CHUNK_ELEMENTS = 1 << 24  # entries drawn per eager pass: ~640 MiB of temporaries at 5 eight-byte words an entry
+# entries per compiled call: the fused kernels keep at most one float64 word an entry (<= 1 GiB), and fewer, larger
+# calls are what make compiling pay (at 110-row chunks it drew 256 rows in 1.7 ms on an H200, at once in 1.0-1.2 ms)
+COMPILED_CHUNK_ELEMENTS = 1 << 27
 _GUMBEL_MAX = 37.5  # the kernel's bound on g (53-bit u in (0, 1)): exact pruning in its scan
 _MASK64 = (1 << 64) - 1
 
@@ -117,11 +120,13 @@ def _run_best_two(compiled: BestTwo | None, logits: torch.Tensor, keys: torch.Te
     return best_two(logits, keys, entries)
 
 
-def keyed_draw(logits: torch.Tensor, keys: torch.Tensor, chunk_elements: int = CHUNK_ELEMENTS,
+def keyed_draw(logits: torch.Tensor, keys: torch.Tensor, chunk_elements: int | None = None,
                compiled: bool | None = None) -> torch.Tensor:
     """int64 [rows] on logits' device: the keyed Gumbel-max token of each row of processed logits (float32
     [rows, vocab]; -inf entries are never drawn) under its key (int64 [rows]); the fused CPU kernel's token for
-    every row (module docstring). `compiled`: fuse the draw with torch.compile (None: on CUDA only)."""
+    every row (module docstring). `compiled`: fuse the draw with torch.compile (None: on CUDA only);
+    `chunk_elements`: rows x vocab entries drawn per pass (None: `CHUNK_ELEMENTS` eager, `COMPILED_CHUNK_ELEMENTS`
+    compiled)."""
     if logits.dim() != 2 or keys.dim() != 1 or keys.shape[0] != logits.shape[0] or logits.shape[1] == 0:
         raise ValueError(f"need logits [rows, vocab >= 1] and keys [rows], got {tuple(logits.shape)} and "
                          f"{tuple(keys.shape)}")
@@ -132,6 +137,8 @@ def keyed_draw(logits: torch.Tensor, keys: torch.Tensor, chunk_elements: int = C
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     unsure = torch.empty(rows, dtype=torch.bool, device=logits.device)
     best_two = _compiled_best_two() if (logits.device.type == "cuda" if compiled is None else compiled) else None
+    if chunk_elements is None:
+        chunk_elements = CHUNK_ELEMENTS if best_two is None else COMPILED_CHUNK_ELEMENTS
     step = max(1, chunk_elements // vocab)
     for start in range(0, rows, step):
         part = slice(start, start + step)

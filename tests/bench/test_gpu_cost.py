@@ -28,7 +28,7 @@ def test_the_tiny_run_writes_a_surface_and_a_cost_model(tmp_path: Path):
     assert [d["rows"] for d in summary["keyed_draw"]] == [1, 16]
     for draw in summary["keyed_draw"]:
         assert draw["eager_identical_to_cpu"] is True and draw["compiled_identical_to_cpu"] is True
-        assert draw["eager_median_ms"] > 0 and draw["compiled_median_ms"] > 0
+        assert draw["eager_median_ms"] > 0 and draw["compiled_median_ms"] > 0 and draw["unkeyed_median_ms"] > 0
     surface = json.loads((tmp_path / "tiny-cpu-surface.json").read_text())
     shapes = {(p["batch"], p["tokens_per_request"], p["context"]) for p in surface["points"]}
     assert shapes == {(b, t, c) for b in (1, 4) for t in (1, 3) for c in (16, 64)}
