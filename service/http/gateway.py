@@ -135,6 +135,7 @@ from das.service.wire.sample_keys import fresh_seed
 from das.service.wire.sample_progress import SampleProgress
 from das.service.http.session_routes import session_router
 from das.service.cluster.sessions import SessionBook, SessionConfig, SessionConflict
+from das.service.cluster.group_aborts import GroupAborts
 
 log = logging.getLogger(__name__)
 
@@ -208,6 +209,7 @@ class _Batch:
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.stall: asyncio.Timeout | None = None  # its stall timer, once running (suspended while paused)
+        self.aborts = GroupAborts()  # its groups aborted alone (a session's turn: DELETE /v1/sessions/{id})
         # Without a batch_id no retry can name it: aborted once no connection follows it (_Gateway.follow).
         self.tied = False
         self.readers = 0  # connections streaming it now
@@ -536,7 +538,8 @@ class _Gateway:
                     self.stalls_in_a_row = 0
                     batch.progress(group_index, report)
 
-                async with stalled, contextlib.aclosing(self.backend.generate(batch.groups, heard)) as stream:
+                samples = self.backend.generate(batch.groups, heard, batch.aborts)
+                async with stalled, contextlib.aclosing(samples) as stream:
                     async for group_index, sample in stream:
                         stalled.reschedule(None if self.paused else loop.time() + stall_s)
                         self.stalls_in_a_row = 0
