@@ -70,13 +70,12 @@ async def abortable(samples: AsyncIterator[SampleResult], group: GroupRequest, a
         return
     delivered: set[int] = set()
     stopping = asyncio.ensure_future(abort.wait())
+    step: asyncio.Future[SampleResult] | None = None
     try:
         while not abort.is_set():
             step = asyncio.ensure_future(anext(samples))
             await asyncio.wait([step, stopping], return_when=asyncio.FIRST_COMPLETED)
             if not step.done():
-                step.cancel()  # ends the engine's stream at its await: its finally aborts what it still runs
-                await asyncio.gather(step, return_exceptions=True)
                 break
             try:
                 sample = step.result()
@@ -86,6 +85,11 @@ async def abortable(samples: AsyncIterator[SampleResult], group: GroupRequest, a
             yield sample
     finally:
         stopping.cancel()
+        if step is not None and not step.done():
+            # Aborted, or this stream was cancelled or closed: ending the engine's stream at its await runs its
+            # finally, which aborts what it still runs (it cannot be closed while that task runs it).
+            step.cancel()
+            await asyncio.gather(step, return_exceptions=True)
         aclose = getattr(samples, "aclose", None)
         if aclose is not None:
             await aclose()

@@ -194,8 +194,9 @@ class NodeEngine:
             for index in self._early_aborts.pop(run_id, ()):
                 aborts.abort(index)
         try:
-            async for items in self._run(engine, groups, progress_interval_s, aborts):
-                yield items
+            async with contextlib.aclosing(self._run(engine, groups, progress_interval_s, aborts)) as stream:
+                async for items in stream:
+                    yield items
         finally:
             if run_id is not None:
                 self._runs.pop(run_id, None)

@@ -128,3 +128,23 @@ def test_stub_backend_ends_an_aborted_groups_unemitted_samples_with_abort() -> N
     assert [(g, s.sample_index, s.finish_reason) for g, s in samples] == [
         (0, 0, "stop"), (1, 0, "stop"), (0, 1, "stop"), (1, 1, "abort"), (0, 2, "stop"), (1, 2, "abort")]
     assert all(len(s.token_ids) == 4 for g, s in samples if g == 0)
+
+
+def test_closing_the_batch_still_stops_every_group_on_the_engine() -> None:
+    """The abort watch must not keep a group's engine stream alive when the whole batch is aborted (closed)."""
+    engine = StubEngine(StubEngineConfig(tokens=TOKENS, token_s=0.02))
+    backend = EngineBackend(engine)  # type: ignore[arg-type]
+
+    async def scenario() -> tuple[int, int]:
+        stream = backend.generate(two_groups(), None, GroupAborts())
+        task = asyncio.ensure_future(anext(stream))
+        await wait_for(lambda: engine.tokens_made["turn"] >= 3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await stream.aclose()
+        made = sum(engine.tokens_made.values())
+        await asyncio.sleep(0.1)
+        return made, sum(engine.tokens_made.values())
+
+    at_close, later = asyncio.run(scenario())
+    assert later == at_close and engine.tally.running == 0
