@@ -134,7 +134,8 @@ from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavaila
 from das.service.wire.sample_keys import fresh_seed
 from das.service.wire.sample_progress import SampleProgress
 from das.service.http.session_routes import session_router
-from das.service.cluster.sessions import SessionBook, SessionConfig, SessionConflict
+from das.service.cluster.sessions import CloseReason, Session, SessionBook, SessionConfig, SessionConflict
+from das.service.http.session_journal import SessionJournal, SessionJournalConfig
 from das.service.cluster.group_aborts import GroupAborts
 
 log = logging.getLogger(__name__)
@@ -440,13 +441,26 @@ class _Gateway:
         self.stalls_in_a_row = 0  # batches failed by the stall timeout since a sample last finished
         self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
         self.metrics.batch_journal = self.journal
-        self.sessions = SessionBook(settings.sessions, on_close=self.metrics.observe_session)
+        # Sessions outlive a restart with a state directory (beside the batch journal); else in memory only.
+        self.session_journal = (SessionJournal(SessionJournalConfig(
+            state_dir=settings.batch_journal.state_dir, fsync=settings.batch_journal.fsync))
+            if settings.batch_journal is not None else None)
+        self.sessions = SessionBook(settings.sessions, on_close=self._session_closed,
+                                    on_turn=self.session_journal.record_turn if self.session_journal else None)
+        if self.session_journal is not None:
+            self.session_journal.open_sessions = self.sessions.open
+            self.sessions.restore(self.session_journal.restored(time.monotonic))
         self.metrics.sessions = self.sessions
         attach = getattr(backend, "attach_sessions", None)  # a backend that places turns by engine reads the book
         if attach is not None:
             attach(self.sessions)
         self._stopping = False  # batches aborted from now on were cut off by the shutdown
         self._aborts: set[asyncio.Task[None]] = set()  # aborts of abandoned batches (the loop holds tasks weakly)
+
+    def _session_closed(self, session: Session, reason: CloseReason) -> None:
+        self.metrics.observe_session(session, reason)
+        if self.session_journal is not None:
+            self.session_journal.closed(session)
 
     # ---- rollouts ----
 
@@ -635,6 +649,8 @@ class _Gateway:
             await self.abort(batch)
         if self.journal is not None:
             self.journal.close()
+        if self.session_journal is not None:
+            await self.session_journal.aclose()
 
     # ---- weights ----
 
