@@ -449,6 +449,7 @@ class _Gateway:
                                     on_turn=self.session_journal.record_turn if self.session_journal else None)
         if self.session_journal is not None:
             self.session_journal.open_sessions = self.sessions.open
+            self.metrics.session_journal = self.session_journal
             self.sessions.restore(self.session_journal.restored(time.monotonic))
         self.metrics.sessions = self.sessions
         attach = getattr(backend, "attach_sessions", None)  # a backend that places turns by engine reads the book

@@ -82,3 +82,12 @@ def test_torn_and_corrupt_records_are_skipped_and_counted(tmp_path: Path, caplog
     assert path.read_bytes().count(b"\n") == 1
     _, after = run_turns(tmp_path, context, 1)
     assert [t["prompt_tokens"] for t in after["turns"]] == [9, 15]
+
+
+def test_skipped_records_are_exported(tmp_path: Path) -> None:
+    (tmp_path / SESSION_FILE).write_bytes(b"00000000 {}\n")
+    journal = BatchJournalConfig(state_dir=tmp_path, fsync=False)
+    with LiveServer(create_app(StubBackend(), gateway_settings(token=TOKEN, batch_journal=journal))) as server:
+        text = httpx.get(f"{server.url}/metrics", headers=HEADERS).text
+    assert "das_session_journal_skipped_records_total 1.0" in text
+    assert "das_session_journal_write_failures_total 0.0" in text
