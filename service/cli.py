@@ -105,7 +105,8 @@ def serve(
     state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="History snapshots (restored at start, "
                                                       "written on a timer and at shutdown) and the journal of "
                                                       "accepted batches (an id an earlier run accepted gets "
-                                                      "409, not a second run).")] = None,
+                                                      "409, not a second run), and the open agent sessions "
+                                                      "(continued after a restart).")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
     budget: Annotated[PolicyName, typer.Option(help="Draft budget of --speculation das: das (length-aware, on "

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -64,6 +65,7 @@ class StubEngine:
         self._unfinished = 0  # samples of the groups in flight not yet yielded
         self._changed = asyncio.Event()  # replaced on every state change; waiters wait on the one they saw
         self.dead = False  # no engine core that could die
+        self.tokens_made: Counter[str] = Counter()  # per problem_id, tokens generated (tests see a sample stop)
 
     @classmethod
     async def create(cls, config: StubEngineConfig) -> StubEngine:
@@ -134,6 +136,7 @@ class StubEngine:
                     if not spans or spans[-1][0] != version:
                         spans.append((version, len(tokens)))
                     tokens.append((7 * len(tokens) + key) % self.config.vocab_size)
+                    self.tokens_made[group.problem_id] += 1
                     if on_progress is not None and len(tokens) < length:
                         on_progress(SampleProgress(index, len(tokens) - 1, tokens[-1:], [-1.0], "", version))
                 if len(tokens) < length:

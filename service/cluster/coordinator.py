@@ -62,6 +62,7 @@ from das.scheduler.placement import place_groups
 from das.service.backends.stub_engine import StubEngineConfig
 from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
 from das.service.cluster.engine_layout import LayoutError, gpu_engines
+from das.service.cluster.group_aborts import GroupAborts, aborted_sample
 from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
 from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
 from das.service.cluster.pause_hold import PauseHold
@@ -487,8 +488,9 @@ class RayBackend:
         by_load = np.argsort(-loads, kind="stable")
         return [[(int(i), tagged[int(i)]) for i in by_load[assignment[by_load] == e]] for e in range(len(names))]
 
-    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
-                       ) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
+                       aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
+        aborts = aborts or GroupAborts()
         serving = self._serving() or [await self._wait_serving()]
         placed = [(engine, [(Share(i, tuple(range(g.n))), g) for i, g in items])
                   for engine, items in zip(serving, self._place(groups, serving)) if items]
@@ -497,7 +499,7 @@ class RayBackend:
             self._placed.hold(engine[2], work)
         # Each job puts (group index, sample or progress) pairs, then None at its end, or the exception that ended it.
         out: _Out = asyncio.Queue()
-        jobs = [asyncio.create_task(self._job(engine, work, out)) for engine, work in placed]
+        jobs = [asyncio.create_task(self._job(engine, work, out, aborts)) for engine, work in placed]
         try:
             running = len(jobs)
             while running:
@@ -522,60 +524,73 @@ class RayBackend:
             await asyncio.gather(*jobs, return_exceptions=True)
 
     async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
-                   out: _Out) -> None:
+                   out: _Out, aborts: GroupAborts) -> None:
         """Runs `work` on `engine` (`_run`), putting its samples on `out` as they arrive, renumbered as the batch's.
         Ends with None on `out`, or the exception that failed the batch. The caller has put `work` in `_placed` on
         `engine`."""
         try:
-            await self._run(engine, work, out)
+            await self._run(engine, work, out, aborts)
             out.put_nowait(None)
         except Exception as exc:  # handed to the batch, which owns the error
             out.put_nowait(exc)
 
     async def _run(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
-                   out: _Out) -> None:
+                   out: _Out, aborts: GroupAborts) -> None:
         """Runs `work` (held in `_placed` on `engine`) there; the samples go to `out` as they arrive and leave the
         ledger, and what never arrived leaves it when this ends. When the engine dies, what had not arrived runs
-        again (`_run_again`). Returns once every sample of `work` has reached `out`."""
+        again (`_run_again`). A group aborted through `aborts` is aborted on the engine alone (NodeEngine.abort_group),
+        or not sent at all if it was aborted before. Returns once every sample of `work` has reached `out`."""
         import ray
 
         actor, local, name = engine
         incarnation = actor.incarnation
         rest: list[tuple[Share, GroupRequest]] | None = None  # what a death left owed
-        try:
-            await self._hold.wait()  # first dispatches and re-dispatches alike reach engines that have resumed
-            generator = actor.handle.run.remote(local, [(k, share.request(group))
-                                                        for k, (share, group) in enumerate(work)])
+        run_id = uuid.uuid4().hex
+
+        def abort_group(group_index: int) -> None:
+            indices = [k for k, (share, _) in enumerate(work) if share.group_index == group_index]
+            if indices:
+                actor.handle.abort_group.remote(run_id, indices)
+
+        with aborts.listening(abort_group):
             try:
-                async for ref in generator:
-                    for k, sample in await ref:
-                        if isinstance(sample, SampleProgress):
-                            report = work[k][0].progress(sample)
-                            if report is not None:
-                                out.put_nowait((work[k][0].group_index, report))
-                            continue
-                        taken = work[k][0].take(sample)
-                        if taken is not None:
-                            self._placed.arrived(name, work[k][1])
-                            out.put_nowait((work[k][0].group_index, taken))
-            except _lost_errors() as exc:
-                self._engine_died(actor, incarnation, exc)
-                if actor.state == "failed" and not actor.node_left:  # past its restart cap: its batches fail
-                    raise RuntimeError(actor.error) from None
-                rest = [(share, group) for owed, group in work if (share := owed.remainder()) is not None]
+                await self._hold.wait()  # first dispatches and re-dispatches alike reach engines that have resumed
+                self._end_aborted(name, [item for item in work if aborts.aborted(item[0].group_index)], out)
+                if all(not share.missing() for share, _ in work):
+                    return
+                generator = actor.handle.run.remote(local, [(k, share.request(group))
+                                                            for k, (share, group) in enumerate(work)
+                                                            if share.missing()], run_id=run_id)
+                try:
+                    async for ref in generator:
+                        for k, sample in await ref:
+                            if isinstance(sample, SampleProgress):
+                                report = work[k][0].progress(sample)
+                                if report is not None:
+                                    out.put_nowait((work[k][0].group_index, report))
+                                continue
+                            taken = work[k][0].take(sample)
+                            if taken is not None:
+                                self._placed.arrived(name, work[k][1])
+                                out.put_nowait((work[k][0].group_index, taken))
+                except _lost_errors() as exc:
+                    self._engine_died(actor, incarnation, exc)
+                    if actor.state == "failed" and not actor.node_left:  # past its restart cap: its batches fail
+                        raise RuntimeError(actor.error) from None
+                    rest = [(share, group) for owed, group in work if (share := owed.remainder()) is not None]
+                finally:
+                    with contextlib.suppress(Exception):
+                        ray.cancel(generator)
+                missing = sum(len(share.missing()) for share, _ in work)
+                if rest is None and missing:
+                    raise RuntimeError(f"engine {name} ended its stream with {missing} samples missing")
             finally:
-                with contextlib.suppress(Exception):
-                    ray.cancel(generator)
-            missing = sum(len(share.missing()) for share, _ in work)
-            if rest is None and missing:
-                raise RuntimeError(f"engine {name} ended its stream with {missing} samples missing")
-        finally:
-            self._placed.release(name, work)
+                self._placed.release(name, work)
         if rest is not None:
-            await self._run_again(name, rest, out)
+            await self._run_again(name, rest, out, aborts)
 
     async def _run_again(self, dead: str, work: list[tuple[Share, GroupRequest]],
-                         out: _Out) -> None:
+                         out: _Out, aborts: GroupAborts) -> None:
         """Runs the shares that engine `dead` owed. A share that has run through `max_group_deaths` deaths is
         given up (`_give_up`). One whose next death would give it up runs alone, one share after another, so that a
         group that only ran beside the one that kills engines is not given up with it; the rest are placed again over
@@ -597,9 +612,9 @@ class RayBackend:
                 part = [together[i] for i, _ in items]
                 if part:
                     self._placed.hold(engine[2], part)
-                    runs.append(self._run(engine, part, out))
+                    runs.append(self._run(engine, part, out, aborts))
         if alone:
-            runs.append(self._one_at_a_time(alone, out))
+            runs.append(self._one_at_a_time(alone, out, aborts))
         tasks = [asyncio.create_task(run) for run in runs]
         try:
             await asyncio.gather(*tasks)
@@ -608,12 +623,21 @@ class RayBackend:
                 task.cancel()
 
     async def _one_at_a_time(self, work: list[tuple[Share, GroupRequest]],
-                             out: _Out) -> None:
+                             out: _Out, aborts: GroupAborts) -> None:
         """Runs the shares one after another, each on the serving engine with the least work placed at its turn."""
         for item in work:
             engine = await self._wait_serving()
             self._placed.hold(engine[2], [item])
-            await self._run(engine, [item], out)
+            await self._run(engine, [item], out, aborts)
+
+    def _end_aborted(self, name: str, work: list[tuple[Share, GroupRequest]], out: _Out) -> None:
+        """Ends the shares' missing samples (held in `_placed` on engine `name`) with finish_reason "abort": their
+        group was aborted alone before they were sent (again) to an engine."""
+        for share, group in work:
+            for index in share.missing():
+                share.received.add(index)
+                self._placed.arrived(name, group)
+                out.put_nowait((share.group_index, aborted_sample(group, index, self._version)))
 
     def _give_up(self, work: list[tuple[Share, GroupRequest]],
                  out: _Out) -> None:

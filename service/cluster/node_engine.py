@@ -17,7 +17,7 @@ import contextlib
 import logging
 import os
 import uuid
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.history_client import HistoryClient
 from das.service.cluster.history_store import HistoryPushConfig, resident_bytes, shard_of
+from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
 from das.service.engine.config import EngineConfig
@@ -41,6 +42,9 @@ log = logging.getLogger(__name__)
 
 # Samples a stream item carries at most: samples that finish together travel in one Ray object.
 _MAX_SAMPLES_PER_ITEM = 64
+
+# Aborts kept for runs not started here (yet): a run id is a few dozen bytes, so this bound is about memory only.
+_EARLY_ABORTS = 1024
 # Seconds between an engine's progress reports at most (docs/design.md "Token progress"): often enough for a stream
 # of deltas to look live and for a death to lose little, rare enough to cost one Ray object per engine per interval.
 PROGRESS_INTERVAL_S = 0.05
@@ -123,6 +127,10 @@ class NodeEngine:
         # Groups that reach this actor while it is paused (sent just before the coordinator's pause) wait here, not in
         # vLLM's queue (service/cluster/pause_hold.py); paused before the engines, released after they resume.
         self._hold = PauseHold()
+        # The runs in flight by the coordinator's run id, each with its groups aborted alone (`abort_group`), and
+        # aborts that arrived before their run (an async actor may start calls out of order), bounded.
+        self._runs: dict[str, GroupAborts] = {}
+        self._early_aborts: OrderedDict[str, set[int]] = OrderedDict()
 
     def _engine_envs(self) -> list[dict[str, str]]:
         count = len(self.names)
@@ -172,13 +180,41 @@ class NodeEngine:
         return None
 
     async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]],
-                  progress_interval_s: float = PROGRESS_INTERVAL_S
+                  progress_interval_s: float = PROGRESS_INTERVAL_S, run_id: str | None = None
                   ) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
         """Runs (batch index, group) pairs on engine `engine`, starting them in the given order; yields lists of
         (batch index, sample) as samples finish, and (batch index, progress) of the samples in flight: each
         sample's new tokens since its last report, every `progress_interval_s` seconds at most (merged per sample,
-        all samples' reports in one item). Cancelling the Ray task aborts the samples still running."""
+        all samples' reports in one item). Cancelling the Ray task aborts the samples still running. `run_id`
+        names the run for `abort_group`."""
         self._started()
+        aborts = GroupAborts()
+        if run_id is not None:
+            self._runs[run_id] = aborts
+            for index in self._early_aborts.pop(run_id, ()):
+                aborts.abort(index)
+        try:
+            async with contextlib.aclosing(self._run(engine, groups, progress_interval_s, aborts)) as stream:
+                async for items in stream:
+                    yield items
+        finally:
+            if run_id is not None:
+                self._runs.pop(run_id, None)
+
+    async def abort_group(self, run_id: str, indices: Sequence[int]) -> None:
+        """Aborts the groups of run `run_id` with these batch indices alone: the engine stops generating them and
+        their samples not delivered come with finish_reason "abort" (service/cluster/group_aborts.py)."""
+        aborts = self._runs.get(run_id)
+        if aborts is None:  # its run has not started here yet, or has ended (then this is never read)
+            self._early_aborts.setdefault(run_id, set()).update(indices)
+            while len(self._early_aborts) > _EARLY_ABORTS:
+                self._early_aborts.popitem(last=False)
+            return
+        for index in indices:
+            aborts.abort(index)
+
+    async def _run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]], progress_interval_s: float,
+                   aborts: GroupAborts) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
         target = self.engines[engine]
         name, origin = self.names[engine], self._origins[engine]
         try:
@@ -200,7 +236,9 @@ class NodeEngine:
 
             try:
                 await self._hold.wait()
-                async for sample in target.generate(group, report):
+                samples = abortable(target.generate(group, report), group, aborts.event(index),
+                                    lambda: target.policy_version)
+                async for sample in samples:
                     batcher.drop((index, sample.sample_index))  # its result carries those tokens
                     if sample.finish_reason == "error" and target.dead:
                         self._engine_died(engine)  # the sample is owed, not failed: it is drawn again elsewhere

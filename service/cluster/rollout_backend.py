@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
 from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult, ToolCall
@@ -122,12 +123,13 @@ class RolloutBackend(Protocol):
         """Raises GroupInputError for the first group the backend would refuse; schedules nothing."""
         ...
 
-    def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
-                 ) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
+                 aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
         """Every sample of every group exactly once, as (index of its group in `groups`, sample), in finishing
         order. `on_progress` (optional) hears each sample's tokens while it runs (service/wire/sample_progress.py: at
         most every ~50 ms per engine, contiguous per sample, its result holding them all). Closing the iterator
-        early aborts the samples still running."""
+        early aborts the samples still running. A group aborted through `aborts` (service/cluster/group_aborts.py)
+        stops on its engine and its samples not delivered yet come with finish_reason "abort"; the others run on."""
         ...
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
@@ -239,11 +241,14 @@ class EngineBackend:
             except EngineInputError as exc:
                 raise GroupInputError(i, str(exc)) from None
 
-    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
-                       ) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
+                       aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
         async def indexed(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
             report = None if on_progress is None else lambda progress: on_progress(index, progress)
-            async for sample in self.engine.generate(group, report):
+            samples = abortable(self.engine.generate(group, report), group,
+                                aborts.event(index) if aborts is not None else None,
+                                lambda: self.engine.policy_version)
+            async for sample in samples:
                 yield index, sample
 
         async with contextlib.aclosing(merge_streams([indexed(i, g) for i, g in enumerate(groups)])) as merged:
@@ -298,7 +303,8 @@ class StubBackend:
 
     Pause as an engine does (`RolloutBackend.pause`), per emission: a batch that starts while paused waits for
     `resume`; under "keep" no sample is emitted until `resume`; "abort" ends the samples not yet emitted with
-    finish_reason "abort" and no tokens; "wait" returns once the batches running have ended.
+    finish_reason "abort" and no tokens; "wait" returns once the batches running have ended. A group aborted
+    through `generate`'s `aborts` ends its samples not yet emitted the same way.
     """
 
     def __init__(self, *, output_tokens: int = 16, first_delay_s: float = 0.0, interval_s: float = 0.0,
@@ -358,8 +364,8 @@ class StubBackend:
                 raise GroupInputError(i, f"prompt is {length} tokens; the context holds {self.max_prompt_tokens} "
                                          f"and at least one output token must fit")
 
-    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None
-                       ) -> AsyncGenerator[tuple[int, SampleResult], None]:
+    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
+                       aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
         self.runs += 1
         self.received.append(list(groups))
         epoch = self._abort_epoch
@@ -384,7 +390,7 @@ class StubBackend:
                 while self._mode == "keep" and self._abort_epoch == epoch:
                     await self._changed.wait()
                 update: dict[str, Any] = {"sample_index": j, "total_s": time.perf_counter() - start}
-                if self._abort_epoch != epoch:
+                if self._abort_epoch != epoch or (aborts is not None and aborts.aborted(gi)):
                     update.update(token_ids=[], logprobs=[], finish_reason="abort", accepted_tokens=0,
                                   draft_tokens=0, decode_steps=0)
                 sample = templates[gi].model_copy(update=update)

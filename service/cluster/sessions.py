@@ -25,14 +25,15 @@ session is one turn of that trajectory. `SessionBook` keeps, per open session, w
   hook (the gateway's metrics: the trajectory's makespan, first turn's start to last turn's end, tool time included).
 
 The book holds no tokens: a turn's prompt is the client's (token ids in, `return_token_ids` out), so a session
-costs a few hundred bytes whatever its context length.
+costs a few hundred bytes whatever its context length. The book is in memory; with a state directory the gateway
+journals its turns and closes (service/http/session_journal.py) and `restore`s the open sessions at a restart.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -112,9 +113,11 @@ class SessionBook:
 
     def __init__(self, config: SessionConfig | None = None,
                  on_close: Callable[[Session, CloseReason], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 on_turn: Callable[[Session], None] | None = None) -> None:
         self.config = config or SessionConfig()
         self._on_close = on_close
+        self._on_turn = on_turn  # hears every finished turn (the session journal, service/http/session_journal.py)
         self._clock = clock
         self._open: OrderedDict[str, Session] = OrderedDict()  # least recently active first
         self._by_batch: dict[str, list[str]] = {}  # batch id -> sessions with a turn in it
@@ -200,7 +203,27 @@ class SessionBook:
         self._open.move_to_end(session_id)
         self._reserve(session)
         self.turns += 1
+        if self._on_turn is not None:
+            self._on_turn(session)
         self._bound()
+
+    def restore(self, sessions: Iterable[Session]) -> None:
+        """Re-opens, idle, the sessions an earlier run of the gateway had open (service/http/session_journal.py),
+        their times on this book's clock; expiry and the bounds apply at once (closing what they must, counted)."""
+        for session in sorted(sessions, key=lambda s: s.last_active_s):
+            if session.session_id in self._open:
+                continue
+            session.running = None
+            self._open[session.session_id] = session
+            self._by_problem.setdefault(session.problem_id, set()).add(session.session_id)
+            self._context_tokens += session.context_tokens
+            self._reserve(session)
+        self.expire()
+        self._bound()
+
+    def open(self) -> list[Session]:
+        """The open sessions, least recently active first."""
+        return list(self._open.values())
 
     def batch_ended(self, batch_id: str) -> None:
         """Batch `batch_id` ended: a turn in it that delivered nothing (failed, aborted) leaves its session idle."""

@@ -96,7 +96,8 @@ from starlette.routing import BaseRoute, Match
 
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
-from das.service.cluster.sessions import SessionBook, SessionConfig, SessionConflict
+from das.service.cluster.group_aborts import GroupAborts
+from das.service.cluster.sessions import CloseReason, Session, SessionBook, SessionConfig, SessionConflict
 from das.service.engine.contract import EngineInputError
 from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
 from das.service.http.batch_progress import ProgressLog
@@ -104,6 +105,7 @@ from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
 from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
 from das.service.http.request_guard import OffloopJsonRoute, RequestGuard
 from das.service.http.rl_control import rl_control_router
+from das.service.http.session_journal import SessionJournal, SessionJournalConfig
 from das.service.http.session_routes import session_router
 from das.service.wire.api import (
     INT64_MAX,
@@ -212,6 +214,7 @@ class _Batch:
         self.error: str | None = None
         self.task: asyncio.Task[None] | None = None
         self.stall: asyncio.Timeout | None = None  # its stall timer, once running (suspended while paused)
+        self.aborts = GroupAborts()  # its groups aborted alone (a session's turn: DELETE /v1/sessions/{id})
         # Without a batch_id no retry can name it: aborted once no connection follows it (_Gateway.follow).
         self.tied = False
         self.readers = 0  # connections streaming it now
@@ -445,13 +448,27 @@ class _Gateway:
         self.stalls_in_a_row = 0  # batches failed by the stall timeout since a sample last finished
         self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
         self.metrics.batch_journal = self.journal
-        self.sessions = SessionBook(settings.sessions, on_close=self.metrics.observe_session)
+        # Sessions outlive a restart with a state directory (beside the batch journal); else in memory only.
+        self.session_journal = (SessionJournal(SessionJournalConfig(
+            state_dir=settings.batch_journal.state_dir, fsync=settings.batch_journal.fsync))
+            if settings.batch_journal is not None else None)
+        self.sessions = SessionBook(settings.sessions, on_close=self._session_closed,
+                                    on_turn=self.session_journal.record_turn if self.session_journal else None)
+        if self.session_journal is not None:
+            self.session_journal.open_sessions = self.sessions.open
+            self.metrics.session_journal = self.session_journal
+            self.sessions.restore(self.session_journal.restored(time.monotonic))
         self.metrics.sessions = self.sessions
         attach = getattr(backend, "attach_sessions", None)  # a backend that places turns by engine reads the book
         if attach is not None:
             attach(self.sessions)
         self._stopping = False  # batches aborted from now on were cut off by the shutdown
         self._aborts: set[asyncio.Task[None]] = set()  # aborts of abandoned batches (the loop holds tasks weakly)
+
+    def _session_closed(self, session: Session, reason: CloseReason) -> None:
+        self.metrics.observe_session(session, reason)
+        if self.session_journal is not None:
+            self.session_journal.closed(session)
 
     # ---- rollouts ----
 
@@ -543,7 +560,8 @@ class _Gateway:
                     self.stalls_in_a_row = 0
                     batch.progress(group_index, report)
 
-                async with stalled, contextlib.aclosing(self.backend.generate(batch.groups, heard)) as stream:
+                samples = self.backend.generate(batch.groups, heard, batch.aborts)
+                async with stalled, contextlib.aclosing(samples) as stream:
                     async for group_index, sample in stream:
                         stalled.reschedule(None if self.paused else loop.time() + stall_s)
                         self.stalls_in_a_row = 0
@@ -639,6 +657,8 @@ class _Gateway:
             await self.abort(batch)
         if self.journal is not None:
             self.journal.close()
+        if self.session_journal is not None:
+            await self.session_journal.aclose()
 
     # ---- weights ----
 

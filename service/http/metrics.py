@@ -23,6 +23,7 @@ from das.service.cluster.rollout_backend import BackendStats
 from das.service.http.batch_journal import BatchJournal
 from das.service.wire.api import SampleResult
 from das.service.cluster.sessions import Session, SessionBook
+from das.service.http.session_journal import SessionJournal
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # what `render()` produces
 
@@ -122,6 +123,7 @@ class GatewayMetrics:
                                           "A weight reload, including the wait for running batches.",
                                           _SECONDS_BUCKETS)
         self.sessions: SessionBook | None = None  # the gateway's
+        self.session_journal: SessionJournal | None = None  # the gateway's, when it has a state directory
         self.session_makespan = _Histogram("das_session_makespan_seconds", "An agent trajectory (session) that "
                                            "ended: its first turn's start to its last turn's end, tool time "
                                            "included.", _SECONDS_BUCKETS)
@@ -320,6 +322,13 @@ class GatewayMetrics:
         for engine, tokens in sorted(book.reserved().items()):
             reserved.add_metric([engine], tokens)
         yield reserved
+        if self.session_journal is not None:
+            journal = self.session_journal
+            yield CounterMetricFamily("das_session_journal_skipped_records", "Torn or corrupt session journal "
+                                      "records skipped at start.", value=journal.skipped_records)
+            yield CounterMetricFamily("das_session_journal_write_failures", "Session journal writes that failed "
+                                      "(those session changes would not outlive a restart).",
+                                      value=journal.write_failures)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

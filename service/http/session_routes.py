@@ -3,11 +3,13 @@
 - `GET /v1/sessions/{session_id}`: the open session (`SessionSummary`: its turns with their policy versions, its
   engine, context and output tokens, moves, makespan so far); 404 for a session not open (never opened, or closed,
   aborted, expired or evicted).
-- `DELETE /v1/sessions/{session_id}`: ends the session; its turn still running is aborted when it is its batch's
-  only group (every OpenAI-compatible request, and `RolloutClient` sessions' own turns): the batch ends "aborted",
-  which frees the sample's work on its engine. A turn inside a batch of many groups runs on with its batch (the
-  others' turns are not cut off) and is dropped from the session. Answers the session as it ended (state "aborted"
-  if a turn was running, else "closed"); 404 for a session not open.
+- `DELETE /v1/sessions/{session_id}`: ends the session and aborts its turn still running, freeing its engine's
+  work. A turn that is its batch's only group (every OpenAI-compatible request: session turns are never coalesced,
+  and `RolloutClient` sessions' own turns) aborts its batch, which ends "aborted". A turn inside a batch of many
+  groups (`/v1/rollouts` with several sessions' turns) aborts its group only (service/cluster/group_aborts.py): the
+  engine stops generating it and its sample comes with finish_reason "abort", while the batch's other groups run on
+  and complete. Answers the session as it ended (state "aborted" if a turn was running, else "closed"); 404 for a
+  session not open.
 
 A trajectory that simply stops needs no DELETE: it expires after `SessionConfig.idle_expiry_s`.
 """
@@ -49,9 +51,13 @@ def session_router(gateway: _Gateway) -> APIRouter:
         session = gateway.sessions.close(session_id, reason)
         if session is None:
             raise HTTPException(404, f"session {session_id!r} is not open")
-        # A batch holding other groups too (turns of many sessions at once) runs on: only this turn is dropped.
-        if reason == "aborted" and running is not None and len(running.groups) == 1:
-            await gateway.abort(running)
+        if reason == "aborted" and running is not None:
+            if len(running.groups) == 1:
+                await gateway.abort(running)
+            else:  # the other groups (other sessions' turns) run on: only this turn's group stops
+                for index, group in enumerate(running.groups):
+                    if group.session_id == session_id:
+                        running.aborts.abort(index)
         return session.summary(reason)
 
     return router

@@ -483,7 +483,7 @@ def test_what_the_engine_would_refuse_is_422_at_admission(serve, sampling, loc):
 class StalledBackend(StubBackend):
     """Its batches never produce a sample, like a group whose sample task died: `generate` waits forever."""
 
-    async def generate(self, groups, on_progress=None):  # type: ignore[override]
+    async def generate(self, groups, on_progress=None, aborts=None):  # type: ignore[override]
         self.runs += 1
         await asyncio.Event().wait()
         yield  # an async generator that never gets here

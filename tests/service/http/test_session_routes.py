@@ -15,10 +15,11 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.http.gateway import create_app
-from das.service.cluster.rollout_backend import StubBackend
+from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.cluster.sessions import SessionConfig
-from tests.service.http.test_gateway import LiveServer, gateway_settings
+from tests.service.http.test_gateway import LiveServer, gateway_settings, read_ndjson
 
 TOKEN = "session-test-token"
 STUB_TOKENS = [3, 10, 17, 24, 31]  # StubBackend(output_tokens=5): token i is (7 i + 3) % vocab
@@ -168,3 +169,36 @@ def test_idle_sessions_expire(serve):
     time.sleep(0.3)
     assert httpx.get(f"{server.url}/v1/sessions/s", headers=headers).status_code == 404
     assert scrape(server, headers)["das_session_ended_total{'reason': 'expired'}"] == 1
+
+
+def test_deleting_a_session_aborts_only_its_group_of_a_batch_of_many(serve):
+    """A batch of two groups, one a session's turn: DELETE /v1/sessions/{id} stops that group on the engine (no more
+    tokens for it) and ends its sample "abort"; the other group completes with all its samples."""
+    engine = StubEngine(StubEngineConfig(tokens=40, token_s=0.02))
+    server, _, headers = serve(EngineBackend(engine))  # type: ignore[arg-type]
+    body = {"groups": [{"problem_id": "other", "prompt_token_ids": [1, 2], "n": 2, "sampling": {"max_tokens": 40}},
+                       {"problem_id": "turn", "session_id": "s", "prompt_token_ids": [3],
+                        "sampling": {"max_tokens": 40}}]}
+    records: list[dict[str, Any]] = []
+    reader = threading.Thread(target=lambda: records.extend(read_ndjson(
+        httpx.post(f"{server.url}/v1/rollouts", json=body, headers=headers, timeout=10))))
+    reader.start()
+    deadline = time.monotonic() + 5
+    while engine.tokens_made["turn"] < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    ended = httpx.delete(f"{server.url}/v1/sessions/s", headers=headers).json()
+    assert ended["state"] == "aborted"
+    time.sleep(0.1)
+    at_abort = engine.tokens_made["turn"]
+    reader.join(10)
+    assert not reader.is_alive()
+    *samples, summary = records
+    assert summary["summary"]["status"] == "done"
+    other = sorted((r["sample_index"], r["finish_reason"], len(r["output_token_ids"]))
+                   for r in samples if r["group_index"] == 0)
+    assert other == [(0, "length", 40), (1, "length", 40)]
+    assert [(r["finish_reason"], r["output_token_ids"]) for r in samples if r["group_index"] == 1] == [("abort", [])]
+    assert engine.tokens_made["turn"] == at_abort < 40 and engine.tokens_made["other"] == 80
+    assert httpx.get(f"{server.url}/v1/sessions/s", headers=headers).status_code == 404
+    assert scrape(server, headers)["das_session_ended_total{'reason': 'aborted'}"] == 1
