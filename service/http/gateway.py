@@ -94,9 +94,9 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
+from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
-from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.sessions import CloseReason, Session, SessionBook, SessionConfig, SessionConflict
 from das.service.engine.contract import EngineInputError
 from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
