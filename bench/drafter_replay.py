@@ -9,8 +9,8 @@ Every arm sees the same traces, the same order, the same K.
 
 Drafting more tokens per step buys tokens per step at a price (every draft token is verified), so arms are compared
 at equal draft tokens per step too: `das`'s frontier replays it over a grid of its draft-length knobs (the cap K per
-step, and a per-request floor on its tokens' calibrated probability at the full cap), keeps the upper envelope of (draft tokens per step,
-tokens per step), anchored at (0, 1) (no drafts: one token per step), and reads it at each peer's draft tokens per
+step, and a per-request floor on its tokens' calibrated probability at the full cap), keeps the upper envelope of
+(draft tokens per step, tokens per step), anchored at (0, 1) (no drafts: one token per step), and reads it at each peer's draft tokens per
 step by linear interpolation (`das_vs_peer[...]["tokens_per_step_at_equal_drafts"]`).
 """
 

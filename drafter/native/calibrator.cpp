@@ -32,7 +32,8 @@ Calibrator::Calibrator(int num_kinds, double pseudo_count, double horizon)
     size_t cells = static_cast<size_t>(num_kinds) * kMatchBuckets * kProbBuckets * kAgreeBuckets;
     sums_.assign(cells, 0.0);
     counts_.assign(cells, 0.0);
-    size_t token_cells = static_cast<size_t>(num_kinds) * kMatchBuckets * kPosBuckets * kCondBuckets * kTokenAgreeBuckets;
+    size_t token_cells =
+        static_cast<size_t>(num_kinds) * kMatchBuckets * kPosBuckets * kCondBuckets * kTokenAgreeBuckets;
     token_sums_.assign(token_cells, 0.0);
     token_counts_.assign(token_cells, 0.0);
 }
@@ -64,7 +65,9 @@ void Calibrator::observe(int cell, int accepted) {
 }
 
 int Calibrator::token_cell(int kind, int match_len, int pos, double cond, int agree) const {
-    if (kind < 0 || kind >= num_kinds_) throw std::invalid_argument("Calibrator: kind " + std::to_string(kind) + " out of range");
+    if (kind < 0 || kind >= num_kinds_) {
+        throw std::invalid_argument("Calibrator: kind " + std::to_string(kind) + " out of range");
+    }
     int c = std::clamp(static_cast<int>(cond * kCondBuckets), 0, kCondBuckets - 1);
     int a = std::clamp(agree, 0, kTokenAgreeBuckets - 1);
     return (((kind * kMatchBuckets + match_bucket(match_len)) * kPosBuckets + pos_bucket(pos)) * kCondBuckets + c) *
