@@ -9,8 +9,8 @@ Every arm sees the same traces, the same order, the same K.
 
 Drafting more tokens per step buys tokens per step at a price (every draft token is verified), so arms are compared
 at equal draft tokens per step too: `das`'s frontier replays it over a grid of its draft-length knobs (the cap K per
-step, and a probability floor on its tokens at the full cap), keeps the upper envelope of (draft tokens per step,
-tokens per step), anchored at (0, 1) (no drafts: one token per step), and reads it at each peer's draft tokens per
+step, and a per-request floor on its tokens' calibrated probability at the full cap), keeps the upper envelope of
+(draft tokens per step, tokens per step), anchored at (0, 1) (no drafts: one token per step), and reads it at each peer's draft tokens per
 step by linear interpolation (`das_vs_peer[...]["tokens_per_step_at_equal_drafts"]`).
 """
 
@@ -42,11 +42,14 @@ def default_trace_path() -> Path:
 
 
 class DasDrafter:
-    """Our drafter behind the replay protocol: a HistoryBank with per-problem windowed history."""
+    """Our drafter behind the replay protocol: a HistoryBank with per-problem windowed history. `min_prob`: the
+    per-request floor on a draft token's calibrated cumulative acceptance probability, as the service's budget sets
+    it (its price of a draft token)."""
 
-    def __init__(self, config: DrafterConfig | None = None, name: str = "das") -> None:
+    def __init__(self, config: DrafterConfig | None = None, name: str = "das", min_prob: float = 0.0) -> None:
         self.name = name
         self.bank = HistoryBank(config)
+        self.min_prob = min_prob
         self._version = 0
 
     def begin_version(self, policy_version: int) -> None:
@@ -56,7 +59,7 @@ class DasDrafter:
         self.bank.start_request(request_id, problem_id, prompt, self._version)
 
     def propose(self, request_id: str, context: np.ndarray, max_tokens: int) -> np.ndarray:
-        return self.bank.propose(request_id, context, max_tokens).tokens
+        return self.bank.propose(request_id, context, max_tokens, self.min_prob).tokens
 
     def extend(self, request_id: str, tokens: np.ndarray) -> None:
         self.bank.extend(request_id, tokens)
@@ -103,10 +106,10 @@ class ArmStats:
     wall_s: float
 
 
-# The das frontier's grid: caps K (draft tokens per step, at most --max-draft) with no floor, and probability floors
-# (DrafterConfig.min_prob) at the full cap.
+# The das frontier's grid: caps K (draft tokens per step, at most --max-draft) with no floor, and per-request floors
+# on the calibrated cumulative acceptance probability (the budget's price of a draft token) at the full cap.
 FRONTIER_CAPS = (1, 2, 3, 4, 6, 8, 12, 16)
-FRONTIER_FLOORS = (0.05, 0.1, 0.2, 0.3, 0.5)
+FRONTIER_FLOORS = (0.05, 0.1, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5)
 
 
 @dataclass(frozen=True)
@@ -303,7 +306,7 @@ def run_drafter_bench(traces: Path, max_draft: int = 16, arms: Sequence[str] = (
                                              on_version=lambda _v: bar.advance(task)))
         for cap, floor in grid:
             bar.update(task, description=f"das frontier: K={cap}, floor {floor:g}")
-            stats = replay_arm(DasDrafter(DrafterConfig.for_drafts(max_draft, min_prob=floor)), records, cap,
+            stats = replay_arm(DasDrafter(DrafterConfig.for_drafts(max_draft), min_prob=floor), records, cap,
                                on_version=lambda _v: bar.advance(task))
             result.frontier.append(FrontierPoint(cap, floor, stats.draft_tokens_per_step, stats.tokens_per_step))
     result.arms = {name: _median_stats(r) for name, r in runs.items()}

@@ -20,7 +20,7 @@ class DrafterConfig:
 
     max_depth: int = 32          # suffix index depth D: longest match + draft that can be followed
     window: int = 4              # sealed policy versions kept per problem
-    min_prob: float = 0.0        # stop a draft when its cumulative probability falls below this
+    min_prob: float = 0.0        # stop walks (index estimate) and drafts (calibrated) whose cumulative prob falls below
     match_factor: float = 0.0    # draft at most match_factor * matched-context tokens (0: no cap)
     prior: float = 2.0           # pseudo-count added to a node's continuations: discounts thin evidence
     choice_pseudo_count: float = 5.0  # weight of a candidate's own score before feedback arrives

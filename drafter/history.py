@@ -98,7 +98,7 @@ class Proposal:
     """A draft for one request: token ids, cumulative acceptance probabilities, and where it came from."""
 
     tokens: np.ndarray      # int32
-    probs: np.ndarray       # float32, probs[i] = P(tokens[:i+1] all accepted) as estimated by the source
+    probs: np.ndarray       # float32, probs[i] = P(tokens[:i+1] all accepted), calibrated (source_choice.py)
     source: str             # "live", "prompt", "sealed-age-<a>", "global", or "" when nothing matched
     match_len: int
 
@@ -260,9 +260,10 @@ class HistoryBank:
     def draft_step(self, slots: np.ndarray, table: np.ndarray, end: np.ndarray, k: np.ndarray, min_prob: np.ndarray,
                    shadow_room: np.ndarray, vocab_size: int = 0, rows: np.ndarray | None = None) -> StepDrafts:
         """One step's drafts for a batch: request slots[r], whose prompt + output so far is table[rows[r], :end[r]]
-        (rows: None for row r), gets the chooser's pick of at most k[r] tokens, every source's walk stopping before
-        a token whose cumulative probability is under max(min_prob[r], config.min_prob) (above 1: nothing), cut
-        before its first token >= vocab_size (0: no cut); a request with k[r] == 0 and shadow_room[r] > 0 may start
+        (rows: None for row r), gets the chooser's pick of at most k[r] tokens (every source's walk stopping before
+        a token whose own cumulative probability is under config.min_prob), cut before its first token whose
+        calibrated cumulative probability is under max(min_prob[r], config.min_prob) (above 1: nothing) and before
+        its first token >= vocab_size (0: no cut); a request with k[r] == 0 and shadow_room[r] > 0 may start
         a shadow draft of at most that many tokens (`shadow`). Checked before anything changes (ValueError)."""
         cfg = self.config
         out = self._table.draft(np.ascontiguousarray(slots, np.int32), _token_table(table), _rows(rows, len(slots)),
@@ -329,7 +330,7 @@ class HistoryBank:
 
     def propose(self, request_id: str, context: np.ndarray, max_tokens: int, min_prob: float = 0.0) -> Proposal:
         """Best draft of at most max_tokens tokens for a request whose prompt + output so far is `context`
-        (`draft_step` for one row); every source's walk stops before a token whose cumulative probability is under
+        (`draft_step` for one row), cut before its first token whose calibrated cumulative probability is under
         max(min_prob, config.min_prob) (a per-request floor, e.g. the budget's token price; above 1 no token can
         pass, so nothing is proposed)."""
         if max_tokens <= 0 or min_prob > 1.0:

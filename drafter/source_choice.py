@@ -8,7 +8,11 @@ many sources propose the same first token. When the committed tokens come back, 
 scored against them, and a table learns the mean accepted tokens per cell. That table is also how acceptance by
 segment age is measured: an age that stops paying loses the choice on its own.
 
-The table and the per-step choice are native (drafter/native/calibrator.h): O(sources) beyond the drafts.
+A second table calibrates every draft token (P(accepted | the tokens before it were)); a draft stops before its
+first token whose calibrated cumulative probability is under the request's floor, and the candidate with the most
+expected accepted tokens net of that floor is proposed (drafter/native/calibrator.h explains the cells).
+
+The tables and the per-step choice are native (drafter/native/calibrator.h): O(sources^2 * K) beyond the drafts.
 """
 
 from __future__ import annotations

@@ -192,18 +192,28 @@ NB_MODULE(_suffix_index, m) {
         "One draft per index for the same context (an empty draft where an index has no continuing match).");
 
     nb::class_<Choice>(m, "Choice", "All sources' drafts for one step and the one the calibrator picked.")
-        .def_ro("best", &Choice::best, "Index of the chosen draft, -1 when no source had one.")
+        .def_ro("best", &Choice::best, "Index of the chosen draft, -1 when no source had a token worth its price.")
         .def_prop_ro(
             "tokens",
-            [](const Choice& c) { return to_numpy(c.best < 0 ? std::vector<int32_t>{} : c.drafts[c.best].tokens); },
-            nb::rv_policy::move, "The chosen draft's tokens (empty int32 array when none).")
+            [](const Choice& c) {
+                if (c.best < 0) return to_numpy(std::vector<int32_t>{});
+                const std::vector<int32_t>& t = c.drafts[c.best].tokens;
+                return to_numpy(std::vector<int32_t>(t.begin(), t.begin() + c.best_len));
+            },
+            nb::rv_policy::move, "The chosen draft's tokens above the floor (empty int32 array when none).")
         .def_prop_ro(
             "probs",
-            [](const Choice& c) { return to_numpy(c.best < 0 ? std::vector<float>{} : c.drafts[c.best].probs); },
-            nb::rv_policy::move, "The chosen draft's cumulative acceptance probabilities.")
+            [](const Choice& c) {
+                if (c.best < 0) return to_numpy(std::vector<float>{});
+                const std::vector<float>& p = c.drafts[c.best].probs;
+                return to_numpy(std::vector<float>(p.begin(), p.begin() + c.best_len));
+            },
+            nb::rv_policy::move, "The chosen draft's calibrated cumulative acceptance probabilities.")
         .def_prop_ro("match_len", [](const Choice& c) { return c.best < 0 ? 0 : c.drafts[c.best].match_len; })
         .def_prop_ro("drafts", [](const Choice& c) { return c.drafts; }, "Every source's draft.")
-        .def_ro("cells", &Choice::cells, "Calibration cell per draft (-1 for an empty draft).");
+        .def_ro("cells", &Choice::cells, "Calibration cell per draft (-1 for an empty draft).")
+        .def_ro("token_cells", &Choice::token_cells, "Per draft, the token calibration cell of each token.")
+        .def_ro("best_len", &Choice::best_len, "Tokens of the chosen draft above the floor.");
 
     nb::class_<Calibrator>(m, "Calibrator",
                            "Learns mean accepted tokens per candidate-draft cell from committed tokens and picks the "
@@ -216,8 +226,9 @@ NB_MODULE(_suffix_index, m) {
         .def(
             "choose",
             [](const Calibrator& self, const std::vector<const SuffixIndex*>& indices, const std::vector<int>& kinds,
-               nb::handle context, int max_tokens, double min_prob, double match_factor, double prior) {
+               nb::handle context, int max_tokens, double min_prob, double match_factor, double prior, double floor) {
                 check_speculate_args("choose", max_tokens, min_prob, match_factor, prior);
+                if (!(floor >= 0.0)) throw nb::value_error("choose: floor must be >= 0");
                 for (const SuffixIndex* ix : indices) {
                     if (ix == nullptr) throw nb::type_error("choose: indices must not contain None");
                 }
@@ -225,12 +236,14 @@ NB_MODULE(_suffix_index, m) {
                     if (k < 0 || k >= self.num_kinds()) throw nb::value_error("choose: kind out of range");
                 }
                 return with_tokens(context, "choose", [&](const int32_t* p, size_t n) {
-                    return self.choose(indices, kinds, p, n, max_tokens, min_prob, match_factor, prior);
+                    return self.choose(indices, kinds, p, n, max_tokens, min_prob, match_factor, prior, floor);
                 });
             },
             nb::arg("indices"), nb::arg("kinds"), nb::arg("context"), nb::arg("max_tokens"),
-            nb::arg("min_prob") = 0.0, nb::arg("match_factor") = 0.0, nb::arg("prior") = 0.0,
-            "Draft from every index and pick the candidate with the most expected accepted tokens.")
+            nb::arg("min_prob") = 0.0, nb::arg("match_factor") = 0.0, nb::arg("prior") = 0.0, nb::arg("floor") = 0.0,
+            "Draft from every index (walks stop under min_prob), calibrate every candidate's tokens, and pick the "
+            "one with the most expected accepted tokens net of `floor` per token, cut before its first token whose "
+            "calibrated cumulative probability is under `floor`.")
         .def(
             "observe",
             [](Calibrator& self, const Choice& choice, nb::handle committed) {
@@ -244,7 +257,13 @@ NB_MODULE(_suffix_index, m) {
             },
             nb::arg("choice"), nb::arg("committed"), "Score every candidate of `choice` against the committed tokens.")
         .def_prop_ro("sums", [](const Calibrator& c) { return to_numpy(c.sums()); }, nb::rv_policy::move)
-        .def_prop_ro("counts", [](const Calibrator& c) { return to_numpy(c.counts()); }, nb::rv_policy::move);
+        .def_prop_ro("counts", [](const Calibrator& c) { return to_numpy(c.counts()); }, nb::rv_policy::move)
+        .def("token_cell", &Calibrator::token_cell, nb::arg("kind"), nb::arg("match_len"), nb::arg("pos"),
+             nb::arg("cond"), nb::arg("agree"))
+        .def("token_prob", &Calibrator::token_prob, nb::arg("cell"), nb::arg("cond"))
+        .def_prop_ro("token_sums", [](const Calibrator& c) { return to_numpy(c.token_sums()); }, nb::rv_policy::move)
+        .def_prop_ro("token_counts", [](const Calibrator& c) { return to_numpy(c.token_counts()); },
+                     nb::rv_policy::move);
     nb::class_<PySourceList>(m, "SourceList", "The indexes a request of one problem drafts from, with their kinds.")
         .def(
             "__init__",

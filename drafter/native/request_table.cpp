@@ -142,13 +142,16 @@ Drafts RequestTable::draft(const int32_t* slots, size_t n, const TokenTable& tab
         if (!drafts && !shadows) continue;
         int64_t lo = std::max<int64_t>(0, end[r] - settings.context);
         const int32_t* context = table.data + static_cast<size_t>(rows[r]) * table.stride + lo;
+        // The walks stop on the index's own estimate under settings.min_prob; the row's floor (the budget's price)
+        // applies to the calibrated estimate.
         double floor = drafts ? std::max(settings.min_prob, min_prob[r]) : settings.min_prob;
         Choice choice = chooser_->choose(req.sources->indices, req.sources->kinds, context,
-                                         static_cast<size_t>(end[r] - lo), drafts ? k[r] : shadow_room[r], floor,
-                                         settings.match_factor, settings.prior);
+                                         static_cast<size_t>(end[r] - lo), drafts ? k[r] : shadow_room[r],
+                                         settings.min_prob, settings.match_factor, settings.prior, floor);
         if (!drafts) {  // a shadow draft: the chooser does not learn from it
             if (choice.best >= 0) {
-                req.shadow = choice.drafts[choice.best].tokens;
+                const std::vector<int32_t>& walk = choice.drafts[choice.best].tokens;
+                req.shadow.assign(walk.begin(), walk.begin() + choice.best_len);
                 req.shadow_matched = 0;
                 out.shadowed[r] = 1;
             }
@@ -156,9 +159,9 @@ Drafts RequestTable::draft(const int32_t* slots, size_t n, const TokenTable& tab
         }
         if (choice.best >= 0) {
             const Draft& best = choice.drafts[choice.best];
-            size_t len = best.tokens.size();
+            size_t len = static_cast<size_t>(choice.best_len);
             if (settings.vocab_size > 0) {
-                len = std::find_if(best.tokens.begin(), best.tokens.end(),
+                len = std::find_if(best.tokens.begin(), best.tokens.begin() + len,
                                    [&](int32_t t) { return t >= settings.vocab_size; }) - best.tokens.begin();
             }
             req.proposal.assign(best.tokens.begin(), best.tokens.begin() + len);

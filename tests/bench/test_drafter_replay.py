@@ -90,8 +90,8 @@ def test_the_frontier_compares_das_with_a_peer_at_the_peers_draft_tokens_per_ste
     write_rollouts(path, synthetic_traces(problems=2, samples=2))
     result = run_drafter_bench(path, max_draft=4, arms=["das", "arctic-d24"], progress=False, frontier=True)
     assert [(p.max_draft, p.min_prob) for p in result.frontier] == frontier_grid(4)
-    assert frontier_grid(4) == [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0), (4, 0.05), (4, 0.1), (4, 0.2), (4, 0.3),
-                                (4, 0.5)]
+    assert frontier_grid(4) == [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0), (4, 0.05), (4, 0.1), (4, 0.15), (4, 0.2),
+                                (4, 0.25), (4, 0.3), (4, 0.4), (4, 0.5)]
     envelope = upper_envelope(result.frontier)
     xs = [p.draft_tokens_per_step for p in envelope]
     ys = [p.tokens_per_step for p in envelope]

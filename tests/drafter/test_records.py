@@ -290,3 +290,14 @@ def test_bundled_traces_hold_what_their_readme_says(name: str, problems: int, sa
     assert len(records) == problems * samples * 3 and len({pid for _, pid in groups}) == problems
     assert {v for v, _ in groups} == {0, 1, 2} and all(sorted(s) == list(range(samples)) for s in groups.values())
     assert all(r.finish_reason in ("stop", "length") and 0 < len(r.output_token_ids) <= 1024 for r in records)
+
+
+def test_the_held_out_traces_hold_what_their_readme_says() -> None:
+    """Two epochs of 4 samples of each of the 10 prompts of heldout-code-prompts.jsonl, unscored, within 320 tokens."""
+    fixtures = Path(__file__).parents[1] / "fixtures"
+    records = load_rollouts(fixtures / "traces-heldout-qwen2.5-coder-code.jsonl.gz")
+    lines = (fixtures / "heldout-code-prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line)["problem_id"] for line in lines if line]
+    assert len(records) == 80 and sorted({r.problem_id for r in records}) == sorted(prompts) and len(prompts) == 10
+    assert sorted({(r.policy_version, r.sample_index) for r in records}) == [(v, i) for v in (0, 1) for i in range(4)]
+    assert all(r.reward is None and 0 < len(r.output_token_ids) <= 320 for r in records)
