@@ -123,9 +123,8 @@ def read_prompt_file(path: Path) -> list[Problem]:
         if group.problem_id in seen:
             raise PromptSetError(f"{where}: problem_id {group.problem_id!r} appears twice")
         seen.add(group.problem_id)
-        problems.append(Problem(group.problem_id,
-                                tuple(m.model_dump() for m in group.messages) if group.messages else None,
-                                group.prompt, group.prompt_token_ids))
+        messages = tuple(m.model_dump(exclude_none=True) for m in group.messages) if group.messages else None
+        problems.append(Problem(group.problem_id, messages, group.prompt, group.prompt_token_ids))
     if not problems:
         raise PromptSetError(f"{path}: no problems")
     return problems
