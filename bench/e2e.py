@@ -636,13 +636,14 @@ def oracle_ratios(none: float | None, das: float | None, oracle: float | None,
 def bound_figures(lengths: Sequence[int], k: int, profile: StepProfile | None,
                   fit: dict[str, Any] | None) -> dict[str, Any]:
     """One epoch's bound (bench/oracle_bound.py) for one engine running samples of `lengths` tokens at K = `k`,
-    priced by the oracle arm's step profile of the epoch where it has one, else by `fit` (a live cost fit); no
-    price: bound_s None."""
+    priced by `fit` (the oracle engine's live cost fit: its warm-up steps at batch sizes 16 to 1 separate the base
+    from the per-token price) where there is one, else by the oracle arm's step profile of the epoch (a fit to its
+    own steps, which cannot separate them where every step has the same batch); no price: bound_s None."""
     from das.bench.oracle_bound import StepPrice, engine_bound
 
-    price = StepPrice.from_profile(profile) if profile is not None else None
-    if price is None and fit:
-        price = StepPrice.from_fit(fit)
+    price = StepPrice.from_fit(fit) if fit else None
+    if price is None and profile is not None:
+        price = StepPrice.from_profile(profile)
     if price is None:
         return {"bound_s": None, "steps": None, "price": None}
     bound = engine_bound(lengths, k, price)

@@ -47,11 +47,12 @@ class StepPrice:
     @classmethod
     def from_profile(cls, profile: StepProfile) -> StepPrice | None:
         """From an epoch's step profile (its whole-step cost fit, milliseconds); None where the epoch could not
-        show the base and per-token terms."""
+        show the base and per-token terms. A drafted-step surcharge fitted below 0 (noise where nearly every step
+        drafted) is taken as 0."""
         if profile.cost_base_ms is None or profile.cost_ms_per_token is None:
             return None
         return cls(profile.cost_base_ms / 1e3, profile.cost_ms_per_token / 1e3, "step profile",
-                   (profile.cost_spec_ms or 0.0) / 1e3)
+                   max(profile.cost_spec_ms or 0.0, 0.0) / 1e3)
 
     def step_s(self, requests: np.ndarray, tokens: np.ndarray, drafted: np.ndarray) -> np.ndarray:
         """The price of steps with `requests` running, `tokens` scheduled, `drafted` (bool) verifying drafts."""

@@ -43,6 +43,9 @@ def test_prices_come_from_a_cost_fit_or_a_step_profile() -> None:
     assert (measured.base_s, measured.per_token_s, measured.spec_s) == pytest.approx((0.03, 0.002, 0.0))
     unfitted = StepProfile(10, 4.0, 8.0, 4.0, 1, 1, 1, 1, 1, 40.0, 5, None, None, None, None)
     assert StepPrice.from_profile(unfitted) is None
+    noisy = StepProfile(10, 4.0, 8.0, 4.0, 1, 1, 1, 1, 1, 40.0, 5, None, None, None, None,
+                        cost_base_ms=2.4, cost_ms_per_token=1.5, cost_spec_ms=-2.7)  # as a greedy oracle epoch gave
+    assert StepPrice.from_profile(noisy).spec_s == 0.0
 
 
 def test_bad_input_is_refused() -> None:
