@@ -145,9 +145,11 @@ async def check_code(task_name: str, reply: str, timeout_s: float = 10.0, max_fe
             proc.kill()
             await proc.wait()
             return CodeCheck(False, f"the tests did not finish within {timeout_s:g} s (an endless loop?)")
-    if proc.returncode == 0:
-        return CodeCheck(True, "")
-    text = output.decode(errors="replace").strip() or f"exit status {proc.returncode}"
+        if proc.returncode == 0:
+            return CodeCheck(True, "")
+        # the traceback names the script by its temporary path: the same reply must get the same feedback (a
+        # trajectory's next turn is its context plus this text, compared across speculation arms)
+        text = output.decode(errors="replace").replace(workdir, "<tests>").strip() or f"exit status {proc.returncode}"
     # the end of a traceback names the failing line and the error: keep that end
     return CodeCheck(False, text[-max_feedback_chars:])
 

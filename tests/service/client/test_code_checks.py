@@ -41,6 +41,15 @@ def test_a_wrong_reply_fails_with_the_failing_assertion():
     assert "AssertionError" in check.feedback and 'roman_to_int("III") == 3' in check.feedback
 
 
+def test_the_same_reply_gets_the_same_feedback():
+    """The traceback's script path is a fresh temporary directory each run; the feedback must not carry it, or
+    the same trajectory diverges between runs (das bench agent compares arms turn by turn)."""
+    reply = "def roman_to_int(numeral):\n    raise ValueError(numeral)\n"
+    first, second = (asyncio.run(check_code("roman_to_int", reply)) for _ in range(2))
+    assert first.feedback == second.feedback and "ValueError" in first.feedback
+    assert "das-check-" not in first.feedback and '"<tests>/check.py"' in first.feedback
+
+
 def test_an_endless_loop_is_killed_at_the_timeout():
     check = asyncio.run(check_code("roman_to_int", "while True:\n    pass\n", timeout_s=1.0))
     assert not check.passed and "did not finish within 1 s" in check.feedback
