@@ -146,9 +146,12 @@ def test_das_serve_two_epochs_and_openai_requests_then_a_restart_drafts_from_the
     finally:
         out = server.stop()
     # the snapshots at the signal and at shutdown: two generations per shard, nothing quarantined; the journal of
-    # the batches the client named; and the lock file that keeps a second das serve off this directory
+    # the batches the client named; the lock file that keeps a second das serve off this directory; and the session
+    # journal (rewritten at start with the open sessions: none here)
     assert sorted(p.name for p in state.iterdir()) == ["batch-journal.jsonl"] + [
-        f"history-shard-{i}.msgpack{g}" for i in range(2) for g in ("", ".prev")] + ["serve.lock"], out
+        f"history-shard-{i}.msgpack{g}" for i in range(2) for g in ("", ".prev")] + [
+        "serve.lock", "session-journal.jsonl"], out
+    assert (state / "session-journal.jsonl").stat().st_size == 0
     # the log a user reads: none of the vLLM warnings known to say nothing (known_warnings.py), no deprecated
     # prompt form, no leak report at exit (from the CUDA triton that setup.sh removes)
     assert not [k.text for k in KNOWN_WARNINGS if k.text in out], out
