@@ -25,11 +25,9 @@ shutdown reads back as `interrupted`, with the samples it produced unknown in th
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +35,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from das.service.http.checksummed_lines import decode_line, encode_line, replace_file
 from das.service.wire.api import BatchFromPreviousRun, EndStatus
 
 log = logging.getLogger(__name__)
@@ -104,20 +103,9 @@ class _Damaged(ValueError):
         self.reason = reason
 
 
-def _line(record: dict[str, Any]) -> bytes:
-    # ensure_ascii: ids are ASCII anyway (service/wire/api.py)
-    body = json.dumps(record, separators=(",", ":")).encode()
-    return b"%08x %s\n" % (zlib.crc32(body), body)
-
-
 def _parse(line: bytes) -> dict[str, Any]:
     """A record line (without its newline) checked; ValueError if its checksum, JSON or shape is wrong."""
-    crc, _, body = line.partition(b" ")
-    if len(crc) != 8 or int(crc, 16) != zlib.crc32(body):
-        raise ValueError("checksum")
-    record = json.loads(body)
-    if not isinstance(record, dict):
-        raise ValueError("not an object")
+    record = decode_line(line)
     op = record.get("op")
     if op == "header":
         return record
@@ -184,7 +172,7 @@ class BatchJournal:
     # ---- the file ----
 
     def _append(self, record: dict[str, Any]) -> None:
-        line = _line(record)
+        line = encode_line(record)
         try:
             if self._fd is None:
                 raise OSError("the journal file is not open (its last compaction failed)")
@@ -255,17 +243,17 @@ class BatchJournal:
                     float(record["t"])
 
     def _entry_lines(self, entry: JournalEntry) -> bytes:
-        out = _line({"op": "accepted", "id": entry.batch_id, "digest": entry.digest,
+        out = encode_line({"op": "accepted", "id": entry.batch_id, "digest": entry.digest,
                      "expected": entry.samples_expected, "t": entry.accepted_unix_s})
         if entry.status != "accepted":
-            out += _line({"op": "ended", "id": entry.batch_id, "status": entry.status, "samples": entry.samples,
+            out += encode_line({"op": "ended", "id": entry.batch_id, "status": entry.status, "samples": entry.samples,
                           "t": entry.ended_unix_s})
         return out
 
     def _compact(self) -> None:
         """Rewrites the file as the entries it should keep: the newest that fit in half of `max_bytes`, and those of
         batches without an end. On failure the old file (and appends to it) stay."""
-        header = _line({"op": "header", "format": _FORMAT, "version": _VERSION})
+        header = encode_line({"op": "header", "format": _FORMAT, "version": _VERSION})
         budget = self.config.max_bytes // 2 - len(header)
         kept: list[bytes] = []
         forgotten: list[str] = []
@@ -281,25 +269,12 @@ class BatchJournal:
         for batch_id in forgotten:
             del self._entries[batch_id]
         body = header + b"".join(reversed(kept))
-        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(body)
-                f.flush()
-                if self.config.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            if self.config.fsync:
-                fd = os.open(self.path.parent, os.O_RDONLY)  # the rename is durable once the directory is
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            replace_file(self.path, body, self.config.fsync)
             self.close()
             self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
         except OSError as exc:
             self._failures += 1
-            tmp.unlink(missing_ok=True)
             log.error("batch journal %s: compaction failed: %s", self.path, exc)
             return
         self._size = len(body)

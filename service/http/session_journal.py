@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
-import zlib
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from das.service.cluster.sessions import Session
+from das.service.http.checksummed_lines import decode_line, encode_line, replace_file
 from das.service.wire.sessions import TurnSummary
 
 log = logging.getLogger(__name__)
@@ -54,18 +53,10 @@ class SessionJournalConfig(BaseModel):
     fsync: bool = Field(True, description="fsync every write (off: tests only)")
 
 
-def _line(record: dict[str, Any]) -> bytes:
-    body = json.dumps(record, separators=(",", ":")).encode()
-    return b"%08x %s\n" % (zlib.crc32(body), body)
-
-
 def _parse(line: bytes) -> dict[str, Any]:
     """A record line (without its newline) checked; ValueError if its checksum, JSON or shape is wrong."""
-    crc, _, body = line.partition(b" ")
-    if len(crc) != 8 or int(crc, 16) != zlib.crc32(body):
-        raise ValueError("checksum")
-    record = json.loads(body)
-    if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+    record = decode_line(line)
+    if not isinstance(record.get("id"), str):
         raise ValueError("not a session record")
     if record.get("op") == "turn":
         if not isinstance(record.get("problem"), str) or not isinstance(record.get("opened"), (int, float)):
@@ -154,19 +145,19 @@ class SessionJournal:
 
     def closed(self, session: Session) -> None:
         """The session ended: queued for the writer."""
-        self._queue(_line({"op": "close", "id": session.session_id}))
+        self._queue(encode_line({"op": "close", "id": session.session_id}))
 
     def _turn_line(self, session: Session, turn: TurnSummary) -> bytes:
         wall = time.time() - time.monotonic()  # the book's clock is monotonic; the file's is the wall clock
         last = session.last_active_s + wall if session.ended_s is None else session.ended_s + wall
-        return _line({"op": "turn", "id": session.session_id, "problem": session.problem_id,
+        return encode_line({"op": "turn", "id": session.session_id, "problem": session.problem_id,
                       "opened": session.opened_s + wall, "turn": turn.model_dump(mode="json"),
                       "engine": session.engine, "moves": session.moves, "context": session.context_tokens,
                       "output": session.output_tokens, "last": last})
 
     def _session_lines(self, session: Session) -> bytes:
         """A restored session (times already wall-clock) as turn records."""
-        return b"".join(_line({"op": "turn", "id": session.session_id, "problem": session.problem_id,
+        return b"".join(encode_line({"op": "turn", "id": session.session_id, "problem": session.problem_id,
                                "opened": session.opened_s, "turn": turn.model_dump(mode="json"),
                                "engine": session.engine, "moves": session.moves, "context": session.context_tokens,
                                "output": session.output_tokens, "last": session.last_active_s})
@@ -226,17 +217,10 @@ class SessionJournal:
 
     def _rewrite(self, body: bytes) -> None:
         """Replaces the file by `body` (temporary file, fsync, rename), so appends never follow a torn line."""
-        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
         try:
-            with open(tmp, "wb") as f:
-                f.write(body)
-                f.flush()
-                if self.config.fsync:
-                    os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            replace_file(self.path, body, self.config.fsync)
         except OSError as exc:
             self.write_failures += 1
-            tmp.unlink(missing_ok=True)
             log.error("session journal %s: rewrite failed: %s", self.path, exc)
             return
         self._size = len(body)
