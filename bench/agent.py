@@ -133,34 +133,40 @@ async def run_trajectory(model: AgentModel, renderer: ChatRenderer, check: Check
 @dataclass(frozen=True)
 class ServerCounters:
     """Cumulative /metrics counters (summed over engines): prompt tokens, of them prefix-cache hits, and draft
-    tokens proposed / accepted per source."""
+    tokens proposed / accepted per source (our drafter's); the engines' steps, their seconds, and the draft tokens
+    they verified / accepted (vLLM's counts, for any speculative method)."""
 
     prompt_tokens: float = 0.0
     cached_tokens: float = 0.0
     proposed: dict[str, float] = field(default_factory=dict)
     accepted: dict[str, float] = field(default_factory=dict)
+    steps: float = 0.0
+    busy_s: float = 0.0
+    verified: float = 0.0
+    verified_accepted: float = 0.0
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", re.MULTILINE)
 _SOURCE = re.compile(r'source="([^"]+)"')
+_ENGINE_TOTALS = {f"das_engine_{metric}_total": name for metric, name in (
+    ("prompt_tokens", "prompt_tokens"), ("prompt_tokens_cached", "cached_tokens"), ("steps", "steps"),
+    ("busy_seconds", "busy_s"), ("draft_tokens", "verified"), ("draft_tokens_accepted", "verified_accepted"))}
 
 
 def parse_counters(text: str) -> ServerCounters:
     """The counters of a /metrics text (Prometheus exposition)."""
-    prompt = cached = 0.0
+    engine = dict.fromkeys(_ENGINE_TOTALS.values(), 0.0)
     proposed: dict[str, float] = {}
     accepted: dict[str, float] = {}
     for name, labels, value in _SAMPLE.findall(text):
-        if name in ("das_engine_prompt_tokens", "das_engine_prompt_tokens_total"):
-            prompt += float(value)
-        elif name in ("das_engine_prompt_tokens_cached", "das_engine_prompt_tokens_cached_total"):
-            cached += float(value)
+        if name in _ENGINE_TOTALS:
+            engine[_ENGINE_TOTALS[name]] += float(value)
         elif name in ("das_source_draft_tokens_proposed_total", "das_source_draft_tokens_accepted_total"):
             match = _SOURCE.search(labels or "")
             source = match.group(1) if match else "all"
             into = proposed if "proposed" in name else accepted
             into[source] = into.get(source, 0.0) + float(value)
-    return ServerCounters(prompt, cached, proposed, accepted)
+    return ServerCounters(proposed=proposed, accepted=accepted, **engine)
 
 
 @dataclass(frozen=True)
@@ -177,10 +183,24 @@ class AgentEpoch:
     prefix_hit_rate: float
     proposed: dict[str, float]
     accepted: dict[str, float]
+    steps: float = 0.0
+    busy_s: float = 0.0
+    verified: float = 0.0
+    verified_accepted: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    @property
+    def step_ms(self) -> float:
+        """Mean engine step, milliseconds."""
+        return 1e3 * self.busy_s / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Output tokens per engine step (all running requests together)."""
+        return self.output_tokens / self.steps if self.steps else 0.0
 
 
 def epoch_figures(epoch: int, trajectories: Sequence[Trajectory], makespan_s: float, before: ServerCounters,
@@ -194,13 +214,36 @@ def epoch_figures(epoch: int, trajectories: Sequence[Trajectory], makespan_s: fl
         solved=sum(1 for t in trajectories if t.reward > 0),
         prefix_hit_rate=(after.cached_tokens - before.cached_tokens) / prompt if prompt > 0 else 0.0,
         proposed={s: after.proposed.get(s, 0.0) - before.proposed.get(s, 0.0) for s in sources},
-        accepted={s: after.accepted.get(s, 0.0) - before.accepted.get(s, 0.0) for s in sources})
+        accepted={s: after.accepted.get(s, 0.0) - before.accepted.get(s, 0.0) for s in sources},
+        steps=after.steps - before.steps, busy_s=after.busy_s - before.busy_s,
+        verified=after.verified - before.verified,
+        verified_accepted=after.verified_accepted - before.verified_accepted)
+
+
+async def settled_counters(counters: Callable[[], Awaitable[ServerCounters]], before: ServerCounters,
+                           quiet_s: float = 3.0, limit_s: float = 20.0) -> ServerCounters:
+    """The counters once they hold the epoch's work: /metrics refreshes engine figures every couple of seconds
+    (the coordinator's stats interval, 2 s by default), so wait until they moved past `before` and then stayed
+    unchanged for `quiet_s` (the engines are idle between epochs), at most `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    after = await counters()
+    stable_since = time.monotonic()
+    while time.monotonic() < deadline:
+        if after.steps > before.steps and time.monotonic() - stable_since >= quiet_s:
+            break
+        await asyncio.sleep(0.5)
+        latest = await counters()
+        if latest != after:
+            after, stable_since = latest, time.monotonic()
+    return after
 
 
 async def run_epochs(model: AgentModel, renderer: ChatRenderer, check: Checker,
                      counters: Callable[[], Awaitable[ServerCounters]], config: AgentBenchConfig,
-                     progress: Callable[[str], None]) -> tuple[list[AgentEpoch], list[list[Trajectory]]]:
-    """Every epoch: all tasks' trajectories at once; figures per epoch, and the trajectories themselves."""
+                     progress: Callable[[str], None], quiet_s: float = 3.0,
+                     ) -> tuple[list[AgentEpoch], list[list[Trajectory]]]:
+    """Every epoch: all tasks' trajectories at once; figures per epoch, and the trajectories themselves. The
+    counters are read once they held still for `quiet_s` after the epoch (`settled_counters`)."""
     epochs: list[AgentEpoch] = []
     runs: list[list[Trajectory]] = []
     for epoch in range(config.epochs):
@@ -213,12 +256,7 @@ async def run_epochs(model: AgentModel, renderer: ChatRenderer, check: Checker,
             done.append(await finished)
             progress(f"epoch {epoch + 1}/{config.epochs}: {len(done)}/{config.tasks} trajectories done")
         makespan = time.monotonic() - started
-        # /metrics refreshes engine figures every few seconds: wait until the epoch's prompts are counted
-        after = await counters()
-        deadline = time.monotonic() + 10.0
-        while after.prompt_tokens <= before.prompt_tokens and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)
-            after = await counters()
+        after = await settled_counters(counters, before, quiet_s)
         order = {name: i for i, (name, _) in enumerate(CODE_TASKS)}
         done.sort(key=lambda t: order[t.task])
         epochs.append(epoch_figures(epoch + 1, done, makespan, before, after))
@@ -293,7 +331,8 @@ class AgentBenchResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "trajectories_identical": self.trajectories_identical,
-                "arms": {arm: [asdict(e) | {"tokens_per_s": e.tokens_per_s} for e in epochs]
+                "arms": {arm: [asdict(e) | {"tokens_per_s": e.tokens_per_s, "step_ms": e.step_ms,
+                                            "tokens_per_step": e.tokens_per_step} for e in epochs]
                          for arm, epochs in self.epochs.items()},
                 "ratios": {arm: self.ratios(arm) for arm in self.epochs}}
 
@@ -310,7 +349,8 @@ class AgentBenchResult:
                             f"a turn, T={c.temperature}, {c.model}; ratios to {c.arms[0]}; trajectories identical "
                             f"across arms: {self.trajectories_identical}")
         for column in ("arm", "epoch", "makespan s", "tokens/s", "makespan ratio", "tokens/s ratio",
-                       "prefix hits", "turns", "solved", "accepted / proposed by source"):
+                       "prefix hits", "turns", "solved", "steps", "ms/step", "tokens/step",
+                       "verified: accepted/drafts", "ours by source: accepted/proposed"):
             table.add_column(column, justify="right")
         for arm, epochs in self.epochs.items():
             for e, r in zip(epochs, self.ratios(arm)):
@@ -318,7 +358,8 @@ class AgentBenchResult:
                                     for s in sorted(e.proposed)) or "-"
                 table.add_row(arm, str(e.epoch), f"{e.makespan_s:.1f}", f"{e.tokens_per_s:.1f}",
                               f"{r['makespan']:.3f}", f"{r['tokens_per_s']:.3f}", f"{e.prefix_hit_rate:.1%}",
-                              str(e.turns), f"{e.solved}/{e.trajectories}", sources)
+                              str(e.turns), f"{e.solved}/{e.trajectories}", f"{e.steps:.0f}", f"{e.step_ms:.1f}",
+                              f"{e.tokens_per_step:.2f}", f"{e.verified_accepted:.0f}/{e.verified:.0f}", sources)
         console.print(table)
 
 

@@ -50,7 +50,9 @@ class EngineLoad:
     """One engine's queues and proposer cost at its latest report. Speculate times in seconds (None: the engine
     does not run our proposer). `drafts_by_source`: source kind -> (draft tokens proposed, accepted) since the
     engine started. `prompt_tokens`, `cached_prompt_tokens`: prompt tokens of the requests it scheduled since it
-    started, and of those the ones its prefix cache held (EngineTally)."""
+    started, and of those the ones its prefix cache held; `steps`, `busy_s`, `draft_tokens`, `accepted_tokens`: its
+    steps, their seconds, and the draft tokens vLLM verified and accepted, whatever the speculative method
+    (EngineTally)."""
 
     engine: str
     running: int
@@ -61,6 +63,10 @@ class EngineLoad:
     step_cost: dict[str, Any] = field(default_factory=dict)  # the live cost fit (budget_hook.PolicyBudget.stats)
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @classmethod
     def of(cls, engine: str, tally: EngineTally, drafter: dict[str, Any] | None = None) -> EngineLoad:
@@ -71,7 +77,9 @@ class EngineLoad:
         by_source = {kind: (c["proposed"], c["accepted"]) for kind, c in drafter.get("by_source", {}).items()}
         return cls(engine, tally.running, tally.waiting, p50 / 1e6 if p50 is not None else None,
                    p99 / 1e6 if p99 is not None else None, by_source, drafter.get("cost", {}),
-                   prompt_tokens=tally.prompt_tokens, cached_prompt_tokens=tally.cached_prompt_tokens)
+                   prompt_tokens=tally.prompt_tokens, cached_prompt_tokens=tally.cached_prompt_tokens,
+                   steps=tally.steps, busy_s=tally.busy_s, draft_tokens=tally.draft_tokens,
+                   accepted_tokens=tally.accepted_tokens)
 
 
 @dataclass(frozen=True)

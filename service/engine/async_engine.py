@@ -41,7 +41,8 @@ from pydantic import ValidationError
 from das.scheduler.length import LengthCurve
 from das.service.engine import known_warnings
 from das.service.engine.config import EngineConfig, budget_settings
-from das.service.engine.contract import EngineInputError, EngineTally, context_error, validate_rollouts
+from das.service.engine.contract import (IDLE_GAP_S, EngineInputError, EngineTally, context_error,
+                                         validate_rollouts)
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.cpu_allocator import cpu_allocator_env, model_vocab_size, resolve_allocator
 from das.service.engine.cpu_layout import cpu_worker_layout, usable_cpus, worker_in_process
@@ -135,6 +136,11 @@ def _tally_logger_factory(tally: EngineTally) -> Any:
                    engine_idx: int = 0) -> None:
             if scheduler_stats is None:
                 return
+            now = time.monotonic()
+            if tally.last_report_s is not None and now - tally.last_report_s <= IDLE_GAP_S:
+                tally.busy_s += now - tally.last_report_s
+            tally.last_report_s = now
+            tally.steps += 1
             tally.running = scheduler_stats.num_running_reqs
             tally.waiting = scheduler_stats.num_waiting_reqs
             spec = getattr(scheduler_stats, "spec_decoding_stats", None)

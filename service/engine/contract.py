@@ -22,7 +22,9 @@ class EngineTally:
     decoding (any method, so peer arms are counted the same way as ours): drafts, verification steps with a draft;
     draft_tokens and accepted_tokens. Prefix caching: prompt_tokens, the prompt tokens of the requests it scheduled,
     of which cached_prompt_tokens were found in the prefix cache (not computed). `running` and `waiting`: the
-    scheduler's request queues at its latest step (gauges, not sums)."""
+    scheduler's request queues at its latest step (gauges, not sums). `steps`: the engine's steps (one scheduler
+    report each); `busy_s`: the seconds between consecutive reports, gaps over `IDLE_GAP_S` (the engine waiting
+    for work) left out, so busy_s / steps is the mean step time as the engine's client sees it."""
 
     drafts: int = 0
     draft_tokens: int = 0
@@ -31,6 +33,12 @@ class EngineTally:
     cached_prompt_tokens: int = 0
     running: int = 0
     waiting: int = 0
+    steps: int = 0
+    busy_s: float = 0.0
+    last_report_s: float | None = None  # time.monotonic() of the latest report
+
+
+IDLE_GAP_S = 1.0  # a gap between two step reports longer than this is the engine idle, not a step
 
 
 def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:

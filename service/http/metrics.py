@@ -239,6 +239,14 @@ class GatewayMetrics:
         cached = CounterMetricFamily("das_engine_prompt_tokens_cached", "Prompt tokens found in the engine's prefix "
                                      "cache instead of computed (a group's samples share their prompt's full KV "
                                      "blocks).", labels=["engine"])
+        steps = CounterMetricFamily("das_engine_steps", "Engine steps (one forward pass over the running requests).",
+                                    labels=["engine"])
+        busy = CounterMetricFamily("das_engine_busy_seconds", "Seconds of the engine's steps (pauses over a second "
+                                   "waiting for work left out): busy / steps is the mean step time.", labels=["engine"])
+        verified = CounterMetricFamily("das_engine_draft_tokens", "Draft tokens the engine verified, whatever the "
+                                       "speculative method (vLLM's own count).", labels=["engine"])
+        verified_ok = CounterMetricFamily("das_engine_draft_tokens_accepted", "Draft tokens the engine accepted.",
+                                          labels=["engine"])
         rejected = CounterMetricFamily("das_engine_step_fit_rejected", "Measured steps (what=step) and fits "
                                        "(what=fit) the online cost model rejected.", labels=["engine", "what"])
         for load in stats.engines:
@@ -254,11 +262,16 @@ class GatewayMetrics:
             running.add_metric([load.engine], load.running)
             prompt.add_metric([load.engine], load.prompt_tokens)
             cached.add_metric([load.engine], load.cached_prompt_tokens)
+            steps.add_metric([load.engine], load.steps)
+            busy.add_metric([load.engine], load.busy_s)
+            verified.add_metric([load.engine], load.draft_tokens)
+            verified_ok.add_metric([load.engine], load.accepted_tokens)
             waiting.add_metric([load.engine], load.waiting)
             for q, value in (("0.5", load.speculate_p50_s), ("0.99", load.speculate_p99_s)):
                 if value is not None:
                     speculate.add_metric([load.engine, q], value)
-        yield from (running, waiting, speculate, proposed, accepted, prompt, cached, *cost.values(), rejected)
+        yield from (running, waiting, speculate, proposed, accepted, prompt, cached, steps, busy, verified, verified_ok,
+                    *cost.values(), rejected)
         yield GaugeMetricFamily("das_engines_ready", "Engines loaded and serving.", value=stats.engines_ready)
         restarts = CounterMetricFamily("das_engine_restarts", "Restarts of an engine after it died (its actor "
                                        "process or its vLLM engine core).", labels=["engine"])

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from das.bench.agent import (AgentBenchConfig, ServerCounters, Trajectory, TurnOutput, epoch_figures,
-                             parse_counters, run_epochs, run_trajectory, same_trajectories)
+                             parse_counters, run_epochs, run_trajectory, same_trajectories, settled_counters)
 from das.service.client.code_checks import CodeCheck
 from das.service.client.code_tasks import CODE_TASKS
 
@@ -69,12 +69,10 @@ def test_seeds_repeat_across_runs_and_differ_across_epochs_and_tasks():
 
     def seeds() -> list[int]:
         model = FakeModel(solve_at=99)
-        counters = iter([ServerCounters(float(i), 0.0) for i in range(10)])
-
         async def read() -> ServerCounters:
-            return next(counters)
+            return ServerCounters(steps=len(model.calls))
 
-        asyncio.run(run_epochs(model, FakeRenderer(), fake_check, read, config, lambda m: None))
+        asyncio.run(run_epochs(model, FakeRenderer(), fake_check, read, config, lambda m: None, quiet_s=0.0))
         return sorted(call[3] for call in model.calls)
 
     first = seeds()
@@ -83,12 +81,16 @@ def test_seeds_repeat_across_runs_and_differ_across_epochs_and_tasks():
 
 def test_epoch_figures_are_the_deltas_of_the_counters():
     trajectories = [Trajectory("a", turns=2, output_tokens=30, reward=1.0), Trajectory("b", turns=4, output_tokens=50)]
-    before = ServerCounters(100.0, 40.0, {"context": 10.0}, {"context": 5.0})
-    after = ServerCounters(300.0, 220.0, {"context": 30.0, "history": 8.0}, {"context": 15.0, "history": 2.0})
+    before = ServerCounters(100.0, 40.0, {"context": 10.0}, {"context": 5.0}, steps=10, busy_s=1.0, verified=4,
+                            verified_accepted=2)
+    after = ServerCounters(300.0, 220.0, {"context": 30.0, "history": 8.0}, {"context": 15.0, "history": 2.0},
+                           steps=50, busy_s=3.0, verified=34, verified_accepted=14)
     e = epoch_figures(2, trajectories, 4.0, before, after)
     assert (e.epoch, e.turns, e.solved, e.trajectories, e.output_tokens) == (2, 6, 1, 2, 80)
     assert e.tokens_per_s == 20.0 and e.prefix_hit_rate == pytest.approx(0.9)
     assert e.proposed == {"context": 20.0, "history": 8.0} and e.accepted == {"context": 10.0, "history": 2.0}
+    assert (e.steps, e.verified, e.verified_accepted) == (40, 30, 12)
+    assert e.step_ms == pytest.approx(50.0) and e.tokens_per_step == 2.0
 
 
 def test_parse_counters_sums_engines_and_splits_sources():
@@ -100,10 +102,32 @@ das_source_draft_tokens_proposed_total{source="context"} 12.0
 das_source_draft_tokens_accepted_total{source="context"} 6.0
 das_source_draft_tokens_proposed_total{source="history"} 4.0
 das_session_turns_total 3.0
+das_engine_steps_total{engine="0"} 40.0
+das_engine_steps_total{engine="1"} 2.0
+das_engine_busy_seconds_total{engine="0"} 1.5
+das_engine_draft_tokens_total{engine="0"} 30.0
+das_engine_draft_tokens_accepted_total{engine="0"} 20.0
 """
     c = parse_counters(text)
     assert (c.prompt_tokens, c.cached_tokens) == (150.0, 90.0)
+    assert (c.steps, c.busy_s, c.verified, c.verified_accepted) == (42.0, 1.5, 30.0, 20.0)
     assert c.proposed == {"context": 12.0, "history": 4.0} and c.accepted == {"context": 6.0}
+
+
+def test_settled_counters_wait_for_the_epochs_steps_and_then_for_quiet():
+    """The counters lag the engines by a refresh: an epoch's figures are read once they moved and then held."""
+    before = ServerCounters(steps=10)
+    reads = iter([ServerCounters(steps=10), ServerCounters(steps=12), ServerCounters(steps=15)])
+    last = ServerCounters(steps=15)
+
+    async def counters() -> ServerCounters:
+        return next(reads, last)
+
+    got = asyncio.run(settled_counters(counters, before, quiet_s=0.6, limit_s=10.0))
+    assert got.steps == 15
+    stuck = asyncio.run(settled_counters(lambda: asyncio.sleep(0, ServerCounters(steps=10)), before, quiet_s=0.1,
+                                         limit_s=1.0))
+    assert stuck.steps == 10  # nothing moved: gives up at the limit with what it has
 
 
 def test_same_trajectories_compares_every_arm_token_for_token():

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import weakref
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -309,6 +310,20 @@ def test_a_groups_samples_share_their_prompts_kv_blocks(loop, tiny_das):
     cached = tiny_das.tally.cached_prompt_tokens - before[1]
     assert queried == 4 * 70
     assert cached >= 3 * 64  # each sibling of the first: 64 of its 70 prompt tokens
+
+
+def test_the_tally_counts_the_engines_steps_and_their_time(loop, tiny_das):
+    """A group of 2 x 6 tokens takes at least 6 steps (a prefill and 5 decodes, fewer only if drafts were all
+    accepted, which 6 steps' worth at T = 1 on random weights are not), and busy time is their sum: under the
+    wall time of the call, over nothing."""
+    before = (tiny_das.tally.steps, tiny_das.tally.busy_s)
+    start = time.monotonic()
+    run_groups(loop, tiny_das, [GroupRequest(problem_id="tally-steps", n=2, prompt_token_ids=[5, 6, 7],
+                                             sampling={"max_tokens": 6, "temperature": 1.0, "ignore_eos": True})])
+    wall = time.monotonic() - start
+    steps, busy = tiny_das.tally.steps - before[0], tiny_das.tally.busy_s - before[1]
+    assert 2 <= steps <= 8
+    assert 0 < busy < wall
 
 
 def test_the_engine_runs_its_model_worker_where_the_cpu_layout_says(tiny_das):

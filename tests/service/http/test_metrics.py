@@ -20,7 +20,8 @@ def test_each_engines_cost_fit_guard_and_prefix_cache_are_exported():
               "guard_price": 0.5,
               "rejected_steps": 3, "rejected_fits": 1, "prior": "cpu-smollm2", "guard_gain": None}
     stats = BackendStats(engines=(EngineLoad("n0/0", 4, 0, step_cost=fitted, prompt_tokens=640,
-                                             cached_prompt_tokens=448), EngineLoad("n0/1", 2, 1)),
+                                             cached_prompt_tokens=448, steps=90, busy_s=2.5,
+                                             draft_tokens=300, accepted_tokens=120), EngineLoad("n0/1", 2, 1)),
                          engines_ready=2)
     got = samples(GatewayMetrics(lambda: stats))
     engine = (("engine", "n0/0"),)
@@ -34,6 +35,9 @@ def test_each_engines_cost_fit_guard_and_prefix_cache_are_exported():
     assert got[("das_engine_step_fit_rejected_total", (("engine", "n0/0"), ("what", "fit")))] == 1
     assert got[("das_engine_prompt_tokens_total", engine)] == 640
     assert got[("das_engine_prompt_tokens_cached_total", engine)] == 448
+    assert got[("das_engine_steps_total", engine)] == 90 and got[("das_engine_busy_seconds_total", engine)] == 2.5
+    assert got[("das_engine_draft_tokens_total", engine)] == 300
+    assert got[("das_engine_draft_tokens_accepted_total", engine)] == 120
     # an engine without a fit (speculation none) has no cost samples, but its queues are there
     assert ("das_engine_step_base_seconds", (("engine", "n0/1"),)) not in got
     assert got[("das_engine_requests_waiting", (("engine", "n0/1"),))] == 1
