@@ -144,6 +144,7 @@ class ServerCounters:
     busy_s: float = 0.0
     verified: float = 0.0
     verified_accepted: float = 0.0
+    step_cost: dict[str, float] = field(default_factory=dict)  # the first engine's live cost fit (gauges)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})? (\S+)$", re.MULTILINE)
@@ -151,6 +152,10 @@ _SOURCE = re.compile(r'source="([^"]+)"')
 _ENGINE_TOTALS = {f"das_engine_{metric}_total": name for metric, name in (
     ("prompt_tokens", "prompt_tokens"), ("prompt_tokens_cached", "cached_tokens"), ("steps", "steps"),
     ("busy_seconds", "busy_s"), ("draft_tokens", "verified"), ("draft_tokens_accepted", "verified_accepted"))}
+_COST_GAUGES = {"das_engine_step_base_seconds": "c_base_s", "das_engine_step_token_seconds": "c_tok_s",
+                "das_engine_step_draft_token_seconds": "c_draft_s",
+                "das_engine_step_spec_seconds": "c_spec_s", "das_engine_step_spec_request_seconds": "c_spec_req_s",
+                "das_engine_guard_price_ratio": "guard_price"}
 
 
 def parse_counters(text: str) -> ServerCounters:
@@ -158,15 +163,18 @@ def parse_counters(text: str) -> ServerCounters:
     engine = dict.fromkeys(_ENGINE_TOTALS.values(), 0.0)
     proposed: dict[str, float] = {}
     accepted: dict[str, float] = {}
+    step_cost: dict[str, float] = {}
     for name, labels, value in _SAMPLE.findall(text):
         if name in _ENGINE_TOTALS:
             engine[_ENGINE_TOTALS[name]] += float(value)
+        elif name in _COST_GAUGES:
+            step_cost.setdefault(_COST_GAUGES[name], float(value))
         elif name in ("das_source_draft_tokens_proposed_total", "das_source_draft_tokens_accepted_total"):
             match = _SOURCE.search(labels or "")
             source = match.group(1) if match else "all"
             into = proposed if "proposed" in name else accepted
             into[source] = into.get(source, 0.0) + float(value)
-    return ServerCounters(proposed=proposed, accepted=accepted, **engine)
+    return ServerCounters(proposed=proposed, accepted=accepted, step_cost=step_cost, **engine)
 
 
 @dataclass(frozen=True)
@@ -187,6 +195,7 @@ class AgentEpoch:
     busy_s: float = 0.0
     verified: float = 0.0
     verified_accepted: float = 0.0
+    step_cost: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -217,7 +226,7 @@ def epoch_figures(epoch: int, trajectories: Sequence[Trajectory], makespan_s: fl
         accepted={s: after.accepted.get(s, 0.0) - before.accepted.get(s, 0.0) for s in sources},
         steps=after.steps - before.steps, busy_s=after.busy_s - before.busy_s,
         verified=after.verified - before.verified,
-        verified_accepted=after.verified_accepted - before.verified_accepted)
+        verified_accepted=after.verified_accepted - before.verified_accepted, step_cost=after.step_cost)
 
 
 async def settled_counters(counters: Callable[[], Awaitable[ServerCounters]], before: ServerCounters,

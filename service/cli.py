@@ -89,6 +89,30 @@ def models_list() -> None:
         print(name)
 
 
+def merge_engine_options(flags: dict[str, Any], options: str) -> dict[str, Any]:
+    """The engine settings of `das serve`'s flags (`flags`) with `--engine-options` (a JSON object) merged in, one
+    level deep for nested settings (`budget`, `drafter`). A key a flag sets is refused, so one setting has one
+    source. Raises ValueError naming the key or the JSON error."""
+    try:
+        extra = json.loads(options)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--engine-options is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ValueError("--engine-options must be a JSON object of engine settings")
+    merged = dict(flags)
+    for key, value in extra.items():
+        if isinstance(flags.get(key), dict) and isinstance(value, dict):
+            clash = sorted(set(value) & set(flags[key]))
+            if clash:
+                raise ValueError(f"--engine-options: {key}.{clash[0]} is set by a flag; use the flag")
+            merged[key] = {**flags[key], **value}
+        elif key in flags:
+            raise ValueError(f"--engine-options: {key} is set by a flag; use the flag")
+        else:
+            merged[key] = value
+    return merged
+
+
 @app.command("serve")
 def serve(
     model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory on every "
@@ -153,6 +177,10 @@ def serve(
                                                 "bytes are refused (413) before they are read; a client's "
                                                 "add_history splits an import under it (set the client's "
                                                 "max_body_bytes to match).")] = 64 << 20,
+    engine_options: Annotated[Optional[str], typer.Option("--engine-options", help="More engine settings as a "
+                                                          "JSON object of EngineConfig fields no flag sets, e.g. "
+                                                          "'{\"drafter\": {\"min_prob\": 0.05}, \"budget\": "
+                                                          "{\"per_token\": true}}'.")] = None,
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
@@ -190,6 +218,10 @@ def serve(
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget},
             **({"oracle_file": str(oracle_file.resolve())} if oracle_file is not None else {})}})
+        if engine_options is not None:
+            if stub_engine:
+                raise ValueError("--engine-options: the stub engine takes none")
+            engine["engine"] = merge_engine_options(engine["engine"], engine_options)
         config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
                                                "engines_per_node": engines_per_node,
                                                "failure": {"max_restarts": max_restarts,

@@ -107,10 +107,14 @@ das_engine_steps_total{engine="1"} 2.0
 das_engine_busy_seconds_total{engine="0"} 1.5
 das_engine_draft_tokens_total{engine="0"} 30.0
 das_engine_draft_tokens_accepted_total{engine="0"} 20.0
+das_engine_step_base_seconds{engine="0"} 0.05
+das_engine_step_token_seconds{engine="0"} 0.001
+das_engine_step_base_seconds{engine="1"} 0.07
 """
     c = parse_counters(text)
     assert (c.prompt_tokens, c.cached_tokens) == (150.0, 90.0)
     assert (c.steps, c.busy_s, c.verified, c.verified_accepted) == (42.0, 1.5, 30.0, 20.0)
+    assert c.step_cost == {"c_base_s": 0.05, "c_tok_s": 0.001}  # the first engine's
     assert c.proposed == {"context": 12.0, "history": 4.0} and c.accepted == {"context": 6.0}
 
 
