@@ -153,7 +153,6 @@ _ENGINE_TOTALS = {f"das_engine_{metric}_total": name for metric, name in (
     ("prompt_tokens", "prompt_tokens"), ("prompt_tokens_cached", "cached_tokens"), ("steps", "steps"),
     ("busy_seconds", "busy_s"), ("draft_tokens", "verified"), ("draft_tokens_accepted", "verified_accepted"))}
 _COST_GAUGES = {"das_engine_step_base_seconds": "c_base_s", "das_engine_step_token_seconds": "c_tok_s",
-                "das_engine_step_draft_token_seconds": "c_draft_s",
                 "das_engine_step_spec_seconds": "c_spec_s", "das_engine_step_spec_request_seconds": "c_spec_req_s",
                 "das_engine_guard_price_ratio": "guard_price"}
 

@@ -23,31 +23,26 @@ from das.service.engine.step_profile import StepProfile
 
 @dataclass(frozen=True)
 class StepPrice:
-    """An engine step's cost, seconds: base_s + per_token_s * running requests + draft_s * draft tokens, plus
-    spec_s + spec_req_s * requests when it verifies draft tokens (scheduler/cost_model.py's shape; draft_s None:
-    per_token_s). `source`: where it was measured."""
+    """An engine step's cost, seconds: base_s + per_token_s * scheduled tokens, plus spec_s + spec_req_s * requests
+    when it verifies draft tokens (scheduler/cost_model.py's shape). `source`: where it was measured."""
 
     base_s: float
     per_token_s: float
     source: str
     spec_s: float = 0.0
     spec_req_s: float = 0.0
-    draft_s: float | None = None
 
     def __post_init__(self) -> None:
-        values = (self.base_s, self.per_token_s, self.spec_s, self.spec_req_s,
-                  self.per_token_s if self.draft_s is None else self.draft_s)
+        values = (self.base_s, self.per_token_s, self.spec_s, self.spec_req_s)
         if not all(math.isfinite(v) and v >= 0 for v in values) or self.base_s + self.per_token_s <= 0:
             raise ValueError(f"step price ({self.source}): costs must be finite and >= 0, base and per token not "
                              f"both 0; got {values}")
 
     @classmethod
     def from_fit(cls, fit: Mapping[str, Any], source: str = "cost fit") -> StepPrice:
-        """From the proposer's live cost fit (`BudgetHook.stats()`: c_base_s, c_tok_s, c_spec_s, c_spec_req_s,
-        c_draft_s)."""
-        draft = fit.get("c_draft_s")
+        """From the proposer's live cost fit (`BudgetHook.stats()`: c_base_s, c_tok_s, c_spec_s, c_spec_req_s)."""
         return cls(float(fit["c_base_s"]), float(fit["c_tok_s"]), source, float(fit.get("c_spec_s") or 0.0),
-                   float(fit.get("c_spec_req_s") or 0.0), float(draft) if draft is not None else None)
+                   float(fit.get("c_spec_req_s") or 0.0))
 
     @classmethod
     def from_profile(cls, profile: StepProfile) -> StepPrice | None:
@@ -62,8 +57,7 @@ class StepPrice:
     def step_s(self, requests: np.ndarray, tokens: np.ndarray, drafted: np.ndarray) -> np.ndarray:
         """The price of steps with `requests` running, `tokens` scheduled, `drafted` (bool) verifying drafts."""
         spec = np.where(drafted, self.spec_s + self.spec_req_s * requests, 0.0)
-        draft_s = self.per_token_s if self.draft_s is None else self.draft_s
-        return self.base_s + self.per_token_s * requests + draft_s * (tokens - requests) + spec
+        return self.base_s + self.per_token_s * tokens + spec
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,8 @@
 
 The model (docs/design.md, "The length-aware budget")
 -----------------------------------------------
-A forward pass costs t = c_base + c_tok * n_requests + c_draft * n_drafts seconds (the running requests' own
-tokens and the draft tokens verified beside them), plus c_spec when it verifies drafts. Request i has l_i predicted remaining tokens and measured
+A forward pass costs t = c_base + c_tok * n_tokens seconds (n_tokens: tokens verified in the pass, drafts
+included), plus c_spec when it verifies drafts. Request i has l_i predicted remaining tokens and measured
 per-position acceptance q_ij: the probability that draft positions 1..j are all accepted when at least j are
 proposed (scheduler/acceptance.py), nonincreasing in j. Drafting K tokens a step, a step commits on average
 
@@ -12,7 +12,7 @@ proposed (scheduler/acceptance.py), nonincreasing in j. Drafting K tokens a step
 so at a draft length K kept for the rest of its life, request i needs T_iK = l_i / f_i(K) passes and proposes
 K T_iK draft tokens. With K_i per request (re-planned every step) the batch needs N = max_i T_iK_i passes and costs
 
-    F = (c_base + c_spec [some K_i > 0]) N + sum_i (c_tok l_i + c_draft K_i T_iK_i)       seconds.
+    F = (c_base + c_spec [some K_i > 0]) N + c_tok sum_i (l_i + K_i T_iK_i)       seconds.
 
 The token term charges every proposed draft token in full, though an accepted one replaces a token its request would
 have fed in a later pass: it errs towards drafting less (docs/design.md). This is the usual speculative-decoding
@@ -29,7 +29,7 @@ of the T_iK every K_i(N) is constant and F grows with N, so the optimum is N = o
 (K = 0 included: N = l_j, where request j stops needing drafts), or N = max_i l_i with no drafts at all (no
 c_spec, no draft tokens). The solver evaluates F at all of them at once: request i moves from K - 1 to K once
 N < T_i,K-1, so with those thresholds sorted, the draft tokens of every candidate are a suffix sum found by binary
-search. Ties (equal lengths and acceptance) are handled by the strict comparison on both sides. With c_draft = 0
+search. Ties (equal lengths and acceptance) are handled by the strict comparison on both sides. With c_tok = 0
 (drafts free) the optimum is N_min with the fewest drafts reaching it; with c_base = 0, K_max = 0, an empty batch
 or all l_i = 0, nobody drafts.
 
@@ -62,7 +62,6 @@ class BatchState:
         longer prefix cannot hold more often than a shorter one). Positions past J are never drafted.
     c_base_s, c_tok_s: the engine's step cost t = c_base_s + c_tok_s * n_tokens, seconds and seconds per token;
         both >= 0 and not both 0.
-    c_draft_s: seconds per draft token verified (>= 0; None: c_tok_s).
     c_spec_s: the fixed price of a step that verifies drafts (seconds, >= 0; 0: drafted steps cost no more).
     k_max: the most draft tokens one request may get in one step (>= 0).
     The arrays are copied to read-only float64 arrays; invalid input raises ValueError.
@@ -74,7 +73,6 @@ class BatchState:
     c_tok_s: float
     k_max: int
     c_spec_s: float = 0.0
-    c_draft_s: float | None = None
 
     def __post_init__(self) -> None:
         arrays = {}
@@ -97,7 +95,6 @@ class BatchState:
         np.minimum.accumulate(acc, axis=1, out=acc)
         c_base, c_tok = _cost_scalar("c_base_s", self.c_base_s), _cost_scalar("c_tok_s", self.c_tok_s)
         c_spec = _cost_scalar("c_spec_s", self.c_spec_s)
-        c_draft = c_tok if self.c_draft_s is None else _cost_scalar("c_draft_s", self.c_draft_s)
         if c_base == 0 and c_tok == 0:
             raise ValueError("BatchState: c_base_s and c_tok_s cannot both be 0")
         if isinstance(self.k_max, bool):
@@ -111,7 +108,7 @@ class BatchState:
         for arr in (rem, acc):
             arr.setflags(write=False)
         for name, value in (("remaining", rem), ("acceptance", acc), ("c_base_s", c_base), ("c_tok_s", c_tok),
-                            ("c_spec_s", c_spec), ("c_draft_s", c_draft), ("k_max", k_max)):
+                            ("c_spec_s", c_spec), ("k_max", k_max)):
             object.__setattr__(self, name, value)
 
     def __len__(self) -> int:
@@ -230,7 +227,7 @@ class BudgetSolution:
     proposed: K_i T_iK_i, draft tokens request i proposes over its remaining life at its draft length (float).
     draft_lengths: K_i in [0, min(K_max, J)], int32: what to propose this step.
     marginal: q_iK_i, the modeled probability that request i's last draft token (and every one before it) is
-        accepted; inf where K_i = 0, 0 when drafts are free (c_draft = 0). A draft token the drafter itself
+        accepted; inf where K_i = 0, 0 when drafts are free (c_tok = 0). A draft token the drafter itself
         estimates at least this likely is as good as the least the optimum pays for (`OptimalPolicy.plan`).
     """
 
@@ -296,7 +293,7 @@ def solve_budget(batch: BatchState) -> BudgetSolution:
     suffix[:-1] = step_up.ravel()[order][::-1].cumsum()[::-1]
     candidates = np.concatenate((flat, t[:, -1]))     # every T_iK, K = 0..depth
     total = (batch.c_base_s + batch.c_spec_s) * candidates
-    total += batch.c_draft_s * suffix[sorted_thresholds.searchsorted(candidates, "right")]
+    total += batch.c_tok_s * suffix[sorted_thresholds.searchsorted(candidates, "right")]
     total[candidates < n_min] = np.inf
     best = int(total.argmin())
     if not total[best] < batch.c_base_s * l_max:
@@ -308,7 +305,7 @@ def solve_budget(batch: BatchState) -> BudgetSolution:
     proposed = np.zeros(n)
     proposed[rows] = k[rows] * passes[rows, k[rows] - 1]
     marginal = np.full(n, np.inf)
-    marginal[rows] = q[rows, k[rows] - 1] if batch.c_draft_s > 0.0 else 0.0
+    marginal[rows] = q[rows, k[rows] - 1] if batch.c_tok_s > 0.0 else 0.0
     return BudgetSolution(x, proposed, k, marginal)
 
 

@@ -194,7 +194,7 @@ class PolicyBudget:
                       else geometric_acceptance(self.acceptance, n, max(self.k_max, 1)))
         cost = self.cost
         state = BatchState(batch.remaining(), acceptance, cost.c_base_s,
-                           cost.c_tok_s, self.k_max, c_spec_s=cost.spec_price(n), c_draft_s=cost.draft_token_s)
+                           cost.c_tok_s, self.k_max, c_spec_s=cost.spec_price(n))
         if self.guard is not None and self.guard.level:
             priced = dataclasses.replace(state, c_spec_s=state.c_spec_s + self.guard.price * cost.step_time(n))
             plan = self.policy.plan(priced)
@@ -222,7 +222,6 @@ class PolicyBudget:
         cost = self.cost
         out: dict[str, Any] = {"c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s, "c_spec_s": cost.c_spec_s,
                                "c_spec_req_s": cost.c_spec_req_s, "c_prefill_s": cost.c_prefill_s,
-                               "c_draft_s": cost.draft_token_s,
                                "prior": self.fit.prior.name if self.fit is not None else cost.name}
         if self.fit is not None:
             out.update(dataclasses.asdict(self.fit.stats()))

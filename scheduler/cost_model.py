@@ -1,18 +1,12 @@
 """Engine cost model: the time of one engine step as a function of what it processes.
 
-    t_step = c_base + c_tok * n_requests + c_draft * n_drafts
-             + (c_spec + c_spec_req * n_requests) * [the step verifies drafts] + c_prefill * n_prompt
-             (seconds; n_requests = running requests; n_drafts = the draft tokens they verify; n_tokens =
-             n_requests + n_drafts; n_prompt = prompt tokens the step prefills, as chunks beside the decodes)
+    t_step = c_base + c_tok * n_tokens + (c_spec + c_spec_req * n_requests) * [the step verifies drafts]
+             + c_prefill * n_prompt
+             (seconds; n_tokens = running requests + their draft tokens; n_requests = running requests; n_prompt =
+             prompt tokens the step prefills, as chunks beside the decodes)
 
 c_base is what a step costs however little it computes (reading the weights, launching kernels, scheduling);
-c_tok is the marginal cost of one more running request's token in the step; c_draft that of one more draft token
-verified. A request's token carries per-request work a draft token does not (its sampling and output, its row of
-attention metadata): on the 2-core CPU serving agent turns of ~1-2K tokens of context, epochs fitted over arms
-that drafted 1-25 tokens a step gave ~4.6 ms a request-step against ~1.6 ms a draft token
-(docs/results/2026-11-28-draft-price.md), where one c_tok for both had priced drafts at a request's cost and
-drafted a fifth of what paid. c_draft None: not measured, priced as c_tok. c_spec + c_spec_req * n_requests is the
-price
+c_tok is the marginal cost of one more token verified in the step; c_spec + c_spec_req * n_requests is the price
 of a step that verifies drafts: the rejection sampler instead of the plain sampler, the proposer's bookkeeping
 (c_spec), and gathers over every request's rows that grow with the batch (c_spec_req; on the 2-core CPU a drafted
 step's sampling costs ~8 ms more than a plain one's at 1-2 requests and 16-35 ms more at 33-48 with Qwen2.5's
@@ -56,9 +50,9 @@ _QWEN25_7B_PARAMS = 7.6e9
 
 @dataclass(frozen=True)
 class CostModel:
-    """t_step = c_base_s + c_tok_s * requests + c_draft_s * draft tokens (+ c_spec_s + c_spec_req_s * requests
-    when the step verifies drafts) + c_prefill_s * prompt tokens. `source` says where the numbers come from.
-    c_prefill_s, c_draft_s None: not measured, priced as c_tok_s."""
+    """t_step = c_base_s + c_tok_s * n_tokens (+ c_spec_s + c_spec_req_s * requests when the step verifies
+    drafts) + c_prefill_s * prompt tokens. `source` says where the numbers come from. c_prefill_s None: not
+    measured, priced as c_tok_s."""
 
     name: str
     c_base_s: float
@@ -68,27 +62,20 @@ class CostModel:
     c_spec_s: float = 0.0
     c_prefill_s: float | None = None
     c_spec_req_s: float = 0.0
-    c_draft_s: float | None = None
 
     def __post_init__(self) -> None:
-        values = (self.c_base_s, self.c_tok_s, self.c_spec_s, self.prefill_token_s, self.c_spec_req_s,
-                  self.draft_token_s)
+        values = (self.c_base_s, self.c_tok_s, self.c_spec_s, self.prefill_token_s, self.c_spec_req_s)
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in values):
-            raise ValueError(f"cost model {self.name!r}: c_base_s, c_tok_s, c_spec_s, c_prefill_s, c_spec_req_s, "
-                             f"c_draft_s must be finite numbers")
+            raise ValueError(f"cost model {self.name!r}: c_base_s, c_tok_s, c_spec_s, c_prefill_s, c_spec_req_s must "
+                             f"be finite numbers")
         if not (min(values) >= 0 and self.c_base_s + self.c_tok_s > 0):
-            raise ValueError(f"cost model {self.name!r}: need c_base_s, c_tok_s, c_spec_s, c_prefill_s, c_spec_req_s, "
-                             f"c_draft_s >= 0, c_base_s and c_tok_s not both 0")
+            raise ValueError(f"cost model {self.name!r}: need c_base_s, c_tok_s, c_spec_s, c_prefill_s, c_spec_req_s "
+                             f">= 0, c_base_s and c_tok_s not both 0")
 
     @property
     def prefill_token_s(self) -> float:
         """Seconds per prompt token prefilled: c_prefill_s, or c_tok_s where it was not measured."""
         return self.c_tok_s if self.c_prefill_s is None else self.c_prefill_s
-
-    @property
-    def draft_token_s(self) -> float:
-        """Seconds per draft token verified: c_draft_s, or c_tok_s where it was not measured."""
-        return self.c_tok_s if self.c_draft_s is None else self.c_draft_s
 
     def spec_price(self, requests: float) -> float:
         """Seconds a step of `requests` running requests costs more when it verifies drafts."""
@@ -98,10 +85,8 @@ class CostModel:
                   requests: float | None = None) -> float:
         """Seconds for a step of `n_tokens` decode tokens (requests + drafts) of `requests` running requests
         (None: n_tokens, a step without drafts) and `prompt_tokens` prefilled."""
-        running = n_tokens if requests is None else requests
-        spec = self.spec_price(running) if drafted else 0.0
-        return (self.c_base_s + self.c_tok_s * running + self.draft_token_s * (n_tokens - running) + spec
-                + self.prefill_token_s * prompt_tokens)
+        spec = self.spec_price(n_tokens if requests is None else requests) if drafted else 0.0
+        return self.c_base_s + self.c_tok_s * n_tokens + spec + self.prefill_token_s * prompt_tokens
 
     @property
     def crossover_tokens(self) -> float:
@@ -256,18 +241,15 @@ class CostFitStats:
 
 
 class OnlineCostModel:
-    """`t_step = c_base + c_tok * requests + c_draft * drafts + (c_spec + c_spec_req * requests) * drafted`,
-    fitted from an engine's own measured steps.
+    """`t_step = c_base + c_tok * n_tokens + (c_spec + c_spec_req * requests) * drafted`, fitted from an engine's
+    own measured steps.
 
     Exponentially weighted least squares (a step's weight halves every `half_life_steps` steps, so the fit follows
     the machine's load as it moves) regularised towards the prior with the weight of `prior_steps` steps that
-    never fades. The prior is kept as a shape: the fit is t = s (1 + tau r + tau_d k + rho d + rho_r d r)
-    + e_tok (r + k) + e_draft k + e_spec d + e_req d r (r running requests, k draft tokens, d whether the step
-    drafted), with tau, tau_d, rho and rho_r the prior's c_tok, c_draft, c_spec and c_spec_req over c_base, s's
-    prior the prior's c_base and the e's prior 0, so c_base = s, c_tok = s tau + e_tok, c_draft = s tau_d + e_tok
-    + e_draft, c_spec = s rho + e_spec, c_spec_req = s rho_r + e_req. A token's price measured on plain steps
-    (e_tok) moves both; c_draft parts from c_tok (e_draft) only as drafted steps of different draft lengths show
-    it (the warm-up's probes draft one token a step, which prices the drafted step, not the draft token). The scale s weighs 1/200 of the shape in the prior: a machine faster or slower than the prior (the
+    never fades. The prior is kept as a shape: the fit is t = s (1 + tau n + rho d + rho_r d r) + e_tok n + e_spec d
+    + e_req d r, with tau, rho and rho_r the prior's c_tok, c_spec and c_spec_req over c_base, s's prior the prior's
+    c_base and the e's prior 0, so c_base = s, c_tok = s tau + e_tok, c_spec = s rho + e_spec, c_spec_req = s rho_r
+    + e_req. The scale s weighs 1/200 of the shape in the prior: a machine faster or slower than the prior (the
     common case) moves s at once, and a coefficient the recent steps cannot tell apart (no drafted step seen, one
     batch size only) keeps the prior's proportion to c_base rather than its absolute value, which on a faster
     machine would make drafts look dear for good. The drafted-step price needs drafted steps at several batch sizes
@@ -281,8 +263,8 @@ class OnlineCostModel:
     Decode steps only (the proposer skips steps with a prefill in them): c_prefill keeps the prior's proportion to
     c_tok, both being the price of a token's compute.
 
-    Token and request counts are scaled by `token_scale` so that the shape's prior weighs about the same on every
-    coefficient. Cost: `observe` is a few numpy operations on 5x5 arrays plus one 5x5 solve, `current` builds one
+    n_tokens and requests are scaled by `token_scale` so that the shape's prior weighs about the same on every
+    coefficient. Cost: `observe` is a few numpy operations on 4x4 arrays plus one 4x4 solve, `current` builds one
     CostModel: ~50 us together on the 2-core development machine (against steps of tens of ms there, 5-20 ms on a
     GPU).
     """
@@ -295,14 +277,12 @@ class OnlineCostModel:
         self._decay = 0.5 ** (1.0 / half_life_steps)
         self._token_scale = token_scale
         base = max(prior.c_base_s, 1e-9)
-        # tau, rho, rho_r, tau_d
-        self._shape = np.array([prior.c_tok_s, prior.c_spec_s, prior.c_spec_req_s, prior.draft_token_s]) / base
-        # (s, e_tok * token_scale, e_spec, e_req * token_scale, e_draft * token_scale)
-        self._theta0 = np.array([prior.c_base_s, 0.0, 0.0, 0.0, 0.0])
+        self._shape = np.array([prior.c_tok_s, prior.c_spec_s, prior.c_spec_req_s]) / base  # tau, rho, rho_r
+        self._theta0 = np.array([prior.c_base_s, 0.0, 0.0, 0.0])  # (s, e_tok * token_scale, e_spec, e_req * scale)
         # the scale s is nearly free (a machine faster or slower than the prior is the common case), the shape is not
-        self._lambda0 = prior_steps * np.diag([0.005, 1.0, 1.0, 1.0, 1.0])
-        self._gram = np.zeros((5, 5))
-        self._moment = np.zeros(5)
+        self._lambda0 = prior_steps * np.diag([0.005, 1.0, 1.0, 1.0])
+        self._gram = np.zeros((4, 4))
+        self._moment = np.zeros(4)
         self._max_ratio = max_ratio
         self._theta = self._theta0.copy()
         self._abs_residual = 0.1 * prior.step_time(token_scale)  # running mean |residual|, seconds
@@ -314,13 +294,11 @@ class OnlineCostModel:
         n_tokens, a step without drafts); False when it was rejected. Refits at once."""
         d = 1.0 if drafted else 0.0
         r = n_tokens if requests is None else requests
-        k = n_tokens - r
-        tau, rho, rho_r, tau_d = self._shape
-        scale = self._token_scale
-        x = np.array([1.0 + tau * r + tau_d * k + rho * d + rho_r * d * r, (r + k) / scale, d, d * r / scale,
-                      k / scale])
+        tau, rho, rho_r = self._shape
+        x = np.array([1.0 + tau * n_tokens + rho * d + rho_r * d * r, n_tokens / self._token_scale, d,
+                      d * r / self._token_scale])
         predicted = float(self._theta @ x)
-        if not (math.isfinite(step_s) and step_s > 0 and r >= 0 and k >= 0) \
+        if not (math.isfinite(step_s) and step_s > 0 and n_tokens >= 0 and r >= 0) \
                 or step_s > self._max_ratio * predicted:
             self._rejected_steps += 1
             return False
@@ -339,7 +317,7 @@ class OnlineCostModel:
         self._steps += 1
         theta = np.linalg.solve(self._gram + self._lambda0, self._moment + self._lambda0 @ self._theta0)
         # c_base or c_tok below 0, or a step beyond 100x the prior's, is no machine: keep the last good fit
-        c_base, c_tok, _, _, _ = self._coefficients(theta)
+        c_base, c_tok, _, _ = self._coefficients(theta)
         limit = 100.0 * self.prior.step_time(self._token_scale, drafted=True)
         if not (np.all(np.isfinite(theta)) and c_base >= 0 and c_tok >= 0
                 and c_base + c_tok * self._token_scale < limit):
@@ -348,19 +326,16 @@ class OnlineCostModel:
         self._theta = theta
         return True
 
-    def _coefficients(self, theta: np.ndarray) -> tuple[float, float, float, float, float]:
-        """(c_base, c_tok, c_spec, c_spec_req, c_draft) of the fit's (s, e_tok * token_scale, e_spec,
-        e_req * token_scale, e_draft * token_scale)."""
-        s, e_tok, e_spec, e_req, e_draft = (float(v) for v in theta)
-        tau, rho, rho_r, tau_d = (float(v) for v in self._shape)
-        scale = self._token_scale
-        return (s, s * tau + e_tok / scale, s * rho + e_spec, s * rho_r + e_req / scale,
-                s * tau_d + (e_tok + e_draft) / scale)
+    def _coefficients(self, theta: np.ndarray) -> tuple[float, float, float, float]:
+        """(c_base, c_tok, c_spec, c_spec_req) of the fit's (s, e_tok * token_scale, e_spec, e_req * token_scale)."""
+        s, e_tok, e_spec, e_req = (float(v) for v in theta)
+        tau, rho, rho_r = (float(v) for v in self._shape)
+        return s, s * tau + e_tok / self._token_scale, s * rho + e_spec, s * rho_r + e_req / self._token_scale
 
     def current(self) -> CostModel:
-        """The live fit (c_spec, c_spec_req and c_draft each clipped at 0: a drafted step is never cheaper than a
-        plain one)."""
-        c_base, c_tok, c_spec, c_spec_req, c_draft = self._coefficients(self._theta)
+        """The live fit (c_spec and c_spec_req each clipped at 0: a drafted step is never cheaper than a plain
+        one)."""
+        c_base, c_tok, c_spec, c_spec_req = self._coefficients(self._theta)
         if c_base + c_tok <= 0:
             return self.prior
         fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None
@@ -368,8 +343,7 @@ class OnlineCostModel:
         if self.prior.c_prefill_s is not None and self.prior.c_tok_s > 0:
             prefill = c_tok * self.prior.c_prefill_s / self.prior.c_tok_s
         return CostModel(f"{self.prior.name}+online", c_base, c_tok, f"online fit from {self.prior.name}",
-                         fit_error, c_spec_s=max(c_spec, 0.0), c_prefill_s=prefill, c_spec_req_s=max(c_spec_req, 0.0),
-                         c_draft_s=max(c_draft, 0.0))
+                         fit_error, c_spec_s=max(c_spec, 0.0), c_prefill_s=prefill, c_spec_req_s=max(c_spec_req, 0.0))
 
     def stats(self) -> CostFitStats:
         fit_error = math.sqrt(self._sq_rel_error) if self._sq_rel_error is not None else None

@@ -8,7 +8,7 @@ so that one measurement covers every draft position the optimum's choice of K tu
 
 Exploring is not free, and where a verified token costs a real share of a step (a compute-bound CPU engine: one
 token ~1/13 of a step) one token for every unmeasured request made every new batch's first steps slower. So
-exploration runs on a credit: every step adds `share` of the step's estimated time; a grant costs K_max c_draft, and
+exploration runs on a credit: every step adds `share` of the step's estimated time; a grant costs K_max c_tok, and
 a step the plan left plain also the drafted-step price c_spec; unspent credit is capped at `burst` steps' worth (but
 always enough for one grant on a plain step, so exploration never stops for good; with refunds, for a grant for
 every unmeasured request). An explored token that is accepted did the work of a token decoded plainly, and that
@@ -74,15 +74,14 @@ class Exploration:
             self.tokens += int(idle.sum())
             return DraftPlan(np.where(idle, 1, lengths).astype(np.int32), np.where(idle, 0.0, plan.min_prob), idle)
         drafting = bool(lengths.any())
-        c_draft = batch.c_draft_s
+        c_tok = batch.c_tok_s
         entry = 0.0 if drafting else batch.c_spec_s  # a plain step that explores becomes a drafted one
-        step_s = (batch.c_base_s + batch.c_tok_s * len(batch) + c_draft * float(lengths.sum())
-                  + (batch.c_spec_s if drafting else 0.0))
+        step_s = batch.c_base_s + c_tok * (len(batch) + float(lengths.sum())) + (batch.c_spec_s if drafting else 0.0)
         idle = np.flatnonzero(np.asarray(unmeasured, dtype=bool) & (lengths < 1))
         # a draft as long as a step allows: it measures every position the optimum's choice turns on at once
         # (one token measured the first only, and a request whose drafts held then ramped up over tens of steps on
         # the prior for the rest); charged in full, refunded per accepted token
-        grant = c_draft * batch.k_max
+        grant = c_tok * batch.k_max
         # the share alone never holds more than one grant's price (it is spent as soon as it can pay one); refunds
         # may hold up to a grant for every request waiting to be measured
         cap = max(self.burst * self.share * step_s, entry + grant * max(idle.size, 1))

@@ -226,10 +226,7 @@ class GatewayMetrics:
         cost = {key: GaugeMetricFamily(name, doc, labels=["engine"]) for key, name, doc in (
             ("c_base_s", "das_engine_step_base_seconds", "The engine's live step cost fit: seconds a decode step "
              "costs however few tokens it verifies."),
-            ("c_tok_s", "das_engine_step_token_seconds", "The live step cost fit: seconds per running request's "
-             "token."),
-            ("c_draft_s", "das_engine_step_draft_token_seconds", "The live step cost fit: seconds per draft token "
-             "verified."),
+            ("c_tok_s", "das_engine_step_token_seconds", "The live step cost fit: seconds per token verified."),
             ("c_spec_s", "das_engine_step_spec_seconds", "The live step cost fit: the extra seconds of a step that "
              "verifies drafts, whatever its size."),
             ("c_spec_req_s", "das_engine_step_spec_request_seconds", "The live step cost fit: the extra seconds of a "
