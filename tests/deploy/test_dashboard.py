@@ -230,6 +230,8 @@ def test_dashboard_shows_what_straggler_monitoring_needs() -> None:
     assert shown("das_session_open") and shown("das_session_turns_total")
     assert shown("das_session_moves_total", "reason") and shown("das_session_makespan_seconds_bucket", "le")
     assert shown("das_engine_prompt_tokens_cached_total", "engine")
+    assert shown("das_engine_busy_seconds_total", "engine") and shown("das_engine_steps_total", "engine")
+    assert shown("das_engine_draft_tokens_accepted_total", "engine")
     assert shown("das_session_reserved_tokens", "engine")
 
 
