@@ -238,7 +238,9 @@ class BudgetSolution:
 
 
 class OptimalPolicy:
-    """The length-aware budget (`das`); see the module docstring for the model and the solver.
+    """The length-aware budget (`das`); see the module docstring for the model and the solver. With
+    `exact_tokens=True` the token term charges a request only the draft tokens it is expected to have rejected,
+    T_iK (K - q_i1 - ... - q_iK), instead of every one it proposes (`solve_budget`).
 
     `draft_lengths` and, by default, `plan` are the optimum's K_i. With `per_token=True` (`das-token`) `plan` uses
     the same optimum per draft token instead: a request with K_i > 0 may verify up to K_max tokens, each only while
@@ -248,23 +250,27 @@ class OptimalPolicy:
     floor cuts good drafts (docs/design.md#from-the-optimum-to-a-step), so it is not the default.
     """
 
-    def __init__(self, per_token: bool = False) -> None:
+    def __init__(self, per_token: bool = False, exact_tokens: bool = False) -> None:
         self.per_token = per_token
-        self.name = "das-token" if per_token else "das"
+        self.exact_tokens = exact_tokens
+        self.name = ("das-token" if per_token else "das") + ("-exact" if exact_tokens else "")
 
     def draft_lengths(self, batch: BatchState) -> np.ndarray:
-        return solve_budget(batch).draft_lengths
+        return solve_budget(batch, self.exact_tokens).draft_lengths
 
     def plan(self, batch: BatchState) -> DraftPlan:
-        solution = solve_budget(batch)
+        solution = solve_budget(batch, self.exact_tokens)
         if not self.per_token:
             return DraftPlan(solution.draft_lengths, np.zeros(len(batch)))
         lengths = np.where(solution.draft_lengths > 0, batch.k_max, 0).astype(np.int32)
         return DraftPlan(lengths, solution.marginal)
 
 
-def solve_budget(batch: BatchState) -> BudgetSolution:
-    """N, K_i and their draft tokens for one batch (module docstring). Vectorised over requests and positions."""
+def solve_budget(batch: BatchState, exact_tokens: bool = False) -> BudgetSolution:
+    """N, K_i and their draft tokens for one batch (module docstring). Vectorised over requests and positions.
+    `exact_tokens`: charge the token term for the draft tokens expected to be rejected, T_iK (K + 1 - f_i(K)), not
+    all K T_iK proposed (an accepted one does work its request would have fed later); it still grows with K, so the
+    solver is the same."""
     rem = batch.remaining
     n = rem.size
     depth = min(batch.k_max, batch.acceptance.shape[1])
@@ -284,6 +290,8 @@ def solve_budget(batch: BatchState) -> BudgetSolution:
     threshold[:, 0] = rem[live]
     threshold[:, 1:] = t[:, :-1]
     tokens = t * np.arange(1.0, depth + 1.0)          # K T_iK: its draft tokens over the rest of its life
+    if exact_tokens:
+        tokens -= t * q[live].cumsum(axis=1)          # less the accepted ones: T_iK (K - q_i1 - ... - q_iK)
     step_up = tokens.copy()
     step_up[:, 1:] -= tokens[:, :-1]                  # draft tokens each move adds
     flat = threshold.ravel()

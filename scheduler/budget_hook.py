@@ -231,7 +231,7 @@ class PolicyBudget:
         return out
 
 
-_POLICY_OPTIONS = {"das": {"per_token"}, "uniform": {"k"}, "classes": {"long", "medium", "short"}}
+_POLICY_OPTIONS = {"das": {"per_token", "exact_tokens"}, "uniform": {"k"}, "classes": {"long", "medium", "short"}}
 _COEFFICIENTS = ("c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s")
 
 
@@ -242,7 +242,7 @@ class BudgetSettings(BaseModel):
     `policy` (scheduler/policies.py POLICIES); for uniform `k` (tokens per request per step; default K_max); for
     classes `long`, `medium`, `short` (tokens by predicted length class; scheduler/budget.py `ClassPolicy`
     defaults); for das `per_token` (up to K_max tokens above a per-token probability floor instead of the model's
-    K_i). For every
+    K_i) and `exact_tokens` (the token term charges only the draft tokens expected to be rejected). For every
     policy the step cost model the budget starts from: `prior` (CostModel fields; default `GENERIC_PRIOR`) or its
     coefficients alone (`c_base_s`, `c_tok_s`, `c_spec_s`, `c_spec_req_s`, seconds); `online` (fit it from the
     engine's own steps; False: keep the prior), `guard` (the never-a-loss guard; default: on for das only, the
@@ -257,6 +257,7 @@ class BudgetSettings(BaseModel):
     medium: int | None = Field(None, ge=0)
     short: int | None = Field(None, ge=0)
     per_token: bool | None = None
+    exact_tokens: bool | None = None
     prior: dict[str, Any] | None = None
     c_base_s: float | None = Field(None, ge=0, allow_inf_nan=False)
     c_tok_s: float | None = Field(None, ge=0, allow_inf_nan=False)
@@ -268,7 +269,7 @@ class BudgetSettings(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> BudgetSettings:
-        options = {"k", "long", "medium", "short", "per_token"}
+        options = {"k", "long", "medium", "short", "per_token", "exact_tokens"}
         foreign = sorted(name for name in options - _POLICY_OPTIONS[self.policy] if getattr(self, name) is not None)
         if foreign:
             raise ValueError(f"unknown budget settings for policy {self.policy!r}: {foreign}")
@@ -307,7 +308,7 @@ class BudgetSettings(BaseModel):
         if self.policy == "classes":
             return ClassPolicy(**{key: value for key in ("long", "medium", "short")
                                   if (value := getattr(self, key)) is not None})
-        return OptimalPolicy(per_token=bool(self.per_token))
+        return OptimalPolicy(per_token=bool(self.per_token), exact_tokens=bool(self.exact_tokens))
 
 
 def budget_hook_from_config(config: BudgetSettings | Mapping[str, Any], k_max: int) -> BudgetHook:

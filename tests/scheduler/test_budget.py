@@ -51,6 +51,16 @@ def cost(b: BatchState, k: np.ndarray) -> float:
     return (b.c_base_s + b.c_spec_s) * float(t.max()) + b.c_tok_s * float((k * t).sum())
 
 
+def exact_cost(b: BatchState, k: np.ndarray) -> float:
+    """The exact token term's cost of draft lengths k: only the drafts expected to be rejected pay c_tok."""
+    k = np.asarray(k)
+    if not k.any():
+        return b.c_base_s * float(b.remaining.max())
+    t = passes(b, k)
+    accepted = np.concatenate([np.zeros((len(b), 1)), b.acceptance.cumsum(axis=1)], axis=1)[np.arange(len(b)), k]
+    return (b.c_base_s + b.c_spec_s) * float(t.max()) + b.c_tok_s * float((t * (k - accepted)).sum())
+
+
 # --- the optimum ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(12))
@@ -136,6 +146,28 @@ def test_empty_and_finished_batches():
 def test_draft_lengths_stop_at_the_measured_positions():
     s = solve_budget(batch([5000.0], ratio=1.0, c_base_s=0.05, c_tok_s=1e-5, k_max=16, positions=3))
     assert s.draft_lengths.tolist() == [3]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_exact_token_term_matches_brute_force_too(seed):
+    rng = np.random.default_rng(100 + seed)
+    for _ in range(25):
+        n, k_max = int(rng.integers(1, 5)), int(rng.integers(1, 5))
+        b = random_batch(rng, n, k_max, c_spec_s=float(rng.choice([0.0, 10 ** rng.uniform(-4, -1)])))
+        best = min(exact_cost(b, np.array(k)) for k in itertools.product(range(k_max + 1), repeat=n))
+        assert exact_cost(b, solve_budget(b, exact_tokens=True).draft_lengths) == pytest.approx(best, rel=1e-9)
+
+
+def test_the_exact_token_term_drafts_where_the_charged_one_calls_it_a_loss():
+    """Ten equal agent turns (docs/results/2026-11-28-agent-time.md): c_base 34 ms, c_tok 2.3 ms, a drafted step 5.9 ms
+    dearer, acceptance 0.75 a position. Charged in full, drafting K = 2 looks 5% dearer than none; counted exactly
+    it is 17% cheaper."""
+    b = batch([200.0] * 10, ratio=0.75, c_base_s=0.034, c_tok_s=0.0023, c_spec_s=0.0059)
+    assert not solve_budget(b).draft_lengths.any()
+    exact = solve_budget(b, exact_tokens=True).draft_lengths
+    assert (exact >= 2).all()
+    assert OptimalPolicy(exact_tokens=True).draft_lengths(b).tolist() == exact.tolist()
+    assert OptimalPolicy(per_token=True, exact_tokens=True).name == "das-token-exact"
 
 
 def test_a_drafted_step_price_keeps_marginal_drafts_out():

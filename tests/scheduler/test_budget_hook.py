@@ -205,6 +205,7 @@ def test_remaining_uses_the_prediction_capped_by_max_tokens_and_at_least_one():
     ({"policy": "uniform", "K": 3}, "K\n  Extra inputs are not permitted"),
     ({"policy": "uniform", "k": -1}, "k\n  Input should be greater than or equal to 0"),
     ({"policy": "uniform", "long": 8}, r"unknown budget settings for policy 'uniform': \['long'\]"),
+    ({"policy": "classes", "exact_tokens": True}, r"unknown budget settings for policy 'classes': \['exact_tokens'\]"),
     ({"prior": {"name": "p"}, "c_base_s": 1.0}, "not both"),
     ({"c_base_s": 0.0, "c_tok_s": 0.0}, "not both 0"),
 ])
