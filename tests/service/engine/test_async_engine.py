@@ -21,6 +21,7 @@ import pytest
 
 from das.service.cluster.rollout_backend import EngineBackend
 from das.service.engine.async_engine import Engine, EngineConfig, EngineInputError
+from das.service.engine.contract import IDLE_GAP_S
 from das.service.engine.cpu_allocator import jemalloc_library
 from das.service.engine.cpu_layout import usable_cpus, worker_in_process
 from das.service.engine.models import prepare_model
@@ -315,7 +316,9 @@ def test_a_groups_samples_share_their_prompts_kv_blocks(loop, tiny_das):
 def test_the_tally_counts_the_engines_steps_and_their_time(loop, tiny_das):
     """A group of 2 x 6 tokens takes at least 6 steps (a prefill and 5 decodes, fewer only if drafts were all
     accepted, which 6 steps' worth at T = 1 on random weights are not), and busy time is their sum: under the
-    wall time of the call, over nothing."""
+    wall time of the call, over nothing. The engine idles past IDLE_GAP_S first, so the gap from an earlier
+    test's last step is not counted as a step of this call."""
+    time.sleep(IDLE_GAP_S + 0.1)
     before = (tiny_das.tally.steps, tiny_das.tally.busy_s)
     start = time.monotonic()
     run_groups(loop, tiny_das, [GroupRequest(problem_id="tally-steps", n=2, prompt_token_ids=[5, 6, 7],
