@@ -130,16 +130,16 @@ def _tally_logger_factory(tally: EngineTally) -> Any:
 
     class TallyLogger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
-            pass
+            self._last_report_s: float | None = None  # time.monotonic() of the latest step report
 
         def record(self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None,
                    engine_idx: int = 0) -> None:
             if scheduler_stats is None:
                 return
             now = time.monotonic()
-            if tally.last_report_s is not None and now - tally.last_report_s <= IDLE_GAP_S:
-                tally.busy_s += now - tally.last_report_s
-            tally.last_report_s = now
+            if self._last_report_s is not None and now - self._last_report_s <= IDLE_GAP_S:
+                tally.busy_s += now - self._last_report_s
+            self._last_report_s = now
             tally.steps += 1
             tally.running = scheduler_stats.num_running_reqs
             tally.waiting = scheduler_stats.num_waiting_reqs

@@ -35,10 +35,9 @@ class EngineTally:
     waiting: int = 0
     steps: int = 0
     busy_s: float = 0.0
-    last_report_s: float | None = None  # time.monotonic() of the latest report
 
 
-IDLE_GAP_S = 1.0  # a gap between two step reports longer than this is the engine idle, not a step
+IDLE_GAP_S = 1.0  # a gap between two engine steps longer than this is the engine waiting for work, not a step's time
 
 
 def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:

@@ -12,7 +12,7 @@ instance (instance attributes shadow the class's methods, vLLM's code is untouch
 - propose_s: the drafter (`propose_draft_token_ids`; 0 without speculation);
 - rest_s: the remainder of `sample_tokens` (state updates, copying tokens to the host);
 - gap_s: from the end of this step's `sample_tokens` to the start of the next step's `execute_model`: the
-  scheduler and the engine core's output handling. A gap over `IDLE_S` is the engine waiting for work and is
+  scheduler and the engine core's output handling. A gap over `IDLE_GAP_S` is the engine waiting for work and is
   counted as 0, as is the last step's;
 - requests, tokens, drafts: the step's shape (running requests, scheduled tokens, of which draft tokens).
 
@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-
-IDLE_S = 1.0  # a gap between steps longer than this is the engine idle between batches, not loop overhead
+from das.service.engine.contract import IDLE_GAP_S
 
 FIELDS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s", "requests", "tokens", "drafts")
 _GAP = FIELDS.index("gap_s")  # filled in when the next step starts
@@ -76,7 +75,7 @@ class RunnerStepTimer:
         def timed_execute(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
             start = clock()
             gap = start - self._last_end if self._last_end is not None else 0.0
-            if self._steps and gap <= IDLE_S:  # the gap belongs to the step before this one
+            if self._steps and gap <= IDLE_GAP_S:  # the gap belongs to the step before this one
                 self._steps[-1][_GAP] = gap
             self._current = {"forward_s": 0.0, "sample_s": 0.0, "propose_s": 0.0}
             try:

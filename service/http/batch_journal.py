@@ -244,10 +244,10 @@ class BatchJournal:
 
     def _entry_lines(self, entry: JournalEntry) -> bytes:
         out = encode_line({"op": "accepted", "id": entry.batch_id, "digest": entry.digest,
-                     "expected": entry.samples_expected, "t": entry.accepted_unix_s})
+                           "expected": entry.samples_expected, "t": entry.accepted_unix_s})
         if entry.status != "accepted":
-            out += encode_line({"op": "ended", "id": entry.batch_id, "status": entry.status, "samples": entry.samples,
-                          "t": entry.ended_unix_s})
+            out += encode_line({"op": "ended", "id": entry.batch_id, "status": entry.status,
+                                "samples": entry.samples, "t": entry.ended_unix_s})
         return out
 
     def _compact(self) -> None:

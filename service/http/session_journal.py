@@ -53,6 +53,13 @@ class SessionJournalConfig(BaseModel):
     fsync: bool = Field(True, description="fsync every write (off: tests only)")
 
 
+def _turn_record(session: Session, turn: TurnSummary, opened_s: float, last_s: float) -> bytes:
+    """One turn of `session` as a record line, its open and last-active times (wall clock, seconds) given."""
+    return encode_line({"op": "turn", "id": session.session_id, "problem": session.problem_id, "opened": opened_s,
+                        "turn": turn.model_dump(mode="json"), "engine": session.engine, "moves": session.moves,
+                        "context": session.context_tokens, "output": session.output_tokens, "last": last_s})
+
+
 def _parse(line: bytes) -> dict[str, Any]:
     """A record line (without its newline) checked; ValueError if its checksum, JSON or shape is wrong."""
     record = decode_line(line)
@@ -149,18 +156,12 @@ class SessionJournal:
 
     def _turn_line(self, session: Session, turn: TurnSummary) -> bytes:
         wall = time.time() - time.monotonic()  # the book's clock is monotonic; the file's is the wall clock
-        last = session.last_active_s + wall if session.ended_s is None else session.ended_s + wall
-        return encode_line({"op": "turn", "id": session.session_id, "problem": session.problem_id,
-                      "opened": session.opened_s + wall, "turn": turn.model_dump(mode="json"),
-                      "engine": session.engine, "moves": session.moves, "context": session.context_tokens,
-                      "output": session.output_tokens, "last": last})
+        last = session.last_active_s if session.ended_s is None else session.ended_s
+        return _turn_record(session, turn, session.opened_s + wall, last + wall)
 
     def _session_lines(self, session: Session) -> bytes:
         """A restored session (times already wall-clock) as turn records."""
-        return b"".join(encode_line({"op": "turn", "id": session.session_id, "problem": session.problem_id,
-                               "opened": session.opened_s, "turn": turn.model_dump(mode="json"),
-                               "engine": session.engine, "moves": session.moves, "context": session.context_tokens,
-                               "output": session.output_tokens, "last": session.last_active_s})
+        return b"".join(_turn_record(session, turn, session.opened_s, session.last_active_s)
                         for turn in session.turns)
 
     def _queue(self, line: bytes) -> None:

@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from das.service.engine.step_profile import IDLE_S, RunnerStepTimer, StepProfile, StepProfileExtension, device_sync
+from das.service.engine.contract import IDLE_GAP_S
+from das.service.engine.step_profile import RunnerStepTimer, StepProfile, StepProfileExtension, device_sync
 
 
 @dataclass
@@ -71,7 +72,7 @@ def test_each_part_of_a_step_is_timed_with_its_shape() -> None:
 def test_an_idle_engine_is_not_loop_overhead() -> None:
     runner = Runner(forward_s=0.0, sample_s=0.0, propose_s=None)
     timer = RunnerStepTimer(runner)
-    step(runner, SchedulerOutput({"a": 1}), gap_s=IDLE_S + 0.05)
+    step(runner, SchedulerOutput({"a": 1}), gap_s=IDLE_GAP_S + 0.05)
     step(runner, SchedulerOutput({"a": 1}))
     cols = timer.take()
     assert cols["gap_s"] == [0.0, 0.0] and cols["propose_s"] == [0.0, 0.0]
