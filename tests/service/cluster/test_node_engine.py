@@ -8,7 +8,7 @@ from pathlib import Path
 from das.service.backends.stub_engine import StubEngineConfig
 from das.service.cluster.history_store import HistoryPushConfig
 from das.service.cluster.node_engine import NodeEngine, NodeStats
-from das.service.wire.api import GroupRequest
+from das.service.wire.api import GroupRequest, SampleResult
 from tests.service.cluster.test_history_client import FlakyShard
 
 
@@ -22,7 +22,7 @@ def test_stats_count_the_rollouts_the_outbox_holds_and_those_it_gave_up(tmp_path
         group = GroupRequest(problem_id=problem, n=1, prompt_token_ids=[1, 2], sampling={"max_tokens": 3})
         samples = 0
         async for items in node.run(0, [(0, group)]):
-            samples += len(items)
+            samples += sum(isinstance(sample, SampleResult) for _, sample in items)
         return samples
 
     async def scenario() -> list[NodeStats]:
