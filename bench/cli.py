@@ -133,8 +133,9 @@ def bench_validate(
 
 
 def _budget_settings(spec: str, model: str) -> tuple[dict[str, Any], CostModel | None]:
-    """`das` (the length-aware budget on the engine's online cost fit, from the model's prior), `das:COST_MODEL`
-    (the same, from that cost model as prior), `uniform` or `classes` as budget-hook settings, with the cost
+    """`das` (the default budget on the engine's online cost fit, from the model's prior), `das-lengths` (das with
+    its K_i planned from acceptance counts), either with `:COST_MODEL` (the same, from that cost model as prior),
+    `uniform` or `classes` as budget-hook settings, with the cost
     model das starts from (None for uniform and classes)."""
     import dataclasses
 
@@ -143,12 +144,13 @@ def _budget_settings(spec: str, model: str) -> tuple[dict[str, Any], CostModel |
     policy, _, cost_name = spec.partition(":")
     if policy in ("uniform", "classes") and not cost_name:
         return {"policy": policy}, None
-    if policy == "das" and not cost_name:
-        return {"policy": "das"}, prior_cost_model(model)
-    if policy == "das":
-        cost = load_cost_model(cost_name)
-        return {"policy": "das", "prior": dataclasses.asdict(cost)}, cost
-    raise ValueError(f"--budget {spec!r}: expected das, das:COST_MODEL, uniform or classes")
+    if policy not in ("das", "das-lengths"):
+        raise ValueError(f"--budget {spec!r}: expected das, das-lengths, das:COST_MODEL, uniform or classes")
+    settings: dict[str, Any] = {"policy": "das"} if policy == "das" else {"policy": "das", "confidence": False}
+    if not cost_name:
+        return settings, prior_cost_model(model)
+    cost = load_cost_model(cost_name)
+    return {**settings, "prior": dataclasses.asdict(cost)}, cost
 
 
 def _command_line(ctx: typer.Context) -> str:
@@ -214,8 +216,9 @@ def bench_e2e(
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
     budget: Annotated[Optional[str], typer.Option(
-        help="das and das-service's draft budget: das (length-aware, on each engine's online cost fit from the "
-             "model's prior), das:COST_MODEL (the same from that prior), uniform or classes.")] = None,
+        help="das and das-service's draft budget: das (the default, on each engine's online cost fit from the "
+             "model's prior), das-lengths (das's K_i from acceptance counts), either as NAME:COST_MODEL (from that "
+             "prior), uniform or classes.")] = None,
     drift: Annotated[Optional[str], typer.Option(
         help="Comma-separated checkpoint directories, one loaded before each epoch after the first, in every arm "
              "(make them with `das models perturb`).")] = None,

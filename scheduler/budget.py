@@ -248,17 +248,30 @@ class OptimalPolicy:
     the model decides who drafts and how likely a token must be, the drafter's per-token estimate which tokens
     clear that bar. It depends on those estimates being calibrated; on the bundled traces they run low and the
     floor cuts good drafts (docs/design.md#from-the-optimum-to-a-step), so it is not the default.
+
+    With `confidence=True` (`das-confidence`) the plan prices each draft token by the drafter's own estimate
+    instead of planning K_i from counts (`confidence_plan`): every request may verify up to K_max tokens, each only
+    while its estimated acceptance pays for its verification.
     """
 
-    def __init__(self, per_token: bool = False, exact_tokens: bool = False) -> None:
+    def __init__(self, per_token: bool = False, exact_tokens: bool = False, confidence: bool = False) -> None:
+        if confidence and (per_token or exact_tokens):
+            raise ValueError("OptimalPolicy: confidence replaces the optimum's K_i; it takes neither per_token nor "
+                             "exact_tokens")
         self.per_token = per_token
         self.exact_tokens = exact_tokens
-        self.name = ("das-token" if per_token else "das") + ("-exact" if exact_tokens else "")
+        self.confidence = confidence
+        self.name = ("das" if confidence else "das-token" if per_token else "das-lengths") + (
+            "-exact" if exact_tokens else "")
 
     def draft_lengths(self, batch: BatchState) -> np.ndarray:
+        if self.confidence:
+            return confidence_plan(batch).lengths
         return solve_budget(batch, self.exact_tokens).draft_lengths
 
     def plan(self, batch: BatchState) -> DraftPlan:
+        if self.confidence:
+            return confidence_plan(batch)
         solution = solve_budget(batch, self.exact_tokens)
         if not self.per_token:
             return DraftPlan(solution.draft_lengths, np.zeros(len(batch)))
@@ -315,6 +328,39 @@ def solve_budget(batch: BatchState, exact_tokens: bool = False) -> BudgetSolutio
     marginal = np.full(n, np.inf)
     marginal[rows] = q[rows, k[rows] - 1] if batch.c_tok_s > 0.0 else 0.0
     return BudgetSolution(x, proposed, k, marginal)
+
+
+# Length forecasts of samples at T > 0 are off by tens of percent; `confidence_plan` treats requests predicted within
+# a factor of two of each other as equally likely to be the batch's straggler.
+FORECAST_SPREAD = 0.5
+
+
+def confidence_plan(batch: BatchState) -> DraftPlan:
+    """Every request may verify up to K_max draft tokens, each while the drafter's estimate p that it (and every one
+    before it) is accepted is at least the request's price
+
+        floor_i = c_draft / (c_draft + t / m_i),    c_draft = c_tok + c_spec / K_max,   t = c_base + c_tok n,
+
+    where n is the batch's size and m_i = #{j : l_j >= FORECAST_SPREAD l_i} the requests that may run at least as
+    long as i (forecasts within a factor 1 / FORECAST_SPREAD of each other do not tell which one ends last). A
+    draft token costs its verification, c_draft (the token plus its share of a full draft's fixed price, the
+    guard's included), whether it holds or not. An accepted one advances its request by a token, which shortens
+    the batch only if every request at least as long advances too: a step of t saved for m_i accepted tokens, t /
+    m_i each. The draft pays where p (c_draft + t / m_i) >= c_draft, i.e. p >= floor_i: the batch's longest
+    request (m = 1) drafts down to c_draft / (c_draft + t), a batch of many equally long ones only what is about
+    as likely as not to hold. This asks the drafter's probabilities to be calibrated and spends nothing from the
+    request's acceptance counts: a new request whose context repeats itself drafts at its first step. The length
+    forecast acts through the ranks alone. Vectorised: a sort and a few numpy calls over n."""
+    n = len(batch)
+    rem = batch.remaining
+    if n == 0 or batch.k_max == 0 or batch.c_base_s == 0.0:
+        return DraftPlan(np.zeros(n, dtype=np.int32), np.full(n, np.inf))
+    c_draft = batch.c_tok_s + batch.c_spec_s / batch.k_max
+    at_least_as_long = n - np.sort(rem).searchsorted(rem * FORECAST_SPREAD, "left")
+    value = (batch.c_base_s + batch.c_tok_s * n) / at_least_as_long
+    live = rem > 0.0
+    floor = np.where(live, c_draft / (c_draft + value), np.inf)
+    return DraftPlan(np.where(live, batch.k_max, 0).astype(np.int32), floor)
 
 
 def _without_drafts(n: int, l_max: float) -> BudgetSolution:

@@ -231,7 +231,7 @@ class PolicyBudget:
         return out
 
 
-_POLICY_OPTIONS = {"das": {"per_token", "exact_tokens"}, "uniform": {"k"}, "classes": {"long", "medium", "short"}}
+_POLICY_OPTIONS = {"das": {"per_token", "exact_tokens", "confidence"}, "uniform": {"k"}, "classes": {"long", "medium", "short"}}
 _COEFFICIENTS = ("c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s")
 
 
@@ -241,8 +241,11 @@ class BudgetSettings(BaseModel):
 
     `policy` (scheduler/policies.py POLICIES); for uniform `k` (tokens per request per step; default K_max); for
     classes `long`, `medium`, `short` (tokens by predicted length class; scheduler/budget.py `ClassPolicy`
-    defaults); for das `per_token` (up to K_max tokens above a per-token probability floor instead of the model's
-    K_i) and `exact_tokens` (the token term charges only the draft tokens expected to be rejected). For every
+    defaults); for das `confidence` (up to K_max tokens while the drafter's estimate pays for each:
+    scheduler/budget.py `confidence_plan`; the default, unless `per_token` or `exact_tokens` is set; False: the
+    optimum's K_i from acceptance counts, `das-lengths`), `per_token` (up to K_max tokens above the K_i's marginal
+    as a per-token floor) and `exact_tokens` (that optimum's token term charges only the draft tokens expected to
+    be rejected). For every
     policy the step cost model the budget starts from: `prior` (CostModel fields; default `GENERIC_PRIOR`) or its
     coefficients alone (`c_base_s`, `c_tok_s`, `c_spec_s`, `c_spec_req_s`, seconds); `online` (fit it from the
     engine's own steps; False: keep the prior), `guard` (the never-a-loss guard; default: on for das only, the
@@ -258,6 +261,7 @@ class BudgetSettings(BaseModel):
     short: int | None = Field(None, ge=0)
     per_token: bool | None = None
     exact_tokens: bool | None = None
+    confidence: bool | None = None
     prior: dict[str, Any] | None = None
     c_base_s: float | None = Field(None, ge=0, allow_inf_nan=False)
     c_tok_s: float | None = Field(None, ge=0, allow_inf_nan=False)
@@ -269,10 +273,13 @@ class BudgetSettings(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> BudgetSettings:
-        options = {"k", "long", "medium", "short", "per_token", "exact_tokens"}
+        options = {"k", "long", "medium", "short", "per_token", "exact_tokens", "confidence"}
         foreign = sorted(name for name in options - _POLICY_OPTIONS[self.policy] if getattr(self, name) is not None)
         if foreign:
             raise ValueError(f"unknown budget settings for policy {self.policy!r}: {foreign}")
+        if self.confidence and (self.per_token or self.exact_tokens):
+            raise ValueError("the das budget's confidence floor replaces the optimum's K_i: it takes neither "
+                             "per_token nor exact_tokens")
         if self.prior is not None and self.coefficients():
             raise ValueError("give the budget's cost model as prior or as its coefficients, not both")
         self.cost_prior()  # a prior that is not a cost model fails here, not in the engine
@@ -308,7 +315,9 @@ class BudgetSettings(BaseModel):
         if self.policy == "classes":
             return ClassPolicy(**{key: value for key in ("long", "medium", "short")
                                   if (value := getattr(self, key)) is not None})
-        return OptimalPolicy(per_token=bool(self.per_token), exact_tokens=bool(self.exact_tokens))
+        per_token, exact_tokens = bool(self.per_token), bool(self.exact_tokens)
+        confidence = self.confidence if self.confidence is not None else not (per_token or exact_tokens)
+        return OptimalPolicy(per_token=per_token, exact_tokens=exact_tokens, confidence=confidence)
 
 
 def budget_hook_from_config(config: BudgetSettings | Mapping[str, Any], k_max: int) -> BudgetHook:

@@ -50,17 +50,20 @@ from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import Placement, place_groups, round_robin
 from das.scheduler.policies import POLICIES
 
-ARMS = ("none", "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das")
+ARMS = ("none", "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das-lengths", "das")
 PLACEMENTS = ("round-robin", "length-aware")
 
 
 def arm_settings(name: str) -> BudgetSettings | None:
     """An arm's budget as the engine's settings (one list of policies: scheduler/policies.py): none (None: no
-    speculation at all, the drafter is not consulted), uniform-K, classes, das, and das-token (das, per token)."""
+    speculation at all, the drafter is not consulted), uniform-K, classes, das (its default: per-token confidence),
+    das-lengths (das's K_i from acceptance counts) and das-token (those K_i's marginal as a per-token floor)."""
     if name == "none":
         return None
     if name == "das-token":
         return BudgetSettings(policy="das", per_token=True)
+    if name == "das-lengths":
+        return BudgetSettings(policy="das", confidence=False)
     policy, _, k = name.partition("-")
     if policy == "uniform" and k.isdigit():
         return BudgetSettings(policy="uniform", k=int(k))

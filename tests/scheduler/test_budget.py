@@ -203,6 +203,32 @@ def test_plan_per_token_and_by_lengths():
         assert plan.min_prob.tolist() == [0.0] * 16
 
 
+def test_confidence_prices_each_draft_token_by_the_requests_that_must_advance_with_it():
+    b = batch([400.0, 190.0, 190.0, 0.0], ratio=0.6, c_base_s=30e-3, c_tok_s=2e-3, k_max=8, c_spec_s=4e-3)
+    plan = OptimalPolicy(confidence=True).plan(b)
+    c_draft, step = 2e-3 + 4e-3 / 8, 30e-3 + 2e-3 * 4
+    assert plan.lengths.tolist() == [8, 8, 8, 0]  # a request with nothing left drafts nothing
+    # the longest alone decides the batch's end (the others are predicted under half its length); the two tied ones
+    # save a step only if the longest advances too
+    np.testing.assert_allclose(plan.min_prob[:3], [c_draft / (c_draft + step)] + [c_draft / (c_draft + step / 3)] * 2)
+    assert plan.min_prob[3] == np.inf and plan.explored is None
+    many = OptimalPolicy(confidence=True).plan(batch([300.0] * 64, c_base_s=30e-3, c_tok_s=2e-3, k_max=8))
+    assert np.all(many.min_prob > 0.4)  # 64 equally long: a draft token must be about as likely as not
+    near = OptimalPolicy(confidence=True).plan(batch([400.0, 210.0], c_base_s=30e-3, c_tok_s=2e-3, k_max=8))
+    assert near.min_prob[0] == near.min_prob[1]  # within a factor of two: either may end last
+    # the counts play no part: a request whose measured acceptance is nil is priced the same
+    cold = BatchState(b.remaining, np.zeros((4, 8)), b.c_base_s, b.c_tok_s, 8, b.c_spec_s)
+    np.testing.assert_array_equal(OptimalPolicy(confidence=True).plan(cold).min_prob, plan.min_prob)
+    # a dearer drafted step (the guard's price rides on c_spec) raises every floor
+    dear = BatchState(b.remaining, b.acceptance, b.c_base_s, b.c_tok_s, 8, c_spec_s=0.1)
+    assert np.all(OptimalPolicy(confidence=True).plan(dear).min_prob[:3] > plan.min_prob[:3])
+    assert OptimalPolicy(confidence=True).draft_lengths(b).tolist() == [8, 8, 8, 0]
+    assert OptimalPolicy(confidence=True).name == "das"
+    assert OptimalPolicy(confidence=True).plan(batch([10.0], k_max=0)).lengths.tolist() == [0]
+    with pytest.raises(ValueError, match="neither per_token nor exact_tokens"):
+        OptimalPolicy(per_token=True, confidence=True)
+
+
 # --- the baselines --------------------------------------------------------------------------------------------
 
 def test_policies_share_the_interface():
@@ -212,7 +238,7 @@ def test_policies_share_the_interface():
         k = policy.draft_lengths(b)
         assert k.dtype == np.int32 and k.shape == (3,) and np.all((k >= 0) & (k <= 16))
     assert [UniformPolicy(4).name, ClassPolicy().name, ClassPolicy(short=0).name, OptimalPolicy().name] == \
-        ["uniform-4", "classes", "classes-16-8-0", "das"]
+        ["uniform-4", "classes", "classes-16-8-0", "das-lengths"]
     np.testing.assert_array_equal(OptimalPolicy().draft_lengths(b), solve_budget(b).draft_lengths)
 
 

@@ -29,12 +29,22 @@ def views(*remaining: int, max_tokens: int = 1000) -> BatchView:
     return batch_view([0] * len(remaining), [float(r) for r in remaining], [max_tokens] * len(remaining))
 
 
-def test_default_is_the_length_aware_budget_on_an_online_fit_from_the_generic_prior():
+def test_default_is_the_confidence_budget_on_an_online_fit_from_the_generic_prior():
     hook = budget_hook_from_config({}, k_max=6)
     assert hook.name == "das" and hook.fit is not None and hook.guard is not None
     assert hook.cost == GENERIC_PRIOR
     plan = hook.plan(views(*([10] * 31), 500))
+    # everyone may draft; the long one's tokens need far less confidence than the short ones'
+    assert plan.lengths.tolist() == [6] * 32 and plan.min_prob[-1] < 0.1 < 0.5 < plan.min_prob[:-1].min()
+
+
+def test_das_lengths_plans_k_from_acceptance_counts():
+    hook = budget_hook_from_config({"confidence": False}, k_max=6)
+    assert hook.name == "das-lengths"
+    plan = hook.plan(views(*([10] * 31), 500))
     assert plan.lengths[-1] > 0 and plan.lengths[:-1].max() == 0  # the long one drafts, the short ones not
+    assert budget_hook_from_config({"per_token": True}, k_max=6).name == "das-token"
+    assert budget_hook_from_config({"exact_tokens": True}, k_max=6).name == "das-lengths-exact"
 
 
 def test_uniform_k_max():
@@ -50,7 +60,7 @@ def test_the_budget_reads_the_live_fit_each_step():
     rng = np.random.default_rng(0)
     plans = {}
     for label, (c_base, c_tok) in {"memory-bound": (20e-3, 2e-6), "compute-bound": (20e-3, 2e-3)}.items():
-        hook = budget_hook_from_config({"prior": {"name": "p", "c_base_s": 20e-3, "c_tok_s": 0.2e-3,
+        hook = budget_hook_from_config({"confidence": False, "prior": {"name": "p", "c_base_s": 20e-3, "c_tok_s": 0.2e-3,
                                                   "source": "test"}}, k_max=8)
         for _ in range(400):
             n = int(rng.integers(8, 200))
@@ -63,8 +73,8 @@ def test_the_budget_reads_the_live_fit_each_step():
 def test_a_dear_drafted_step_switches_drafting_off_where_it_would_pay_per_token():
     batch = views(*([200] * 16))
     drafter = DrafterParams(geometric_acceptance(0.5, 16, 8))
-    cheap = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
-    dear = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 200e-3, "online": False},
+    cheap = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    dear = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 200e-3, "online": False},
                                    k_max=8)
     assert cheap.plan(batch, drafter).lengths.min() > 0
     assert dear.plan(batch, drafter).lengths.max() == 0
@@ -72,7 +82,7 @@ def test_a_dear_drafted_step_switches_drafting_off_where_it_would_pay_per_token(
 
 def test_the_drafted_step_price_is_read_at_the_batch_size():
     """A price per running request: the same requests drafting pay it in a batch of 2, not in one of 64."""
-    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 2e-3, "c_spec_req_s": 4e-3,
+    hook = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 2e-3, "c_spec_req_s": 4e-3,
                                     "online": False}, k_max=8)
     tail = hook.plan(views(200, 180), DrafterParams(geometric_acceptance(0.5, 2, 8)))
     full = hook.plan(views(*([200] * 64)), DrafterParams(geometric_acceptance(0.5, 64, 8)))
@@ -86,7 +96,7 @@ def losing(hook, steps: int = 200) -> None:
 
 def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win():
     """At the top price a batch whose drafts pay modestly drafts nothing; winning drafted steps bring it back."""
-    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    hook = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
     modest = (views(*([300] * 16)), DrafterParams(geometric_acceptance(0.6, 16, 8)))
     assert hook.plan(*modest).lengths.min() > 0
     losing(hook)
@@ -101,17 +111,37 @@ def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win
 def test_a_raised_guard_leaves_drafts_that_always_hold_at_k_max_and_unfiltered():
     """The guard prices drafted steps; it does not filter draft tokens by the drafter's own probabilities (a
     continuation seen once is rated 1/3): drafts measured to hold ~100% still pay at the top price."""
-    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    hook = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
     losing(hook)
     plan = hook.plan(views(*([200] * 8)), DrafterParams(geometric_acceptance(0.99, 8, 8)))
     assert plan.lengths.tolist() == [8] * 8 and plan.min_prob.tolist() == [0.0] * 8
+
+
+def test_the_confidence_floors_follow_the_live_fit_and_the_guard():
+    """The default budget's floors: near 0 where tokens are nearly free (memory-bound), high for a batch of many
+    equally long requests where they are dear (compute-bound); a guard at its top price raises every floor."""
+    batch = views(*([300] * 32))
+    floors = {}
+    for label, c_tok in {"memory-bound": 2e-6, "compute-bound": 2e-3}.items():
+        hook = budget_hook_from_config({"prior": {"name": "p", "c_base_s": 20e-3, "c_tok_s": 0.2e-3,
+                                                  "source": "test"}}, k_max=8)
+        for n in range(8, 200, 3):
+            hook.observe(StepSample(20e-3 + c_tok * n, n, n, 0, 0))
+        floors[label] = hook.plan(batch).min_prob
+    assert floors["memory-bound"].max() < 0.02 and floors["compute-bound"].min() > 0.3
+    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    calm = hook.plan(views(200, 150, 40)).min_prob
+    losing(hook)
+    assert hook.guard.price == GUARD_PRICES[-1]
+    raised = hook.plan(views(200, 150, 40)).min_prob
+    assert np.all(raised > calm + 0.05)
 
 
 def test_exploration_tokens_go_out_under_a_raised_guard_so_it_can_come_down():
     """With the guard at its top price the optimum leaves new requests of poor prior acceptance without drafts:
     exploration still gives each one token at the step's real price (floor 0), or nothing is verified, no request
     gets measured and the guard (which moves on drafted steps) only comes down by relaxing."""
-    hook = budget_hook_from_config({"c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    hook = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
     losing(hook)
     assert hook.guard.price == GUARD_PRICES[-1]
     plan = hook.plan(views(*([200] * 8)), DrafterParams(geometric_acceptance(0.05, 8, 8), np.ones(8, bool), 0.0))
@@ -206,6 +236,8 @@ def test_remaining_uses_the_prediction_capped_by_max_tokens_and_at_least_one():
     ({"policy": "uniform", "k": -1}, "k\n  Input should be greater than or equal to 0"),
     ({"policy": "uniform", "long": 8}, r"unknown budget settings for policy 'uniform': \['long'\]"),
     ({"policy": "classes", "exact_tokens": True}, r"unknown budget settings for policy 'classes': \['exact_tokens'\]"),
+    ({"policy": "uniform", "confidence": True}, r"unknown budget settings for policy 'uniform': \['confidence'\]"),
+    ({"policy": "das", "confidence": True, "per_token": True}, "takes neither per_token nor exact_tokens"),
     ({"prior": {"name": "p"}, "c_base_s": 1.0}, "not both"),
     ({"c_base_s": 0.0, "c_tok_s": 0.0}, "not both 0"),
 ])
@@ -233,7 +265,7 @@ def test_a_length_curve_keeps_a_sample_that_outlives_its_prediction_in_the_budge
                         [None, curve, curve, curve])
     # fixed, curved, curved under a cap, and the tail model: 700 * (1 + 1)
     assert both.remaining().tolist() == [1.0, 400.0, 150.0, 700.0]
-    hook = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5}, k_max=16)
+    hook = budget_hook_from_config({"confidence": False, "policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5}, k_max=16)
     generated, predicted, caps = [20] * 15 + [150], [40.0] * 15 + [100.0], [1000] * 16
     curved = batch_view(generated, predicted, caps, [None] * 15 + [curve])
     fixed = batch_view(generated, predicted, caps)

@@ -92,7 +92,7 @@ def test_cli_labels_everything_as_simulated(tmp_path):
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
     assert doc["simulated"] is True and set(doc["arms"]) == {"none", "uniform-4", "uniform-8", "uniform-16",
-                                                            "classes", "das-token", "das"}
+                                                            "classes", "das-token", "das-lengths", "das"}
     assert set(doc["placement"]) == {"round-robin", "length-aware"}
     assert set(doc["references"]) == {"every_group_alone", "oracle_lengths", "drafts_free"}
     assert {"every-group-alone/round-robin", "oracle-lengths/das", "drafts-free/none"} <= set(doc["ratios"])
