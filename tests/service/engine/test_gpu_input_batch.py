@@ -111,7 +111,8 @@ def test_the_proposer_drafts_a_siblings_tokens_through_the_gpu_builds_input_batc
     second_steps = decode(drafter, runner, "b", RequestTags("p", key="b"))
     second = drafter.pop_counts(["b"])["b"]
     assert first.accepted == 0 and first_steps == len(RESPONSE)
-    assert second.accepted >= 8 and second_steps < first_steps and drafter.failures == 0
+    # a cold calibrator rates a continuation seen once at 1/3 a token: the default plan drafts 1-3 tokens a step
+    assert second.accepted >= 6 and second_steps < first_steps and drafter.failures == 0
 
 
 def test_rows_follow_the_input_batchs_order_after_a_request_leaves(gpu_batch_module):

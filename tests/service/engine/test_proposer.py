@@ -92,15 +92,19 @@ def test_without_the_runner_it_proposes_nothing():
     assert proposer.propose([[1], [2]], np.array([3, 3]), np.zeros((2, 8), np.int32)) == [[], []]
 
 
-def test_a_second_sample_of_a_problem_drafts_the_first_and_counts_what_was_accepted():
-    proposer, runner = attached()
+@pytest.mark.parametrize("budget, least_accepted", [
+    # K_i from counts: a draft of up to 4 tokens per step, all right: 12 tokens in ceil(12 / 5) + a few steps
+    ({"confidence": False}, 8),
+    # the default: a cold calibrator rates a continuation seen once at 1/3 a token, so 1-3 tokens a step at first
+    ({}, 6)])
+def test_a_second_sample_of_a_problem_drafts_the_first_and_counts_what_was_accepted(budget, least_accepted):
+    proposer, runner = attached(budget=budget)
     run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
     first = proposer.pop_counts(["a"])["a"]
     run_sample(proposer, runner, "b", RequestTags("p", key="b"), RESPONSE)
     second = proposer.pop_counts(["b"])["b"]
     assert first.accepted == 0
-    # a draft of up to 4 tokens per step, all right: 12 tokens in ceil(12 / 5) + a few steps
-    assert second.accepted >= 8 and second.proposed >= second.accepted
+    assert second.accepted >= least_accepted and second.proposed >= second.accepted
     assert second.steps < first.steps
     assert proposer.pop_counts(["b"]) == {}  # returned once
 
