@@ -249,9 +249,10 @@ class OptimalPolicy:
     clear that bar. It depends on those estimates being calibrated; on the bundled traces they run low and the
     floor cuts good drafts (docs/design.md#from-the-optimum-to-a-step), so it is not the default.
 
-    With `confidence=True` (`das-confidence`) the plan prices each draft token by the drafter's own estimate
-    instead of planning K_i from counts (`confidence_plan`): every request may verify up to K_max tokens, each only
-    while its estimated acceptance pays for its verification.
+    With `confidence=True` (`das`, what `BudgetSettings` builds by default) the plan prices each draft token by the
+    drafter's own estimate instead of planning K_i from counts (`confidence_plan`): every request may verify up to
+    K_max tokens, each only while its estimated acceptance pays for its verification; it reads no acceptance
+    counts (`reads_acceptance`).
     """
 
     def __init__(self, per_token: bool = False, exact_tokens: bool = False, confidence: bool = False) -> None:
@@ -263,6 +264,11 @@ class OptimalPolicy:
         self.confidence = confidence
         self.name = ("das" if confidence else "das-token" if per_token else "das-lengths") + (
             "-exact" if exact_tokens else "")
+
+    @property
+    def reads_acceptance(self) -> bool:
+        """Whether the plan reads BatchState.acceptance (the confidence plan does not)."""
+        return not self.confidence
 
     def draft_lengths(self, batch: BatchState) -> np.ndarray:
         if self.confidence:

@@ -82,7 +82,7 @@ class DraftStep:
         budget view and draft_room[r] >= 0 the most draft tokens it may verify (its room before its output cap or
         the context; 0: no draft, no shadow draft). Drafts are cut before their first token >= vocab_size (0: no
         cut). Returns the drafts and the plan they came from (K_i before the caps)."""
-        plan = self.budget.plan(view, self.acceptance.params(slots))
+        plan = self.budget.plan(view, self.acceptance.params(slots) if self.budget.reads_acceptance else None)
         k = np.minimum(np.minimum(plan.lengths, draft_room), self.k_max).astype(np.int32)
         shadow_room = np.where(k == 0, np.minimum(draft_room, self.k_max), 0).astype(np.int32)
         drafts = self.bank.draft_step(bank_slots, table, ends, k, np.asarray(plan.min_prob, np.float64), shadow_room,

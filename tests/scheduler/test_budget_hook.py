@@ -270,3 +270,11 @@ def test_a_length_curve_keeps_a_sample_that_outlives_its_prediction_in_the_budge
     curved = batch_view(generated, predicted, caps, [None] * 15 + [curve])
     fixed = batch_view(generated, predicted, caps)
     assert hook.plan(curved).lengths[-1] > hook.plan(fixed).lengths[-1]
+
+
+def test_only_the_counts_based_plans_read_acceptance():
+    """The proposer estimates per-request acceptance every step only for a hook that reads it."""
+    reads = {name: budget_hook_from_config(config, k_max=8).reads_acceptance for name, config in {
+        "das": {}, "das-lengths": {"confidence": False}, "das-token": {"per_token": True},
+        "uniform": {"policy": "uniform"}, "classes": {"policy": "classes"}}.items()}
+    assert reads == {"das": False, "das-lengths": True, "das-token": True, "uniform": False, "classes": False}

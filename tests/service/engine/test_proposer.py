@@ -299,8 +299,9 @@ def test_measured_acceptance_by_position_is_recorded_per_request_and_pooled():
 def test_a_request_without_drafts_is_measured_by_shadow_drafts_vllm_never_sees():
     """The plan drafts nothing; the sample's continuation is in its problem's history. Its shadow drafts (up to
     K_max tokens, settled over the next plain steps) are all right, and their outcomes reach the acceptance
-    counts the budget reads, per request and pooled, while every draft handed to vLLM is empty."""
-    proposer, runner = attached(k=4, drafter={"shadow_gap": 0})
+    counts the budget reads (das-lengths: the confidence plan reads none), per request and pooled, while every draft
+    handed to vLLM is empty."""
+    proposer, runner = attached(k=4, drafter={"shadow_gap": 0}, budget={"confidence": False})
     proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), tuple(RESPONSE))])
     plans = []
 
