@@ -36,7 +36,7 @@ or all l_i = 0, nobody drafts.
 Per step: K_i is the draft length of the optimum; re-solving every step with the updated l_i (receding horizon) is
 what moves drafts to everyone when few requests remain.
 
-Cost of `OptimalPolicy().draft_lengths` on the 2-core development VM (idle):
+Cost of `OptimalPolicy(confidence=False).draft_lengths` on the 2-core development VM (idle):
 120 us for 8 requests, 120 us for 64 equal ones, 130 us for 256 long-tailed ones (most cannot draft: l_i <= N_min),
 200 us for 256 within 10% of each other at K_max = 8 (2,048 thresholds sorted). It is ~40 numpy calls of 2-3 us
 each plus the sort, not arithmetic: 0.1-0.2% of a CPU step here, ~0.5% of a 30 ms step of 256 requests on a GPU.
@@ -249,16 +249,18 @@ class OptimalPolicy:
     clear that bar. It depends on those estimates being calibrated; on the bundled traces they run low and the
     floor cuts good drafts (docs/design.md#from-the-optimum-to-a-step), so it is not the default.
 
-    With `confidence=True` (`das`, what `BudgetSettings` builds by default) the plan prices each draft token by the
-    drafter's own estimate instead of planning K_i from counts (`confidence_plan`): every request may verify up to
-    K_max tokens, each only while its estimated acceptance pays for its verification; it reads no acceptance
-    counts (`reads_acceptance`).
+    With `confidence=True` (`das`: the default unless `per_token` or `exact_tokens` is set) the plan prices each
+    draft token by the drafter's own estimate instead of planning K_i from counts (`confidence_plan`): every request
+    may verify up to K_max tokens, each only while its estimated acceptance pays for its verification; it reads no
+    acceptance counts (`reads_acceptance`). `confidence=False` keeps the counts-based optimum (`das-lengths`).
     """
 
-    def __init__(self, per_token: bool = False, exact_tokens: bool = False, confidence: bool = False) -> None:
+    def __init__(self, per_token: bool = False, exact_tokens: bool = False, confidence: bool | None = None) -> None:
+        if confidence is None:
+            confidence = not (per_token or exact_tokens)
         if confidence and (per_token or exact_tokens):
-            raise ValueError("OptimalPolicy: confidence replaces the optimum's K_i; it takes neither per_token nor "
-                             "exact_tokens")
+            raise ValueError("the das budget's confidence floor replaces the optimum's K_i: it takes neither "
+                             "per_token nor exact_tokens")
         self.per_token = per_token
         self.exact_tokens = exact_tokens
         self.confidence = confidence

@@ -287,9 +287,7 @@ class BudgetSettings(BaseModel):
         foreign = sorted(name for name in options - _POLICY_OPTIONS[self.policy] if getattr(self, name) is not None)
         if foreign:
             raise ValueError(f"unknown budget settings for policy {self.policy!r}: {foreign}")
-        if self.confidence and (self.per_token or self.exact_tokens):
-            raise ValueError("the das budget's confidence floor replaces the optimum's K_i: it takes neither "
-                             "per_token nor exact_tokens")
+        self.budget_policy(1)  # combinations a policy refuses fail here, where the service starts
         if self.prior is not None and self.coefficients():
             raise ValueError("give the budget's cost model as prior or as its coefficients, not both")
         self.cost_prior()  # a prior that is not a cost model fails here, not in the engine
@@ -325,9 +323,8 @@ class BudgetSettings(BaseModel):
         if self.policy == "classes":
             return ClassPolicy(**{key: value for key in ("long", "medium", "short")
                                   if (value := getattr(self, key)) is not None})
-        per_token, exact_tokens = bool(self.per_token), bool(self.exact_tokens)
-        confidence = self.confidence if self.confidence is not None else not (per_token or exact_tokens)
-        return OptimalPolicy(per_token=per_token, exact_tokens=exact_tokens, confidence=confidence)
+        return OptimalPolicy(per_token=bool(self.per_token), exact_tokens=bool(self.exact_tokens),
+                             confidence=self.confidence)
 
 
 def budget_hook_from_config(config: BudgetSettings | Mapping[str, Any], k_max: int) -> BudgetHook:

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from das.service.backends.pause_gate import PauseGate
 from das.service.engine.contract import EngineInputError, EngineTally, context_error, validate_rollouts
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.wire.sample_progress import SampleProgress
@@ -59,11 +60,9 @@ class StubEngine:
         self.policy_version = 0
         self.tally = EngineTally()
         self.history_records = 0
-        self._mode: PauseMode | None = None  # None: not paused
-        self._abort_epoch = 0  # bumped by every abort: samples in flight before it end "abort"
+        self._gate = PauseGate()
         self._groups = 0  # groups in flight (held ones excluded)
         self._unfinished = 0  # samples of the groups in flight not yet yielded
-        self._changed = asyncio.Event()  # replaced on every state change; waiters wait on the one they saw
         self.dead = False  # no engine core that could die
         self.tokens_made: Counter[str] = Counter()  # per problem_id, tokens generated (tests see a sample stop)
 
@@ -100,15 +99,13 @@ class StubEngine:
         if group.sampling.seed is None:  # as Engine.generate, with a fixed seed: the stub is deterministic
             (group,) = seeded_groups([group], 0)
         length = min(self.config.tokens, group.sampling.max_tokens)
-        if self._mode in ("abort", "wait") and self.config.pause_behavior == "reject":
+        if self._gate.mode in ("abort", "wait") and self.config.pause_behavior == "reject":
             for index in range(group.n):
                 yield SampleResult(problem_id=group.problem_id, sample_index=index, token_ids=[], logprobs=[],
                                    finish_reason="error", policy_version=self.policy_version, prompt_token_ids=prompt,
-                                   error=f"the engine is paused ({self._mode}) and rejects new requests")
+                                   error=f"the engine is paused ({self._gate.mode}) and rejects new requests")
             return
-        epoch = self._abort_epoch
-        while self._mode is not None and self._abort_epoch == epoch:  # held while paused, as vLLM queues them
-            await self._changed.wait()
+        epoch = await self._gate.admit()
         if group.problem_id == self.config.exit_on_problem:
             os._exit(1)
         start = time.perf_counter()
@@ -124,14 +121,12 @@ class StubEngine:
                 tokens = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
                 resumed = len(tokens)
                 spans: list[tuple[int, int]] = []
-                while len(tokens) < length and self._abort_epoch == epoch:
-                    if self._mode == "keep":
-                        await self._changed.wait()
-                        continue
+                while len(tokens) < length and self._gate.abort_epoch == epoch:
+                    await self._gate.unfrozen(epoch)
                     version = self.policy_version  # the weights of this token's step
                     if pace:
                         await asyncio.sleep(pace)
-                    if self._abort_epoch != epoch:
+                    if self._gate.abort_epoch != epoch:
                         break
                     if not spans or spans[-1][0] != version:
                         spans.append((version, len(tokens)))
@@ -156,38 +151,28 @@ class StubEngine:
             self.tally.running -= group.n
             self._groups -= 1
             self._unfinished -= group.n - yielded
-            self._notify()
+            self._gate.notify()
 
     # ---- pause (vLLM's RL control plane) ----
 
     async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         """As `Engine.pause`; `clear_cache` has nothing to clear here."""
-        self._mode = mode
-        if mode == "abort":
-            self._abort_epoch += 1
-        self._notify()
+        self._gate.pause(mode)
         if mode == "wait":
-            while self._groups:
-                await self._changed.wait()
+            await self._gate.until(lambda: not self._groups)
 
     async def resume(self) -> None:
-        self._mode = None
-        self._notify()
+        self._gate.resume()
 
     async def is_paused(self) -> bool:
-        return self._mode is not None
+        return self._gate.mode is not None
 
     async def abort_samples(self) -> int:
         """Ends the samples in flight (held groups included) with finish_reason "abort"; returns how many of the
         groups in flight were unfinished (held groups' samples are not counted)."""
         aborted = self._unfinished
-        self._abort_epoch += 1
-        self._notify()
+        self._gate.abort()
         return aborted
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
 
     async def reload_weights(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int:
         new = self.policy_version + 1 if version is None else version

@@ -13,9 +13,10 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
+from das.service.backends.pause_gate import PauseGate
 from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
@@ -47,26 +48,17 @@ class HistoryUnavailable(Exception):
 
 @dataclass(frozen=True)
 class EngineLoad:
-    """One engine's queues and proposer cost at its latest report. Speculate times in seconds (None: the engine
-    does not run our proposer). `drafts_by_source`: source kind -> (draft tokens proposed, accepted) since the
-    engine started. `prompt_tokens`, `cached_prompt_tokens`: prompt tokens of the requests it scheduled since it
-    started, and of those the ones its prefix cache held; `steps`, `busy_s`, `draft_tokens`, `accepted_tokens`: its
-    steps, their seconds, and the draft tokens vLLM verified and accepted, whatever the speculative method
-    (EngineTally)."""
+    """One engine's counters and proposer cost at its latest report: `tally`, its queues, steps, prefix-cache and
+    verified draft counts (EngineTally, whatever the speculative method); speculate times in seconds (None: the
+    engine does not run our proposer); `drafts_by_source`: source kind -> (draft tokens proposed, accepted) by our
+    proposer since the engine started; `step_cost`: the live cost fit (budget_hook.PolicyBudget.stats)."""
 
     engine: str
-    running: int
-    waiting: int
+    tally: EngineTally = field(default_factory=EngineTally)
     speculate_p50_s: float | None = None
     speculate_p99_s: float | None = None
     drafts_by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
-    step_cost: dict[str, Any] = field(default_factory=dict)  # the live cost fit (budget_hook.PolicyBudget.stats)
-    prompt_tokens: int = 0
-    cached_prompt_tokens: int = 0
-    steps: int = 0
-    busy_s: float = 0.0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
+    step_cost: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, engine: str, tally: EngineTally, drafter: dict[str, Any] | None = None) -> EngineLoad:
@@ -75,11 +67,8 @@ class EngineLoad:
         drafter = drafter or {}
         p50, p99 = drafter.get("step_us_p50"), drafter.get("step_us_p99")
         by_source = {kind: (c["proposed"], c["accepted"]) for kind, c in drafter.get("by_source", {}).items()}
-        return cls(engine, tally.running, tally.waiting, p50 / 1e6 if p50 is not None else None,
-                   p99 / 1e6 if p99 is not None else None, by_source, drafter.get("cost", {}),
-                   prompt_tokens=tally.prompt_tokens, cached_prompt_tokens=tally.cached_prompt_tokens,
-                   steps=tally.steps, busy_s=tally.busy_s, draft_tokens=tally.draft_tokens,
-                   accepted_tokens=tally.accepted_tokens)
+        return cls(engine, replace(tally), p50 / 1e6 if p50 is not None else None,
+                   p99 / 1e6 if p99 is not None else None, by_source, drafter.get("cost", {}))
 
 
 @dataclass(frozen=True)
@@ -335,11 +324,9 @@ class StubBackend:
         self._vocab_size = vocab_size
         self._tokens = [(7 * i + 3) % vocab_size for i in range(output_tokens)]
         self._logprobs = [-0.5] * output_tokens
-        self._mode: PauseMode | None = None  # None: not paused
-        self._abort_epoch = 0  # bumped by every abort: batches started before it end their samples "abort"
+        self._gate = PauseGate()
         self._running = 0
         self._unemitted = 0  # samples of running batches not emitted yet
-        self._changed = asyncio.Event()  # replaced on every pause state change; waiters wait on the one they saw
 
     @property
     def policy_version(self) -> int:
@@ -376,9 +363,7 @@ class StubBackend:
                        aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
         self.runs += 1
         self.received.append(list(groups))
-        epoch = self._abort_epoch
-        while self._mode is not None and self._abort_epoch == epoch:  # held while paused
-            await self._changed.wait()
+        epoch = await self._gate.admit()
         order = [(gi, j) for j in range(max((g.n for g in groups), default=0))
                  for gi, g in enumerate(groups) if j < g.n]
         templates = [self._template(g) for g in groups]
@@ -395,10 +380,9 @@ class StubBackend:
                         await asyncio.sleep(wait)
                 elif k % 64 == 63:
                     await asyncio.sleep(0)  # unpaced: still let the loop write what is ready to the sockets
-                while self._mode == "keep" and self._abort_epoch == epoch:
-                    await self._changed.wait()
+                await self._gate.unfrozen(epoch)
                 update: dict[str, Any] = {"sample_index": j, "total_s": time.perf_counter() - start}
-                if self._abort_epoch != epoch or (aborts is not None and aborts.aborted(gi)):
+                if self._gate.abort_epoch != epoch or (aborts is not None and aborts.aborted(gi)):
                     update.update(token_ids=[], logprobs=[], finish_reason="abort", accepted_tokens=0,
                                   draft_tokens=0, decode_steps=0)
                 sample = templates[gi].model_copy(update=update)
@@ -412,7 +396,7 @@ class StubBackend:
         finally:
             self._unemitted -= len(order) - emitted
             self._running -= 1
-            self._notify()
+            self._gate.notify()
 
     def _report(self, group_index: int, sample: SampleResult, on_progress: ProgressSink) -> None:
         """The sample's tokens but its last, as `progress_reports` progress reports (as an engine reports a sample
@@ -459,33 +443,23 @@ class StubBackend:
     def stats(self) -> BackendStats:
         """One synthetic engine, so every engine series of /metrics exists with the stub too; its placed tokens are
         the samples not yet emitted at the stub's output length."""
-        return BackendStats(engines=(EngineLoad("stub-0", running=0, waiting=0, speculate_p50_s=0.0,
+        return BackendStats(engines=(EngineLoad("stub-0", speculate_p50_s=0.0,
                                                 speculate_p99_s=0.0, drafts_by_source={"live": (0, 0)}),),
                             engines_ready=1 if self._ready else 0, resident_bytes={"node_engine": 0},
                             engine_placed_tokens={"stub-0": float(self._unemitted * self.output_tokens)})
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        self._mode = mode
-        if mode == "abort":
-            self._abort_epoch += 1
-        self._notify()
+        self._gate.pause(mode)
         if mode == "wait":
-            while self._running:
-                await self._changed.wait()
+            await self._gate.until(lambda: not self._running)
 
     async def resume(self) -> None:
-        self._mode = None
-        self._notify()
+        self._gate.resume()
 
     async def is_paused(self) -> bool:
-        return self._mode is not None
+        return self._gate.mode is not None
 
     async def abort_samples(self) -> int:
         aborted = self._unemitted
-        self._abort_epoch += 1
-        self._notify()
+        self._gate.abort()
         return aborted
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()

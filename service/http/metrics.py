@@ -259,14 +259,14 @@ class GatewayMetrics:
             for source, (p, a) in sorted(load.drafts_by_source.items()):
                 proposed.add_metric([load.engine, source], p)
                 accepted.add_metric([load.engine, source], a)
-            running.add_metric([load.engine], load.running)
-            prompt.add_metric([load.engine], load.prompt_tokens)
-            cached.add_metric([load.engine], load.cached_prompt_tokens)
-            steps.add_metric([load.engine], load.steps)
-            busy.add_metric([load.engine], load.busy_s)
-            verified.add_metric([load.engine], load.draft_tokens)
-            verified_ok.add_metric([load.engine], load.accepted_tokens)
-            waiting.add_metric([load.engine], load.waiting)
+            running.add_metric([load.engine], load.tally.running)
+            prompt.add_metric([load.engine], load.tally.prompt_tokens)
+            cached.add_metric([load.engine], load.tally.cached_prompt_tokens)
+            steps.add_metric([load.engine], load.tally.steps)
+            busy.add_metric([load.engine], load.tally.busy_s)
+            verified.add_metric([load.engine], load.tally.draft_tokens)
+            verified_ok.add_metric([load.engine], load.tally.accepted_tokens)
+            waiting.add_metric([load.engine], load.tally.waiting)
             for q, value in (("0.5", load.speculate_p50_s), ("0.99", load.speculate_p99_s)):
                 if value is not None:
                     speculate.add_metric([load.engine, q], value)

@@ -194,7 +194,7 @@ def test_plan_per_token_and_by_lengths():
     per_token = OptimalPolicy(per_token=True).plan(b)
     assert per_token.lengths.tolist() == [16 if k > 0 else 0 for k in s.draft_lengths]
     np.testing.assert_array_equal(per_token.min_prob, s.marginal)
-    by_lengths = OptimalPolicy().plan(b)
+    by_lengths = OptimalPolicy(confidence=False).plan(b)
     np.testing.assert_array_equal(by_lengths.lengths, s.draft_lengths)
     assert by_lengths.min_prob.tolist() == [0.0] * 16 and OptimalPolicy(per_token=True).name == "das-token"
     for policy in (UniformPolicy(4), ClassPolicy()):
@@ -233,13 +233,14 @@ def test_confidence_prices_each_draft_token_by_the_requests_that_must_advance_wi
 
 def test_policies_share_the_interface():
     b = batch([100.0, 5000.0, 900.0], k_max=16)
-    for policy in (UniformPolicy(8), ClassPolicy(), ClassPolicy(short=0), OptimalPolicy()):
+    policies = (UniformPolicy(8), ClassPolicy(), ClassPolicy(short=0), OptimalPolicy(), OptimalPolicy(confidence=False))
+    for policy in policies:
         assert isinstance(policy, BudgetPolicy)
         k = policy.draft_lengths(b)
         assert k.dtype == np.int32 and k.shape == (3,) and np.all((k >= 0) & (k <= 16))
-    assert [UniformPolicy(4).name, ClassPolicy().name, ClassPolicy(short=0).name, OptimalPolicy().name] == \
-        ["uniform-4", "classes", "classes-16-8-0", "das-lengths"]
-    np.testing.assert_array_equal(OptimalPolicy().draft_lengths(b), solve_budget(b).draft_lengths)
+    assert [UniformPolicy(4).name, ClassPolicy().name, ClassPolicy(short=0).name, OptimalPolicy().name,
+            OptimalPolicy(confidence=False).name] == ["uniform-4", "classes", "classes-16-8-0", "das", "das-lengths"]
+    np.testing.assert_array_equal(OptimalPolicy(confidence=False).draft_lengths(b), solve_budget(b).draft_lengths)
 
 
 def test_uniform_policy():

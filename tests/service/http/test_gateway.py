@@ -443,7 +443,8 @@ def test_engine_backend_reports_its_engines_queues_and_prefix_cache():
     engine = FakeEngine({})
     engine.tally = EngineTally(prompt_tokens=640, cached_prompt_tokens=448, running=3, waiting=1)
     (load,) = EngineBackend(engine).stats().engines  # type: ignore[arg-type]
-    assert (load.running, load.waiting, load.prompt_tokens, load.cached_prompt_tokens) == (3, 1, 640, 448)
+    assert (load.tally.running, load.tally.waiting, load.tally.prompt_tokens, load.tally.cached_prompt_tokens) == \
+        (3, 1, 640, 448)
     assert load.speculate_p50_s is None and load.step_cost == {}  # the proposer's figures need an await
 
 

@@ -7,6 +7,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from das.service.cluster.history_store import ShardStats
 from das.service.cluster.rollout_backend import BackendStats, EngineLoad
+from das.service.engine.contract import EngineTally
 from das.service.http.metrics import GatewayMetrics
 
 
@@ -19,10 +20,10 @@ def test_each_engines_cost_fit_guard_and_prefix_cache_are_exported():
     fitted = {"c_base_s": 0.044, "c_tok_s": 0.00049, "c_spec_s": 0.012, "c_spec_req_s": 3e-4, "fit_error": 0.07,
               "guard_price": 0.5,
               "rejected_steps": 3, "rejected_fits": 1, "prior": "cpu-smollm2", "guard_gain": None}
-    stats = BackendStats(engines=(EngineLoad("n0/0", 4, 0, step_cost=fitted, prompt_tokens=640,
-                                             cached_prompt_tokens=448, steps=90, busy_s=2.5,
-                                             draft_tokens=300, accepted_tokens=120), EngineLoad("n0/1", 2, 1)),
-                         engines_ready=2)
+    busy = EngineTally(running=4, waiting=0, prompt_tokens=640, cached_prompt_tokens=448, steps=90, busy_s=2.5,
+                       draft_tokens=300, accepted_tokens=120)
+    stats = BackendStats(engines=(EngineLoad("n0/0", busy, step_cost=fitted),
+                                  EngineLoad("n0/1", EngineTally(running=2, waiting=1))), engines_ready=2)
     got = samples(GatewayMetrics(lambda: stats))
     engine = (("engine", "n0/0"),)
     assert got[("das_engine_step_base_seconds", engine)] == 0.044
