@@ -115,7 +115,7 @@ def test_a_mode_vllm_does_not_know_is_a_400_and_pauses_nothing():
         assert (await http.get("/is_paused")).json() == {"is_paused": False}
         assert (await http.post("/pause")).json() == {"status": "paused"}  # vLLM's default: abort
         assert (await http.get("/is_paused")).json() == {"is_paused": True}
-        assert engine._mode == "abort"
+        assert engine._gate.mode == "abort"
         assert (await http.post("/resume")).json() == {"status": "resumed"}
         assert (await http.get("/is_paused")).json() == {"is_paused": False}
 
