@@ -23,7 +23,10 @@ Three references run beside the arms, to show where a policy's time goes (`Simul
     (placement and budget both), i.e. what a perfect length predictor would give;
   * drafts free: every request drafts K_max every step at c_tok = 0 (each step costs c_base): about the fewest
     passes this drafter allows, so no budget policy gets far below it. Not a strict bound: a shorter draft can
-    land the next step on a position where the drafter does better.
+    land the next step on a position where the drafter does better;
+  * exact drafts: every request drafts its own recorded future, K_max tokens every step, all accepted, each step
+    priced in full: the limit of speculation at K_max under this cost model whatever the drafter (the engine
+    bench's `oracle-k` arm, simulated), against which das's saving is a share.
 
 All figures printed from here are simulated and labelled so.
 """
@@ -211,8 +214,9 @@ class BatchSimulation:
     def __init__(self, batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord], cost: CostModel,
                  engines: int, policy: BudgetPolicy | None, k_max: int, drafter_config: DrafterConfig | None = None,
                  signal: LengthSignal | None = None, place: PlaceGroups = place_groups,
-                 limits: EngineLimits = EngineLimits()) -> None:
+                 limits: EngineLimits = EngineLimits(), exact_drafts: bool = False) -> None:
         self.batch, self.cost, self.k_max, self.limits = batch, cost, k_max, limits
+        self.exact_drafts = exact_drafts
         self.signal = signal if signal is not None else PredictedLengths(batch, history)
         self.problems = [r.problem_id for r in batch]
         self.lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.int64)
@@ -292,6 +296,9 @@ class BatchSimulation:
         explored_accepted = 0
         if engine.step is not None and len(active):
             drafted, accepted, advanced, explored_accepted = self._draft_and_verify(engine.step, active)
+        elif self.exact_drafts and len(active):  # the future itself: all accepted, the last token the bonus
+            drafted = np.clip(self.lengths[active] - self.pos[active] - 1, 0, self.k_max)
+            accepted, advanced = drafted, drafted + 1
         decode_tokens = int(len(active) + drafted.sum())
         first, chunks = self._prefill(admitted, max(limits.step_tokens - decode_tokens, 0))
         step_s = self.cost.step_time(float(decode_tokens), drafted=bool(drafted.any()), prompt_tokens=float(chunks),
@@ -356,12 +363,14 @@ class BatchSimulation:
 def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord], cost: CostModel,
                    engines: int, policy: BudgetPolicy | None, placement: str, k_max: int,
                    drafter_config: DrafterConfig | None = None, oracle_lengths: bool = False,
-                   engine: EngineLimits = EngineLimits()) -> tuple[float, float, int, int, int]:
+                   engine: EngineLimits = EngineLimits(),
+                   exact_drafts: bool = False) -> tuple[float, float, int, int, int]:
     """One batch (`BatchSimulation`): (makespan_s, tail_share, forward_passes, tokens_verified, accepted_tokens).
-    oracle_lengths: placement and budget see each request's true length instead of the predictor's."""
+    oracle_lengths: placement and budget see each request's true length instead of the predictor's.
+    exact_drafts (with no policy): every request drafts its recorded future at K_max."""
     signal = TrueLengths(batch) if oracle_lengths else PredictedLengths(batch, history)
     out = BatchSimulation(batch, history, cost, engines, policy, k_max, drafter_config, signal,
-                          placement_by_name(placement), engine).run()
+                          placement_by_name(placement), engine, exact_drafts).run()
     return out.makespan_s, out.tail_share, out.forward_passes, out.tokens_verified, out.accepted_tokens
 
 
@@ -386,10 +395,14 @@ def _accepted_prefixes(drafts: StepDrafts, table: np.ndarray, rows: np.ndarray, 
 def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, policy_name: str,
              placement: str = "length-aware", k_max: int = 16, window: int = 4,
              on_batch: Callable[[], None] | None = None, engine_per_group: bool = False,
-             oracle_lengths: bool = False, engine: EngineLimits = EngineLimits()) -> ArmResult:
+             oracle_lengths: bool = False, engine: EngineLimits = EngineLimits(),
+             exact_drafts: bool = False) -> ArmResult:
     """Every policy version after the first, as one batch, with the `window` versions before it as history.
     engine_per_group: as many engines as the batch has groups (`engines` is ignored), each group alone on one.
-    oracle_lengths: placement and budget know every request's true length (see `simulate_batch`)."""
+    oracle_lengths: placement and budget know every request's true length (see `simulate_batch`).
+    exact_drafts: policy_name "none" with every request drafting its recorded future at k_max."""
+    if exact_drafts and policy_name != "none":
+        raise ValueError("exact drafts replace the drafter and its budget: simulate them with policy 'none'")
     if engines < 1:
         raise ValueError("engines must be >= 1")
     if placement not in PLACEMENTS:
@@ -409,7 +422,7 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
         batch_engines = len({r.problem_id for r in batch}) if engine_per_group else engines
         makespan, tail, passes, verified, accepted = simulate_batch(
             batch, history, cost, batch_engines, policy, placement, k_max,
-            DrafterConfig.for_drafts(k_max, window=window), oracle_lengths, engine)
+            DrafterConfig.for_drafts(k_max, window=window), oracle_lengths, engine, exact_drafts)
         result.makespan_s += makespan
         result.batches.append(makespan)
         result.forward_passes += passes
@@ -457,7 +470,7 @@ def replay_versions(records: Sequence[RolloutRecord], cost: CostModel, policy_na
     return out
 
 
-REFERENCES = ("every_group_alone", "oracle_lengths", "drafts_free")
+REFERENCES = ("every_group_alone", "oracle_lengths", "drafts_free", "exact_drafts")
 
 
 @dataclass
@@ -504,6 +517,11 @@ class SimulationBench:
                 out["drafts-free/none"] = ref["drafts_free"].makespan_s / a["none"].makespan_s
             if best:
                 out[f"drafts-free/best-uniform ({best})"] = ref["drafts_free"].makespan_s / a[best].makespan_s
+        if "exact_drafts" in ref and "none" in a:
+            none, exact = a["none"].makespan_s, ref["exact_drafts"].makespan_s
+            out["exact-drafts/none"] = exact / none
+            if "das" in a and exact < none:  # the share of perfect drafts' saving das reaches (issue 49's figure)
+                out["das share of the exact drafts' saving"] = (none - a["das"].makespan_s) / (none - exact)
         return out
 
     def print(self, console) -> None:  # noqa: ANN001 - rich Console
@@ -516,7 +534,7 @@ class SimulationBench:
         for label, rows in (("policy (length-aware placement)", self.arms),
                             (f"placement (policy {cfg['placement_policy']})", self.placement),
                             (f"references (policy {cfg['placement_policy']}; drafts free: uniform-{cfg['k_max']}, "
-                             f"c_tok = 0)", references)):
+                             f"c_tok = 0; exact drafts: the recorded future at K_max)", references)):
             table = Table(title=f"{title}: {label}")
             for col in ("arm", "makespan s (simulated)", "tail share", "forward passes", "tokens verified",
                         "accepted"):
@@ -567,4 +585,7 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
                          c_prefill_s=cost.prefill_token_s)
         bench.references["drafts_free"] = simulate(records, free, engines, f"uniform-{k_max}", k_max=k_max,
                                                    on_batch=lambda: bar.advance(task))
+        bar.update(task, description=f"simulating the recorded futures as drafts at K_max {k_max}")
+        bench.references["exact_drafts"] = simulate(records, cost, engines, "none", k_max=k_max,
+                                                    on_batch=lambda: bar.advance(task), exact_drafts=True)
     return bench

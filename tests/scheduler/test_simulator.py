@@ -73,6 +73,20 @@ def test_repeated_text_is_drafted_and_shortens_the_makespan():
     assert uniform.tokens_verified > none.tokens_verified  # drafts are verified work
 
 
+def test_exact_drafts_take_k_max_plus_one_tokens_a_step_priced_in_full():
+    """Samples of 3 and 9 tokens (one engine, K_max 4): the prefill step samples each one's first token, then the
+    9-token sample drafts 4 + bonus, then its last 3 (2 drafted + bonus); the 3-token one ends in one decode."""
+    recs = records({0: [5, 5], 1: [3, 9]})
+    per_token = CostModel(name="t", c_base_s=1.0, c_tok_s=0.5, source="test", c_spec_s=0.25)
+    exact = simulate(recs, per_token, engines=1, policy_name="none", k_max=4, exact_drafts=True)
+    assert exact.accepted_tokens == 1 + 4 + 2 and exact.tokens_verified == (2 + 1 + 4) + (1 + 2)
+    # prefill (4 prompt tokens), then (2 requests: 2 + 1 + 4 drafted), then (1 request: 1 + 2 drafted)
+    assert exact.makespan_s == pytest.approx((1.0 + 2.0) + (1.0 + 3.5 + 0.25) + (1.0 + 1.5 + 0.25))
+    assert exact.makespan_s < simulate(recs, per_token, engines=1, policy_name="none").makespan_s
+    with pytest.raises(ValueError, match="policy 'none'"):
+        simulate(recs, per_token, engines=1, policy_name="das", exact_drafts=True)
+
+
 def test_bad_arguments():
     recs = records({0: [3], 1: [3]})
     with pytest.raises(ValueError, match="engines"):
@@ -94,8 +108,10 @@ def test_cli_labels_everything_as_simulated(tmp_path):
     assert doc["simulated"] is True and set(doc["arms"]) == {"none", "uniform-4", "uniform-8", "uniform-16",
                                                             "classes", "das-token", "das-lengths", "das"}
     assert set(doc["placement"]) == {"round-robin", "length-aware"}
-    assert set(doc["references"]) == {"every_group_alone", "oracle_lengths", "drafts_free"}
-    assert {"every-group-alone/round-robin", "oracle-lengths/das", "drafts-free/none"} <= set(doc["ratios"])
+    assert set(doc["references"]) == {"every_group_alone", "oracle_lengths", "drafts_free", "exact_drafts"}
+    assert {"every-group-alone/round-robin", "oracle-lengths/das", "drafts-free/none", "exact-drafts/none",
+            "das share of the exact drafts' saving"} <= set(doc["ratios"])
+    assert doc["ratios"]["exact-drafts/none"] < 1.0
     free = doc["references"]["drafts_free"]
     assert free["tokens_verified"] >= doc["arms"]["uniform-16"]["tokens_verified"] > 0
     for arm in doc["arms"].values():
