@@ -338,50 +338,34 @@ def solve_budget(batch: BatchState, exact_tokens: bool = False) -> BudgetSolutio
     return BudgetSolution(x, proposed, k, marginal)
 
 
-# Length forecasts of samples at T > 0 are off by tens of percent: `straggler_chance` reads a forecast l as a
-# lognormal remaining length around l whose log-sd makes a factor of two one standard deviation.
-STRAGGLER_SIGMA = float(np.log(2.0))
-_GRID = np.linspace(-3.0, 4.0, 36)  # in sigmas around the largest forecast: where the batch's longest ends
-
-
-def straggler_chance(remaining: np.ndarray, sigma: float = STRAGGLER_SIGMA) -> np.ndarray:
-    """For each request, the probability that it is the batch's last to end: request i's remaining length
-    lognormal with median `remaining[i]` (at least 1 token) and log-sd `sigma`, independent of the others,
-
-        P_i = integral of pdf_i(x) prod_{j != i} cdf_j(x) dx,
-
-    on a 36-point grid of log-lengths from 3 sigma below the largest forecast to 4 above (every request below the
-    grid at once has chance < 0.2%). Sums to 1. Equal forecasts share the chance; a request half as long as the
-    longest of two has 24%. The normal cdf is its logistic approximation (error < 0.01). Vectorised, O(36 n)."""
-    mu = np.log(np.maximum(remaining, 1.0))
-    z = (mu.max() + sigma * _GRID[None, :] - mu[:, None]) / sigma  # (n, grid)
-    log_cdf = -np.log1p(np.exp(-1.702 * z))
-    others = log_cdf.sum(axis=0)[None, :] - log_cdf  # log prod_{j != i} cdf_j
-    chance = np.exp(others - 0.5 * z * z).sum(axis=1)
-    return chance / chance.sum()
+# Length forecasts of samples at T > 0 are off by tens of percent; `confidence_plan` treats requests predicted within
+# a factor of two of each other as equally likely to be the batch's straggler.
+FORECAST_SPREAD = 0.5
 
 
 def confidence_plan(batch: BatchState) -> DraftPlan:
     """Every request may verify up to K_max draft tokens, each while the drafter's estimate p that it (and every one
     before it) is accepted is at least the request's price
 
-        floor_i = c_draft / (c_draft + t P_i),    c_draft = c_tok + c_spec / K_max,   t = c_base + c_tok n,
+        floor_i = c_draft / (c_draft + t / m_i),    c_draft = c_tok + c_spec / K_max,   t = c_base + c_tok n,
 
-    where n is the batch's size and P_i the chance that request i ends last (`straggler_chance` of the length
-    forecasts). A draft token costs its verification, c_draft (the token plus its share of a full draft's fixed
-    price, the guard's included), whether it holds or not. An accepted one advances its request by a token, which
-    shortens the batch by a step of t if that request is the one that ends last: t P_i in expectation. The draft
-    pays where p (c_draft + t P_i) >= c_draft, i.e. p >= floor_i: a request sure to end last drafts down to
-    c_draft / (c_draft + t), m equally long ones (P = 1 / m each) what is likely enough to pay for a step shared m
-    ways, a request far shorter than the longest only what is near certain. This asks the drafter's probabilities
-    to be calibrated and spends nothing from the request's acceptance counts: a new request whose context repeats
-    itself drafts at its first step. Vectorised: O(n) numpy over a 36-point grid."""
+    where n is the batch's size and m_i = #{j : l_j >= FORECAST_SPREAD l_i} the requests that may run at least as
+    long as i (forecasts within a factor 1 / FORECAST_SPREAD of each other do not tell which one ends last). A
+    draft token costs its verification, c_draft (the token plus its share of a full draft's fixed price, the
+    guard's included), whether it holds or not. An accepted one advances its request by a token, which shortens
+    the batch only if every request at least as long advances too: a step of t saved for m_i accepted tokens, t /
+    m_i each. The draft pays where p (c_draft + t / m_i) >= c_draft, i.e. p >= floor_i: the batch's longest
+    request (m = 1) drafts down to c_draft / (c_draft + t), a batch of many equally long ones only what is about
+    as likely as not to hold. This asks the drafter's probabilities to be calibrated and spends nothing from the
+    request's acceptance counts: a new request whose context repeats itself drafts at its first step. The length
+    forecast acts through the ranks alone. Vectorised: a sort and a few numpy calls over n."""
     n = len(batch)
     rem = batch.remaining
     if n == 0 or batch.k_max == 0 or batch.c_base_s == 0.0:
         return DraftPlan(np.zeros(n, dtype=np.int32), np.full(n, np.inf))
     c_draft = batch.c_tok_s + batch.c_spec_s / batch.k_max
-    value = (batch.c_base_s + batch.c_tok_s * n) * straggler_chance(rem)
+    at_least_as_long = n - np.sort(rem).searchsorted(rem * FORECAST_SPREAD, "left")
+    value = (batch.c_base_s + batch.c_tok_s * n) / at_least_as_long
     live = rem > 0.0
     floor = np.where(live, c_draft / (c_draft + value), np.inf)
     return DraftPlan(np.where(live, batch.k_max, 0).astype(np.int32), floor)
