@@ -16,7 +16,7 @@ modelled parts are the step cost and the scheduler's limits; preemption and pref
 (every prompt is computed). Each engine drafts from its own bank, holding the history of the problems placed on
 it (what it pulls from the history store), and measures acceptance on its own, as in the service.
 
-Three references run beside the arms, to show where a policy's time goes (`SimulationBench.references`):
+Four references run beside the arms, to show where a policy's time goes (`SimulationBench.references`):
   * every group alone: one engine per group, so no group shares its steps (what placement could reach at best
     on any number of engines, up to the drafter history the engines share);
   * oracle lengths: the placement policy with every request's true remaining length in place of the predictor's
