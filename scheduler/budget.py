@@ -146,9 +146,11 @@ class DraftPlan:
 @runtime_checkable
 class BudgetPolicy(Protocol):
     """A draft budget policy: `draft_lengths(batch)` is an int32 array of K_i in [0, batch.k_max], one per request;
-    `plan(batch)` the same with a per-request probability floor for the drafter's tokens."""
+    `plan(batch)` the same with a per-request probability floor for the drafter's tokens; `reads_acceptance`: whether
+    either reads BatchState.acceptance (where it does not, nobody need estimate it)."""
 
     name: str
+    reads_acceptance: bool
 
     def draft_lengths(self, batch: BatchState) -> np.ndarray: ...
 
@@ -161,6 +163,8 @@ def _plan_without_floor(policy: BudgetPolicy, batch: BatchState) -> DraftPlan:
 
 class UniformPolicy:
     """The same K for every request (clipped to the engine's K_max): the fixed-K baseline."""
+
+    reads_acceptance = False
 
     def __init__(self, k: int) -> None:
         if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 0:
@@ -185,6 +189,8 @@ class ClassPolicy:
     `thresholds=(medium_from, long_from)` (tokens) the classes are fixed instead.
     The name is `classes` for the defaults, `classes-{long}-{medium}-{short}` otherwise.
     """
+
+    reads_acceptance = False
 
     def __init__(self, long: int = 16, medium: int = 8, short: int = 4,
                  thresholds: tuple[float, float] | None = None) -> None:

@@ -193,9 +193,8 @@ class PolicyBudget:
 
     @property
     def reads_acceptance(self) -> bool:
-        """Only the counts-based das plans read acceptance (and exploration, which measures it for them); uniform,
-        classes and the confidence plan do not."""
-        return isinstance(self.policy, OptimalPolicy) and self.policy.reads_acceptance
+        """As the policy (and exploration, which measures acceptance for the plans that read it)."""
+        return self.policy.reads_acceptance
 
     def plan(self, batch: BatchView, drafter: DrafterParams | None = None) -> DraftPlan:
         n = len(batch)
