@@ -9,7 +9,11 @@ raises ContractBroken, naming the file and what changed, when vLLM no longer doe
   mode makes the engine reject new requests (the README promises they are held until /resume);
 - the RL routes our gateway mirrors (service/http/rl_control.py), and the worker RPCs and model-runner methods we call;
 - the sampler and rejection-sampler functions our patches replace (service/engine/patches.py): every target
-  exists, and each replacement takes exactly vLLM's parameters.
+  exists, and each replacement takes exactly vLLM's parameters;
+- keyed sampling's CUDA wrappers (service/engine/keyed_cuda.py): the signatures `WRAPPED_SIGNATURES` records (what
+  `install_cuda` demands on a GPU before wrapping anything) are the GPU wheel's, and each wrapper takes them.
+
+What a port to model runner V2 would rely on is checked in gpu_contract_v2.py (test_gpu_contract.py runs both).
 """
 
 from __future__ import annotations
@@ -327,6 +331,46 @@ def check_patch_targets(src: Sources) -> None:
                        f"{python_parameters(ours)}")
 
 
+def recorded_form(params: list[tuple[str, str, str | None]]) -> str:
+    """`parameters` as keyed_cuda.WRAPPED_SIGNATURES writes them: names in order, `=default` where one is."""
+    return ", ".join(name if default is None else f"{name}={default}" for _, name, default in params)
+
+
+def check_keyed_cuda_wrappers(src: Sources) -> None:
+    """check_patch_targets finds every target of the keyed-sampling-cuda patch and compares `_sample` and
+    `rejection_sample` with the CPU path's wrappers; this compares the table install_cuda enforces at run time
+    (keyed_cuda.check_signatures, which reads the installed vLLM: the CPU build in CI) with the GPU wheel, for all
+    four targets, and keyed_cuda's own wrappers with the table."""
+    from das.service.engine import keyed_cuda
+    from das.service.engine.keyed_sampler import publish_step_keys
+    from das.service.engine.patches import PATCHES
+
+    def original(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    table = keyed_cuda.WRAPPED_SIGNATURES
+    targets = {f"{module}:{owner + '.' if owner else ''}{name}": (module, owner, name)
+               for module, owner, name in table}
+    patch = next((p for p in PATCHES if p.name == "keyed-sampling-cuda"), None)
+    expect(patch is not None and set(patch.targets) == set(targets),
+           f"keyed_cuda.WRAPPED_SIGNATURES {sorted(targets)} and the keyed-sampling-cuda patch's targets "
+           f"{sorted(patch.targets) if patch else None} disagree")
+    forward = keyed_cuda.keyed_forward(original)
+    wrappers = {"forward_native": forward, "forward_cuda": forward,
+                "rejection_sample": keyed_cuda.make_rejection_sample(original), "_sample": publish_step_keys(original)}
+    for target, (module, owner, name) in targets.items():
+        recorded = table[(module, owner, name)]
+        found = resolve_def(src, module, f"{owner}.{name}" if owner else name)
+        expect(found is not None, f"keyed CUDA: {target} is gone from vllm/{module_file(module)}")
+        assert found is not None
+        theirs = recorded_form(parameters(found))
+        expect(theirs == recorded, f"vllm/{module_file(module)}: {target.split(':')[1]}({theirs}) is not what "
+                                   f"keyed_cuda.WRAPPED_SIGNATURES records ({recorded}): install_cuda would refuse "
+                                   "this vLLM on a GPU")
+        ours = recorded_form(python_parameters(wrappers[name]))
+        expect(ours == recorded, f"keyed_cuda's wrapper of {target} takes ({ours}), not the recorded ({recorded})")
+
+
 CHECKS: dict[str, Callable[[Sources], None]] = {
     "custom_class proposer": check_custom_class_proposer,
     "runner choice": check_runner_choice,
@@ -334,4 +378,5 @@ CHECKS: dict[str, Callable[[Sources], None]] = {
     "RL routes": check_rl_routes,
     "worker calls": check_worker_calls,
     "patch targets and signatures": check_patch_targets,
+    "keyed CUDA wrappers": check_keyed_cuda_wrappers,
 }

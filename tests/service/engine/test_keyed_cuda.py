@@ -169,7 +169,9 @@ def test_keyed_draws_follow_vllms_sampler():
 
 
 def test_the_installed_vllm_has_the_recorded_signatures():
-    keyed_cuda.check_signatures()  # the CPU build: the same Python sources as the GPU wheel of 0.32.0
+    """check_signatures as install_cuda runs it, on the installed build (the CPU one here). What counts is the GPU
+    wheel: gpu_contract.check_keyed_cuda_wrappers compares the table with its source ("keyed CUDA wrappers")."""
+    keyed_cuda.check_signatures()
 
 
 def test_a_changed_signature_is_refused(monkeypatch: pytest.MonkeyPatch):
