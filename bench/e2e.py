@@ -180,10 +180,9 @@ class E2EConfig:
             # vLLM's seed is 32-bit; the int64 run seed only names the groups' keyed-sampling seeds
             dtype=self.dtype, max_model_len=self.max_model_len, seed=(self.seed + repeat) % 2**32,  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager, kv_cache_gib=self.kv_cache_gib, budget=budget,
-            suffix_options=self.suffix_tuned if arm == "suffix-t" else {},
-            # on a GPU vLLM would run das and suffix on model runner V1 without async scheduling and the others on
-            # V2 with it: every arm gets V1 without (service/engine/runner_choice.py); the CPU runs V1 anyway
-            model_runner="auto" if on_cpu() else "v1")
+            # model_runner "keyed" (the default): on a GPU every arm runs V1 without async scheduling, as das and
+            # suffix must, and samples with the keyed draw (service/engine/runner_choice.py)
+            suffix_options=self.suffix_tuned if arm == "suffix-t" else {})
 
 
 def suffix_tuned_options(cost: CostModel, running: int) -> dict[str, Any]:
@@ -653,13 +652,6 @@ def bound_figures(lengths: Sequence[int], k: int, profile: StepProfile | None,
 def _median(values: list[Any]) -> float | None:
     present = [v for v in values if v is not None]
     return round(float(statistics.median(present)), 4) if present else None
-
-
-def on_cpu() -> bool:
-    """Whether vLLM runs on the CPU here."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
 
 
 def machine_info() -> dict[str, Any]:

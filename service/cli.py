@@ -140,6 +140,15 @@ def serve(
                                             "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
+    model_runner: Annotated[str, typer.Option("--model-runner", help="keyed: vLLM's model runner V1 without async "
+                                              "scheduling on GPU engines, so every token is our keyed draw and a "
+                                              "seed gives the same samples with any --speculation; auto: vLLM's "
+                                              "choice (plain vLLM: V2 with async scheduling without speculation "
+                                              "on a GPU, samples not keyed); v1: V1 everywhere.")] = "keyed",
+    profile_steps: Annotated[bool, typer.Option("--profile-steps", help="Time every engine step by part (the "
+                                                "forward pass against the host's work) into /metrics "
+                                                "(das_engine_step_part_seconds_total); a device synchronisation "
+                                                "per part on a GPU.")] = False,
     oracle_file: Annotated[Optional[Path], typer.Option("--oracle-file", help="Benchmarks only (`das bench serve "
                                                         "--arms none,oracle`): recorded outputs by sample key that "
                                                         "those samples draft (--speculation das).")] = None,
@@ -217,6 +226,7 @@ def serve(
             "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget},
+            "model_runner": model_runner, "profile_steps": profile_steps,
             **({"oracle_file": str(oracle_file.resolve())} if oracle_file is not None else {})}})
         if engine_options is not None:
             if stub_engine:

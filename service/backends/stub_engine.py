@@ -30,7 +30,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from das.service.backends.pause_gate import PauseGate
-from das.service.engine.contract import EngineInputError, EngineTally, context_error, validate_rollouts
+from das.service.engine.contract import (EngineInputError, EngineTally, StepPartTotals, context_error,
+                                         validate_rollouts)
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.wire.sample_progress import SampleProgress
 
@@ -189,6 +190,10 @@ class StubEngine:
 
     async def drafter_stats(self) -> dict[str, Any]:
         return {"history_records": self.history_records}
+
+    async def read_step_parts(self) -> StepPartTotals:
+        """No model runner to time: always the empty totals."""
+        return StepPartTotals()
 
     async def close(self) -> None:
         return None

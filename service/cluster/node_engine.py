@@ -309,7 +309,8 @@ class NodeEngine:
         loads = []
         for name, engine in zip(self.names, self.engines):
             drafter = await engine.drafter_stats() if getattr(engine.config, "speculation", None) == "das" else {}
-            loads.append(EngineLoad.of(name, engine.tally, drafter))
+            parts = await engine.read_step_parts()
+            loads.append(EngineLoad.of(name, engine.tally, drafter, getattr(engine, "runner", None), parts))
         return NodeStats(tuple(loads), resident_bytes(), self._history.pending(), self._history.given_up)
 
     async def close(self) -> None:

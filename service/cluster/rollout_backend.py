@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 from das.service.backends.pause_gate import PauseGate
 from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.history_store import ShardStats
-from das.service.engine.contract import EngineInputError, EngineTally, validate_rollouts
+from das.service.engine.contract import EngineInputError, EngineTally, StepPartTotals, validate_rollouts
+from das.service.engine.runner_choice import RunnerChoice
 from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult, ToolCall
 from das.service.wire.sample_progress import SampleProgress
 
@@ -51,7 +52,8 @@ class EngineLoad:
     """One engine's counters and proposer cost at its latest report: `tally`, its queues, steps, prefix-cache and
     verified draft counts (EngineTally, whatever the speculative method); speculate times in seconds (None: the
     engine does not run our proposer); `drafts_by_source`: source kind -> (draft tokens proposed, accepted) by our
-    proposer since the engine started; `step_cost`: the live cost fit (budget_hook.PolicyBudget.stats)."""
+    proposer since the engine started; `step_cost`: the live cost fit (budget_hook.PolicyBudget.stats);
+    `runner`: what vLLM runs (None: a stand-in engine); `step_parts`: the timed steps' parts (`profile_steps`)."""
 
     engine: str
     tally: EngineTally = field(default_factory=EngineTally)
@@ -59,16 +61,20 @@ class EngineLoad:
     speculate_p99_s: float | None = None
     drafts_by_source: dict[str, tuple[int, int]] = field(default_factory=dict)
     step_cost: dict[str, Any] = field(default_factory=dict)
+    runner: RunnerChoice | None = None
+    step_parts: StepPartTotals = field(default_factory=StepPartTotals)
 
     @classmethod
-    def of(cls, engine: str, tally: EngineTally, drafter: dict[str, Any] | None = None) -> EngineLoad:
+    def of(cls, engine: str, tally: EngineTally, drafter: dict[str, Any] | None = None,
+           runner: RunnerChoice | None = None, step_parts: StepPartTotals | None = None) -> EngineLoad:
         """An engine's load from its tally and its proposer's `stats()` (DasProposer.stats; None or empty: it
         runs no proposer)."""
         drafter = drafter or {}
         p50, p99 = drafter.get("step_us_p50"), drafter.get("step_us_p99")
         by_source = {kind: (c["proposed"], c["accepted"]) for kind, c in drafter.get("by_source", {}).items()}
         return cls(engine, replace(tally), p50 / 1e6 if p50 is not None else None,
-                   p99 / 1e6 if p99 is not None else None, by_source, drafter.get("cost", {}))
+                   p99 / 1e6 if p99 is not None else None, by_source, drafter.get("cost", {}), runner,
+                   step_parts or StepPartTotals())
 
 
 @dataclass(frozen=True)

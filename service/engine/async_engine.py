@@ -41,15 +41,17 @@ from pydantic import ValidationError
 from das.scheduler.length import LengthCurve
 from das.service.engine import known_warnings
 from das.service.engine.config import EngineConfig, budget_settings
-from das.service.engine.contract import (IDLE_GAP_S, EngineInputError, EngineTally, context_error,
+from das.service.engine.contract import (IDLE_GAP_S, EngineConfigError, EngineInputError, EngineTally, StepPartTotals,
+                                         context_error,
                                          validate_rollouts)
 from das.service.engine.cost_warmup import warm_up_cost_fit
 from das.service.engine.cpu_allocator import cpu_allocator_env, model_vocab_size, resolve_allocator
 from das.service.engine.cpu_layout import cpu_worker_layout, usable_cpus, worker_in_process
+from das.service.engine.patches import platform_name
 from das.service.engine.extra_args import POSITION_OFFSET, SAMPLE_KEY, RequestTags
 from das.service.engine.proposer import CONFIG_KEY
 from das.service.engine.resume_seam import ResumeSeam
-from das.service.engine.runner_choice import V2_SWITCH, RunnerChoice
+from das.service.engine.runner_choice import KEYED_PLATFORMS, V2_SWITCH, RunnerChoice, forces_v1
 from das.service.engine.sampling import sampling_params
 from das.service.engine.spawn_env import restored_environ
 from das.service.engine.step_profile import StepProfile
@@ -176,6 +178,7 @@ class Engine:
         self.config = config
         self.tally = tally or EngineTally()
         self.runner: RunnerChoice | None = None  # what vLLM runs, set by `create`
+        self.step_parts = StepPartTotals()  # with config.profile_steps: the timed steps' parts (read_step_parts)
         self.policy_version = 0
         self._llm = llm
         self._tokenizer = tokenizer
@@ -207,12 +210,21 @@ class Engine:
 
         das = config.speculation == "das"
         dtype = engine_dtype(config.dtype)
+        cpu = current_platform.is_cpu()
+        platform = platform_name(cpu, current_platform.device_type, current_platform.is_rocm())
+        if config.keyed_sampling and platform not in KEYED_PLATFORMS:
+            raise EngineConfigError(
+                f"keyed sampling is implemented for vLLM's {' and '.join(KEYED_PLATFORMS)} samplers, not {platform}'s: "
+                "its plain steps would sample unkeyed while verification is keyed. Start the engines with "
+                "`--engine-options '{\"keyed_sampling\": false}'` (vLLM's own sampler; samples then differ across "
+                "speculation methods)")
+        v1 = forces_v1(config.model_runner, config.keyed_sampling, cpu)
         args = AsyncEngineArgs(
             model=config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
             block_size=kv_block_size(config.block_size, cpu=current_platform.is_cpu()),
             enforce_eager=config.enforce_eager, logprobs_mode="processed_logprobs",
-            async_scheduling=False if config.model_runner == "v1" else None,
+            async_scheduling=False if v1 else None,
             # No progress bar per checkpoint load: an RL run reloads every step, three log lines each time.
             use_tqdm_on_load=False,
             speculative_config=config.speculative_config(),
@@ -224,7 +236,6 @@ class Engine:
             additional_config=({CONFIG_KEY: {"drafter": config.drafter.given(), "budget": budget_settings(config)}}
                                if das else {}))
         tally = EngineTally()
-        cpu = current_platform.is_cpu()
         in_process = worker_in_process(config.cpu_worker, usable_cpus()) and config.tensor_parallel_size == 1
         layout = (cpu_worker_layout(in_process) if cpu
                   else contextlib.nullcontext())
@@ -238,10 +249,14 @@ class Engine:
                 # attribute 'finalize_loading'"), so every start recompiled (~2 min). Without AOT, Inductor's own
                 # cache makes a warm start ~40 s. A user's value wins.
                 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-            if config.model_runner == "v1":
+            if v1:
                 os.environ[V2_SWITCH] = "0"
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
-            runner = RunnerChoice.of(llm.vllm_config, "cpu" if cpu else current_platform.device_type)
+            runner = RunnerChoice.of(llm.vllm_config, platform, config.keyed_sampling)
+        if config.keyed_sampling and not runner.keyed:
+            log.warning("this engine runs %s (model_runner %s): its samples are vLLM's own draws, not keyed, so a "
+                        "seed does not give the same samples with and without speculation", runner.describe(),
+                        config.model_runner)
         try:
             tokenizer = llm.tokenizer
             vocab_size = llm.model_config.get_vocab_size()
@@ -254,6 +269,8 @@ class Engine:
             raise
         engine = cls(config, llm, tokenizer, vocab_size, tally)
         engine.runner = runner
+        if config.profile_steps:  # after the warm-ups: only traffic is timed
+            await engine.start_step_profile()
         if config.oracle_file is not None:
             from das.drafter.oracle import load_continuations
 
@@ -570,6 +587,13 @@ class Engine:
         """The steps since `start_step_profile` or the last take, summarised; clears them."""
         columns = await worker_rpc(self._llm, "das_profile_take")
         return StepProfile.of(columns)
+
+    async def read_step_parts(self) -> StepPartTotals:
+        """With `profile_steps`: the parts of every step timed since the engine started (the steps since the last
+        read are fetched from the worker); else the empty totals, without a call."""
+        if self.config.profile_steps and not self.dead:
+            self.step_parts = self.step_parts.add(await worker_rpc(self._llm, "das_profile_take"))
+        return self.step_parts
 
     async def close(self) -> None:
         """Stops the engine processes; lets AsyncLLM's output task see its cancellation before returning, so the

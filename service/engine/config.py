@@ -65,9 +65,14 @@ class EngineConfig(BaseModel):
     block_size: int | None = Field(None, ge=1, description="tokens per KV-cache block; None: vLLM's default on a "
                                    "GPU, CPU_BLOCK_SIZE on the CPU (`kv_block_size`)")
     enforce_eager: bool = Field(False, description="skip torch.compile: starts in seconds, decodes slower (tests)")
-    model_runner: ModelRunner = Field("auto", description="auto: vLLM's choice (on a GPU: V2 with async scheduling, "
-                                      "but V1 without it for das and suffix); v1: V1 with async scheduling off for "
-                                      "every speculation, so arms compare like for like (runner_choice.py)")
+    model_runner: ModelRunner = Field("keyed", description="keyed: V1 without async scheduling wherever keyed "
+                                      "sampling needs it (a GPU engine), so samples match across speculation methods; "
+                                      "v1: V1 without async scheduling everywhere; auto: vLLM's choice (on a GPU "
+                                      "without speculation V2 with async scheduling, samples not keyed) "
+                                      "(runner_choice.py)")
+    profile_steps: bool = Field(False, description="time every engine step by part (service/engine/step_profile.py:"
+                                " the forward pass against the host's work) and export the sums as "
+                                "das_engine_step_part_seconds_total; costs a device synchronisation per part on a GPU")
     cpu_worker: CpuWorker = Field("auto", description="a CPU engine's model worker: in_process (in the engine core "
                                   "process, every core computes), separate (vLLM's CPU layout: a worker process, one "
                                   "core reserved for the engine core), auto: in_process on up to 4 usable CPUs "

@@ -12,6 +12,11 @@ from das.drafter.records import RecordError, RolloutRecord
 from das.service.wire.api import wire_problem
 
 
+class EngineConfigError(ValueError):
+    """A configuration the engine cannot run on its platform: no restart mends it (the message says what to
+    change)."""
+
+
 class EngineInputError(ValueError):
     """A group the engine refuses before scheduling anything; the message says which field and why."""
 
@@ -38,6 +43,32 @@ class EngineTally:
 
 
 IDLE_GAP_S = 1.0  # a gap between two engine steps longer than this is the engine waiting for work, not a step's time
+# the parts of a step that add up to its time (service/engine/step_profile.py); model_s lies inside forward_s and
+# budget_s inside propose_s
+STEP_PARTS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s")
+
+
+@dataclass(frozen=True)
+class StepPartTotals:
+    """Seconds summed over an engine's profiled steps by part (STEP_PARTS, model_s and budget_s: step_profile.py),
+    and the step count: what `das serve --profile-steps` exports as das_engine_step_part_seconds_total."""
+
+    steps: int = 0
+    seconds: tuple[tuple[str, float], ...] = ()
+
+    def add(self, columns: dict[str, list[float]]) -> StepPartTotals:
+        """These totals plus the steps of one `RunnerStepTimer.take()`."""
+        mine = dict(self.seconds)
+        for name in (*STEP_PARTS, "model_s", "budget_s"):
+            mine[name] = mine.get(name, 0.0) + float(sum(columns.get(name, ())))
+        return StepPartTotals(self.steps + len(columns.get("tokens", ())), tuple(mine.items()))
+
+    def host_ms_per_step(self) -> float | None:
+        """Mean host time a step (all parts but the forward pass), ms; None before any step."""
+        if not self.steps:
+            return None
+        parts = dict(self.seconds)
+        return (sum(parts.get(p, 0.0) for p in STEP_PARTS) - parts.get("model_s", 0.0)) / self.steps * 1e3
 
 
 def context_error(prompt_tokens: int, max_tokens: int, max_model_len: int) -> str:

@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 CPU = "cpu"
 CUDA = "cuda"
+ROCM = "rocm"
 
 
 class PatchError(RuntimeError):
@@ -57,9 +58,12 @@ class VllmPatch:
         self.applied = True
 
 
-def platform_name(is_cpu: bool, device_type: str) -> str:
-    """Our name for vLLM's current platform: "cpu", else its device type ("cuda" on NVIDIA and ROCm GPUs)."""
-    return CPU if is_cpu else device_type
+def platform_name(is_cpu: bool, device_type: str, is_rocm: bool = False) -> str:
+    """Our name for vLLM's current platform: "cpu", "rocm" for AMD GPUs (whose device type is "cuda" too, but
+    whose samplers are not the ones our CUDA patches wrap), else its device type ("cuda", "xpu", ...)."""
+    if is_cpu:
+        return CPU
+    return ROCM if is_rocm else device_type
 
 
 def _known_warnings(platform: str) -> None:

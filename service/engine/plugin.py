@@ -15,4 +15,5 @@ def register() -> None:
     from das.service.engine.patches import apply_patches, platform_name
     from das.service.engine.vllm_version import check_vllm_version
 
-    apply_patches(platform_name(current_platform.is_cpu(), current_platform.device_type), check_vllm_version())
+    platform = platform_name(current_platform.is_cpu(), current_platform.device_type, current_platform.is_rocm())
+    apply_patches(platform, check_vllm_version())

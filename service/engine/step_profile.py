@@ -1,22 +1,30 @@
-"""Where an engine step's time goes: timers on vLLM's model runner, read by `das bench e2e --profile`.
+"""Where an engine step's time goes: timers on vLLM's model runner, read by `das bench e2e --profile` and, with
+`das serve --profile-steps`, by the service's metrics.
 
 vLLM's engine loop, once per step: the scheduler picks the requests and their draft tokens; the model runner's
 `execute_model` prepares the inputs and runs the forward pass over every scheduled token (drafts included);
 `sample_tokens` samples (or, when the step carries drafts, runs the rejection sampler over every draft position),
 updates the request states and asks the drafter for the next step's drafts (`propose_draft_token_ids`); the
-engine core then turns the sampled tokens into outputs. `RunnerStepTimer` wraps the three runner methods on one runner
-instance (instance attributes shadow the class's methods, vLLM's code is untouched) and keeps, per step:
+engine core then turns the sampled tokens into outputs. `RunnerStepTimer` wraps those runner methods on one runner
+instance (instance attributes shadow the class's methods, vLLM's code is untouched; declared in patches.py as the
+on-demand patch "step-profile") and keeps, per step:
 
-- forward_s: `execute_model` (input preparation and the forward pass);
-- sample_s: the sampler or rejection sampler (`_sample`);
-- propose_s: the drafter (`propose_draft_token_ids`; 0 without speculation);
+- forward_s: `execute_model`, of which model_s is the forward pass itself (`_model_forward` and the model's
+  `compute_logits`): the device work; the rest of forward_s is input preparation on the host;
+- sample_s: the sampler or rejection sampler (`_sample`: the keyed draw, its host synchronisation included);
+- propose_s: the drafter (`propose_draft_token_ids`; 0 without speculation), of which budget_s is our budget's
+  plan (the proposer's `budget.plan`; 0 for other drafters);
 - rest_s: the remainder of `sample_tokens` (state updates, copying tokens to the host);
 - gap_s: from the end of this step's `sample_tokens` to the start of the next step's `execute_model`: the
   scheduler and the engine core's output handling. A gap over `IDLE_GAP_S` is the engine waiting for work and is
   counted as 0, as is the last step's;
 - requests, tokens, drafts: the step's shape (running requests, scheduled tokens, of which draft tokens).
 
-Cost: four `perf_counter` calls and one tuple append per step (~2 us, against steps of tens of ms here).
+Host time a step is everything but model_s: what an engine without async scheduling (V1 with a `custom_class`
+proposer, as ours) adds to every step's device time, and what async scheduling would overlap with the next step's
+forward pass.
+
+Cost: eight `perf_counter` calls and one list append per step (~3 us, against steps of milliseconds).
 
 On a GPU the runner's calls return once their kernels are queued, so every clock read is preceded by a device
 synchronisation (`device_sync`: `torch.cuda.synchronize` on the runner's CUDA device; nothing on the CPU, whose
@@ -38,9 +46,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from das.service.engine.contract import IDLE_GAP_S
+from das.service.engine.contract import IDLE_GAP_S, STEP_PARTS as PARTS
 
-FIELDS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s", "requests", "tokens", "drafts")
+FIELDS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s", "requests", "tokens", "drafts", "model_s",
+          "budget_s")
+
 _GAP = FIELDS.index("gap_s")  # filled in when the next step starts
 
 
@@ -77,7 +87,7 @@ class RunnerStepTimer:
             gap = start - self._last_end if self._last_end is not None else 0.0
             if self._steps and gap <= IDLE_GAP_S:  # the gap belongs to the step before this one
                 self._steps[-1][_GAP] = gap
-            self._current = {"forward_s": 0.0, "sample_s": 0.0, "propose_s": 0.0}
+            self._current = {"forward_s": 0.0, "sample_s": 0.0, "propose_s": 0.0, "model_s": 0.0, "budget_s": 0.0}
             try:
                 return execute(scheduler_output, *args, **kwargs)
             finally:
@@ -97,7 +107,7 @@ class RunnerStepTimer:
                 if c:
                     rest = end - start - c["sample_s"] - c["propose_s"]
                     self._steps.append([c["forward_s"], c["sample_s"], c["propose_s"], rest, 0.0,
-                                        c["requests"], c["tokens"], c["drafts"]])
+                                        c["requests"], c["tokens"], c["drafts"], c["model_s"], c["budget_s"]])
                     self._current = {}
 
         def timed(name: str, method: Any) -> Any:
@@ -114,6 +124,14 @@ class RunnerStepTimer:
         runner.sample_tokens = timed_sample_tokens
         runner._sample = timed("sample_s", sample)
         runner.propose_draft_token_ids = timed("propose_s", propose)
+        if hasattr(runner, "_model_forward"):
+            runner._model_forward = timed("model_s", runner._model_forward)
+        model = getattr(runner, "model", None)
+        if model is not None and hasattr(model, "compute_logits"):
+            model.compute_logits = timed("model_s", model.compute_logits)
+        budget = getattr(getattr(runner, "drafter", None), "budget", None)  # our proposer's budget hook
+        if budget is not None and hasattr(budget, "plan"):
+            budget.plan = timed("budget_s", budget.plan)
 
     def take(self) -> dict[str, list[float]]:
         """The steps recorded since the last take, column by column (FIELDS), and forgets them."""
@@ -142,11 +160,15 @@ class StepProfileExtension:
 
 @dataclass(frozen=True)
 class StepProfile:
-    """Steps of one engine over one epoch: per-step mean milliseconds of each part, the mean step shape,
-    `drafted_steps` (steps that verified at least one draft token) with the mean sample (verification) time of
-    those and of the other steps (None where there are none), and `fit_ms_per_token` / `fit_base_ms`: a
+    """Steps of one engine over one epoch: per-step mean milliseconds of each part (module docstring), the mean
+    step shape, `drafted_steps` (steps that verified at least one draft token) with the mean sample (verification)
+    time of those and of the other steps (None where there are none), and `fit_ms_per_token` / `fit_base_ms`: a
     least-squares line of forward + sample time against scheduled tokens (None with fewer than two distinct token
     counts).
+
+    `model_ms` is the forward pass (device work), `host_ms` = step_ms - model_ms everything else a step, of which
+    `prepare_ms` (input preparation: forward_ms - model_ms) and `budget_ms` (inside propose_ms); on a CPU engine the
+    "device" is the CPU itself.
 
     `cost_*`: the engine's step cost model (scheduler/cost_model.py) fitted by least squares to the whole steps
     (step_ms) of this epoch, t = base + per_token * decode tokens + per_prompt_token * prompt tokens + spec *
@@ -173,6 +195,10 @@ class StepProfile:
     cost_ms_per_token: float | None = None
     cost_ms_per_prompt_token: float | None = None
     cost_spec_ms: float | None = None
+    model_ms: float = 0.0
+    prepare_ms: float = 0.0
+    budget_ms: float = 0.0
+    host_ms: float = 0.0
 
     @classmethod
     def of(cls, columns: dict[str, list[float]]) -> StepProfile:
@@ -180,6 +206,9 @@ class StepProfile:
         n = len(data["tokens"])
         if n == 0:
             return cls(0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, None, None, None, None)
+        for name in ("model_s", "budget_s"):  # columns of a timer that did not record them
+            if data[name].size != n:
+                data[name] = np.zeros(n)
 
         def ms(name: str, rows: np.ndarray | None = None) -> float:
             values = data[name] if rows is None else data[name][rows]
@@ -187,12 +216,11 @@ class StepProfile:
 
         drafted = data["drafts"] > 0
 
-        parts = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s")
         fit_base = fit_slope = None
         if len(np.unique(data["tokens"])) >= 2:
             slope, base = np.polyfit(data["tokens"], (data["forward_s"] + data["sample_s"]) * 1e3, 1)
             fit_base, fit_slope = round(float(base), 3), round(float(slope), 4)
-        step_s = sum(data[p] for p in parts)
+        step_s = sum(data[p] for p in PARTS)
         cost = _step_cost_fit(data, step_s)
         return cls(steps=n, requests=round(float(data["requests"].mean()), 2),
                    tokens=round(float(data["tokens"].mean()), 2), drafts=round(float(data["drafts"].mean()), 2),
@@ -202,7 +230,9 @@ class StepProfile:
                    drafted_steps=int(drafted.sum()),
                    sample_ms_drafted=ms("sample_s", drafted) if drafted.any() else None,
                    sample_ms_plain=ms("sample_s", ~drafted) if (~drafted).any() else None,
-                   fit_base_ms=fit_base, fit_ms_per_token=fit_slope, **cost)
+                   fit_base_ms=fit_base, fit_ms_per_token=fit_slope, **cost,
+                   model_ms=ms("model_s"), prepare_ms=round(float((data["forward_s"] - data["model_s"]).mean()) * 1e3, 3),
+                   budget_ms=ms("budget_s"), host_ms=round(float((step_s - data["model_s"]).mean()) * 1e3, 3))
 
 
 def _step_cost_fit(data: dict[str, np.ndarray], step_s: np.ndarray) -> dict[str, float | None]:

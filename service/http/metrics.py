@@ -249,7 +249,25 @@ class GatewayMetrics:
                                           labels=["engine"])
         rejected = CounterMetricFamily("das_engine_step_fit_rejected", "Measured steps (what=step) and fits "
                                        "(what=fit) the online cost model rejected.", labels=["engine", "what"])
+        runner = GaugeMetricFamily("das_engine_runner_info", "What vLLM runs for the engine (1): platform, model "
+                                   "runner, async scheduling, and whether every sampled token is our keyed draw "
+                                   "(the same samples with and without speculation).",
+                                   labels=["engine", "platform", "model_runner", "async_scheduling", "keyed"])
+        parts = CounterMetricFamily("das_engine_step_part_seconds", "With das serve --profile-steps: seconds of the "
+                                    "engine's steps by part: forward_s (of which model_s, the forward pass: device "
+                                    "work), sample_s, propose_s (of which budget_s), rest_s, gap_s "
+                                    "(service/engine/step_profile.py).", labels=["engine", "part"])
+        profiled = CounterMetricFamily("das_engine_profiled_steps", "With das serve --profile-steps: the steps "
+                                       "timed by part.", labels=["engine"])
         for load in stats.engines:
+            if load.runner is not None:
+                r = load.runner
+                runner.add_metric([load.engine, r.platform, r.model_runner, str(r.async_scheduling).lower(),
+                                   str(r.keyed).lower()], 1)
+            if load.step_parts.steps:
+                profiled.add_metric([load.engine], load.step_parts.steps)
+                for part, seconds in load.step_parts.seconds:
+                    parts.add_metric([load.engine, part], seconds)
             for key, family in cost.items():
                 if isinstance(load.step_cost.get(key), (int, float)):
                     family.add_metric([load.engine], float(load.step_cost[key]))
@@ -271,7 +289,7 @@ class GatewayMetrics:
                 if value is not None:
                     speculate.add_metric([load.engine, q], value)
         yield from (running, waiting, speculate, proposed, accepted, prompt, cached, steps, busy, verified, verified_ok,
-                    *cost.values(), rejected)
+                    *cost.values(), rejected, runner, parts, profiled)
         yield GaugeMetricFamily("das_engines_ready", "Engines loaded and serving.", value=stats.engines_ready)
         restarts = CounterMetricFamily("das_engine_restarts", "Restarts of an engine after it died (its actor "
                                        "process or its vLLM engine core).", labels=["engine"])

@@ -414,17 +414,19 @@ def test_every_arm_draws_an_epoch_with_the_same_seeds_and_identity_is_judged_at_
     assert result.noise_floor == (0.0 if same_seeds else None)
 
 
-def test_every_arm_gets_the_same_runner_on_a_gpu_and_the_output_says_which(monkeypatch: pytest.MonkeyPatch) -> None:
-    from das.bench import e2e
+def test_every_arm_gets_the_same_runner_on_a_gpu_and_the_output_says_which() -> None:
     from das.service.engine.runner_choice import RunnerChoice
 
+    from das.service.engine.runner_choice import forces_v1
+
     config = E2EConfig(model="m", prompts="p", arms=("none", "das", "suffix"))
-    assert {config.engine_config(arm, 0).model_runner for arm in config.arms} == {"auto"}  # this CPU: V1 anyway
-    monkeypatch.setattr(e2e, "on_cpu", lambda: False)
-    assert {config.engine_config(arm, 0).model_runner for arm in config.arms} == {"v1"}
+    engines = [config.engine_config(arm, 0) for arm in config.arms]
+    # every arm keyed: V1 without async scheduling on a GPU, vLLM's choice (V1 anyway) on this CPU
+    assert {(e.model_runner, e.keyed_sampling) for e in engines} == {("keyed", True)}
+    assert all(forces_v1(e.model_runner, e.keyed_sampling, cpu=False) for e in engines)
 
     problems = reasoning_gym_problems(2)
-    runners = {"none": RunnerChoice("cuda", "V1", False), "das": RunnerChoice("cuda", "V1", False)}
+    runners = {"none": RunnerChoice("cuda", "V1", False, True), "das": RunnerChoice("cuda", "V1", False, True)}
 
     async def factory(name: str, cfg: E2EConfig, repeat: int) -> ScriptedArm:
         arm = ScriptedArm(name, repeat, problems, [])
@@ -435,7 +437,7 @@ def test_every_arm_gets_the_same_runner_on_a_gpu_and_the_output_says_which(monke
     result = asyncio.run(run_e2e(E2EConfig(model="m", prompts="reasoning-gym:2", samples=2, arms=("none", "das",
                                                                                                     "suffix")),
                                  problems, progress=messages.append, arm_factory=factory))
-    assert result.runners == {"none": "cuda model runner V1, async scheduling off",
-                              "das": "cuda model runner V1, async scheduling off"}
+    assert result.runners == {"none": "cuda model runner V1, async scheduling off, keyed sampling",
+                              "das": "cuda model runner V1, async scheduling off, keyed sampling"}
     assert result.to_dict()["runners"] == result.runners
-    assert "das: cuda model runner V1, async scheduling off" in messages
+    assert "das: cuda model runner V1, async scheduling off, keyed sampling" in messages

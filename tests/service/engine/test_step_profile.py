@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -175,3 +176,63 @@ def test_the_worker_extension_starts_once_and_refuses_a_take_before_start() -> N
     assert worker.das_profile_take()["tokens"] == []
     step(worker.model_runner, SchedulerOutput({"a": 2}))
     assert worker.das_profile_take()["tokens"] == [2]
+
+
+class Budget:
+    def plan(self, view: Any, params: Any) -> str:
+        time.sleep(0.004)
+        return "plan"
+
+
+class DraftingRunner(Runner):
+    """A runner whose execute_model runs `_model_forward` and the model's `compute_logits` (the forward pass) after
+    preparing inputs, and whose drafter plans with a budget hook, as the V1 runner and DasProposer do."""
+
+    def __init__(self) -> None:
+        super().__init__(forward_s=0.0, sample_s=0.002, propose_s=None)
+        self.model = SimpleNamespace(compute_logits=lambda hidden: time.sleep(0.003))
+        self.drafter = SimpleNamespace(budget=Budget())
+
+    def _model_forward(self, **inputs: Any) -> str:
+        time.sleep(0.02)
+        return "hidden"
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        time.sleep(0.01)  # input preparation on the host
+        self.model.compute_logits(self._model_forward(input_ids=None))
+
+    def propose_draft_token_ids(self, *args: Any) -> list[list[int]]:
+        assert self.drafter.budget.plan(None, None) == "plan"
+        time.sleep(0.002)
+        return [[1]]
+
+    def sample_tokens(self, grammar_output: Any) -> str:
+        out = self._sample(None, None)
+        self.propose_draft_token_ids(out)
+        return out
+
+
+def test_the_forward_pass_and_the_budget_are_timed_apart_from_the_host_work() -> None:
+    runner = DraftingRunner()
+    timer = RunnerStepTimer(runner)
+    step(runner, SchedulerOutput({"a": 1}), gap_s=0.005)
+    step(runner, SchedulerOutput({"a": 1}))
+    cols = timer.take()
+    assert 0.023 <= cols["model_s"][0] < 0.035  # _model_forward + compute_logits, not the input preparation
+    assert cols["forward_s"][0] - cols["model_s"][0] >= 0.01
+    assert 0.004 <= cols["budget_s"][0] < cols["propose_s"][0]
+    profile = StepProfile.of(cols)
+    assert profile.host_ms == pytest.approx(profile.step_ms - profile.model_ms, abs=2e-3)
+    assert profile.prepare_ms == pytest.approx(profile.forward_ms - profile.model_ms, abs=2e-3)
+    assert profile.host_ms >= 10 + 2 + 4  # preparation, sampling, budget at least
+
+
+def test_step_part_totals_sum_takes_and_give_the_host_time_a_step() -> None:
+    from das.service.engine.contract import StepPartTotals
+
+    assert StepPartTotals().host_ms_per_step() is None
+    take = {"forward_s": [0.03, 0.03], "sample_s": [0.01, 0.01], "propose_s": [0.0, 0.0], "rest_s": [0.0, 0.0],
+            "gap_s": [0.002, 0.0], "model_s": [0.02, 0.02], "budget_s": [0.0, 0.0], "tokens": [1, 1]}
+    totals = StepPartTotals().add(take).add(take)
+    assert totals.steps == 4 and dict(totals.seconds)["model_s"] == pytest.approx(0.08)
+    assert totals.host_ms_per_step() == pytest.approx((2 * (0.06 + 0.02 + 0.002) - 0.08) / 4 * 1e3)
