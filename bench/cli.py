@@ -91,10 +91,16 @@ def bench_simulate(
     engines: Annotated[int, typer.Option(min=1, help="Engines the batch is placed on.")] = 8,
     policy: Annotated[Optional[str], typer.Option(help="Run only this policy arm (default: all).")] = None,
     k_max: Annotated[int, typer.Option("--k-max", min=1, max=64, help="Largest draft per request per step.")] = 16,
+    host_ms: Annotated[str, typer.Option("--host-ms", help="Host work a step of an engine that drafts (vLLM runs it "
+                                                          "without async scheduling; none keeps it hidden): "
+                                                          "milliseconds, or a `das bench gpu-check --json` / `das "
+                                                          "bench serve --profile --json` report to read das's "
+                                                          "measured figure from.")] = "0",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Discrete-event replay of recorded batches under a cost model: every figure is SIMULATED."""
     from das.bench.drafter_replay import default_trace_path
+    from das.bench.server_profile import host_ms_from
     from das.drafter.records import RecordError, load_rollouts
     from das.scheduler.cost_model import load_cost_model
     from das.scheduler.simulator import ARMS, run_simulation_bench
@@ -105,7 +111,8 @@ def bench_simulate(
         records = load_rollouts(path)
         arms = [policy] if policy else list(ARMS)
         result = run_simulation_bench(records, str(path), model, engines, arms=arms,
-                                      placement_policy=policy or "das", k_max=k_max, progress=not as_json)
+                                      placement_policy=policy or "das", k_max=k_max, progress=not as_json,
+                                      host_s=host_ms_from(host_ms) / 1e3)
     except (RecordError, OSError, ValueError) as exc:
         fail(str(exc))
     emit(result, as_json)
@@ -327,6 +334,9 @@ def bench_serve(
                                                                   "string (e.g. '--eager').")] = "",
     log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each server's log goes.")] = Path("bench-logs"),
     markdown: Annotated[Optional[Path], typer.Option(help="Write the table as markdown.")] = None,
+    profile: Annotated[bool, typer.Option("--profile", help="Every server with --profile-steps: each arm's forward "
+                                                           "pass and host time a step, by part (the JSON's `arms`: "
+                                                           "what `das bench simulate --host-ms` reads).")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The quick start's run as the benchmark: `das serve` per arm, `das rollout`'s epochs against it, medians of
@@ -341,7 +351,7 @@ def bench_serve(
         config = UserRunConfig(arms=tuple(a.strip() for a in arms.split(",") if a.strip()), repeats=repeats,
                                samples=samples, epochs=epochs, max_tokens=max_tokens, temperature=temperature,
                                port=port, serve_args=tuple(shlex.split(serve_args)), seed=seed,
-                               k=_serve_k(shlex.split(serve_args)))
+                               k=_serve_k(shlex.split(serve_args)), profile=profile)
         result = run_user_bench(config, problem_set, problems, log_dir,
                                 progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
     except (PromptSetError, OSError, ValueError, RuntimeError, TimeoutError) as exc:
@@ -418,6 +428,13 @@ def bench_architecture(
 
 @bench_app.command("gpu-check")
 def bench_gpu_check(
+    arms: Annotated[Optional[str], typer.Option(help="Compared arms (keyed, identical samples expected), "
+                                                     "comma-separated, none and das among them: none, das, suffix, "
+                                                     "ngram. Default: none,das, plus suffix where arctic-inference "
+                                                     "imports.")] = None,
+    plain: Annotated[bool, typer.Option(help="Also run plain vLLM (--speculation none --model-runner auto: on a "
+                                             "GPU model runner V2 with async scheduling) and compare das's speed "
+                                             "with it.")] = True,
     model: Annotated[str, typer.Option(help="Model name (`das models list`) or directory.")] = "smollm2",
     problems: Annotated[str, typer.Option(help="JSONL prompt file, reasoning-gym:N or code:N.")] = "code:4",
     samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 2,
@@ -432,25 +449,29 @@ def bench_gpu_check(
                                                                   "one string (e.g. '--eager').")] = "",
     log_dir: Annotated[Path, typer.Option("--log-dir", help="Where each server's log goes.")] = Path("bench-logs"),
     out: Annotated[Path, typer.Option("--out", help="The report as JSON.")] = Path("gpu-check.json"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON (progress goes to stderr).")]
+        = False,
 ) -> None:
-    """The acceptance run on one GPU: `das serve` for none, suffix and das; identical samples at T > 0, a short
-    e2e, the RL control plane (pause, update_weights, resume) and an engine kill. Exits 1 if a check fails."""
+    """The acceptance run on one GPU: `das serve` per arm (keyed, one runner) and plain vLLM; identical samples at
+    T > 0, each arm's runner and host time a step, a short e2e, the RL control plane (pause, update_weights,
+    resume) and an engine kill. Exits 1 if a check fails."""
     import shlex
 
-    from das.bench.gpu_check import GpuCheckConfig, run_gpu_check
+    from das.bench.gpu_check import GpuCheckConfig, default_arms, run_gpu_check
     from das.service.client.prompt_sets import PromptSetError, load_prompt_set
 
+    chosen, skipped = default_arms() if arms is None else (tuple(a.strip() for a in arms.split(",") if a.strip()), [])
     try:
-        config = GpuCheckConfig(model=model, problems=problems, samples=samples, max_tokens=max_tokens,
-                                temperature=temperature, dtype=dtype, seed=seed, port=port,
+        config = GpuCheckConfig(arms=chosen, plain=plain, model=model, problems=problems, samples=samples,
+                                max_tokens=max_tokens, temperature=temperature, dtype=dtype, seed=seed, port=port,
                                 serve_args=tuple(shlex.split(serve_args)))
         report = run_gpu_check(config, load_prompt_set(problems), log_dir,
-                               progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"))
+                               progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]"), skipped=skipped)
     except (PromptSetError, OSError, ValueError) as exc:
         fail(str(exc))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-    emit(report, False)
+    emit(report, as_json)
     console.print(f"report: {out}")
     if not report.passed:
         raise typer.Exit(1)

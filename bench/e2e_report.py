@@ -80,7 +80,8 @@ _TEST_COLUMNS = ("arm", "reward - none [95% CI]", "p", "length KS D", "p", "verd
 
 def _profile_rows(result: E2EResult) -> list[list[str]]:
     """Per epoch and profiled arm: steps, mean requests, tokens and drafts per step, then milliseconds per step
-    of forward, sample, propose, rest, gap and the whole step, and the fitted cost line."""
+    of forward, sample, propose, rest, gap and the whole step, the forward pass alone (device work) and the rest
+    (host work), and the fitted cost line."""
     rows = []
     for e, arms in enumerate(result.profile_medians()):
         for arm, p in arms.items():
@@ -88,15 +89,16 @@ def _profile_rows(result: E2EResult) -> list[list[str]]:
                    if p["fit_base_ms"] is not None and p["fit_ms_per_token"] is not None else "-")
             rows.append([str(e + 1), arm, _fmt(p["steps"], "{:.0f}"), _fmt(p["requests"], "{:.1f}"),
                          _fmt(p["tokens"], "{:.1f}"), _fmt(p["drafts"], "{:.1f}"),
-                         *(_fmt(p[k], "{:.2f}") for k in ("forward_ms", "sample_ms", "propose_ms", "rest_ms",
-                                                           "gap_ms", "step_ms")),
+                         *(_fmt(p.get(k), "{:.2f}") for k in ("forward_ms", "sample_ms", "propose_ms", "rest_ms",
+                                                               "gap_ms", "step_ms", "model_ms", "host_ms")),
                          _fmt(p["drafted_steps"], "{:.0f}"),
                          f"{_fmt(p['sample_ms_drafted'], '{:.1f}')} / {_fmt(p['sample_ms_plain'], '{:.1f}')}", fit])
     return rows
 
 
 _PROFILE_COLUMNS = ("epoch", "arm", "steps", "requests", "tokens/step", "drafts/step", "forward ms", "sample ms",
-                    "propose ms", "rest ms", "gap ms", "step ms", "drafted steps", "sample ms drafted / plain",
+                    "propose ms", "rest ms", "gap ms", "step ms", "forward pass ms", "host ms", "drafted steps",
+                    "sample ms drafted / plain",
                     "forward+sample ms, n tokens")
 _PROFILE_TITLE = "where an engine step's time goes (mean per step; medians over repeats)"
 

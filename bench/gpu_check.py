@@ -1,10 +1,16 @@
 """`das bench gpu-check`: the acceptance run for one machine with one GPU (or, as a dry run, the CPU).
 
-One command, as a user would run the service: `das serve` per arm (none, suffix, das; fp32 by default, so that
-the arms' logits agree bit for bit and keyed sampling draws the same tokens), the same seeded batch at T > 0
-against each, then on the das server the RL control plane and an engine kill. Checks:
+One command, as a user would run the service: `das serve --profile-steps` per arm (`--arms`, default none and das,
+plus vLLM's `suffix` where arctic-inference is importable; fp32 by default, so that the arms' logits agree bit for
+bit and keyed sampling draws the same tokens), the same seeded batch at T > 0 against each, then on the das server
+the RL control plane and an engine kill. Every compared arm runs `--model-runner keyed` (on a GPU: model runner V1
+without async scheduling, the runner our keyed draw and our proposer need), so their samples must be identical.
+Beside them, `plain`: `das serve --speculation none --model-runner auto`, vLLM as users run it (on a GPU: model
+runner V2 with async scheduling), compared with das on speed alone (its samples are not keyed). Checks:
 
-- identical samples: every sample of every arm has the tokens the `none` arm drew (keyed sampling, T > 0);
+- one runner: every compared arm runs the same model runner with async scheduling alike, and samples keyed;
+- identical samples: every sample of every compared arm has the tokens the `none` arm drew (keyed sampling, T > 0);
+- host time measured: every compared arm's steps were timed by part (the forward pass against the host's work);
 - short e2e: each arm's batch completes without an error sample (makespan, tokens/s, drafts accepted reported;
   one batch, so no speed verdict);
 - RL control plane: POST /pause?mode=keep, a batch sent while paused is held (nothing arrives), POST
@@ -13,7 +19,9 @@ against each, then on the das server the RL control plane and an engine kill. Ch
 - engine kill: SIGKILL to a vLLM engine-core process of the server; the next batch completes without an error
   sample (the service restarts the engine and re-dispatches).
 
-Prints a rich table and writes the report as JSON. The figures of a run on a shared CPU are not speeds.
+Each arm's report names its runner, async scheduling and host time a step (bench/server_profile.py, from the
+server's /metrics). Prints rich tables and writes the report as JSON. The figures of a run on a shared CPU are not
+speeds.
 """
 
 from __future__ import annotations
@@ -34,15 +42,43 @@ from das.service.client import RolloutClient
 from das.service.client.prompt_sets import Problem
 from das.service.wire.api import SampleRecord, SamplingSpec
 
-ARMS = ("none", "suffix", "das")
+COMPARED = ("none", "das", "suffix", "ngram")  # `das serve --speculation` values, all keyed
+PLAIN = "plain"  # vLLM as users run it: no speculation, vLLM's choice of runner
 BASELINE = "none"
 ENGINE_CORE = "EngineCore"  # vLLM's engine-core process title (VLLM::EngineCore...)
+SUFFIX_PACKAGE = "arctic_inference"  # vLLM's suffix method imports it (requirements/peers.txt installs it)
+
+
+def suffix_unavailable() -> str | None:
+    """Why vLLM's suffix arm cannot run here (arctic-inference does not import), or None."""
+    try:
+        __import__(SUFFIX_PACKAGE)
+    except Exception as exc:  # an ImportError, or a build that fails while importing
+        return (f"arctic-inference is not importable ({type(exc).__name__}: {exc}); install it with "
+                "`pip install -r requirements/peers.txt` to compare with vLLM's suffix method")
+    return None
+
+
+def default_arms() -> tuple[tuple[str, ...], list[str]]:
+    """none and das, plus suffix where arctic-inference imports; and why an arm was left out."""
+    missing = suffix_unavailable()
+    return (("none", "das") if missing else ("none", "das", "suffix")), ([f"suffix: {missing}"] if missing else [])
+
+
+def arm_flags(arm: str) -> tuple[str, ...]:
+    """The arm's `das serve` flags: every arm's steps timed; compared arms keyed (the default runner choice)."""
+    if arm == PLAIN:
+        return ("--speculation", "none", "--model-runner", "auto", "--profile-steps")
+    return ("--speculation", arm, "--profile-steps")
 
 
 @dataclass(frozen=True)
 class GpuCheckConfig:
-    """One acceptance run. `serve_args`: more `das serve` flags for every server (e.g. `--eager`)."""
+    """One acceptance run. `arms`: the compared (keyed) arms, `none` and `das` among them; `plain`: also run vLLM
+    as users run it, for speed; `serve_args`: more `das serve` flags for every server (e.g. `--eager`)."""
 
+    arms: tuple[str, ...] = ("none", "das")
+    plain: bool = True
     model: str = "smollm2"
     problems: str = "code:4"
     samples: int = 2
@@ -60,6 +96,20 @@ class GpuCheckConfig:
             raise ValueError(f"temperature must be > 0 (the check is of random sampling), got {self.temperature}")
         if self.samples < 1 or self.max_tokens < 1:
             raise ValueError("samples and max_tokens must be >= 1")
+        unknown = [a for a in self.arms if a not in COMPARED]
+        if unknown or len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"arms: each of {', '.join(COMPARED)} at most once, got {', '.join(self.arms)}")
+        if BASELINE not in self.arms or "das" not in self.arms:
+            raise ValueError(f"arms must include {BASELINE} (the samples every arm must match) and das (the control "
+                             f"plane and the kill run on it), got {', '.join(self.arms)}")
+        if "suffix" in self.arms and (missing := suffix_unavailable()):
+            raise ValueError(f"arms: suffix needs {missing}")
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The servers in the order they run: the baseline first, das last (the kill ends its run)."""
+        middle = [a for a in self.arms if a not in (BASELINE, "das")] + ([PLAIN] if self.plain else [])
+        return (BASELINE, *middle, "das")
 
 
 @dataclass(frozen=True)
@@ -73,14 +123,16 @@ class ArmBatch:
     accepted_tokens: int
     errors: int
     tokens_of: dict[str, list[int]] = field(repr=False)
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineSteps.summary() of the arm's engine
 
     @classmethod
-    def of(cls, arm: str, samples: Iterable[SampleRecord], seconds: float) -> ArmBatch:
+    def of(cls, arm: str, samples: Iterable[SampleRecord], seconds: float,
+           engine: dict[str, Any] | None = None) -> ArmBatch:
         got = list(samples)
         return cls(arm, round(seconds, 3), sum(len(s.output_token_ids) for s in got),
                    sum(s.draft_tokens for s in got), sum(s.accepted_tokens for s in got),
                    sum(s.finish_reason == "error" for s in got),
-                   {f"{s.problem_id}/{s.sample_index}": list(s.output_token_ids) for s in got})
+                   {f"{s.problem_id}/{s.sample_index}": list(s.output_token_ids) for s in got}, engine or {})
 
     @property
     def tokens_per_s(self) -> float:
@@ -96,8 +148,14 @@ class Check:
     detail: str
 
 
+def compared(batches: list[ArmBatch]) -> list[ArmBatch]:
+    """The keyed arms' batches (the plain vLLM arm is compared on speed only)."""
+    return [b for b in batches if b.arm != PLAIN]
+
+
 def identity_check(batches: list[ArmBatch], expected_samples: int) -> Check:
-    """Every arm drew exactly the baseline arm's tokens for every sample."""
+    """Every compared arm drew exactly the baseline arm's tokens for every sample."""
+    batches = compared(batches)
     base = next((b for b in batches if b.arm == BASELINE), None)
     if base is None:
         return Check("identical samples", False, f"no {BASELINE} batch to compare with")
@@ -114,6 +172,43 @@ def identity_check(batches: list[ArmBatch], expected_samples: int) -> Check:
         return Check("identical samples", False, "only one arm ran")
     return Check("identical samples", not problems,
                  "; ".join(problems) or f"{others}: every one of {expected_samples} samples as {BASELINE}'s")
+
+
+def runner_check(batches: list[ArmBatch]) -> Check:
+    """Every compared arm on one runner (model runner and async scheduling alike) with keyed sampling, as each
+    server reported it."""
+    runs = {b.arm: (b.engine.get("runner"), b.engine.get("async_scheduling"), b.engine.get("keyed"))
+            for b in compared(batches)}
+    problems = [f"{arm}: no runner reported" for arm, run in runs.items() if run[0] is None]
+    problems += [f"{arm}: samples not keyed" for arm, run in runs.items() if run[0] is not None and not run[2]]
+    if len({run[:2] for run in runs.values()}) > 1:
+        problems.append("runners differ: " + ", ".join(f"{arm} {run[0]} (async scheduling {run[1]})"
+                                                       for arm, run in runs.items()))
+    first = next(iter(runs.values()), (None, None, None))
+    return Check("one runner for the compared arms", bool(runs) and not problems,
+                 "; ".join(problems) or f"{', '.join(runs)}: model runner {first[0]}, async scheduling "
+                                        f"{'on' if first[1] else 'off'}, keyed sampling")
+
+
+def host_time_check(batches: list[ArmBatch]) -> Check:
+    """Every compared arm's steps were timed by part, so its host time a step is measured."""
+    missing = [b.arm for b in compared(batches) if b.engine.get("host_ms_per_step") is None]
+    measured = ", ".join(f"{b.arm} {b.engine['host_ms_per_step']:.2f} ms" for b in compared(batches)
+                         if b.engine.get("host_ms_per_step") is not None)
+    return Check("host time a step measured", bool(compared(batches)) and not missing,
+                 f"not measured for {', '.join(missing)}" if missing else f"host ms a step: {measured}")
+
+
+def plain_comparison(batches: list[ArmBatch]) -> dict[str, Any] | None:
+    """das against vLLM as users run it (speed only; one batch, so no verdict): makespan and tokens/s ratios."""
+    das = next((b for b in batches if b.arm == "das"), None)
+    plain = next((b for b in batches if b.arm == PLAIN), None)
+    if das is None or plain is None or not plain.makespan_s or not plain.tokens_per_s:
+        return None
+    return {"das_over_plain_makespan": round(das.makespan_s / plain.makespan_s, 3),
+            "das_over_plain_tokens_per_s": round(das.tokens_per_s / plain.tokens_per_s, 3),
+            "plain_runner": plain.engine.get("runner"), "plain_async_scheduling": plain.engine.get("async_scheduling"),
+            "identical_samples_expected": False}
 
 
 def e2e_check(batches: list[ArmBatch], expected_samples: int, arms: tuple[str, ...]) -> Check:
@@ -166,26 +261,45 @@ class GpuCheckReport:
     device: str
     batches: list[ArmBatch] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # arms left out of the default, each with why
 
     @property
     def passed(self) -> bool:
         return bool(self.checks) and all(c.passed for c in self.checks)
 
     def to_dict(self) -> dict[str, Any]:
+        arms = []
+        for b in self.batches:
+            row = {k: v for k, v in asdict(b).items() if k not in ("tokens_of", "engine")}
+            engine = {k: v for k, v in b.engine.items() if k != "engine"}
+            arms.append(row | {"tokens_per_s": round(b.tokens_per_s, 1), "compared": b.arm != PLAIN,
+                               "runner": engine.pop("runner", None),
+                               "async_scheduling": engine.pop("async_scheduling", None),
+                               "host_ms_per_step": engine.pop("host_ms_per_step", None)} | engine)
         return {"config": asdict(self.config), "device": self.device, "passed": self.passed,
-                "checks": [asdict(c) for c in self.checks],
-                "arms": [{k: v for k, v in asdict(b).items() if k != "tokens_of"} | {
-                    "tokens_per_s": round(b.tokens_per_s, 1)} for b in self.batches]}
+                "checks": [asdict(c) for c in self.checks], "skipped": self.skipped, "arms": arms,
+                "plain_vllm": plain_comparison(self.batches)}
 
     def print(self, console: Console) -> None:
         arms = Table(title=f"das bench gpu-check on {self.device}: {self.config.problems} x {self.config.samples}, "
                            f"{self.config.max_tokens} tokens, T={self.config.temperature}, {self.config.dtype}")
-        for column in ("arm", "makespan s", "tokens", "tokens/s", "drafted", "accepted", "errors"):
+        for column in ("arm", "runner", "async", "host ms/step", "forward ms/step", "makespan s", "tokens",
+                       "tokens/s", "drafted", "accepted", "errors"):
             arms.add_column(column, justify="right")
         for b in self.batches:
-            arms.add_row(b.arm, f"{b.makespan_s:.1f}", str(b.tokens), f"{b.tokens_per_s:.0f}", str(b.draft_tokens),
-                         str(b.accepted_tokens), str(b.errors))
+            e = b.engine
+            arms.add_row(b.arm, str(e.get("runner") or "-"), {True: "on", False: "off"}.get(e.get("async_scheduling"),
+                                                                                            "-"),
+                         _ms(e.get("host_ms_per_step")), _ms(e.get("model_ms_per_step")), f"{b.makespan_s:.1f}",
+                         str(b.tokens), f"{b.tokens_per_s:.0f}", str(b.draft_tokens), str(b.accepted_tokens),
+                         str(b.errors))
         console.print(arms)
+        for line in self.skipped:
+            console.print(f"skipped {line}")
+        if (plain := plain_comparison(self.batches)) is not None:
+            console.print(f"das against plain vLLM ({plain['plain_runner']}, async scheduling "
+                          f"{'on' if plain['plain_async_scheduling'] else 'off'}; speed only, one batch): makespan "
+                          f"{plain['das_over_plain_makespan']:.3f}x, tokens/s {plain['das_over_plain_tokens_per_s']:.3f}x")
         checks = Table(title="acceptance checks: " + ("[green]all passed[/green]" if self.passed
                                                        else "[red]FAILED[/red]"))
         for column in ("check", "result", "detail"):
@@ -193,6 +307,10 @@ class GpuCheckReport:
         for c in self.checks:
             checks.add_row(c.name, "[green]pass[/green]" if c.passed else "[red]FAIL[/red]", c.detail)
         console.print(checks)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 # ---- the run (real servers) ----
@@ -225,9 +343,12 @@ def device_name() -> str:
 
 
 def run_gpu_check(config: GpuCheckConfig, problems: list[Problem], log_dir: Path,
-                  progress: Callable[[str], None]) -> GpuCheckReport:
-    """The acceptance run (module docstring): a server per arm in turn, the das server last for the control plane
-    and the kill."""
+                  progress: Callable[[str], None], skipped: list[str] | None = None) -> GpuCheckReport:
+    """The acceptance run (module docstring): a server per arm in `config.order`, the das server last for the
+    control plane and the kill. `skipped`: arms left out of the default and why (reported)."""
+    import httpx
+
+    from das.bench.server_profile import engine_steps
     from das.bench.user_run import ServeProcess, UserRunConfig
     from das.service.engine.async_engine import engine_dtype
     from das.service.engine.models import prepare_model
@@ -239,26 +360,34 @@ def run_gpu_check(config: GpuCheckConfig, problems: list[Problem], log_dir: Path
     serve = UserRunConfig(port=config.port, ready_timeout_s=config.ready_timeout_s,
                           serve_args=("--model", config.model, "--dtype", config.dtype, "--weights-root",
                                       str(weights.parent), *config.serve_args))
-    report = GpuCheckReport(config, device_name())
+    report = GpuCheckReport(config, device_name(), skipped=list(skipped or []))
     log_dir.mkdir(parents=True, exist_ok=True)
-    for arm in ARMS:
-        progress(f"{arm}: starting das serve --speculation {arm}")
-        server = ServeProcess(("--speculation", arm), serve, log_dir / f"gpu-check-{arm}.log")
+    for line in report.skipped:
+        progress(f"skipped {line}")
+    for arm in config.order:
+        flags = arm_flags(arm)
+        progress(f"{arm}: starting das serve {' '.join(flags)}")
+        server = ServeProcess(flags, serve, log_dir / f"gpu-check-{arm}.log")
         try:
             server.wait_ready(config.ready_timeout_s, progress)
             with RolloutClient(server.url, None) as client:
                 t0 = time.perf_counter()
-                report.batches.append(ArmBatch.of(arm, run_batch(client, groups, config.seed),
-                                                  time.perf_counter() - t0))
-                progress(f"{arm}: {report.batches[-1].tokens} tokens in {report.batches[-1].makespan_s:.1f} s")
+                samples = run_batch(client, groups, config.seed)
+                seconds = time.perf_counter() - t0
+                engines = engine_steps(httpx.get(f"{server.url}/metrics", timeout=10.0).text)
+                report.batches.append(ArmBatch.of(arm, samples, seconds, engines[0].summary() if engines else None))
+                b = report.batches[-1]
+                progress(f"{arm}: {b.tokens} tokens in {b.makespan_s:.1f} s on {b.engine.get('runner')} "
+                         f"(host {_ms(b.engine.get('host_ms_per_step'))} ms a step)")
                 if arm == "das":
                     report.checks += _control_plane_and_kill(client, server.proc.pid, groups, config, weights,
                                                              expected, progress)
-        except (RuntimeError, TimeoutError, OSError) as exc:
+        except (RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:
             report.checks.append(Check(f"{arm} server", False, f"{type(exc).__name__}: {exc}"))
         finally:
             server.stop()
-    report.checks[:0] = [identity_check(report.batches, expected), e2e_check(report.batches, expected, ARMS)]
+    report.checks[:0] = [runner_check(report.batches), identity_check(report.batches, expected),
+                         host_time_check(report.batches), e2e_check(report.batches, expected, config.order)]
     return report
 
 

@@ -36,6 +36,7 @@ from rich.table import Table
 from das.service.client import RolloutClient
 from das.service.client.prompt_sets import Problem
 from das.bench.oracle_bound import StepPrice, engine_bound
+from das.bench.server_profile import engine_steps
 from das.drafter.oracle import write_continuations
 from das.service.client.rollout_run import EpochFigures, run_rollouts
 from das.service.wire.api import SamplingSpec
@@ -61,6 +62,7 @@ class UserRunConfig:
     serve_args: tuple[str, ...] = ()
     ready_timeout_s: float = 900.0
     k: int = 8  # the servers' --k (num_speculative_tokens), for the bound
+    profile: bool = False  # every server with --profile-steps: each arm's host and forward-pass time a step
 
     def __post_init__(self) -> None:
         oracles = [a for a in self.arms if a in ORACLE_ARMS]
@@ -88,6 +90,26 @@ class UserRunResult:
     # equalled none's in every repeat and epoch
     bounds: list[list[dict[str, Any]]] = field(default_factory=list)
     oracle_identical: dict[str, bool] = field(default_factory=dict)
+    # with config.profile: arm -> one EngineSteps.summary() of its engine per repeat (all epochs together)
+    profiles: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    def step_profiles(self) -> list[dict[str, Any]]:
+        """Per profiled arm, the medians over repeats of its ms a step: host (all but the forward pass), forward
+        pass, and each part (bench/server_profile.py), with its runner."""
+        rows = []
+        for arm, runs in self.profiles.items():
+            measured = [r for r in runs if r.get("host_ms_per_step") is not None]
+            if not measured:
+                continue
+            parts = {part: _median_of([r["parts_ms_per_step"].get(part) for r in measured])
+                     for part in measured[0]["parts_ms_per_step"]}
+            rows.append({"arm": arm, "runner": measured[0]["runner"],
+                         "async_scheduling": measured[0]["async_scheduling"], "repeats": len(measured),
+                         "profiled_steps": _median_of([r["profiled_steps"] for r in measured]),
+                         "host_ms_per_step": _median_of([r["host_ms_per_step"] for r in measured]),
+                         "model_ms_per_step": _median_of([r["model_ms_per_step"] for r in measured]),
+                         "parts_ms_per_step": parts})
+        return rows
 
     def oracle_table(self) -> list[dict[str, Any]]:
         """Per epoch (medians over repeats, seconds): none, das, oracle, oracle-k and bound_s (the arms run), das's
@@ -138,7 +160,8 @@ class UserRunResult:
                 "ratios": {arm: self.ratios(arm) for arm in self.runs},
                 **({"oracle": self.oracle_table(), "oracle_identical": self.oracle_identical,
                     "bounds": [{"repeat": r + 1, "epochs": b} for r, b in enumerate(self.bounds)]}
-                   if self.bounds else {})}
+                   if self.bounds else {}),
+                **({"arms": self.step_profiles(), "profiles": self.profiles} if self.profiles else {})}
 
     def markdown(self) -> str:
         base = self.config.arms[0]
@@ -191,6 +214,24 @@ class UserRunResult:
                 oracle.add_row(*(_cell(row.get(c)) for c in columns))
             console.print(oracle)
             console.print(f"oracle outputs identical to {BASELINE}'s: {self.oracle_identical}")
+        if self.profiles:
+            steps = Table(title="where a step's time goes (ms a step, medians over repeats; host = all but the "
+                                "forward pass)")
+            parts = ("prepare", "sample", "propose", "budget", "rest", "gap")
+            for column in ("arm", "runner", "steps", "forward pass", "host", *parts):
+                steps.add_column(column, justify="right")
+            for row in self.step_profiles():
+                ms = row["parts_ms_per_step"]
+                prepare = (ms["forward_ms"] - ms["model_ms"]) if ms.get("forward_ms") is not None else None
+                steps.add_row(row["arm"], str(row["runner"]), _cell(row["profiled_steps"]),
+                              _cell(row["model_ms_per_step"]), _cell(row["host_ms_per_step"]), _cell(prepare),
+                              *(_cell(ms.get(f"{p}_ms")) for p in parts[1:]))
+            console.print(steps)
+
+
+def _median_of(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return round(float(statistics.median(present)), 3) if present else None
 
 
 def _cell(value: Any) -> str:
@@ -293,6 +334,8 @@ def run_user_bench(config: UserRunConfig, problems: list[Problem], problems_spec
             if arm in ORACLE_ARMS:
                 write_continuations(oracle_file, {k: v for epoch in recorded for k, v in epoch.items()})
                 flags = (*ORACLE_ARMS[arm], "--oracle-file", str(oracle_file))
+            if config.profile:
+                flags = (*flags, "--profile-steps")
             progress(f"repeat {repeat + 1}/{config.repeats}, arm {arm}: starting das serve {' '.join(flags)}")
             server = ServeProcess(flags, config, log_dir / f"serve-{arm}-{repeat + 1}.log")
             outputs: list[dict[int, list[int]]] | None = [] if oracles and arm in (BASELINE, *oracles) else None
@@ -302,10 +345,13 @@ def run_user_bench(config: UserRunConfig, problems: list[Problem], problems_spec
                 with RolloutClient(server.url, None) as client:
                     run = run_rollouts(client, problems, config.samples, config.epochs, sampling, None, quiet,
                                        derive(config.seed, repeat), outputs)
-                if arm in ORACLE_ARMS:
+                if arm in ORACLE_ARMS or config.profile:
                     metrics = httpx.get(f"{server.url}/metrics", timeout=10.0).text
             finally:
                 server.stop()
+            if config.profile:
+                engines = engine_steps(metrics)
+                result.profiles.setdefault(arm, []).append(engines[0].summary() if engines else {})
             result.runs[arm].append(run.epochs)
             if arm == BASELINE and outputs is not None:
                 recorded = outputs

@@ -93,6 +93,18 @@ class CostModel:
         """Tokens per step at which the per-token cost equals the fixed cost: beyond it drafts stop being cheap."""
         return self.c_base_s / self.c_tok_s if self.c_tok_s else float("inf")
 
+    def with_host(self, host_s: float) -> CostModel:
+        """This model with `host_s` seconds of host work added to every step (c_base_s): the price of an engine
+        that runs without async scheduling, whose scheduling, input preparation, proposer and output handling sit
+        between its forward passes instead of under them."""
+        if not (math.isfinite(host_s) and host_s >= 0):
+            raise ValueError(f"host seconds a step must be a finite number >= 0, got {host_s}")
+        if host_s == 0:
+            return self
+        return CostModel(f"{self.name}+host {host_s * 1e3:g} ms", self.c_base_s + host_s, self.c_tok_s,
+                         f"{self.source}; plus {host_s * 1e3:g} ms of host work a step", self.fit_error,
+                         self.c_spec_s, self.c_prefill_s, self.c_spec_req_s)
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
 

@@ -28,6 +28,13 @@ Four references run beside the arms, to show where a policy's time goes (`Simula
     priced in full: the limit of speculation at K_max under this cost model whatever the drafter (the engine
     bench's `oracle-k` arm, simulated), against which das's saving is a share.
 
+The host's price (`host_s`, `das bench simulate --host-ms`): vLLM runs an engine without speculation with async
+scheduling, its host work a step (scheduling, input preparation, output handling) overlapped with the device's
+forward pass, and an engine with a `custom_class` proposer (ours) without it, so that work lies between its
+forward passes. The `none` arm is priced as the former (the cost model as given); every arm that drafts, and every
+reference, as the latter: host_s added to every step, drafted or not (`CostModel.with_host`), and their budgets
+plan with that price.
+
 All figures printed from here are simulated and labelled so.
 """
 
@@ -529,7 +536,8 @@ class SimulationBench:
 
         cfg = self.config
         title = (f"SIMULATED rollout makespan: {cfg['traces']} under cost model {cfg['cost_model']} "
-                 f"({cfg['engines']} engines, K_max {cfg['k_max']})")
+                 f"({cfg['engines']} engines, K_max {cfg['k_max']}, host {cfg.get('host_ms_per_step', 0)} ms a "
+                 f"drafting step)")
         references = {name.replace("_", " "): r for name, r in self.references.items()}
         for label, rows in (("policy (length-aware placement)", self.arms),
                             (f"placement (policy {cfg['placement_policy']})", self.placement),
@@ -550,42 +558,46 @@ class SimulationBench:
 
 def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: CostModel, engines: int,
                          arms: Sequence[str] = ARMS, placement_policy: str = "das", k_max: int = 16,
-                         progress: bool = True) -> SimulationBench:
+                         progress: bool = True, host_s: float = 0.0) -> SimulationBench:
+    """Every arm, both placements and the references (SimulationBench); `host_s`: the host's price a step of an
+    engine that drafts (module docstring), 0 for none."""
     from rich.progress import Progress
 
     for a in [*arms, placement_policy]:
         make_policy(a)  # reject unknown names before any work
+    host_priced = cost.with_host(host_s)
     batches = len({r.policy_version for r in records}) - 1
     bench = SimulationBench(config={"traces": traces, "cost_model": cost.name, "cost_model_source": cost.source,
                                     "c_base_s": cost.c_base_s, "c_tok_s": cost.c_tok_s,
                                     "c_prefill_s": cost.prefill_token_s, "engine_limits": asdict(EngineLimits()),
-                                    "engines": engines, "k_max": k_max, "placement_policy": placement_policy})
+                                    "engines": engines, "k_max": k_max, "placement_policy": placement_policy,
+                                    "host_ms_per_step": round(host_s * 1e3, 4)})
     with Progress(disable=not progress, transient=True) as bar:
         task = bar.add_task("simulating", total=max(1, batches) * (len(arms) + len(PLACEMENTS) + len(REFERENCES)))
         for name in arms:
             bar.update(task, description=f"simulating {name}")
-            bench.arms[name] = simulate(records, cost, engines, name, "length-aware", k_max,
-                                        on_batch=lambda: bar.advance(task))
+            bench.arms[name] = simulate(records, cost if name == "none" else host_priced, engines, name, "length-aware",
+                                        k_max, on_batch=lambda: bar.advance(task))
         for kind in PLACEMENTS:
             if kind == "length-aware" and placement_policy in bench.arms:
                 bench.placement[kind] = bench.arms[placement_policy]
                 bar.advance(task, batches)
                 continue
             bar.update(task, description=f"simulating {placement_policy} with {kind} placement")
-            bench.placement[kind] = simulate(records, cost, engines, placement_policy, kind, k_max,
+            bench.placement[kind] = simulate(records, host_priced, engines, placement_policy, kind, k_max,
                                              on_batch=lambda: bar.advance(task))
         bar.update(task, description=f"simulating {placement_policy} with one engine per group")
-        bench.references["every_group_alone"] = simulate(records, cost, engines, placement_policy, k_max=k_max,
+        bench.references["every_group_alone"] = simulate(records, host_priced, engines, placement_policy, k_max=k_max,
                                                          on_batch=lambda: bar.advance(task), engine_per_group=True)
         bar.update(task, description=f"simulating {placement_policy} with the true lengths")
-        bench.references["oracle_lengths"] = simulate(records, cost, engines, placement_policy, k_max=k_max,
+        bench.references["oracle_lengths"] = simulate(records, host_priced, engines, placement_policy, k_max=k_max,
                                                       on_batch=lambda: bar.advance(task), oracle_lengths=True)
         bar.update(task, description=f"simulating uniform-{k_max} with free drafts")
-        free = CostModel(f"{cost.name} without c_tok", cost.c_base_s, 0.0, cost.source,
-                         c_prefill_s=cost.prefill_token_s)
+        free = CostModel(f"{host_priced.name} without c_tok", host_priced.c_base_s, 0.0, host_priced.source,
+                         c_prefill_s=host_priced.prefill_token_s)
         bench.references["drafts_free"] = simulate(records, free, engines, f"uniform-{k_max}", k_max=k_max,
                                                    on_batch=lambda: bar.advance(task))
         bar.update(task, description=f"simulating the recorded futures as drafts at K_max {k_max}")
-        bench.references["exact_drafts"] = simulate(records, cost, engines, "none", k_max=k_max,
+        bench.references["exact_drafts"] = simulate(records, host_priced, engines, "none", k_max=k_max,
                                                     on_batch=lambda: bar.advance(task), exact_drafts=True)
     return bench

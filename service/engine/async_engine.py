@@ -269,8 +269,12 @@ class Engine:
             raise
         engine = cls(config, llm, tokenizer, vocab_size, tally)
         engine.runner = runner
-        if config.profile_steps:  # after the warm-ups: only traffic is timed
-            await engine.start_step_profile()
+        if config.profile_steps:
+            if runner.step_timer_applies:
+                await engine.start_step_profile()  # after the warm-ups: only traffic is timed
+            else:
+                log.warning("profile_steps times model runner V1 without async scheduling; this engine runs %s: "
+                            "its steps are not profiled", runner.describe())
         if config.oracle_file is not None:
             from das.drafter.oracle import load_continuations
 
@@ -591,7 +595,8 @@ class Engine:
     async def read_step_parts(self) -> StepPartTotals:
         """With `profile_steps`: the parts of every step timed since the engine started (the steps since the last
         read are fetched from the worker); else the empty totals, without a call."""
-        if self.config.profile_steps and not self.dead:
+        if self.config.profile_steps and self.runner is not None and self.runner.step_timer_applies \
+                and not self.dead:
             self.step_parts = self.step_parts.add(await worker_rpc(self._llm, "das_profile_take"))
         return self.step_parts
 

@@ -16,6 +16,12 @@ processed logits do.
   rejection to save CPU time).
 - The step's keys: the model runner's `_sample` publishes them (keyed_sampler.publish_step_keys, the CPU path's
   wrapper, on `GPUModelRunner`).
+- Ready before traffic: vLLM runs its sampler once on dummy logits (`_dummy_sampler_run`, max_num_seqs rows) while
+  profiling memory, before the KV cache is sized, and again when warming up. `keyed_dummy_sampler_run` keys every
+  dummy row there, so the keyed draw compiles (torch.compile, dynamic shapes: once) before the engine serves, and
+  its temporaries are part of the peak vLLM's profiling measures: at most one float64 word a vocabulary entry of
+  the rows drawn at once, bounded by keyed_draw's chunking (~1 GiB; 256 rows of Qwen2.5's 151,936 entries take
+  311 MB), so they never come out of the KV cache's share at run time.
 
 Each wrapped function's signature is checked against the one recorded here for vLLM 0.32.0 before anything is
 installed: a vLLM whose signatures differ is refused with a clear error (a missed keyword argument would otherwise
@@ -29,10 +35,11 @@ import importlib
 import inspect
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from das.service.engine.keyed_draw import keyed_draw
-from das.service.engine.keyed_sampler import current_step, publish_step_keys
+from das.service.engine.keyed_sampler import StepKeys, current_step, keys_of_step, publish_step_keys
 
 VLLM_VERSION = "0.32.0"
 PLACEHOLDER = -1  # vLLM's PLACEHOLDER_TOKEN_ID
@@ -51,6 +58,7 @@ WRAPPED_SIGNATURES: dict[tuple[str, str | None, str], str] = {
         "bonus_token_ids, sampling_metadata, synthetic_mode=False, synthetic_conditional_rates=None, "
         "use_fp64_gumbel=False",
     ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"): "self, logits, spec_decode_metadata",
+    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_dummy_sampler_run"): "self, hidden_states",
 }
 
 
@@ -89,6 +97,21 @@ def keyed_forward(original: Callable[..., Any]) -> Callable[..., Any]:
 
     forward.__wrapped__ = original  # type: ignore[attr-defined]
     return forward
+
+
+def keyed_dummy_sampler_run(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wraps `GPUModelRunner._dummy_sampler_run(hidden_states)`: every dummy row keyed while vLLM's sampler runs
+    (module docstring: compiled and counted in the profiled memory before the engine serves)."""
+
+    def _dummy_sampler_run(self: Any, hidden_states: torch.Tensor) -> Any:
+        rows = int(hidden_states.shape[0])
+        step = StepKeys(np.arange(1, rows + 1, dtype=np.int64), np.ones(rows, dtype=bool),
+                        np.zeros(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64))
+        with keys_of_step(step):
+            return original(self, hidden_states)
+
+    _dummy_sampler_run.__wrapped__ = original  # type: ignore[attr-defined]
+    return _dummy_sampler_run
 
 
 def make_rejection_sample(vllm_rejection_sample: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -202,3 +225,5 @@ def install_cuda() -> None:
     if not getattr(GPUModelRunner._sample, "_das_keyed", False):
         GPUModelRunner._sample = publish_step_keys(GPUModelRunner._sample)
         GPUModelRunner._sample._das_keyed = True  # type: ignore[attr-defined]
+    if not hasattr(GPUModelRunner._dummy_sampler_run, "__wrapped__"):
+        GPUModelRunner._dummy_sampler_run = keyed_dummy_sampler_run(GPUModelRunner._dummy_sampler_run)

@@ -130,7 +130,8 @@ PATCHES: tuple[VllmPatch, ...] = (
     VllmPatch("keyed-sampling-cuda", ("vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_native",
                                       "vllm.v1.sample.ops.topk_topp_sampler:TopKTopPSampler.forward_cuda",
                                       "vllm.v1.sample.rejection_sampler:rejection_sample",
-                                      "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample"),
+                                      "vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample",
+                                      "vllm.v1.worker.gpu_model_runner:GPUModelRunner._dummy_sampler_run"),
               _V032, _CUDA, _keyed_sampling_cuda,
               "keyed sampling on vLLM's CUDA sampler and rejection sampler (keyed_cuda.install_cuda)"),
 )

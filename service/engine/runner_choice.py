@@ -50,6 +50,12 @@ class RunnerChoice:
         return cls(platform, runner, bool(vllm_config.scheduler_config.async_scheduling),
                    keyed_sampling and platform in KEYED_PLATFORMS and runner == "V1")
 
+    @property
+    def step_timer_applies(self) -> bool:
+        """Whether the step timer (step_profile.py) can time this engine: it wraps V1's runner methods, and its
+        device waits would undo async scheduling's overlap."""
+        return self.model_runner == "V1" and not self.async_scheduling
+
     def describe(self) -> str:
         return (f"{self.platform} model runner {self.model_runner}, async scheduling "
                 f"{'on' if self.async_scheduling else 'off'}, {'keyed' if self.keyed else 'unkeyed'} sampling")

@@ -7,8 +7,10 @@ import json
 import pytest
 from rich.console import Console
 
-from das.bench.gpu_check import (ArmBatch, Check, GpuCheckConfig, GpuCheckReport, control_plane_check, e2e_check,
-                                 identity_check, kill_check)
+from das.bench import gpu_check
+from das.bench.gpu_check import (PLAIN, ArmBatch, Check, GpuCheckConfig, GpuCheckReport, arm_flags, control_plane_check,
+                                 default_arms, e2e_check, host_time_check, identity_check, kill_check,
+                                 plain_comparison, runner_check)
 from das.service.wire.api import SampleRecord
 
 
@@ -22,8 +24,12 @@ def sample(problem: str, index: int, tokens: list[int], finish: str = "length", 
 SAME = [sample("p", 0, [1, 2, 3]), sample("p", 1, [4, 5]), sample("q", 0, [6])]
 
 
-def batch(arm: str, samples: list[SampleRecord], seconds: float = 2.0) -> ArmBatch:
-    return ArmBatch.of(arm, samples, seconds)
+V1 = {"runner": "V1", "async_scheduling": False, "keyed": True, "host_ms_per_step": 1.5, "model_ms_per_step": 6.0}
+V2 = {"runner": "V2", "async_scheduling": True, "keyed": False, "host_ms_per_step": None, "model_ms_per_step": None}
+
+
+def batch(arm: str, samples: list[SampleRecord], seconds: float = 2.0, engine: dict | None = None) -> ArmBatch:
+    return ArmBatch.of(arm, samples, seconds, engine)
 
 
 def test_arm_batches_count_tokens_drafts_and_errors() -> None:
@@ -71,16 +77,23 @@ def test_kill_verdicts() -> None:
 
 
 def test_report_passes_only_with_every_check_passed_and_prints_and_serialises() -> None:
-    report = GpuCheckReport(GpuCheckConfig(), "NVIDIA H100", [batch("none", SAME), batch("das", SAME)],
-                            [Check("a", True, "fine"), Check("b", True, "fine")])
+    report = GpuCheckReport(GpuCheckConfig(), "NVIDIA H100", [batch("none", SAME, 2.0, V1), batch("das", SAME, 1.0, V1),
+                                                              batch(PLAIN, SAME[:1], 1.6, V2)],
+                            [Check("a", True, "fine"), Check("b", True, "fine")], ["suffix: not importable"])
     assert report.passed
     data = json.loads(json.dumps(report.to_dict()))
-    assert data["passed"] and data["arms"][0] == {"arm": "none", "makespan_s": 2.0, "tokens": 6, "draft_tokens": 0,
-                                                  "accepted_tokens": 0, "errors": 0, "tokens_per_s": 3.0}
-    console = Console(record=True, width=160)
+    assert data["passed"] and data["arms"][0] == {
+        "arm": "none", "makespan_s": 2.0, "tokens": 6, "draft_tokens": 0, "accepted_tokens": 0, "errors": 0,
+        "tokens_per_s": 3.0, "compared": True, "runner": "V1", "async_scheduling": False, "host_ms_per_step": 1.5,
+        "keyed": True, "model_ms_per_step": 6.0}
+    assert data["arms"][2]["compared"] is False and data["arms"][2]["runner"] == "V2"
+    assert data["skipped"] == ["suffix: not importable"]
+    assert data["plain_vllm"]["das_over_plain_makespan"] == 0.625  # 1.0 s against 1.6 s
+    console = Console(record=True, width=200)
     report.print(console)
     text = " ".join(console.export_text().split())  # titles wrap
     assert "das bench gpu-check on NVIDIA H100" in text and "acceptance checks: all passed" in text
+    assert "skipped suffix: not importable" in text and "das against plain vLLM (V2, async scheduling on" in text
     report.checks.append(Check("c", False, "broken"))
     assert not report.passed and not report.to_dict()["passed"]
     assert not GpuCheckReport(GpuCheckConfig(), "cpu").passed  # no check run is no pass
@@ -89,3 +102,54 @@ def test_report_passes_only_with_every_check_passed_and_prints_and_serialises() 
 def test_config_refuses_greedy() -> None:
     with pytest.raises(ValueError, match="temperature must be > 0"):
         GpuCheckConfig(temperature=0)
+
+
+def test_the_compared_arms_must_share_one_keyed_runner() -> None:
+    assert runner_check([batch("none", SAME, engine=V1), batch("das", SAME, engine=V1),
+                         batch(PLAIN, SAME, engine=V2)]).passed  # the plain arm is not compared
+    mixed = runner_check([batch("none", SAME, engine=V2 | {"keyed": True}), batch("das", SAME, engine=V1)])
+    assert not mixed.passed and "runners differ" in mixed.detail
+    unkeyed = runner_check([batch("none", SAME, engine=V1 | {"keyed": False}), batch("das", SAME, engine=V1)])
+    assert not unkeyed.passed and "none: samples not keyed" in unkeyed.detail
+    assert not runner_check([batch("none", SAME), batch("das", SAME, engine=V1)]).passed  # none reported no runner
+
+
+def test_identity_leaves_the_plain_arm_out_and_host_time_must_be_measured_for_every_compared_arm() -> None:
+    other = [sample("p", 0, [9]), *SAME[1:]]
+    assert identity_check([batch("none", SAME), batch("das", SAME), batch(PLAIN, other)], 3).passed
+    assert host_time_check([batch("none", SAME, engine=V1), batch("das", SAME, engine=V1),
+                            batch(PLAIN, SAME, engine=V2)]).passed
+    missing = host_time_check([batch("none", SAME, engine=V1), batch("das", SAME, engine=V2)])
+    assert not missing.passed and "not measured for das" in missing.detail
+    assert plain_comparison([batch("none", SAME), batch("das", SAME)]) is None  # no plain arm ran
+
+
+def test_arms_default_to_none_and_das_plus_suffix_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check, "suffix_unavailable", lambda: "arctic-inference is not importable (x)")
+    arms, skipped = default_arms()
+    assert arms == ("none", "das") and skipped == ["suffix: arctic-inference is not importable (x)"]
+    with pytest.raises(ValueError, match="suffix needs arctic-inference"):
+        GpuCheckConfig(arms=("none", "das", "suffix"))
+    monkeypatch.setattr(gpu_check, "suffix_unavailable", lambda: None)
+    assert default_arms() == (("none", "das", "suffix"), [])
+    assert GpuCheckConfig(arms=("das", "suffix", "none")).order == ("none", "suffix", PLAIN, "das")
+    assert GpuCheckConfig(arms=("none", "das"), plain=False).order == ("none", "das")
+
+
+@pytest.mark.parametrize("arms", [("none",), ("das", "suffix"), ("none", "das", "eagle"), ("none", "das", "das")])
+def test_arms_need_none_and_das_and_known_methods(arms: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError, match="arms"):
+        GpuCheckConfig(arms=arms)
+
+
+def test_every_arm_is_profiled_and_only_the_plain_arm_leaves_the_runner_to_vllm() -> None:
+    assert arm_flags("das") == ("--speculation", "das", "--profile-steps")
+    assert arm_flags(PLAIN) == ("--speculation", "none", "--model-runner", "auto", "--profile-steps")
+
+
+def test_suffix_unavailable_names_the_package_when_it_does_not_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "arctic_inference", None)  # None in sys.modules: import raises ImportError
+    reason = gpu_check.suffix_unavailable()
+    assert reason is not None and "arctic-inference is not importable" in reason and "requirements/peers.txt" in reason

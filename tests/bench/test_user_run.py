@@ -56,3 +56,29 @@ def test_runs_real_servers_per_arm_and_prints_the_ratios(tmp_path):
     assert doc["ratios"]["none"][1]["makespan_s"] == 1.0 and doc["ratios"]["das"][1]["makespan_s"] > 0
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["serve-das-1.log", "serve-none-1.log"]
     assert "| das | 2 |" in out.read_text()
+
+
+def test_step_profiles_are_medians_over_repeats_and_feed_the_simulators_host_price(tmp_path):
+    from rich.console import Console
+
+    from das.bench.server_profile import host_ms_from
+
+    def summary(host: float, model: float) -> dict:
+        return {"runner": "V1", "async_scheduling": False, "profiled_steps": 100, "host_ms_per_step": host,
+                "model_ms_per_step": model, "parts_ms_per_step": {"forward_ms": model + 1.0, "model_ms": model,
+                                                                  "sample_ms": 2.0, "propose_ms": 0.5,
+                                                                  "budget_ms": 0.1, "rest_ms": 0.2, "gap_ms": 1.0}}
+
+    result = UserRunResult(UserRunConfig(arms=("none", "das"), repeats=3, epochs=1, profile=True), "code:2",
+                           {"none": [figures([10])] * 3, "das": [figures([9])] * 3},
+                           profiles={"none": [summary(4.0, 20.0), summary(5.0, 21.0), {}],
+                                     "das": [summary(6.0, 20.0), summary(8.0, 22.0), summary(7.0, 30.0)]})
+    rows = {row["arm"]: row for row in result.step_profiles()}
+    assert rows["none"]["repeats"] == 2 and rows["none"]["host_ms_per_step"] == 4.5  # a repeat without figures
+    assert rows["das"]["host_ms_per_step"] == 7.0 and rows["das"]["model_ms_per_step"] == 22.0
+    report = tmp_path / "serve.json"
+    report.write_text(json.dumps(result.to_dict()))
+    assert host_ms_from(str(report)) == 7.0
+    console = Console(record=True, width=200)
+    result.print(console)
+    assert "where a step's time goes" in console.export_text()

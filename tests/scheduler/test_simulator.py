@@ -142,3 +142,44 @@ def test_drafts_are_scored_along_the_recorded_text_as_a_verifier_would():
                       np.zeros(5, np.int32), np.zeros(5, bool))
     assert _accepted_prefixes(step, table, rows, at, ends[rows]).tolist() == expected
     assert max(expected) > 0 and any(e < d.size for e, d in zip(expected, drafts))  # both cases were drawn
+
+
+def test_the_host_price_is_paid_by_every_arm_that_drafts_and_not_by_none(tmp_path):
+    """With host_s, each step of an engine that drafts costs host_s more (no async scheduling), so a drafting arm
+    that takes as many passes as none ends later by passes x host_s; none (async scheduling) pays nothing."""
+    from das.scheduler.simulator import run_simulation_bench
+
+    recs = records({0: [20, 30, 20, 30], 1: [25, 35, 20, 30]})
+    cost = CostModel(name="t", c_base_s=1.0, c_tok_s=0.1, source="test")
+    free = run_simulation_bench(recs, "t", cost, engines=2, arms=["none", "uniform-4"], placement_policy="uniform-4",
+                                progress=False)
+    priced = run_simulation_bench(recs, "t", cost, engines=2, arms=["none", "uniform-4"],
+                                  placement_policy="uniform-4", progress=False, host_s=0.25)
+    assert priced.arms["none"].makespan_s == free.arms["none"].makespan_s
+    assert priced.arms["uniform-4"].forward_passes == free.arms["uniform-4"].forward_passes  # uniform: same plan
+    # the batch's makespan is its longest engine's: at most every pass of the arm, at least its slowest batch's
+    extra = priced.arms["uniform-4"].makespan_s - free.arms["uniform-4"].makespan_s
+    assert 0.25 * max(free.arms["uniform-4"].forward_passes // 4, 1) <= extra <= 0.25 * free.arms["uniform-4"].forward_passes
+    for name in ("every_group_alone", "oracle_lengths", "drafts_free", "exact_drafts"):
+        assert priced.references[name].makespan_s > free.references[name].makespan_s
+    assert priced.config["host_ms_per_step"] == 250.0
+    with pytest.raises(ValueError, match="host seconds"):
+        cost.with_host(-0.001)
+    assert cost.with_host(0.0) is cost and cost.with_host(0.002).c_base_s == pytest.approx(1.002)
+
+
+def test_cli_reads_the_host_price_from_a_number_or_a_report(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_rollouts(path, records({0: [20, 30, 20, 30], 1: [25, 35, 20, 30]}))
+    report = tmp_path / "gpu-check.json"
+    report.write_text(json.dumps({"arms": [{"arm": "none", "host_ms_per_step": 0.5},
+                                           {"arm": "das", "host_ms_per_step": 1.25}]}))
+    base = ["bench", "simulate", "--traces", str(path), "--engines", "2", "--policy", "uniform-4", "--json"]
+    for given, ms in (("2", 2.0), (str(report), 1.25)):
+        result = CliRunner().invoke(app, [*base, "--host-ms", given])
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.stdout)["config"]["host_ms_per_step"] == ms
+    report.write_text(json.dumps({"arms": [{"arm": "das", "host_ms_per_step": None}]}))
+    for bad in (str(report), "-1", str(tmp_path / "missing.json")):
+        result = CliRunner().invoke(app, [*base, "--host-ms", bad])
+        assert result.exit_code == 2 and "--host-ms" in result.output

@@ -340,7 +340,7 @@ def check_keyed_cuda_wrappers(src: Sources) -> None:
     """check_patch_targets finds every target of the keyed-sampling-cuda patch and compares `_sample` and
     `rejection_sample` with the CPU path's wrappers; this compares the table install_cuda enforces at run time
     (keyed_cuda.check_signatures, which reads the installed vLLM: the CPU build in CI) with the GPU wheel, for all
-    four targets, and keyed_cuda's own wrappers with the table."""
+    its targets, and keyed_cuda's own wrappers with the table."""
     from das.service.engine import keyed_cuda
     from das.service.engine.keyed_sampler import publish_step_keys
     from das.service.engine.patches import PATCHES
@@ -357,7 +357,8 @@ def check_keyed_cuda_wrappers(src: Sources) -> None:
            f"{sorted(patch.targets) if patch else None} disagree")
     forward = keyed_cuda.keyed_forward(original)
     wrappers = {"forward_native": forward, "forward_cuda": forward,
-                "rejection_sample": keyed_cuda.make_rejection_sample(original), "_sample": publish_step_keys(original)}
+                "rejection_sample": keyed_cuda.make_rejection_sample(original), "_sample": publish_step_keys(original),
+                "_dummy_sampler_run": keyed_cuda.keyed_dummy_sampler_run(original)}
     for target, (module, owner, name) in targets.items():
         recorded = table[(module, owner, name)]
         found = resolve_def(src, module, f"{owner}.{name}" if owner else name)

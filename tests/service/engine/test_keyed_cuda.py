@@ -198,12 +198,32 @@ def test_install_cuda_wraps_each_path_once(monkeypatch: pytest.MonkeyPatch):
         monkeypatch.setattr(TopKTopPSampler, name, method)
     monkeypatch.setattr(rejection_sampler, "rejection_sample", rejection_sampler.rejection_sample)
     monkeypatch.setattr(GPUModelRunner, "_sample", GPUModelRunner._sample)
+    monkeypatch.setattr(GPUModelRunner, "_dummy_sampler_run", GPUModelRunner._dummy_sampler_run)
     keyed_cuda.install_cuda()
     keyed_cuda.install_cuda()
     for name, method in originals.items():
         assert getattr(TopKTopPSampler, name).__wrapped__ is method
     assert not hasattr(rejection_sampler.rejection_sample.__wrapped__, "__wrapped__")
     assert GPUModelRunner._sample._das_keyed and not getattr(GPUModelRunner._sample.__wrapped__, "_das_keyed", False)
+    assert not hasattr(GPUModelRunner._dummy_sampler_run.__wrapped__, "__wrapped__")  # wrapped exactly once
+
+
+def test_vllms_dummy_sampler_run_draws_every_row_keyed_so_the_draw_is_ready_and_profiled():
+    """vLLM's memory profiling runs the sampler on dummy rows: under the wrapper every row is keyed, so the keyed
+    draw (not vLLM's) runs there, with keys the sampler's forward accepts (one a row)."""
+    seen = []
+
+    def dummy_run(runner: object, hidden_states: torch.Tensor) -> str:
+        step = keyed_cuda.current_step()
+        seen.append(step)
+        keys, keyed = step.sampler_keys()
+        assert keys.shape == (hidden_states.shape[0],) and bool(keyed.all())
+        return "sampled"
+
+    wrapped = keyed_cuda.keyed_dummy_sampler_run(dummy_run)
+    assert wrapped(object(), torch.zeros(5, 8)) == "sampled"
+    assert len(seen) == 1 and len(set(seen[0].sample_keys.tolist())) == 5  # every row its own key
+    assert keyed_cuda.current_step() is None  # only while the dummy run samples
 
 
 def test_the_patch_registry_installs_keyed_cuda_on_cuda_only():
