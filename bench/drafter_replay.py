@@ -33,9 +33,9 @@ from das.drafter.records import RolloutRecord, load_rollouts
 DEFAULT_TRACES = "traces-smollm2.jsonl.gz"
 
 
-def default_trace_path() -> Path:
-    """The bundled fixture (tests/fixtures in the source tree)."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / DEFAULT_TRACES
+def default_trace_path(name: str = DEFAULT_TRACES) -> Path:
+    """A bundled trace set (tests/fixtures in the source tree; default: the default set)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / name
     if not path.exists():
         raise FileNotFoundError(f"bundled trace fixture not found at {path}; pass --traces FILE")
     return path

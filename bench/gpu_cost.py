@@ -13,6 +13,10 @@ for the service in a few minutes, standalone: it imports torch, transformers, th
     median seconds over `repeats` timed forwards (after warm-ups), the device synchronised around each. On CUDA each
     shape is captured as a CUDA graph and replayed, as vLLM replays its decode steps (eager if capture fails; the
     output says which). The KV cache's contents are zeros: attention's cost does not depend on them.
+(c) The host's share: our proposer's draft step (history bank and budget) at `proposer_batches` running requests
+    over the bundled 66 x 16 trace set, on this machine's CPU (bench/proposer_cost.py; it needs our native drafter,
+    built by `pip install`: without it the part is skipped and says why). With (a), the host work a step that das
+    adds to a 7B decode step's forward pass on a GPU without async scheduling (`das bench simulate --host-ms`).
 
 Written to `--out`: `<name>.json`, a `CostModel` (c_base and c_tok of a least-squares fit of c_base + per-request x
 requests + c_tok x tokens over the surface at the fit context; the per-request term, transformers' attention, is
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -62,13 +67,14 @@ class GpuCostConfig:
     kv_gib: float
     fit_context: int | None = None
     draw_only: bool = False
+    proposer_batches: tuple[int, ...] = ()  # (c): running requests; empty: not measured
 
     @classmethod
     def default(cls, device: str, tiny: bool) -> GpuCostConfig:
         if tiny:
-            return cls(device, True, (1, 4), (1, 3), (16, 64), 3, (1, 16), 512, 1.0)
+            return cls(device, True, (1, 4), (1, 3), (16, 64), 3, (1, 16), 512, 1.0, proposer_batches=(16,))
         return cls(device, False, (1, 8, 32, 64, 128), (1, 2, 4, 8, 16), (1024, 4096, 16384), 10,
-                   (1, 8, 64, 256, 1024), 151936, 40.0)
+                   (1, 8, 64, 256, 1024), 151936, 40.0, proposer_batches=(64, 128, 256, 512))
 
 
 def _median_s(call: Callable[[], object], repeats: int, sync: Callable[[], None]) -> float:
@@ -207,8 +213,25 @@ def fit_step_terms(points: Sequence[dict[str, object]]) -> dict[str, float]:
             "fit_error": error}
 
 
+def proposer_figures(batches: Sequence[int]) -> dict[str, object]:
+    """(c): the draft step's host time at each batch size (bench/proposer_cost.py), or why it could not run."""
+    if not batches:
+        return {"skipped": "no --proposer-batches"}
+    try:
+        from das.bench.drafter_replay import default_trace_path
+        from das.bench.proposer_cost import proposer_cost
+        from das.drafter.records import load_rollouts
+        from das.scheduler.cost_model import load_cost_model
+    except ImportError as exc:  # the native drafter was not built here
+        return {"skipped": f"our drafter does not import ({type(exc).__name__}: {exc}): pip install the checkout"}
+    traces = default_trace_path("traces-smollm2-66x16.jsonl.gz")
+    records = load_rollouts(traces)
+    rows = [asdict(proposer_cost(records, load_cost_model("h100-7b"), n)) for n in batches]
+    return {"traces": traces.name, "cpu": platform.processor() or platform.machine(), "per_batch": rows}
+
+
 def run_gpu_cost(cfg: GpuCostConfig, out: Path, name: str) -> dict[str, object]:
-    """Runs (a) and (b) and writes `<out>/<name>.json` (the cost model) and `<out>/<name>-surface.json`; returns
+    """Runs (a), (c) and (b) and writes `<out>/<name>.json` (the cost model) and `<out>/<name>-surface.json`; returns
     the surface document."""
     if min(cfg.batches + cfg.tokens + cfg.contexts) < 1 or cfg.repeats < 1:
         raise ValueError("batches, tokens per request, contexts and repeats must be >= 1")
@@ -220,7 +243,7 @@ def run_gpu_cost(cfg: GpuCostConfig, out: Path, name: str) -> dict[str, object]:
     draw = keyed_draw_figures(cfg)
     device_name = torch.cuda.get_device_name(torch.device(cfg.device)) if cfg.device.startswith("cuda") else "cpu"
     doc: dict[str, object] = {"config": asdict(cfg), "device_name": device_name, "torch": torch.__version__,
-                              "keyed_draw": draw}
+                              "keyed_draw": draw, "proposer_host": proposer_figures(cfg.proposer_batches)}
     if cfg.draw_only:
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{name}-draw.json").write_text(json.dumps(doc, indent=2))
@@ -260,12 +283,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--draw-rows", type=_ints, default=None, help="comma-separated keyed-draw row counts")
     parser.add_argument("--draw-only", action="store_true", help="time the keyed draw only (no step surface)")
     parser.add_argument("--kv-gib", type=float, default=None, help="skip points whose KV cache exceeds this")
+    parser.add_argument("--proposer-batches", type=_ints, default=None,
+                        help="comma-separated running requests at which to time our proposer's draft step on this "
+                             "host (default 64,128,256,512; 16 with --tiny; 0: skip)")
     args = parser.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = GpuCostConfig.default(device, args.tiny)
     overrides = {k: v for k, v in (("batches", args.batches), ("tokens", args.tokens), ("contexts", args.contexts),
                                    ("repeats", args.repeats), ("kv_gib", args.kv_gib),
                                    ("draw_rows", args.draw_rows)) if v is not None}
+    if args.proposer_batches is not None:
+        overrides["proposer_batches"] = tuple(b for b in args.proposer_batches if b > 0)
     cfg = GpuCostConfig(**{**asdict(cfg), **overrides, "draw_only": args.draw_only})
     name = args.name or ("tiny-cpu" if args.tiny else "gpu-7b")
     try:
@@ -273,9 +301,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     if cfg.draw_only:
-        print(json.dumps({"keyed_draw": doc["keyed_draw"], "files": [str(args.out / f"{name}-draw.json")]}, indent=2))
+        print(json.dumps({"keyed_draw": doc["keyed_draw"], "proposer_host": doc["proposer_host"],
+                          "files": [str(args.out / f"{name}-draw.json")]}, indent=2))
         return
-    print(json.dumps({"keyed_draw": doc["keyed_draw"], "fit": doc["fit"], "cost_model": doc["cost_model"],
+    print(json.dumps({"keyed_draw": doc["keyed_draw"], "proposer_host": doc["proposer_host"], "fit": doc["fit"], "cost_model": doc["cost_model"],
                       "points": len(doc["points"]), "skipped": len(doc["skipped_over_kv_budget"]),
                       "files": [str(args.out / f"{name}.json"), str(args.out / f"{name}-surface.json")]}, indent=2))
 

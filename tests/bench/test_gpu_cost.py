@@ -37,6 +37,18 @@ def test_the_tiny_run_writes_a_surface_and_a_cost_model(tmp_path: Path):
     assert model.name == "tiny-cpu" and model.c_base_s + model.c_tok_s > 0 and "gpu-cost" in model.source
     assert surface["cost_model"]["c_tok_s"] == model.c_tok_s == surface["fit"]["c_tok_s"]
     assert "per-request term" in model.source
+    (host,) = summary["proposer_host"]["per_batch"]  # (c): the draft step at 16 running requests on this CPU
+    assert host["requests"] == 16 and host["steps"] > 0 and 0 < host["budget_ms"] < host["step_ms"]
+    assert host["step_ms"] == pytest.approx(host["settle_ms"] + host["draft_ms"], rel=0.5)
+
+
+def test_the_proposers_host_time_is_skipped_with_why_where_our_drafter_does_not_import(tmp_path: Path):
+    without_drafter = ("import sys; sys.modules['vllm'] = None; sys.modules['das.drafter.history'] = None\n"
+                       "from das.bench.gpu_cost import main\nmain(sys.argv[1:])")
+    done = subprocess.run([sys.executable, "-c", without_drafter, "--tiny", "--out", str(tmp_path), "--repeats", "1",
+                           "--draw-only", "--draw-rows", "2"], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "our drafter does not import" in json.loads(done.stdout)["proposer_host"]["skipped"]
 
 
 def test_draw_only_times_the_draw_and_nothing_else(tmp_path: Path):
