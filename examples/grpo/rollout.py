@@ -7,7 +7,8 @@ but HTTP: the official `openai` client for rollouts and vLLM's `/update_weights`
   siblings. The service names the problem by a hash of the prompt, so a prompt that comes back in a later step
   drafts from its earlier rollouts with no id from the trainer. With `ServiceConfig.seed` each request carries
   OpenAI's `seed` (a function of the seed, the step and the request), so under the service's keyed sampling two
-  runs with one seed draw the same samples whatever the speculation. It returns TRL's `prompt_ids`,
+  runs with one seed draw the same samples whatever the speculation (served in float32; in bfloat16 the same
+  distribution, not the same tokens). It returns TRL's `prompt_ids`,
   `completion_ids` and `logprobs` (of the distribution sampled from) and records what the step's rollout cost
   (`RolloutStep`).
 - `WeightSync` is a TrainerCallback: after each optimizer step it saves the policy as safetensors under the

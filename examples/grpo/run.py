@@ -37,9 +37,12 @@ REWARD_WEIGHTS = (1.0, 0.5)  # correct, formatted: a right answer counts most; i
 
 
 def start_service(arm: str, port: int, weights_root: Path, log_path: Path, timeout_s: float) -> subprocess.Popen:
-    """`das serve` for one arm, in a process group of its own; returns once /readyz answers 200."""
+    """`das serve` for one arm, in a process group of its own; returns once /readyz answers 200. Served in float32
+    (the trainer's dtype): keyed sampling then gives the two arms the same samples from the same weights, which in
+    bfloat16 they would share only in distribution (docs/design.md, keyed sampling)."""
     das = Path(sys.executable).with_name("das")
-    command = [str(das), "serve", "--port", str(port), "--speculation", arm, "--weights-root", str(weights_root)]
+    command = [str(das), "serve", "--port", str(port), "--speculation", arm, "--weights-root", str(weights_root),
+               "--dtype", "float32"]
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                env={**os.environ, "DAS_TOKEN": TOKEN})

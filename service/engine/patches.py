@@ -39,6 +39,7 @@ class VllmPatch:
     platforms: frozenset[str]
     install: Callable[[str], None]
     purpose: str
+    on_demand: bool = False  # installed by its own code when asked for (per runner instance), not at plugin load
     applied: bool = field(default=False, init=False)
 
     def apply(self, platform: str, vllm_version: str) -> None:
@@ -46,6 +47,13 @@ class VllmPatch:
         not written for `vllm_version` (PEP 440; allowed with DAS_ALLOW_UNTESTED_VLLM=1, with a warning)."""
         if self.applied:
             raise PatchError(f"vLLM patch {self.name!r} is applied already in this process")
+        self.check(platform, vllm_version)
+        self.install(platform)
+        self.applied = True
+
+    def check(self, platform: str, vllm_version: str) -> None:
+        """PatchError if the patch is not for `platform` or not for `vllm_version` (see `apply`): what an on-demand
+        patch's code calls before it changes anything."""
         if platform not in self.platforms:
             raise PatchError(f"vLLM patch {self.name!r} is for {', '.join(sorted(self.platforms))}, not {platform}")
         if not release_in(vllm_version, self.vllm_versions):
@@ -54,8 +62,6 @@ class VllmPatch:
             if os.environ.get(ALLOW_UNTESTED) != "1":
                 raise PatchError(message)
             log.warning("%s (%s=1: applying anyway)", message, ALLOW_UNTESTED)
-        self.install(platform)
-        self.applied = True
 
 
 def platform_name(is_cpu: bool, device_type: str, is_rocm: bool = False) -> str:
@@ -96,6 +102,10 @@ def _keyed_sampling_cpu(platform: str) -> None:
     keyed_sampler.install()
 
 
+def _on_demand(platform: str) -> None:
+    raise PatchError("an on-demand patch is installed by its own code, not by apply_patches")
+
+
 def _keyed_sampling_cuda(platform: str) -> None:
     from das.service.engine import keyed_cuda
 
@@ -134,12 +144,19 @@ PATCHES: tuple[VllmPatch, ...] = (
                                       "vllm.v1.worker.gpu_model_runner:GPUModelRunner._dummy_sampler_run"),
               _V032, _CUDA, _keyed_sampling_cuda,
               "keyed sampling on vLLM's CUDA sampler and rejection sampler (keyed_cuda.install_cuda)"),
+    VllmPatch("step-profile", tuple(f"vllm.v1.worker.gpu_model_runner:GPUModelRunner.{name}" for name in (
+        "execute_model", "sample_tokens", "_sample", "propose_draft_token_ids", "_model_forward")),
+              _V032, frozenset({CPU, CUDA}), _on_demand,
+              "timers on one model runner instance's step methods (instance attributes; the class is untouched), "
+              "when an engine's steps are profiled (step_profile.RunnerStepTimer)", on_demand=True),
 )
+
+STEP_PROFILE = PATCHES[-1]
 
 
 def patches_for(platform: str) -> list[VllmPatch]:
-    """The patches for `platform`, in the order they are applied."""
-    return [patch for patch in PATCHES if platform in patch.platforms]
+    """The patches `apply_patches` installs on `platform`, in order (on-demand patches are left to their code)."""
+    return [patch for patch in PATCHES if platform in patch.platforms and not patch.on_demand]
 
 
 def apply_patches(platform: str, vllm_version: str) -> list[str]:

@@ -146,8 +146,16 @@ class StepProfileExtension:
     _das_step_timer: RunnerStepTimer | None = None
 
     def das_profile_start(self) -> bool:
-        """Starts timing steps (once; later calls only clear what was recorded)."""
+        """Starts timing steps (once; later calls only clear what was recorded). PatchError where the step-profile
+        patch (patches.py) is not for this platform or vLLM release."""
         if self._das_step_timer is None:
+            from vllm.platforms import current_platform
+
+            from das.service.engine.patches import STEP_PROFILE, platform_name
+            from das.service.engine.vllm_version import check_vllm_version
+
+            STEP_PROFILE.check(platform_name(current_platform.is_cpu(), current_platform.device_type,
+                                             current_platform.is_rocm()), check_vllm_version())
             self._das_step_timer = RunnerStepTimer(self.model_runner)
         self._das_step_timer.take()
         return True

@@ -70,3 +70,26 @@ def test_the_plugin_applied_the_cpu_patches_once() -> None:
     wrapped = rejection_sampler.rejection_sample.__wrapped__
     assert not hasattr(wrapped, "__wrapped__")  # wrapped once, not twice
     assert getattr(CPUModelRunner._sample, "_das_keyed", False)
+
+
+def test_the_step_profiler_is_declared_here_and_installed_only_by_its_own_code(monkeypatch):
+    from das.service.engine.patches import STEP_PROFILE
+
+    assert STEP_PROFILE.name == "step-profile" and STEP_PROFILE.on_demand
+    assert all(STEP_PROFILE not in patches_for(platform) for platform in (CPU, CUDA))  # not at plugin load
+    assert "vllm.v1.worker.gpu_model_runner:GPUModelRunner._model_forward" in STEP_PROFILE.targets
+    STEP_PROFILE.check(CPU, "0.32.0")
+    monkeypatch.delenv("DAS_ALLOW_UNTESTED_VLLM", raising=False)
+    with pytest.raises(PatchError, match="written for vLLM 0.32.0, not 0.33.0"):
+        STEP_PROFILE.check(CUDA, "0.33.0")
+    with pytest.raises(PatchError, match="not rocm"):
+        STEP_PROFILE.check("rocm", "0.32.0")
+    assert not STEP_PROFILE.applied
+
+
+def test_rocm_is_named_apart_from_cuda_so_no_cuda_patch_reaches_its_samplers():
+    from das.service.engine.patches import platform_name
+
+    assert platform_name(True, "cpu") == CPU and platform_name(False, "cuda") == CUDA
+    assert platform_name(False, "cuda", is_rocm=True) == "rocm" and platform_name(False, "xpu") == "xpu"
+    assert patches_for("rocm") == [] and patches_for("xpu") == []
