@@ -59,3 +59,28 @@ def test_history_snapshot_health_is_exported():
     assert got[("das_history_snapshot_failures_total", ())] == 3
     assert got[("das_history_last_snapshot_timestamp_seconds", (("shard", "0"),))] == 1.7e9
     assert ("das_history_last_snapshot_timestamp_seconds", (("shard", "1"),)) not in got  # none on disk yet
+
+
+def test_each_engines_runner_and_profiled_step_parts_are_exported_and_read_back_by_the_benchmarks():
+    from das.bench.server_profile import engine_steps
+    from das.service.engine.contract import StepPartTotals
+    from das.service.engine.runner_choice import RunnerChoice
+
+    parts = StepPartTotals().add({"forward_s": [0.03, 0.03], "model_s": [0.025, 0.025], "sample_s": [0.004, 0.004],
+                                  "propose_s": [0.002, 0.002], "budget_s": [0.0005, 0.0005], "rest_s": [0.0, 0.0],
+                                  "gap_s": [0.001, 0.001], "tokens": [9, 9]})
+    stats = BackendStats(engines=(EngineLoad("n0/0", EngineTally(), runner=RunnerChoice("cuda", "V1", False, True),
+                                             step_parts=parts),
+                                  EngineLoad("n0/1", EngineTally(), runner=RunnerChoice("cuda", "V2", True, False))),
+                         engines_ready=2)
+    metrics = GatewayMetrics(lambda: stats)
+    got = samples(metrics)
+    assert got[("das_engine_runner_info", (("async_scheduling", "false"), ("engine", "n0/0"), ("keyed", "true"),
+                                           ("model_runner", "V1"), ("platform", "cuda")))] == 1
+    assert got[("das_engine_profiled_steps_total", (("engine", "n0/0"),))] == 2
+    assert got[("das_engine_step_part_seconds_total", (("engine", "n0/0"), ("part", "model_s")))] == 0.05
+    assert ("das_engine_profiled_steps_total", (("engine", "n0/1"),)) not in got  # not profiled: no sample
+    first, second = engine_steps(metrics.render().decode())
+    # two steps of 30 + 4 + 2 + 0 + 1 ms, 25 ms of each the forward pass: 12 ms of host work a step
+    assert abs(first.host_ms_per_step - 12.0) < 1e-9
+    assert second.runner["model_runner"] == "V2" and second.host_ms_per_step is None
