@@ -31,8 +31,9 @@ console = Console(stderr=True)
 
 
 def fail(message: str) -> NoReturn:
-    # Escaped: messages quote file contents (field names, paths) that may look like rich markup.
-    console.print(f"[red]error:[/red] {escape(message)}")
+    # Escaped: messages quote file contents (field names, paths) that may look like rich markup. One line, however
+    # long: the last line of a command that failed says why (a log collector keeps lines apart).
+    console.print(f"[red]error:[/red] {escape(message)}", soft_wrap=True)
     raise typer.Exit(code=2)
 
 
@@ -198,7 +199,9 @@ def serve(
 
     The port opens at once; /readyz answers 503 until every engine has loaded (about 3 minutes with
     torch.compile on the CPU, seconds with --eager). Ctrl-C (or SIGTERM, to this process or its whole process
-    group) snapshots the history at once, then stops.
+    group) snapshots the history at once, then stops. A configuration no engine can load (a package the method
+    needs, the model directory, the tensor parallel size) is refused before the engines start where this node can
+    tell, else it ends the command once the engines fail to load it (exit status 2, the cause on the last line).
     """
     import asyncio
     import signal
@@ -209,6 +212,8 @@ def serve(
 
     from das.service.cluster.coordinator import RayBackend, ServiceConfig
     from das.service.cluster.engine_layout import LayoutError
+    from das.service.cluster.load_failure import classify
+    from das.service.engine.preflight import MissingPackage
     from das.service.http.batch_journal import BatchJournalConfig
     from das.service.http.gateway import GatewaySettings, create_app
     from das.service.http.request_guard import server_config
@@ -242,9 +247,12 @@ def serve(
         if not stub_engine:
             from das.service.engine.async_engine import engine_dtype
             from das.service.engine.models import prepare_model
+            from das.service.engine.preflight import check_method_packages
             from das.service.engine.vllm_version import check_vllm_version
 
             check_vllm_version()  # UnsupportedVllmVersion is a ValueError: refused below, before anything starts
+            if address is None:  # this node runs the engines (a joined cluster's engine nodes check their own)
+                check_method_packages(speculation)  # MissingPackage: vLLM imports it only once an engine loads
             if tool_call_parser is not None:
                 from das.service.engine.tool_calls import tool_parser_names
 
@@ -253,8 +261,12 @@ def serve(
                                      f"vLLM has {', '.join(tool_parser_names())}")
 
             # here first, in the dtype the engines serve: they reuse it, and a bad name fails now
-            prepare_model(model, progress=True, dtype=engine_dtype(dtype))
-    except (ValidationError, OSError, ValueError, StateDirInUse) as exc:
+            serving_dtype = engine_dtype(dtype)
+            try:
+                prepare_model(model, progress=True, dtype=serving_dtype)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"{exc}; {classify(exc, 'model').remedy}") from None
+    except (ValidationError, OSError, ValueError, MissingPackage, StateDirInUse) as exc:
         fail(str(exc))
 
     signals: list[int] = []
@@ -267,7 +279,8 @@ def serve(
             console.print("[red]forced exit: the history was not snapshotted[/red]")
             os._exit(128 + sig)
 
-    async def run() -> None:
+    async def run() -> str | None:
+        """Serves until a signal (None) or until no engine can ever load (why)."""
         # The processes of an embedded Ray cluster (GCS, raylet, the workers it starts) inherit the signal mask: with
         # SIGTERM blocked, a SIGTERM sent to the whole process group (a container stop) reaches only this process,
         # which snapshots the history and then stops Ray (whose shutdown kills what does not exit). Ray shields its
@@ -293,24 +306,39 @@ def serve(
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, while_stopping)  # uvicorn puts these back when it stops
+        fatal: list[str] = []
         try:
             app = create_app(backend, settings)
             console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if token else 'off'}; "
                           f"/readyz turns 200 once the engines have loaded)")
-            await Server(server_config(app, settings.header_timeout_s, host=host, port=port,
-                                       log_level="warning")).serve()
+            server = Server(server_config(app, settings.header_timeout_s, host=host, port=port, log_level="warning"))
+
+            async def stop_when_unrecoverable() -> None:
+                # every engine failed without ever serving (/healthz answers 503), or, in the cluster started here,
+                # one cannot load (the others, on this node with the same configuration, cannot either)
+                fatal.append(await backend.unrecoverable())
+                server.should_exit = True
+
+            watcher = asyncio.create_task(stop_when_unrecoverable())
+            try:
+                await server.serve()
+            finally:
+                watcher.cancel()
         finally:
             console.print("[cyan]stopping: snapshotting the history, stopping the engines[/cyan]")
             for done in await asyncio.gather(*snapshots, return_exceptions=True):
                 if isinstance(done, BaseException):
                     console.print(f"[red]history snapshot at the signal failed: {escape(str(done))}[/red]")
             await backend.close()
+        return fatal[0] if fatal else None
 
     try:
-        asyncio.run(run())
+        unrecoverable = asyncio.run(run())
     finally:
         if state_lock is not None:
             state_lock.close()  # the state directory is free for the next das serve
+    if unrecoverable is not None:
+        fail(f"no engine can load, so das serve stops: {unrecoverable}")
 
 
 @app.command("rollout")

@@ -30,10 +30,36 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from das.service.backends.pause_gate import PauseGate
-from das.service.engine.contract import (EngineInputError, EngineTally, StepPartTotals, context_error,
-                                         validate_rollouts)
+from das.service.engine.contract import (EngineConfigError, EngineInputError, EngineTally, StepPartTotals,
+                                         context_error, validate_rollouts)
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.wire.sample_progress import SampleProgress
+
+
+# The errors a stub engine's load can be told to raise (`StubLoadError`): the kinds a real engine's load raises.
+_LOAD_ERRORS: dict[str, type[Exception]] = {
+    "ImportError": ImportError, "ModuleNotFoundError": ModuleNotFoundError, "FileNotFoundError": FileNotFoundError,
+    "EngineConfigError": EngineConfigError, "ValueError": ValueError, "RuntimeError": RuntimeError,
+    "MemoryError": MemoryError}
+
+
+class StubLoadError(BaseModel):
+    """A load that fails, for tests: `create` raises `kind(message)` on the Ray nodes `nodes` (node ids in hex;
+    None: everywhere)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["ImportError", "ModuleNotFoundError", "FileNotFoundError", "EngineConfigError", "ValueError",
+                  "RuntimeError", "MemoryError"]
+    message: str
+    nodes: tuple[str, ...] | None = None
+
+    def applies_here(self) -> bool:
+        if self.nodes is None:
+            return True
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_node_id() in self.nodes
 
 
 class StubEngineConfig(BaseModel):
@@ -51,6 +77,8 @@ class StubEngineConfig(BaseModel):
         "with reject_new_requests does)")
     exit_on_problem: str | None = Field(None, description="a problem_id whose group, once started, ends the "
                                         "engine's process at once: a prompt that crashes the engine, for tests")
+    load_s: float = Field(0.0, ge=0, description="seconds a load takes (a model's load, for tests)")
+    load_error: StubLoadError | None = Field(None, description="a load that fails (after load_s), for tests")
 
 
 class StubEngine:
@@ -69,6 +97,11 @@ class StubEngine:
 
     @classmethod
     async def create(cls, config: StubEngineConfig) -> StubEngine:
+        if config.load_s:
+            await asyncio.sleep(config.load_s)
+        failure = config.load_error
+        if failure is not None and failure.applies_here():
+            raise _LOAD_ERRORS[failure.kind](failure.message)
         return cls(config)
 
     def prompt_token_ids(self, group: GroupRequest) -> list[int]:

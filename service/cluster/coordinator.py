@@ -37,6 +37,13 @@ from the tokens it had delivered (the engines report each sample's new tokens ev
 `node_engine.PROGRESS_INTERVAL_S`; the coordinator keeps them per sample and hands them to the caller's
 `on_progress`), so a death costs the recomputation of prompt + prefix and the tokens of the last interval, not the sample. `ready()` while at
 least one engine serves; `live()` False once no engine can ever serve again.
+
+An engine that fails to load (at the start, after a restart, on a node that joined) is told by its error's kind
+(service/cluster/load_failure.py): one no retry mends (a configuration, a package or a model directory missing on its
+node, a refused vLLM release, a tensor parallel size its node cannot run) stays down at once with its cause and what
+to do, in `stats().engines_failed` (/readyz) and `engine_load_failures` (/metrics, by reason), while the others
+serve; any other (its process killed, out of memory) restarts it as a death does. `fatal_error` says when no engine
+will ever serve: `das serve` then stops with it.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -61,9 +68,10 @@ from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
 from das.service.backends.stub_engine import StubEngineConfig
 from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
-from das.service.cluster.engine_layout import LayoutError, gpu_engines
+from das.service.cluster.engine_layout import LayoutError, cpu_engine_error, cpu_node, gpu_engines
 from das.service.cluster.group_aborts import GroupAborts, aborted_sample
 from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
+from das.service.cluster.load_failure import LoadFailure, classify
 from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink
@@ -182,6 +190,10 @@ class ServiceConfig(BaseModel):
 _DEAD_FOR_GOOD_S = 30.0
 
 
+class _NotRestarted(RuntimeError):
+    """Ray refuses every call to an actor it will not restart (killed with no_restart, its node gone)."""
+
+
 # A stream or call that raises one of these lost its engine actor (its process, or its node: Ray cannot place an
 # actor pinned to a node that left), or the object holding its samples, or reached the restarted actor before its
 # death was noticed: what it owed is re-dispatched. Anything else an engine raises fails the batch.
@@ -193,11 +205,11 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
 
 
 def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool
-                   ) -> list[Any]:
+                   ) -> list[tuple[Any, list[str]]]:
     """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one per engine, each holding its
     `tensor_parallel_size` GPUs (service/cluster/engine_layout.py; LayoutError where that does not divide the node's
-    GPUs), or `engines_per_node` on a node without any. Engines are named by the node's address, and its id unless
-    `short_name` (a cluster of one node)."""
+    GPUs), or `engines_per_node` on a node without any; each with the names of its engines. Engines are named by
+    the node's address, and its id unless `short_name` (a cluster of one node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -213,8 +225,8 @@ def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: lis
     options = ray.remote(NodeEngine).options(
         num_cpus=0, num_gpus=tp if gpus else 0, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-    return [options.remote(name, engine, shard_names, 1, first_index=g, history_push=config.history.push)
-            for g in range(count)]
+    return [(options.remote(name, engine, shard_names, 1, first_index=g, history_push=config.history.push),
+             [f"{name}/{g}"]) for g in range(count)]
 
 
 @dataclass(eq=False)
@@ -230,6 +242,8 @@ class _Actor:
     incarnation: int = 0
     error: str | None = None  # why it failed for good
     node_left: bool = False  # failed because its node left the cluster (its batches' work moves on)
+    served: bool = False  # it has loaded and served (its engines are in RayBackend._engines)
+    failure: LoadFailure | None = None  # it failed for good because it cannot load (service/cluster/load_failure.py)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)  # its watcher and recovery
 
 
@@ -252,11 +266,15 @@ class RayBackend:
     """Use `await RayBackend.start(config)`; `await close()` at the end (snapshots the history)."""
 
     def __init__(self, config: ServiceConfig, shards: list[Any], shard_names: list[str],
-                 actors: list[tuple[str, Any]], gpu_nodes: bool) -> None:
+                 actors: list[tuple[str, Any, list[str]]], gpu_nodes: bool, own_cluster: bool = False) -> None:
         self.config = config
         self._shards = shards
         self._shard_names = shard_names  # what an engine actor created later is given
-        self._actors = [_Actor(handle, RestartWindow(config.failure), node_id) for node_id, handle in actors]
+        self._actors = [_Actor(handle, RestartWindow(config.failure), node_id, list(names))
+                        for node_id, handle, names in actors]
+        # A cluster this process started: one node, every engine on it with one configuration, and no node joins
+        # later, so an engine that cannot load means none can (`fatal_error`).
+        self._own_cluster = own_cluster
         self._gpu_nodes = gpu_nodes  # engines on the GPU nodes only (else on every node)
         self._refused_nodes: set[str] = set()  # joined with GPUs the engines' tensor parallel size does not divide
         self._uses_ray = True  # until close: counted in _RayInThisProcess.users
@@ -277,11 +295,11 @@ class RayBackend:
         self._changed = asyncio.Event()  # replaced at every change of an actor's state
         self._placed = _PlacedWork()
         self._restarts: Counter[str] = Counter()  # per engine
+        self._load_failures: Counter[tuple[str, str]] = Counter()  # per (engine, LoadFailure.reason): failed loads
         self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
         self._redispatched = 0
         self._given_up = 0  # samples ended with an error after max_group_deaths engine deaths
         self._given_up_prompts = GivenUpPrompts(config.failure)  # what `check` refuses for a while after that
-        self.load_error: str | None = None  # why the service is not ready: an engine failed its first load
         self._sessions: SessionBook | None = None  # the gateway's (attach_sessions): where sessions' prefixes are
 
     # ---- lifecycle ----
@@ -289,7 +307,9 @@ class RayBackend:
     @classmethod
     async def start(cls, config: ServiceConfig, progress: Callable[[str], None] = log.info) -> RayBackend:
         """Connects to (or starts) Ray and creates the actors. The engines load in the background: `ready()` is
-        False until every one has loaded (`load_error` says why if one failed)."""
+        False until every one has loaded or failed for good (`load_error` says why), and while none serves.
+        LayoutError, before any actor exists, for a GPU node whose GPUs the tensor parallel size does not divide,
+        and in a cluster this process starts, for a node without a GPU whose CPUs cannot run it."""
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -308,6 +328,14 @@ class RayBackend:
             if node["Alive"] and node["Resources"].get("GPU", 0) > 0:
                 gpu_engines(int(node["Resources"]["GPU"]), engine.tensor_parallel_size,
                             f"node {node['NodeManagerAddress']}")
+        own_cluster = _RayInThisProcess.started_here
+        if own_cluster and config.engine is not None and not any(
+                n["Alive"] and n["Resources"].get("GPU", 0) > 0 for n in ray.nodes()):
+            # this node is the engines' node: what its CPUs cannot run is refused here, before anything loads (in a
+            # cluster joined, each engine checks its own node and fails alone: `NodeEngine.start`)
+            layout = cpu_engine_error(engine.tensor_parallel_size, *cpu_node(), "this node")
+            if layout is not None:
+                raise layout
         here = ray.get_runtime_context().get_node_id()
         state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
         # Restarted by Ray when it dies, from its last snapshot; no task retries: engines re-send their pushes.
@@ -321,9 +349,9 @@ class RayBackend:
 
         alive = [n for n in ray.nodes() if n["Alive"]]
         gpu_nodes = [n for n in alive if n["Resources"].get("GPU", 0) > 0]
-        actors = [(n["NodeID"], handle) for n in gpu_nodes or alive
-                  for handle in _engine_actors(config, n, shard_names, short_name=len(alive) == 1)]
-        backend = cls(config, shards, shard_names, actors, bool(gpu_nodes))
+        actors = [(n["NodeID"], handle, names) for n in gpu_nodes or alive
+                  for handle, names in _engine_actors(config, n, shard_names, short_name=len(alive) == 1)]
+        backend = cls(config, shards, shard_names, actors, bool(gpu_nodes), own_cluster=own_cluster)
         _RayInThisProcess.users += 1
         await backend._load_difficulty()
         progress(f"{len(shards)} history shards, {len(actors)} engine actors; loading engines")
@@ -336,19 +364,81 @@ class RayBackend:
         return backend
 
     async def _load_engines(self, progress: Callable[[str], None]) -> None:
+        """The first load of every engine actor, at once; done when each serves or has failed for good."""
+        await asyncio.gather(*(self._load(actor) for actor in self._actors))
+        if self._engines:
+            await self.refresh_stats()
+        ready = [name for _, _, name in self._serving()]
+        failed = [name for actor in self._actors if actor.state == "failed" for name in actor.names]
+        progress("; ".join(([f"{len(ready)} engines ready: {', '.join(ready)}"] if ready else [])
+                           + ([f"{len(failed)} failed to load: {', '.join(failed)}"] if failed else []))
+                 or "no engine actor")
+
+    async def _load(self, actor: _Actor) -> None:
+        """An actor's first load (at the start, or on a node that joined): it serves once loaded and caught up (the
+        weights last served, the pause in force). A load that cannot succeed fails it for good with its cause; one
+        that may succeed in a fresh process restarts it, as a death does (`_load_failed`). Returns once it serves
+        or has failed for good."""
+        import ray
+
+        timeout = self.config.failure.recovery_timeout_s
         try:
-            names = await asyncio.gather(*(actor.handle.start.remote() for actor in self._actors))
+            async with asyncio.timeout(timeout):
+                names = await actor.handle.start.remote()
+                async with self._weights_lock, self._control_lock:
+                    await self._catch_up(actor)
+                    self._add_engines(actor, names)
+                    self._serve(actor)
+        except TimeoutError:
+            self._fail(actor, f"engine {', '.join(actor.names)} did not load within {timeout:g} s "
+                              f"(FailureConfig.recovery_timeout_s); it stays down")
+            with contextlib.suppress(Exception):
+                ray.kill(actor.handle, no_restart=True)
+        except ray.exceptions.ActorUnschedulableError as exc:  # pinned to a node that left
+            actor.node_left = True
+            self._fail(actor, f"engine {', '.join(actor.names)} lost its node while loading: {_describe(exc)}")
         except Exception as exc:
-            self.load_error = f"{type(exc).__name__}: {exc}"
-            log.error("an engine failed to load: %s", self.load_error)
-            return
-        for actor, actor_names in zip(self._actors, names):
-            actor.names = list(actor_names)
-        self._engines = [(actor, i, name) for actor in self._actors for i, name in enumerate(actor.names)]
-        for actor in self._actors:
-            self._serve(actor)
-        await self.refresh_stats()
-        progress(f"{len(self._engines)} engines ready: {', '.join(n for _, _, n in self._engines)}")
+            recovery = self._load_failed(actor, exc)
+            if recovery is not None:
+                await recovery
+
+    def _add_engines(self, actor: _Actor, names: Sequence[str]) -> None:
+        """Its engines join the service's list at the actor's first successful load."""
+        actor.names = list(names)
+        if not actor.served:
+            self._engines.extend((actor, i, name) for i, name in enumerate(actor.names))
+
+    def _load_failed(self, actor: _Actor, exc: BaseException) -> Coroutine[Any, Any, None] | None:
+        """A load of `actor` failed with `exc` (service/cluster/load_failure.py says which kind): counted per engine
+        and reason. One that no retry mends fails the actor for good at once, with its cause and remedy; any other
+        restarts it as a death does, under the restart cap, and its recovery is returned for the caller to await."""
+        import ray
+
+        failure = classify(exc)
+        names = ", ".join(actor.names)
+        for name in actor.names:
+            self._load_failures[(name, failure.reason)] += 1
+        cap = self.config.failure
+        if failure.permanent:
+            actor.failure = failure
+            self._fail(actor, f"engine {names} cannot load: {failure.describe()}")
+        elif not actor.restarts.allow(time.monotonic()):
+            self._fail(actor, f"engine {names} failed to load again after {cap.max_restarts} restart(s) within "
+                              f"{cap.restart_window_s:g} s (the restart cap, FailureConfig.max_restarts); it stays "
+                              f"down: {failure.cause}")
+        else:
+            actor.state = "recovering"
+            for name in actor.names:
+                self._restarts[name] += 1
+            log.warning("engine %s failed to load (%s); restarting it", names, failure.cause)
+            if isinstance(exc, ray.exceptions.RayTaskError):  # its process lives on: a fresh one loads
+                with contextlib.suppress(Exception):
+                    ray.kill(actor.handle, no_restart=False)
+            self._notify()
+            return self._recover(actor, time.monotonic())
+        with contextlib.suppress(Exception):
+            ray.kill(actor.handle, no_restart=True)
+        return None
 
     async def _load_difficulty(self) -> None:
         blobs = await asyncio.gather(*(s.difficulty_blobs.remote() for s in self._shards))
@@ -360,11 +450,38 @@ class RayBackend:
                     log.warning("difficulty record of %s skipped: %s", pid, exc)
 
     async def wait_ready(self) -> None:
-        """Returns once every engine has loaded; RuntimeError if one failed."""
+        """Returns once every engine has loaded; RuntimeError if one failed for good instead."""
         if self._loading is not None:
             await asyncio.shield(self._loading)
         if self.load_error is not None:
             raise RuntimeError(f"an engine failed to load: {self.load_error}")
+
+    @property
+    def load_error(self) -> str | None:
+        """Why the engines that failed for good without ever serving did (`; ` apart), None if none did."""
+        errors = [actor.error for actor in self._actors if actor.state == "failed" and not actor.served]
+        return "; ".join(dict.fromkeys(str(e) for e in errors)) or None
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why no engine will ever serve, once that is known: in a cluster this process started (every engine on
+        this node, with one configuration) the first engine that cannot load (service/cluster/load_failure.py); in
+        any cluster, every engine failed for good without ever serving. None while an engine serves, or may (one
+        that served and then failed past its restart cap leaves /healthz failing, as before). `das serve` stops
+        with it."""
+        if self._own_cluster:
+            for actor in self._actors:
+                if actor.failure is not None and not actor.served:
+                    return actor.error
+        if self._actors and all(actor.state == "failed" and not actor.served for actor in self._actors):
+            return self.load_error
+        return None
+
+    async def unrecoverable(self) -> str:
+        """Returns `fatal_error` once there is one."""
+        while (error := self.fatal_error) is None:
+            await self._changed.wait()
+        return error
 
     async def close(self) -> None:
         """Snapshots the history, stops the engines and the actors, and Ray if a backend of this process started
@@ -409,9 +526,9 @@ class RayBackend:
         return [name for _, _, name in self._serving()]
 
     async def ready(self) -> bool:
-        """True once the first load is done and while at least one engine serves."""
-        return self._loading is not None and self._loading.done() and self.load_error is None \
-            and bool(self._serving())
+        """True once the first load is done (every engine serving or failed for good) and while at least one engine
+        serves."""
+        return self._loading is not None and self._loading.done() and bool(self._serving())
 
     async def live(self) -> bool:
         """False once no engine can serve again: every actor past its restart cap or its recovery timeout."""
@@ -685,7 +802,10 @@ class RayBackend:
         return replace(self._stats, engines_ready=len(self._serving()), engine_restarts=dict(self._restarts),
                        samples_redispatched=self._redispatched, samples_given_up=self._given_up,
                        engine_recovery_s=dict(self._recovery_s),
-                       engine_placed_tokens={name: self._placed.load(name) for name in self.engine_names})
+                       engine_placed_tokens={name: self._placed.load(name) for name in self.engine_names},
+                       engine_load_failures=dict(self._load_failures),
+                       engines_failed={name: str(actor.error) for actor in self._actors if actor.state == "failed"
+                                       for name in actor.names})
 
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
 
@@ -749,6 +869,7 @@ class RayBackend:
     def _serve(self, actor: _Actor) -> None:
         """Marks `actor` serving and keeps a call pending on it, so its death is noticed at once even when idle."""
         actor.state = "serving"
+        actor.served = True
         self._spawn(actor, self._watch(actor, actor.incarnation))
         self._notify()
 
@@ -801,9 +922,10 @@ class RayBackend:
             async with asyncio.timeout(timeout):
                 while True:
                     try:
-                        await actor.handle.start.remote()
+                        names = await actor.handle.start.remote()
                         async with self._weights_lock, self._control_lock:
                             await self._catch_up(actor)
+                            self._add_engines(actor, names)  # an actor whose first load had failed
                             elapsed = time.monotonic() - died
                             for name in actor.names:
                                 self._recovery_s[name] = elapsed
@@ -817,7 +939,7 @@ class RayBackend:
                         now = time.monotonic()
                         refused_since = refused_since if refused_since is not None else now
                         if now - refused_since > _DEAD_FOR_GOOD_S:
-                            raise RuntimeError(f"Ray does not restart it ({_describe(exc)})") from None
+                            raise _NotRestarted(f"Ray does not restart it ({_describe(exc)})") from None
                         await asyncio.sleep(0.5)
                     except ray.exceptions.RayActorError:  # unavailable for now, or died while loading: try again
                         refused_since = None
@@ -827,10 +949,14 @@ class RayBackend:
                               f"(FailureConfig.recovery_timeout_s); it stays down")
             with contextlib.suppress(Exception):
                 ray.kill(actor.handle, no_restart=True)
-        except Exception as exc:
-            self._fail(actor, f"engine {', '.join(actor.names)} failed to restart: {_describe(exc)}")
+        except _NotRestarted as exc:
+            self._fail(actor, f"engine {', '.join(actor.names)} failed to restart: {exc}")
             with contextlib.suppress(Exception):
                 ray.kill(actor.handle, no_restart=True)
+        except Exception as exc:  # its load failed (NodeEngine.start), or catching up did
+            recovery = self._load_failed(actor, exc)
+            if recovery is not None:
+                await recovery
 
     async def _catch_up(self, actor: _Actor) -> None:
         """Brings a loaded actor to the others' state: the weights last served, the pause in force. Called under
@@ -844,10 +970,10 @@ class RayBackend:
     async def _adopt_nodes(self) -> None:
         """Gives engine actors to the nodes that joined after the start (a worker pod replaced, which Ray sees as a
         new node, or added): every live node of the kind that runs engines and has none. They load in the
-        background and serve once loaded and caught up. Nothing while the first load runs or after it failed."""
+        background and serve once loaded and caught up. Nothing while the first load runs."""
         import ray
 
-        if self._loading is None or not self._loading.done() or self.load_error is not None or self._closing:
+        if self._loading is None or not self._loading.done() or self._closing:
             return
         known = {actor.node_id for actor in self._actors}
         nodes = [n for n in await asyncio.to_thread(ray.nodes) if n["Alive"] and n["NodeID"] not in known
@@ -862,28 +988,17 @@ class RayBackend:
                 log.error("node %s joined but runs no engine: %s", node["NodeManagerAddress"], exc)
                 continue
             log.warning("node %s joined: starting %d engine actor(s) there", node["NodeManagerAddress"], len(handles))
-            for handle in handles:
-                actor = _Actor(handle, RestartWindow(self.config.failure), node["NodeID"])
+            for handle, names in handles:
+                actor = _Actor(handle, RestartWindow(self.config.failure), node["NodeID"], names)
                 self._actors.append(actor)
                 self._spawn(actor, self._join(actor))
 
     async def _join(self, actor: _Actor) -> None:
-        """Loads an actor created after the start, catches it up, adds its engines, and lets it serve; an actor
-        that fails to load is failed for good (the engines already serving go on)."""
-        import ray
-
-        try:
-            async with asyncio.timeout(self.config.failure.recovery_timeout_s):
-                actor.names = list(await actor.handle.start.remote())
-                async with self._weights_lock, self._control_lock:
-                    await self._catch_up(actor)
-                    self._engines.extend((actor, i, name) for i, name in enumerate(actor.names))
-                    log.warning("engine %s joined and serves", ", ".join(actor.names))
-                    self._serve(actor)
-        except Exception as exc:
-            self._fail(actor, f"an engine actor on a node that joined failed to load: {_describe(exc)}")
-            with contextlib.suppress(Exception):
-                ray.kill(actor.handle, no_restart=True)
+        """Loads an actor created after the start (`_load`: one that cannot load fails alone, with its cause; the
+        engines already serving go on)."""
+        await self._load(actor)
+        if actor.state == "serving":
+            log.warning("engine %s joined and serves", ", ".join(actor.names))
 
     # ---- background ----
 

@@ -25,12 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.history_client import HistoryClient
+from das.service.cluster.engine_layout import cpu_engine_error, cpu_node
 from das.service.cluster.history_store import HistoryPushConfig, resident_bytes, shard_of
+from das.service.cluster.load_failure import EngineLoadError, Stage, classify
 from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
 from das.service.engine.config import EngineConfig
 from das.service.engine.contract import EngineInputError
+from das.service.engine.preflight import check_method_packages
 from das.service.engine.spawn_env import restored_environ
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult
 from das.service.wire.sample_progress import ProgressBatcher, SampleProgress
@@ -79,6 +82,11 @@ class _GoneShard:
             raise ray.exceptions.RayActorError(error_msg=f"history shard {self.name} is gone for good")
 
         return SimpleNamespace(remote=remote)
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES): none on a node without a GPU."""
+    return [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
 
 
 class EngineNotStarted(RuntimeError):
@@ -134,7 +142,7 @@ class NodeEngine:
 
     def _engine_envs(self) -> list[dict[str, str]]:
         count = len(self.names)
-        gpus = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g]
+        gpus = _visible_gpus()
         if count == 1 or not gpus:
             return [{} for _ in range(count)]
         per = max(len(gpus) // count, 1)
@@ -142,17 +150,41 @@ class NodeEngine:
 
     async def start(self) -> list[str]:
         """Loads every engine (minutes with torch.compile); returns the engine names. Once they have loaded, a
-        second call only returns the names (the coordinator calls it after every death it noticed)."""
+        second call only returns the names (the coordinator calls it after every death it noticed). A load that
+        fails raises EngineLoadError: the error classified here, where its type is known (service/cluster/
+        load_failure.py), the engines it had loaded closed."""
         if self.engines:
             return self.names
-        config = self.config
-        if isinstance(config, EngineConfig):
-            # vLLM is loaded here, in the actor's process, never where the module is imported (the coordinator)
-            from das.service.engine.async_engine import engine_dtype
-            from das.service.engine.models import prepare_model
+        stage: Stage = "engine"
+        try:
+            config = self.config
+            if isinstance(config, EngineConfig):
+                # What fails at once, before minutes of loading: the method's package, the node's CPUs.
+                check_method_packages(config.speculation)
+                if not _visible_gpus():  # a CPU engine: its workers need CPUs (NUMA nodes) of their own
+                    layout = cpu_engine_error(config.tensor_parallel_size, *cpu_node(), f"node {self.node}")
+                    if layout is not None:
+                        raise layout
+                # vLLM is loaded here, in the actor's process, never where the module is imported (the coordinator)
+                from das.service.engine.async_engine import engine_dtype
+                from das.service.engine.models import prepare_model
 
-            model = prepare_model(config.model, progress=False, dtype=engine_dtype(config.dtype))
-            config = config.model_copy(update={"model": str(model)})
+                dtype = engine_dtype(config.dtype)
+                stage = "model"
+                model = prepare_model(config.model, progress=False, dtype=dtype)
+                stage = "engine"
+                config = config.model_copy(update={"model": str(model)})
+            await self._load(config)
+        except Exception as exc:
+            failure = classify(exc, stage)
+            log.error("%s: the engine failed to load (%s): %s", ", ".join(self.names),
+                      "for good" if failure.permanent else "may load again", failure.describe())
+            with contextlib.suppress(Exception):
+                await self.close()
+            raise EngineLoadError(failure) from None
+        return self.names
+
+    async def _load(self, config: EngineConfig | StubEngineConfig) -> None:
         for env in self._engine_envs():
             with restored_environ(env):
                 os.environ.update(env)  # the engine core process is spawned now and inherits it
@@ -163,7 +195,6 @@ class NodeEngine:
 
                     engine = await Engine.create(config)
             self.engines.append(engine)
-        return self.names
 
     def _started(self) -> None:
         if not self.engines:

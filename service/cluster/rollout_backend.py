@@ -89,7 +89,9 @@ class BackendStats:
     history snapshot has them yet (lost if their actor dies); `history_records_given_up`: rollouts the engine actors
     dropped (an outbox over its token cap while a shard stayed down, or a record a shard refused), summed over the
     actors' current processes. `engine_placed_tokens`: per engine, the predicted output tokens of the samples placed
-    there that have not reached the client (current; what placement balances)."""
+    there that have not reached the client (current; what placement balances). `engine_load_failures`: per (engine,
+    reason) the loads that failed since the service started (service/cluster/load_failure.py: the reason says whether
+    a retry could mend it); `engines_failed`: per engine that stays down, why (its cause and what to do)."""
 
     engines: tuple[EngineLoad, ...] = ()
     engines_ready: int = 0
@@ -104,6 +106,8 @@ class BackendStats:
     history_outbox_records: int = 0
     history_records_given_up: int = 0
     engine_placed_tokens: dict[str, float] = field(default_factory=dict)
+    engine_load_failures: dict[tuple[str, str], int] = field(default_factory=dict)
+    engines_failed: dict[str, str] = field(default_factory=dict)
 
 
 class RolloutBackend(Protocol):

@@ -23,7 +23,7 @@ before the body is read: service/http/request_guard.py, which also bounds how lo
 - `GET /metrics` (Prometheus text), `GET /healthz` (liveness: 503 once the backend cannot serve again without a
   restart of the process, e.g. every engine past its restart cap, or makes no progress: `stalls_until_unlive`
   batches in a row failed by the stall timeout with no sample finishing in between), `GET /readyz` (503 until
-  the backend is ready, and while no engine serves).
+  the backend is ready, and while no engine serves; its body names each engine that stays down and why).
 
 Batches run as their own tasks, not tied to a connection: a client that drops its connection loses nothing, and a
 request that repeats a `batch_id` attaches to that batch (replaying what it produced, then following it live)
@@ -861,7 +861,9 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         the stall timeout), so an orchestrator restarts the process."""
         if not await backend.live():
             response.status_code = 503
-            return {"status": "failed", "reason": "no engine can serve again (restart cap)"}
+            failed = backend.stats().engines_failed
+            return {"status": "failed", "reason": "no engine can serve again: " + "; ".join(
+                dict.fromkeys(failed.values())) if failed else "no engine can serve again (restart cap)"}
         stalls = gateway.stalls_in_a_row
         if stalls >= gateway.settings.stalls_until_unlive:
             response.status_code = 503
@@ -870,12 +872,13 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
         return {"status": "ok"}
 
     @app.get("/readyz", responses=error_responses({503: "the backend is not ready"}))
-    async def readyz(response: Response) -> dict[str, bool]:
-        """200 once the backend can run batches, 503 before."""
+    async def readyz(response: Response) -> dict[str, Any]:
+        """200 once the backend can run batches, 503 before. `engines_failed`: each engine that stays down (one that
+        cannot load, or past its restart cap) with why, whether or not the others serve."""
         ready = await backend.ready()
         if not ready:
             response.status_code = 503
-        return {"ready": ready}
+        return {"ready": ready, "engines_failed": backend.stats().engines_failed}
 
     # Routes answering in OpenAI's (and vLLM's) error shape get their refusals before any route in that shape too.
     openai_paths = frozenset(route.path for route in app.routes if isinstance(route, OpenAIErrorRoute))

@@ -301,6 +301,13 @@ class GatewayMetrics:
             recovery.add_metric([engine], seconds)
         yield restarts
         yield recovery
+        load_failures = CounterMetricFamily("das_engine_load_failures", "Loads of an engine that failed, by reason "
+                                            "(service/cluster/load_failure.py: missing_package, missing_model, "
+                                            "vllm_version, config and tensor_parallel leave it down for good; died, "
+                                            "out_of_memory and error restart it).", labels=["engine", "reason"])
+        for (engine, reason), count in sorted(stats.engine_load_failures.items()):
+            load_failures.add_metric([engine, reason], count)
+        yield load_failures
         placed = GaugeMetricFamily("das_engine_placed_tokens", "Predicted output tokens of the samples placed on the "
                                    "engine that have not reached the client, over every batch running (what "
                                    "placement balances).", labels=["engine"])

@@ -1,12 +1,22 @@
 """`das serve --engine-options`: engine settings no flag sets, merged into the flags' settings; a clash with a flag,
-bad JSON or a bad value is refused before anything starts."""
+bad JSON or a bad value is refused before anything starts. A configuration no engine can load ends `das serve` at
+once, its cause on the last line (issue 59)."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from das.service.cli import app, merge_engine_options
+from das.service.cluster.engine_layout import cpu_node
+from tests.service.test_serve import free_port
 
 FLAGS = {"model": "smollm2", "num_speculative_tokens": 8, "budget": {"policy": "das"}}
 
@@ -38,3 +48,80 @@ def test_das_serve_refuses_bad_engine_options_before_starting(args, message):
     result = CliRunner().invoke(app, ["serve", "--port", "1", *args])
     assert result.exit_code != 0
     assert message in " ".join(result.output.split())
+
+
+# ---- issue 59: a configuration no engine can load ends das serve with its cause ----
+
+DAS = Path(sys.executable).with_name("das")
+# `das serve` with the gateway's package check off: the engine actor's own check is what finds the package missing
+SERVE_WITHOUT_GATEWAY_CHECK = """
+import sys
+import das.service.engine.preflight as preflight
+preflight.check_method_packages = lambda speculation: None
+from das.bench.cli import app
+sys.argv = ["das", *sys.argv[1:]]
+app()
+"""
+
+
+@pytest.fixture
+def no_arctic_inference(tmp_path: Path) -> dict[str, str]:
+    """An environment in which `arctic_inference` is found first in a folder where its import fails (it is installed
+    in this venv): what a plain `pip install das-rollout[gpu]` has, for this process and every Ray worker."""
+    (tmp_path / "shadow" / "arctic_inference").mkdir(parents=True)
+    (tmp_path / "shadow" / "arctic_inference" / "__init__.py").write_text(
+        "raise ImportError('arctic_inference is shadowed by the test: not importable')\n")
+    path = os.pathsep.join(filter(None, [str(tmp_path / "shadow"), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path}
+
+
+def serve_until_it_ends(args: list[str], env: dict[str, str] | None = None, limit_s: float = 60
+                        ) -> tuple[int, float, list[str]]:
+    """A `das serve` process (`args` after the program) run until it exits: its exit status, seconds, output lines.
+    Fails if it is still up after `limit_s`."""
+    start = time.monotonic()
+    proc = subprocess.Popen([*args, "--port", str(free_port())], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=limit_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"still serving after {limit_s} s:\n{out[-3000:]}") from None
+    lines = [line for line in out.splitlines() if line.strip()]
+    return proc.returncode, time.monotonic() - start, lines
+
+
+def test_das_serve_suffix_without_arctic_inference_is_refused_before_any_engine_starts(
+        no_arctic_inference: dict[str, str]) -> None:
+    status, seconds, lines = serve_until_it_ends([str(DAS), "serve", "--speculation", "suffix"], no_arctic_inference)
+    assert status != 0 and seconds < 60
+    assert lines[-1].startswith("error: --speculation suffix needs arctic-inference, which cannot be imported here")
+    assert "requirements/peers.txt" in lines[-1]
+    assert not any("Ray instance" in line for line in lines)  # refused before Ray or any engine started
+
+
+def test_das_serve_ends_within_seconds_when_its_engine_cannot_load(no_arctic_inference: dict[str, str]) -> None:
+    """The gateway's check off: the engine actor fails its load for good (its node lacks arctic-inference), and
+    das serve, whose own cluster has no other node, stops with the cause instead of staying up never ready."""
+    status, seconds, lines = serve_until_it_ends(
+        [sys.executable, "-c", SERVE_WITHOUT_GATEWAY_CHECK, "serve", "--speculation", "suffix"], no_arctic_inference)
+    assert status == 2 and seconds < 60, lines[-5:]
+    assert lines[-1].startswith("error: no engine can load, so das serve stops: engine "), lines[-5:]
+    assert "cannot load: --speculation suffix needs arctic-inference" in lines[-1]
+
+
+def test_das_serve_with_no_such_model_directory_is_refused_naming_the_flag() -> None:
+    status, seconds, lines = serve_until_it_ends([str(DAS), "serve", "--model", "/no/such/dir"])
+    assert status != 0 and seconds < 60
+    assert lines[-1].startswith("error: unknown model '/no/such/dir': not a directory") and "--model" in lines[-1]
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU node splits its GPUs, not its CPUs")
+def test_das_serve_with_more_tensor_parallel_workers_than_the_node_can_bind_is_refused() -> None:
+    cpus, numa_nodes = cpu_node()
+    if min(cpus, numa_nodes or cpus) >= 3:
+        pytest.skip("this node can run 3 CPU workers")
+    status, seconds, lines = serve_until_it_ends([str(DAS), "serve", "--tensor-parallel-size", "3", "--eager"])
+    assert status != 0 and seconds < 60
+    assert lines[-1].startswith("error: this node has no GPU and ") and "--tensor-parallel-size 3" in lines[-1]

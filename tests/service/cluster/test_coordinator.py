@@ -4,10 +4,12 @@ node. Stub engines for the coordinator's own logic (fast), then the tiny real mo
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 import ray
 from ray.cluster_utils import Cluster
@@ -28,6 +30,7 @@ from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
 from das.service.cluster.rollout_backend import GroupInputError
 from das.service.engine.contract import EngineInputError
 from das.service.engine.models import prepare_model
+from das.service.http.gateway import GatewaySettings, create_app
 from das.service.wire.api import GroupRequest, LengthCurveSpec, SampleResult
 from tests.tiny_models import build_tiny_model
 
@@ -262,6 +265,101 @@ def test_an_engine_actor_not_started_answers_as_a_lost_engine(cluster: Cluster) 
             ray.get(ref)
     assert issubclass(EngineNotStarted, _lost_errors())
     ray.kill(actor)
+
+
+# vLLM's own words when `--speculation suffix` starts on a node without ArcticInference
+ARCTIC_MISSING = ("Arctic Inference is required for suffix decoding. Install via `pip install "
+                  "arctic-inference==0.1.1`.")
+
+
+def second_node(cluster: Cluster) -> str:
+    (node,) = [n for n in cluster.list_all_nodes() if n is not cluster.head_node]
+    return node.node_id
+
+
+async def gateway_view(backend: RayBackend, batch: list[dict] | None = None
+                       ) -> tuple[httpx.Response, httpx.Response, str, list[dict]]:
+    """/readyz, /healthz and /metrics of the gateway over `backend`, and the records of `batch` run through it."""
+    app = create_app(backend, GatewaySettings())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
+                                 timeout=60) as http:
+        records = []
+        if batch is not None:
+            response = await http.post("/v1/rollouts", json={"groups": batch})
+            assert response.status_code == 200, response.text
+            records = [json.loads(line) for line in response.text.splitlines()]
+        return await http.get("/readyz"), await http.get("/healthz"), (await http.get("/metrics")).text, records
+
+
+def test_an_engine_whose_node_cannot_load_is_named_in_readyz_while_the_other_serves(
+        cluster: Cluster, loop: asyncio.AbstractEventLoop) -> None:
+    """Issue 59, a cluster joined: the second node's engine fails its load with vLLM's ImportError (a package that
+    node lacks). It stays down at once, not restarted; /readyz names it with its cause and what to install, and
+    das_engine_load_failures_total counts it by reason; the first node's engine serves a batch; the service is ready
+    and live (no reason to stop: an engine serves)."""
+    failing = second_node(cluster)
+    backend = loop.run_until_complete(RayBackend.start(ServiceConfig(stub_engine={
+        "tokens": 4, "load_error": {"kind": "ImportError", "message": ARCTIC_MISSING, "nodes": [failing]}})))
+    try:
+        with pytest.raises(RuntimeError, match="cannot load: ImportError: Arctic Inference is required"):
+            loop.run_until_complete(asyncio.wait_for(backend.wait_ready(), 60))
+        (failed,) = backend.stats().engines_failed
+        assert failing[:6] in failed and backend.serving_engines and failed not in backend.serving_engines
+        batch = [{"problem_id": f"p{i}", "prompt_token_ids": [5, 6, 7 + i], "n": 2, "sampling": {"max_tokens": 4}}
+                 for i in range(3)]
+        ready, health, metrics, records = loop.run_until_complete(gateway_view(backend, batch))
+        *samples, end = records
+        assert end["summary"]["status"] == "done" and len(samples) == 6
+        assert {r["engine"] for r in samples} == set(backend.serving_engines)
+        assert ready.status_code == 200 and health.status_code == 200
+        cause = ready.json()["engines_failed"][failed]
+        assert cause.startswith(f"engine {failed} cannot load: ImportError: Arctic Inference is required")
+        assert "install arctic-inference on every engine node" in cause
+        assert f'das_engine_load_failures_total{{engine="{failed}",reason="missing_package"}} 1.0' in metrics
+        assert backend.stats().engine_restarts == {}  # a permanent failure is not retried
+        assert backend.fatal_error is None and loop.run_until_complete(backend.live())
+    finally:
+        loop.run_until_complete(backend.close())
+
+
+def test_when_no_engine_can_ever_load_healthz_fails_with_the_cause_and_the_service_says_so(
+        cluster: Cluster, loop: asyncio.AbstractEventLoop) -> None:
+    """Issue 59: every engine of the joined cluster cannot load (a model directory missing on both nodes):
+    `unrecoverable()` (what `das serve` waits on to stop) returns the causes, /healthz answers 503 naming them and
+    /readyz names both engines."""
+    backend = loop.run_until_complete(RayBackend.start(ServiceConfig(stub_engine={
+        "tokens": 4, "load_error": {"kind": "FileNotFoundError", "message": "/models/policy/config.json"}})))
+    try:
+        cause = loop.run_until_complete(asyncio.wait_for(backend.unrecoverable(), 60))
+        assert cause.count("cannot load: FileNotFoundError: /models/policy/config.json; --model must name") == 2
+        ready, health, metrics, _ = loop.run_until_complete(gateway_view(backend))
+        assert health.status_code == 503 and health.json()["reason"].startswith("no engine can serve again: engine ")
+        assert ready.status_code == 503 and len(ready.json()["engines_failed"]) == 2
+        assert metrics.count('reason="missing_model"} 1.0') == 2
+        assert not loop.run_until_complete(backend.live())
+    finally:
+        loop.run_until_complete(backend.close())
+
+
+def test_a_load_failure_of_no_known_kind_restarts_the_engine_under_the_cap(
+        cluster: Cluster, loop: asyncio.AbstractEventLoop) -> None:
+    """Transient load failures keep the restart behaviour: an error of no permanent kind (vLLM's "Engine core
+    initialization failed", whose cause may be an engine core killed while loading) restarts the actor in a fresh
+    process, counted against max_restarts; past the cap it stays down, and with every engine down so the service
+    says no engine can load."""
+    backend = loop.run_until_complete(RayBackend.start(ServiceConfig(
+        stub_engine={"tokens": 4, "load_error": {"kind": "RuntimeError", "message": "Engine core initialization "
+                                                 "failed. See root cause above. Failed core proc(s): {}"}},
+        failure={"max_restarts": 1})))
+    try:
+        cause = loop.run_until_complete(asyncio.wait_for(backend.unrecoverable(), 90))
+        assert cause.count("failed to load again after 1 restart(s)") == 2, cause
+        stats = backend.stats()
+        assert len(stats.engine_restarts) == 2 and set(stats.engine_restarts.values()) == {1}
+        assert sorted(stats.engine_load_failures.values()) == [2, 2]  # the first load and the one restart
+        assert {reason for _, reason in stats.engine_load_failures} == {"error"}
+    finally:
+        loop.run_until_complete(backend.close())
 
 
 def test_tiny_model_on_two_nodes_splits_one_batch(cluster: Cluster, loop: asyncio.AbstractEventLoop,

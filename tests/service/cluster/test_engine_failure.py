@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -375,6 +376,36 @@ def test_an_engine_past_its_restart_cap_fails_its_batch_and_liveness(tmp_path: P
         assert service.get("/healthz").status_code == 503
         assert service.get("/readyz").status_code == 503
         assert service.metric("das_engine_restarts") == 1
+    finally:
+        service.stop()
+
+
+def test_an_engine_actor_killed_while_it_loads_is_restarted_and_serves(tmp_path: Path) -> None:
+    """Issue 59: a transient load failure keeps the restart behaviour. The engine actor's process SIGKILLed while its
+    engine loads (as the OOM killer would) is restarted by Ray, loads again and serves; it counts as a restart and
+    as a failed load with reason "died", and nothing stops the service."""
+    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "load_s": 6.0}})
+
+    def loading() -> bool:
+        assert service.proc.poll() is None, service.log.read_text()
+        try:
+            return service.get("/readyz").status_code == 503 and len(service.node_engines()) == 1
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(loading, 60, "the gateway did not answer while the engine loads")
+        (actor,) = service.node_engines()
+        os.kill(actor, signal.SIGKILL)
+        service.wait_ready(engines=1)
+        assert service.node_engines() != [actor]
+        assert service.metric("das_engine_restarts") == 1
+        failures = re.findall(r'^das_engine_load_failures_total\{engine="[^"]+",reason="(\w+)"\} (\S+)$',
+                              service.get("/metrics").text, re.MULTILINE)
+        assert failures == [("died", "1.0")]
+        assert service.get("/readyz").json()["engines_failed"] == {}
+        records, summary = run_batch(service.url, {"groups": stub_groups(2, 4)})
+        assert summary["status"] == "done" and len(records) == 8
     finally:
         service.stop()
 
