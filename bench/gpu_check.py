@@ -46,16 +46,17 @@ COMPARED = ("none", "das", "suffix", "ngram")  # `das serve --speculation` value
 PLAIN = "plain"  # vLLM as users run it: no speculation, vLLM's choice of runner
 BASELINE = "none"
 ENGINE_CORE = "EngineCore"  # vLLM's engine-core process title (VLLM::EngineCore...)
-SUFFIX_PACKAGE = "arctic_inference"  # vLLM's suffix method imports it (requirements/peers.txt installs it)
 
 
 def suffix_unavailable() -> str | None:
-    """Why vLLM's suffix arm cannot run here (arctic-inference does not import), or None."""
+    """Why vLLM's suffix arm cannot run here (arctic-inference does not import; service/engine/preflight.py, the
+    check `das serve` makes), or None."""
+    from das.service.engine.preflight import MissingPackage, check_method_packages
+
     try:
-        __import__(SUFFIX_PACKAGE)
-    except Exception as exc:  # an ImportError, or a build that fails while importing
-        return (f"arctic-inference is not importable ({type(exc).__name__}: {exc}); install it with "
-                "`pip install -r requirements/peers.txt` to compare with vLLM's suffix method")
+        check_method_packages("suffix")
+    except MissingPackage as exc:
+        return str(exc)
     return None
 
 
@@ -103,7 +104,7 @@ class GpuCheckConfig:
             raise ValueError(f"arms must include {BASELINE} (the samples every arm must match) and das (the control "
                              f"plane and the kill run on it), got {', '.join(self.arms)}")
         if "suffix" in self.arms and (missing := suffix_unavailable()):
-            raise ValueError(f"arms: suffix needs {missing}")
+            raise ValueError(f"arms: {missing}")
 
     @property
     def order(self) -> tuple[str, ...]:

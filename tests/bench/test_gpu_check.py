@@ -125,10 +125,10 @@ def test_identity_leaves_the_plain_arm_out_and_host_time_must_be_measured_for_ev
 
 
 def test_arms_default_to_none_and_das_plus_suffix_where_it_imports(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_check, "suffix_unavailable", lambda: "arctic-inference is not importable (x)")
+    monkeypatch.setattr(gpu_check, "suffix_unavailable", lambda: "--speculation suffix needs arctic-inference (x)")
     arms, skipped = default_arms()
-    assert arms == ("none", "das") and skipped == ["suffix: arctic-inference is not importable (x)"]
-    with pytest.raises(ValueError, match="suffix needs arctic-inference"):
+    assert arms == ("none", "das") and skipped == ["suffix: --speculation suffix needs arctic-inference (x)"]
+    with pytest.raises(ValueError, match="arms: --speculation suffix needs arctic-inference"):
         GpuCheckConfig(arms=("none", "das", "suffix"))
     monkeypatch.setattr(gpu_check, "suffix_unavailable", lambda: None)
     assert default_arms() == (("none", "das", "suffix"), [])
@@ -152,4 +152,5 @@ def test_suffix_unavailable_names_the_package_when_it_does_not_import(monkeypatc
 
     monkeypatch.setitem(sys.modules, "arctic_inference", None)  # None in sys.modules: import raises ImportError
     reason = gpu_check.suffix_unavailable()
-    assert reason is not None and "arctic-inference is not importable" in reason and "requirements/peers.txt" in reason
+    assert reason is not None and "needs arctic-inference, which cannot be imported" in reason
+    assert "requirements/peers.txt" in reason
