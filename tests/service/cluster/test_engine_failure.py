@@ -384,7 +384,7 @@ def test_an_engine_actor_killed_while_it_loads_is_restarted_and_serves(tmp_path:
     """Issue 59: a transient load failure keeps the restart behaviour. The engine actor's process SIGKILLed while its
     engine loads (as the OOM killer would) is restarted by Ray, loads again and serves; it counts as a restart and
     as a failed load with reason "died", and nothing stops the service."""
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "load_s": 6.0}})
+    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "load_s": 20.0}})
 
     def loading() -> bool:
         assert service.proc.poll() is None, service.log.read_text()
@@ -395,6 +395,9 @@ def test_an_engine_actor_killed_while_it_loads_is_restarted_and_serves(tmp_path:
 
     try:
         wait_until(loading, 60, "the gateway did not answer while the engine loads")
+        # the actor's process is up before its load starts, and a kill in that gap is Ray's plain actor restart,
+        # never seen as a failed load (on a loaded machine the kill once landed there): kill inside the 20 s load
+        time.sleep(5.0)
         (actor,) = service.node_engines()
         os.kill(actor, signal.SIGKILL)
         service.wait_ready(engines=1)
