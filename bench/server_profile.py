@@ -14,8 +14,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-PARTS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s")  # these add up to a step; model_s and budget_s
-# lie inside forward_s and propose_s
+from das.service.engine.contract import STEP_PARTS, StepPartTotals
 
 
 @dataclass(frozen=True)
@@ -33,15 +32,13 @@ class EngineSteps:
 
     @property
     def host_ms_per_step(self) -> float | None:
-        """Mean step time less its forward pass, ms (None: no profiled step)."""
-        if not self.steps:
-            return None
-        return (sum(self.seconds.get(p, 0.0) for p in PARTS) - self.seconds.get("model_s", 0.0)) / self.steps * 1e3
+        """Mean step time less its forward pass, ms (None: no profiled step): the engine's own sums' figure."""
+        return StepPartTotals(self.steps, tuple(self.seconds.items())).host_ms_per_step()
 
     def summary(self) -> dict[str, Any]:
         """The figures a report carries: runner, steps, ms a step by part, host and forward-pass ms a step."""
         parts = {p.removesuffix("_s") + "_ms": _round(self.ms_per_step(p))
-                 for p in (*PARTS, "model_s", "budget_s")} if self.steps else {}
+                 for p in (*STEP_PARTS, "model_s", "budget_s")} if self.steps else {}
         return {"engine": self.engine, "runner": self.runner.get("model_runner"),
                 "async_scheduling": _flag(self.runner.get("async_scheduling")),
                 "keyed": _flag(self.runner.get("keyed")), "platform": self.runner.get("platform"),

@@ -52,7 +52,8 @@ def test_the_proposers_host_time_is_skipped_with_why_where_our_drafter_does_not_
 
 
 def test_draw_only_times_the_draw_and_nothing_else(tmp_path: Path):
-    done = run("--tiny", "--out", str(tmp_path), "--repeats", "1", "--draw-only", "--draw-rows", "2,5")
+    done = run("--tiny", "--out", str(tmp_path), "--repeats", "1", "--draw-only", "--draw-rows", "2,5",
+               "--proposer-batches", "0")
     assert done.returncode == 0, done.stderr[-2000:]
     assert [d["rows"] for d in json.loads(done.stdout)["keyed_draw"]] == [2, 5]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-cpu-draw.json"]
