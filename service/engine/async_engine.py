@@ -179,6 +179,7 @@ class Engine:
         self.tally = tally or EngineTally()
         self.runner: RunnerChoice | None = None  # what vLLM runs, set by `create`
         self.step_parts = StepPartTotals()  # with config.profile_steps: the timed steps' parts (read_step_parts)
+        self._timing_steps = False  # the worker's step timer runs (set by `create`)
         self.policy_version = 0
         self._llm = llm
         self._tokenizer = tokenizer
@@ -272,6 +273,7 @@ class Engine:
         if config.profile_steps:
             if runner.step_timer_applies:
                 await engine.start_step_profile()  # after the warm-ups: only traffic is timed
+                engine._timing_steps = True
             else:
                 log.warning("profile_steps times model runner V1 without async scheduling; this engine runs %s: "
                             "its steps are not profiled", runner.describe())
@@ -595,8 +597,7 @@ class Engine:
     async def read_step_parts(self) -> StepPartTotals:
         """With `profile_steps`: the parts of every step timed since the engine started (the steps since the last
         read are fetched from the worker); else the empty totals, without a call."""
-        if self.config.profile_steps and self.runner is not None and self.runner.step_timer_applies \
-                and not self.dead:
+        if self._timing_steps and not self.dead:
             self.step_parts = self.step_parts.add(await worker_rpc(self._llm, "das_profile_take"))
         return self.step_parts
 

@@ -188,7 +188,8 @@ def tiny_das(loop, tiny_models):
     # Uniform drafting: these tests check the drafter and exact verification, which need drafts on every step;
     # the default length-aware budget is tested in test_budget_hook.py and, end to end, in tests/service/test_serve.py.
     engine = start(loop, model=str(tiny_models[0]), speculation="das", dtype="float32", max_model_len=256,
-                   num_speculative_tokens=4, budget={"policy": "uniform"}, cpu_allocator="jemalloc")
+                   num_speculative_tokens=4, budget={"policy": "uniform"}, cpu_allocator="jemalloc",
+                   profile_steps=True)
     TINY_DAS_AT_START["cost"] = loop.run_until_complete(engine.drafter_stats())["cost"]
     yield engine
     loop.run_until_complete(engine.close())
@@ -496,3 +497,17 @@ def test_the_length_aware_budget_starts_with_its_cost_fit_fed_by_the_warmup(loop
     loop.run_until_complete(engine.close())  # closing twice is harmless
     with pytest.raises(RuntimeError, match="the engine is closed"):
         loop.run_until_complete(engine.is_paused())
+
+
+def test_a_profiled_engine_reports_its_runner_and_its_steps_forward_pass_apart_from_the_host_work(loop, tiny_das):
+    """profile_steps (das serve --profile-steps): the worker's step timer runs from start, and each read adds the
+    steps since the last one; on the CPU the engine runs V1 without async scheduling, keyed."""
+    assert tiny_das.runner is not None and tiny_das.runner.keyed and tiny_das.runner.step_timer_applies
+    before = loop.run_until_complete(tiny_das.read_step_parts())
+    run_groups(loop, tiny_das, [GroupRequest(problem_id="profiled", n=2, prompt_token_ids=[5, 6, 7],
+                                             sampling={"max_tokens": 8, "temperature": 0.8, "ignore_eos": True})])
+    after = loop.run_until_complete(tiny_das.read_step_parts())
+    parts = dict(after.seconds)
+    assert after.steps > before.steps and parts["model_s"] > 0 and parts["propose_s"] > 0
+    assert 0 < parts["model_s"] <= parts["forward_s"] and 0 < parts["budget_s"] <= parts["propose_s"]
+    assert after.host_ms_per_step() > 0
