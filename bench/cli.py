@@ -90,6 +90,10 @@ def bench_simulate(
         "h100-7b",
     engines: Annotated[int, typer.Option(min=1, help="Engines the batch is placed on.")] = 8,
     policy: Annotated[Optional[str], typer.Option(help="Run only this policy arm (default: all).")] = None,
+    arms: Annotated[Optional[str], typer.Option(help="Arms to run, comma-separated: policy names, uniform-A..B, "
+                                                     "`fixed` (uniform-1..K_max, classes, das-token, das-lengths); "
+                                                     "default: none, uniform-4/8/16, classes, das-token, "
+                                                     "das-lengths, das.")] = None,
     k_max: Annotated[int, typer.Option("--k-max", min=1, max=64, help="Largest draft per request per step.")] = 16,
     host_ms: Annotated[str, typer.Option("--host-ms", help="Host work a step of an engine that drafts (vLLM runs it "
                                                           "without async scheduling; none keeps it hidden): "
@@ -103,19 +107,52 @@ def bench_simulate(
     from das.bench.server_profile import host_ms_from
     from das.drafter.records import RecordError, load_rollouts
     from das.scheduler.cost_model import load_cost_model
-    from das.scheduler.simulator import ARMS, run_simulation_bench
+    from das.scheduler.simulator import ARMS, arm_list, run_simulation_bench
 
+    if policy and arms:
+        fail("give --policy (one arm, also placed both ways) or --arms, not both")
     path = traces or default_trace_path()
     try:
         model = load_cost_model(cost_model)
         records = load_rollouts(path)
-        arms = [policy] if policy else list(ARMS)
-        result = run_simulation_bench(records, str(path), model, engines, arms=arms,
+        run_arms = [policy] if policy else arm_list(arms, k_max) if arms else list(ARMS)
+        result = run_simulation_bench(records, str(path), model, engines, arms=run_arms,
                                       placement_policy=policy or "das", k_max=k_max, progress=not as_json,
                                       host_s=host_ms_from(host_ms) / 1e3)
     except (RecordError, OSError, ValueError) as exc:
         fail(str(exc))
     emit(result, as_json)
+
+
+@bench_app.command("budgets")
+def bench_budgets(
+    traces: Annotated[str, typer.Option(help="Trace sets, comma-separated: bundled names or paths.")] =
+        "smollm2,qwen2.5-coder-0.5b,smollm2-66x16,heldout-qwen2.5-coder-code",
+    cost_models: Annotated[str, typer.Option("--cost-models", help="Cost models, comma-separated: `cpu` (each "
+                                             "bundled set's own CPU calibration), named ones, paths.")] =
+        "cpu,h100-7b,h200-7b",
+    host_ms: Annotated[str, typer.Option("--host-ms", help="Host prices a drafting step, comma-separated ms (a CPU "
+                                                          "fit runs at 0 only: its steps include the host).")] = "0,2.5",
+    engines: Annotated[int, typer.Option(min=1, help="Engines each batch is placed on.")] = 8,
+    k_max: Annotated[int, typer.Option("--k-max", min=1, max=64, help="Largest draft per request per step.")] = 16,
+    jobs: Annotated[int, typer.Option(min=1, help="Cells simulated at once (processes).")] = 1,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The default budget against every fixed policy (uniform-1..K_max, classes, das-token, das-lengths), drafts
+    free and the exact drafts, per trace set, cost model and host price: every figure is SIMULATED. Exits 1 where
+    das loses to a fixed policy or is over 1.10x drafts free."""
+    from das.bench.budget_table import budget_table
+
+    try:
+        hosts = [float(h) for h in host_ms.split(",") if h.strip()]
+        table = budget_table([t.strip() for t in traces.split(",") if t.strip()],
+                             [m.strip() for m in cost_models.split(",") if m.strip()], hosts, engines=engines,
+                             k_max=k_max, jobs=jobs, progress=not as_json)
+    except (OSError, ValueError) as exc:
+        fail(str(exc))
+    emit(table, as_json)
+    if not table.to_dict()["passed"]:
+        raise typer.Exit(1)
 
 
 @bench_app.command("validate")

@@ -26,6 +26,7 @@ Named models:
     (Qwen2.5-7B, 7.6e9 parameters) at 75% of peak bandwidth gives c_base = 6.1 ms; 2 * 7.6e9 FLOPs per token at
     50% of peak compute gives c_tok = 30.7 us. These are estimates from published hardware figures, not a
     measurement; every simulated result built on them says so.
+  * `h200-7b`: the same shape measured on one H200 (`das bench gpu-cost`): c_base = 7.57 ms, c_tok = 31.5 us.
   * calibrated models written by `das calibrate` (JSON, one per engine type) are loaded by path or by name from
     the data directory.
 """
@@ -121,7 +122,20 @@ def _h100_7b() -> CostModel:
     )
 
 
-NAMED = {"h100-7b": _h100_7b}
+def _h200_7b() -> CostModel:
+    return CostModel(
+        name="h200-7b",
+        c_base_s=7.5655e-3,
+        c_tok_s=31.55e-6,
+        fit_error=0.0646,
+        source="measured by das bench gpu-cost on an NVIDIA H200 (docs/results/2026-11-27-h200-gpu-cost.md): a "
+               "7B-shaped Llama (Qwen2.5-7B's dimensions), random weights, bfloat16, decode forwards at context "
+               "4096 with transformers (no vLLM, no sampler, no scheduler); the fit's per-request attention term "
+               "(transformers', far dearer than vLLM's) left out",
+    )
+
+
+NAMED = {"h100-7b": _h100_7b, "h200-7b": _h200_7b}
 
 
 def cost_model_dir(data_dir: Path | None = None) -> Path:

@@ -62,6 +62,33 @@ from das.scheduler.policies import POLICIES
 
 ARMS = ("none", "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das-lengths", "das")
 PLACEMENTS = ("round-robin", "length-aware")
+# Every fixed policy the default must beat (issue 55): uniform K for each K up to K_max, the classes, and das's
+# counts-based variants. `arm_list("fixed", k_max)` names them.
+FIXED = "fixed"
+
+
+def arm_list(spec: str, k_max: int) -> list[str]:
+    """Arm names from a comma-separated list (`das bench simulate --arms`): names of `arm_settings`, `uniform-A..B`
+    for uniform-A to uniform-B, `fixed` for every fixed policy (uniform-1..k_max, classes, das-token, das-lengths).
+    Duplicates dropped, order kept; an unknown name raises ValueError."""
+    out: list[str] = []
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        if item == FIXED:
+            names = [f"uniform-{k}" for k in range(1, k_max + 1)] + ["classes", "das-token", "das-lengths"]
+        elif item.startswith("uniform-") and ".." in item:
+            lo, _, hi = item.removeprefix("uniform-").partition("..")
+            if not (lo.isdigit() and hi.isdigit() and int(lo) <= int(hi)):
+                raise ValueError(f"bad arm range {item!r}: write uniform-A..B with A <= B")
+            names = [f"uniform-{k}" for k in range(int(lo), int(hi) + 1)]
+        else:
+            arm_settings(item)
+            names = [item]
+        out.extend(n for n in names if n not in out)
+    if not out:
+        raise ValueError("no arms given")
+    return out
 
 
 def arm_settings(name: str) -> BudgetSettings | None:
@@ -508,6 +535,10 @@ class SimulationBench:
         best = min(uniform, key=lambda n: a[n].makespan_s) if uniform else None
         if "das" in a and best:
             out[f"das/best-uniform ({best})"] = a["das"].makespan_s / a[best].makespan_s
+        fixed = [n for n in a if n not in ("none", "das")]
+        if "das" in a and fixed:  # das against the best of every other drafting arm run
+            best_fixed = min(fixed, key=lambda n: a[n].makespan_s)
+            out[f"das/best-fixed ({best_fixed})"] = a["das"].makespan_s / a[best_fixed].makespan_s
         if len(self.placement) == 2:
             out["length-aware/round-robin"] = (self.placement["length-aware"].makespan_s
                                                / self.placement["round-robin"].makespan_s)
@@ -524,6 +555,8 @@ class SimulationBench:
                 out["drafts-free/none"] = ref["drafts_free"].makespan_s / a["none"].makespan_s
             if best:
                 out[f"drafts-free/best-uniform ({best})"] = ref["drafts_free"].makespan_s / a[best].makespan_s
+            if "das" in a:
+                out["das/drafts-free"] = a["das"].makespan_s / ref["drafts_free"].makespan_s
         if "exact_drafts" in ref and "none" in a:
             none, exact = a["none"].makespan_s, ref["exact_drafts"].makespan_s
             out["exact-drafts/none"] = exact / none

@@ -183,3 +183,32 @@ def test_cli_reads_the_host_price_from_a_number_or_a_report(tmp_path):
     for bad in (str(report), "-1", str(tmp_path / "missing.json")):
         result = CliRunner().invoke(app, [*base, "--host-ms", bad])
         assert result.exit_code == 2 and "--host-ms" in result.output
+
+
+def test_arm_list_expands_ranges_and_the_fixed_policies():
+    from das.scheduler.simulator import arm_list
+
+    assert arm_list("none,uniform-2..4,das", 16) == ["none", "uniform-2", "uniform-3", "uniform-4", "das"]
+    fixed = arm_list("fixed", 3)
+    assert fixed == ["uniform-1", "uniform-2", "uniform-3", "classes", "das-token", "das-lengths"]
+    assert arm_list("das,fixed,das", 1) == ["das", "uniform-1", "classes", "das-token", "das-lengths"]
+    for bad in ("uniform-4..2", "uniform-a..3", "oracle", ",,"):
+        with pytest.raises(ValueError):
+            arm_list(bad, 16)
+
+
+def test_cli_runs_the_arms_given_and_compares_das_with_the_best_fixed_one(tmp_path):
+    path = tmp_path / "t.jsonl"
+    write_rollouts(path, records({0: [20, 30, 20, 30], 1: [25, 35, 20, 30]}))
+    result = CliRunner().invoke(app, ["bench", "simulate", "--traces", str(path), "--engines", "2", "--k-max", "2",
+                                      "--arms", "none,uniform-1..2,das", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    assert list(out["arms"]) == ["none", "uniform-1", "uniform-2", "das"]
+    best = min(("uniform-1", "uniform-2"), key=lambda n: out["arms"][n]["makespan_s"])
+    assert out["ratios"][f"das/best-fixed ({best})"] == pytest.approx(
+        out["arms"]["das"]["makespan_s"] / out["arms"][best]["makespan_s"])
+    assert out["ratios"]["das/drafts-free"] == pytest.approx(
+        out["arms"]["das"]["makespan_s"] / out["references"]["drafts_free"]["makespan_s"])
+    both = CliRunner().invoke(app, ["bench", "simulate", "--traces", str(path), "--policy", "das", "--arms", "das"])
+    assert both.exit_code == 2 and "not both" in both.output

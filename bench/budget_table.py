@@ -1,0 +1,156 @@
+"""`das bench budgets`: the default budget against every fixed policy, drafts free and the exact drafts, on several
+trace sets, under several cost models and host prices, one row each (`das bench simulate` per cell). Every figure
+is SIMULATED.
+
+A row passes where das is at most each fixed policy's makespan (uniform-1..K_max, classes, das-token,
+das-lengths) and at most `FREE_SLACK` times the drafts-free reference's. Cells run in parallel processes (`jobs`);
+each is deterministic, so the table does not depend on the machine's load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from das.bench.drafter_replay import default_trace_path
+
+# The bundled trace sets (tests/fixtures/traces-NAME.jsonl.gz) and the shipped CPU calibration of the model that
+# recorded each (scheduler/cost_model.py SHIPPED): what cost model "cpu" means for that set.
+TRACE_SETS: dict[str, str] = {
+    "smollm2": "cpu-smollm2",
+    "qwen2.5-coder-0.5b": "cpu-qwen2.5-coder-0.5b",
+    "smollm2-66x16": "cpu-smollm2",
+    "heldout-qwen2.5-coder-code": "cpu-qwen2.5-coder-0.5b",
+}
+CPU = "cpu"
+FREE_SLACK = 1.10  # issue 55: das within 1.10x of drafts free
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One simulation: a trace set (bundled name or path), a cost model (name or path; `cpu`: the set's CPU fit)
+    and the host's price a drafting step (milliseconds)."""
+
+    traces: str
+    cost_model: str
+    host_ms: float
+
+    def trace_path(self) -> Path:
+        if self.traces in TRACE_SETS:
+            return default_trace_path(f"traces-{self.traces}.jsonl.gz")
+        return Path(self.traces)
+
+    def model_name(self) -> str:
+        if self.cost_model != CPU:
+            return self.cost_model
+        if self.traces not in TRACE_SETS:
+            raise ValueError(f"cost model {CPU!r} needs a bundled trace set ({sorted(TRACE_SETS)}); for "
+                             f"{self.traces} name its calibration instead")
+        return TRACE_SETS[self.traces]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One cell's figures (simulated seconds and ratios): das's makespan and its ratio to none, to each fixed policy
+    (`against`: arm -> das / arm), to drafts free and the exact drafts' ratio to none; `loses_to`: the fixed
+    policies faster than das; `passes`: das beats every fixed policy and stays within FREE_SLACK of drafts free."""
+
+    traces: str
+    cost_model: str
+    host_ms: float
+    das_s: float
+    das_over_none: float
+    best_fixed: str
+    das_over_best_fixed: float
+    das_over_drafts_free: float
+    drafts_free_over_none: float
+    exact_over_none: float
+    against: dict[str, float]
+    loses_to: list[str]
+    passes: bool
+
+
+def run_cell(cell: Cell, engines: int = 8, k_max: int = 16) -> Row:
+    """Simulates none, every fixed policy and das on one cell (scheduler/simulator.py `run_simulation_bench`)."""
+    from das.drafter.records import load_rollouts
+    from das.scheduler.cost_model import load_cost_model
+    from das.scheduler.simulator import arm_list, run_simulation_bench
+
+    model = load_cost_model(cell.model_name())
+    bench = run_simulation_bench(load_rollouts(cell.trace_path()), cell.traces, model, engines,
+                                 arms=arm_list("none,fixed,das", k_max), k_max=k_max, progress=False,
+                                 host_s=cell.host_ms / 1e3)
+    arms = {name: result.makespan_s for name, result in bench.arms.items()}
+    das = arms["das"]
+    fixed = {name: s for name, s in arms.items() if name not in ("none", "das")}
+    against = {name: das / s for name, s in fixed.items()}
+    best = min(fixed, key=fixed.__getitem__)
+    free = bench.references["drafts_free"].makespan_s
+    loses_to = sorted((n for n, r in against.items() if r > 1.0), key=against.__getitem__, reverse=True)
+    return Row(cell.traces, model.name, cell.host_ms, das, das / arms["none"], best, das / fixed[best], das / free,
+               free / arms["none"], bench.references["exact_drafts"].makespan_s / arms["none"], against, loses_to,
+               not loses_to and das <= FREE_SLACK * free)
+
+
+def _run(args: tuple[Cell, int, int]) -> Row:
+    return run_cell(*args)
+
+
+@dataclass
+class BudgetTable:
+    rows: list[Row]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"simulated": True, "free_slack": FREE_SLACK, "rows": [asdict(r) for r in self.rows],
+                "passed": all(r.passes for r in self.rows)}
+
+    def print(self, console) -> None:  # noqa: ANN001 - rich Console
+        from rich.table import Table
+
+        table = Table(title="SIMULATED: das against every fixed policy (uniform-1..K_max, classes, das-token, "
+                            f"das-lengths), drafts free and the exact drafts; passes: das <= each fixed policy and "
+                            f"<= {FREE_SLACK}x drafts free")
+        for col in ("traces", "cost model", "host ms", "das / none", "das / best fixed", "das / drafts free",
+                    "drafts free / none", "exact / none", "loses to (das / arm)", "passes"):
+            table.add_column(col, justify="left" if col in ("traces", "cost model", "loses to (das / arm)")
+                             else "right")
+        for r in self.rows:
+            loses = ", ".join(f"{n} {r.against[n]:.3f}" for n in r.loses_to[:4]) + (" ..." if len(r.loses_to) > 4
+                                                                                      else "")
+            table.add_row(r.traces, r.cost_model, f"{r.host_ms:g}", f"{r.das_over_none:.3f}",
+                          f"{r.das_over_best_fixed:.3f} ({r.best_fixed})", f"{r.das_over_drafts_free:.3f}",
+                          f"{r.drafts_free_over_none:.3f}", f"{r.exact_over_none:.3f}", loses or "-",
+                          "yes" if r.passes else "NO")
+        console.print(table)
+
+
+def budget_table(traces: Sequence[str], cost_models: Sequence[str], host_ms: Sequence[float], *, engines: int = 8,
+                 k_max: int = 16, jobs: int = 1, progress: bool = True) -> BudgetTable:
+    """Every traces x cost model x host price cell (a CPU fit only at host 0: its steps were measured whole, the
+    host's work included), `jobs` at a time."""
+    from rich.progress import Progress
+
+    cells = [Cell(t, m, h) for t in traces for m in cost_models for h in host_ms if not (m == CPU and h)]
+    for cell in cells:  # refuse bad names before any work
+        cell.model_name()
+        if not cell.trace_path().exists():
+            raise ValueError(f"trace set {cell.traces}: no file at {cell.trace_path()}")
+    work = [(cell, engines, k_max) for cell in cells]
+    with Progress(disable=not progress, transient=True) as bar:
+        task = bar.add_task(f"simulating {len(cells)} cells", total=len(cells))
+        if jobs <= 1:
+            rows = []
+            for args in work:
+                rows.append(_run(args))
+                bar.advance(task)
+        else:
+            with ProcessPoolExecutor(max_workers=jobs) as pool:
+                futures = [pool.submit(_run, args) for args in work]
+                rows = []
+                for future in futures:
+                    rows.append(future.result())
+                    bar.advance(task)
+    return BudgetTable(rows)
