@@ -353,25 +353,29 @@ def confidence_plan(batch: BatchState) -> DraftPlan:
     """Every request may verify up to K_max draft tokens, each while the drafter's estimate p that it (and every one
     before it) is accepted is at least the request's price
 
-        floor_i = c_draft / (c_draft + t / m_i),    c_draft = c_tok + c_spec / K_max,   t = c_base + c_tok n,
+        floor_i = c_draft / (c_draft + c_base / m_i),    c_draft = c_tok + c_spec / K_max,
 
-    where n is the batch's size and m_i = #{j : l_j >= FORECAST_SPREAD l_i} the requests that may run at least as
-    long as i (forecasts within a factor 1 / FORECAST_SPREAD of each other do not tell which one ends last). A
-    draft token costs its verification, c_draft (the token plus its share of a full draft's fixed price, the
-    guard's included), whether it holds or not. An accepted one advances its request by a token, which shortens
-    the batch only if every request at least as long advances too: a step of t saved for m_i accepted tokens, t /
-    m_i each. The draft pays where p (c_draft + t / m_i) >= c_draft, i.e. p >= floor_i: the batch's longest
-    request (m = 1) drafts down to c_draft / (c_draft + t), a batch of many equally long ones only what is about
-    as likely as not to hold. This asks the drafter's probabilities to be calibrated and spends nothing from the
-    request's acceptance counts: a new request whose context repeats itself drafts at its first step. The length
-    forecast acts through the ranks alone. Vectorised: a sort and a few numpy calls over n."""
+    where m_i = #{j : l_j >= FORECAST_SPREAD l_i} counts the requests that may run at least as long as i (forecasts
+    within a factor 1 / FORECAST_SPREAD of each other do not tell which one ends last). A draft token costs its
+    verification, c_draft (the token plus its share of a full draft's fixed price, the guard's included), when it
+    is rejected; an accepted one is a token its request would have computed in a later pass anyway. What an
+    accepted token buys is a pass less for its request, which shortens the batch only if every request at least as
+    long advances too: c_base / m_i each. Only the fixed part of a pass is saved: the other requests' tokens are
+    computed all the same, in whichever pass, so a step's per-token work (c_tok n) is no part of the value. That is
+    what reads the regime: where a step is mostly fixed cost (a GPU: c_tok ~1/250 of c_base) nearly every draft pays;
+    where it is mostly per-token work (this CPU at 30+ requests) only likely ones do. The draft pays where p (c_draft
+    + c_base / m_i) >= c_draft, i.e. p >= floor_i: the batch's longest request (m = 1) drafts down to c_draft /
+    (c_draft + c_base), a batch of many equally long ones only what is about as likely as not to hold. This asks
+    the drafter's probabilities to be calibrated and spends nothing from the request's acceptance counts: a new
+    request whose context repeats itself drafts at its first step. The length forecast acts through the ranks alone.
+    Vectorised: a sort and a few numpy calls over n."""
     n = len(batch)
     rem = batch.remaining
     if n == 0 or batch.k_max == 0 or batch.c_base_s == 0.0:
         return DraftPlan(np.zeros(n, dtype=np.int32), np.full(n, np.inf))
     c_draft = batch.c_tok_s + batch.c_spec_s / batch.k_max
     at_least_as_long = n - np.sort(rem).searchsorted(rem * FORECAST_SPREAD, "left")
-    value = (batch.c_base_s + batch.c_tok_s * n) / at_least_as_long
+    value = batch.c_base_s / at_least_as_long
     live = rem > 0.0
     floor = np.where(live, c_draft / (c_draft + value), np.inf)
     return DraftPlan(np.where(live, batch.k_max, 0).astype(np.int32), floor)

@@ -21,9 +21,11 @@ Four references run beside the arms, to show where a policy's time goes (`Simula
     on any number of engines, up to the drafter history the engines share);
   * oracle lengths: the placement policy with every request's true remaining length in place of the predictor's
     (placement and budget both), i.e. what a perfect length predictor would give;
-  * drafts free: every request drafts K_max every step at c_tok = 0 (each step costs c_base): about the fewest
-    passes this drafter allows, so no budget policy gets far below it. Not a strict bound: a shorter draft can
-    land the next step on a position where the drafter does better;
+  * drafts free: every request drafts K_max every step and its draft tokens cost nothing (a step costs what a
+    plain step of its requests costs: c_base + c_tok * requests, no drafted-step price): about the fewest passes
+    this drafter allows at the plain steps' price, so no budget policy gets far below it. Not a strict bound: a
+    shorter draft can land the next step on a position where the drafter does better. (Before 2026-11-28 this
+    reference also priced the requests' own tokens at 0, which a plain step pays too: it lay below any policy.)
   * exact drafts: every request drafts its own recorded future, K_max tokens every step, all accepted, each step
     priced in full: the limit of speculation at K_max under this cost model whatever the drafter (the engine
     bench's `oracle-k` arm, simulated), against which das's saving is a share.
@@ -243,14 +245,14 @@ class BatchSimulation:
     (scheduler/budget_hook.py `PolicyBudget` with `policy`, the cost model fixed at `cost` and no guard); the
     verifier is simulated: a draft's accepted tokens are its longest prefix equal to the recorded continuation.
     Seams: `signal` (the lengths placement and budget read; default `PredictedLengths`) and `place` (where groups
-    run; default length-aware)."""
+    run; default length-aware). `free_drafts`: draft tokens are not priced (the drafts-free reference)."""
 
     def __init__(self, batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord], cost: CostModel,
                  engines: int, policy: BudgetPolicy | None, k_max: int, drafter_config: DrafterConfig | None = None,
                  signal: LengthSignal | None = None, place: PlaceGroups = place_groups,
-                 limits: EngineLimits = EngineLimits(), exact_drafts: bool = False) -> None:
+                 limits: EngineLimits = EngineLimits(), exact_drafts: bool = False, free_drafts: bool = False) -> None:
         self.batch, self.cost, self.k_max, self.limits = batch, cost, k_max, limits
-        self.exact_drafts = exact_drafts
+        self.exact_drafts, self.free_drafts = exact_drafts, free_drafts
         self.signal = signal if signal is not None else PredictedLengths(batch, history)
         self.problems = [r.problem_id for r in batch]
         self.lengths = np.array([len(r.output_token_ids) for r in batch], dtype=np.int64)
@@ -335,8 +337,9 @@ class BatchSimulation:
             accepted, advanced = drafted, drafted + 1
         decode_tokens = int(len(active) + drafted.sum())
         first, chunks = self._prefill(admitted, max(limits.step_tokens - decode_tokens, 0))
-        step_s = self.cost.step_time(float(decode_tokens), drafted=bool(drafted.any()), prompt_tokens=float(chunks),
-                                     requests=float(len(active)))
+        priced = len(active) if self.free_drafts else decode_tokens
+        step_s = self.cost.step_time(float(priced), drafted=bool(drafted.any()) and not self.free_drafts,
+                                     prompt_tokens=float(chunks), requests=float(len(active)))
         self.pos[active] += advanced
         for i in first:
             self.pos[i] = min(1, self.lengths[i])
@@ -397,14 +400,15 @@ class BatchSimulation:
 def simulate_batch(batch: Sequence[RolloutRecord], history: Sequence[RolloutRecord], cost: CostModel,
                    engines: int, policy: BudgetPolicy | None, placement: str, k_max: int,
                    drafter_config: DrafterConfig | None = None, oracle_lengths: bool = False,
-                   engine: EngineLimits = EngineLimits(),
-                   exact_drafts: bool = False) -> tuple[float, float, int, int, int]:
+                   engine: EngineLimits = EngineLimits(), exact_drafts: bool = False,
+                   free_drafts: bool = False) -> tuple[float, float, int, int, int]:
     """One batch (`BatchSimulation`): (makespan_s, tail_share, forward_passes, tokens_verified, accepted_tokens).
     oracle_lengths: placement and budget see each request's true length instead of the predictor's.
-    exact_drafts (with no policy): every request drafts its recorded future at K_max."""
+    exact_drafts (with no policy): every request drafts its recorded future at K_max. free_drafts: draft tokens
+    are not priced."""
     signal = TrueLengths(batch) if oracle_lengths else PredictedLengths(batch, history)
     out = BatchSimulation(batch, history, cost, engines, policy, k_max, drafter_config, signal,
-                          placement_by_name(placement), engine, exact_drafts).run()
+                          placement_by_name(placement), engine, exact_drafts, free_drafts).run()
     return out.makespan_s, out.tail_share, out.forward_passes, out.tokens_verified, out.accepted_tokens
 
 
@@ -430,11 +434,12 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
              placement: str = "length-aware", k_max: int = 16, window: int = 4,
              on_batch: Callable[[], None] | None = None, engine_per_group: bool = False,
              oracle_lengths: bool = False, engine: EngineLimits = EngineLimits(),
-             exact_drafts: bool = False) -> ArmResult:
+             exact_drafts: bool = False, free_drafts: bool = False) -> ArmResult:
     """Every policy version after the first, as one batch, with the `window` versions before it as history.
     engine_per_group: as many engines as the batch has groups (`engines` is ignored), each group alone on one.
     oracle_lengths: placement and budget know every request's true length (see `simulate_batch`).
-    exact_drafts: policy_name "none" with every request drafting its recorded future at k_max."""
+    exact_drafts: policy_name "none" with every request drafting its recorded future at k_max. free_drafts: draft
+    tokens are not priced (the drafts-free reference)."""
     if exact_drafts and policy_name != "none":
         raise ValueError("exact drafts replace the drafter and its budget: simulate them with policy 'none'")
     if engines < 1:
@@ -456,7 +461,7 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
         batch_engines = len({r.problem_id for r in batch}) if engine_per_group else engines
         makespan, tail, passes, verified, accepted = simulate_batch(
             batch, history, cost, batch_engines, policy, placement, k_max,
-            DrafterConfig.for_drafts(k_max, window=window), oracle_lengths, engine, exact_drafts)
+            DrafterConfig.for_drafts(k_max, window=window), oracle_lengths, engine, exact_drafts, free_drafts)
         result.makespan_s += makespan
         result.batches.append(makespan)
         result.forward_passes += passes
@@ -575,7 +580,7 @@ class SimulationBench:
         for label, rows in (("policy (length-aware placement)", self.arms),
                             (f"placement (policy {cfg['placement_policy']})", self.placement),
                             (f"references (policy {cfg['placement_policy']}; drafts free: uniform-{cfg['k_max']}, "
-                             f"c_tok = 0; exact drafts: the recorded future at K_max)", references)):
+                             f"draft tokens unpriced; exact drafts: the recorded future at K_max)", references)):
             table = Table(title=f"{title}: {label}")
             for col in ("arm", "makespan s (simulated)", "tail share", "forward passes", "tokens verified",
                         "accepted"):
@@ -626,10 +631,8 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
         bench.references["oracle_lengths"] = simulate(records, host_priced, engines, placement_policy, k_max=k_max,
                                                       on_batch=lambda: bar.advance(task), oracle_lengths=True)
         bar.update(task, description=f"simulating uniform-{k_max} with free drafts")
-        free = CostModel(f"{host_priced.name} without c_tok", host_priced.c_base_s, 0.0, host_priced.source,
-                         c_prefill_s=host_priced.prefill_token_s)
-        bench.references["drafts_free"] = simulate(records, free, engines, f"uniform-{k_max}", k_max=k_max,
-                                                   on_batch=lambda: bar.advance(task))
+        bench.references["drafts_free"] = simulate(records, host_priced, engines, f"uniform-{k_max}", k_max=k_max,
+                                                   on_batch=lambda: bar.advance(task), free_drafts=True)
         bar.update(task, description=f"simulating the recorded futures as drafts at K_max {k_max}")
         bench.references["exact_drafts"] = simulate(records, host_priced, engines, "none", k_max=k_max,
                                                     on_batch=lambda: bar.advance(task), exact_drafts=True)

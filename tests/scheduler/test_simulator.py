@@ -212,3 +212,16 @@ def test_cli_runs_the_arms_given_and_compares_das_with_the_best_fixed_one(tmp_pa
         out["arms"]["das"]["makespan_s"] / out["references"]["drafts_free"]["makespan_s"])
     both = CliRunner().invoke(app, ["bench", "simulate", "--traces", str(path), "--policy", "das", "--arms", "das"])
     assert both.exit_code == 2 and "not both" in both.output
+
+
+def test_drafts_free_prices_each_request_s_own_token_but_not_its_drafts():
+    """One sample whose text repeats its history: it drafts and most drafts hold; every pass after the prompt's
+    costs c_base + c_tok (its one token), whatever it drafted."""
+    recs = [RolloutRecord(problem_id="p", policy_version=v, sample_index=0, prompt_token_ids=(1, 2),
+                          output_token_ids=tuple(range(10, 50))) for v in (0, 1)]
+    cost = CostModel(name="t", c_base_s=1.0, c_tok_s=0.5, source="test", c_spec_s=3.0)
+    free = simulate(recs, cost, engines=1, policy_name="uniform-8", k_max=8, free_drafts=True)
+    priced = simulate(recs, cost, engines=1, policy_name="uniform-8", k_max=8)
+    assert free.accepted_tokens > 0 and free.forward_passes < 40
+    assert free.makespan_s == pytest.approx(2.0 + (free.forward_passes - 1) * 1.5)  # the prompt's pass: 1 + 2 * 0.5
+    assert priced.makespan_s > free.makespan_s
