@@ -69,24 +69,41 @@ def traces_url(endpoint: str) -> str:
         raise ValueError("--otlp-traces-endpoint: give http(s)://host[:port][/path] only, without credentials, "
                          "query or fragment (a collector's credentials go in $OTEL_EXPORTER_OTLP_TRACES_HEADERS)")
     try:
-        if parts.port == 0:  # urlsplit raises ValueError itself for a port out of range or not a number
-            raise ValueError("port 0")
-    except ValueError as exc:
+        port = parts.port
+    except ValueError as exc:  # a port out of range, or not a number
         raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: {exc}") from None
+    if port == 0:
+        raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: port 0")
     return endpoint if parts.path not in ("", "/") else endpoint.rstrip("/") + TRACES_PATH
 
 
 class _ExportFailures(logging.Filter):
     """Held on the OTLP exporter's logger: it logs every retry and failure of every export, which against a collector
-    that is gone is a line every few seconds. They are swallowed here, the last one kept for `_WarnOnce`'s warning."""
+    that is gone is a line every few seconds. They are swallowed here, the first of an export kept for `_WarnOnce`'s
+    warning (it names the cause; the last says only that the retries ran out). One per process
+    (`_export_failures`): a logger's first filter to refuse a record is the last to see it."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.last: str | None = None
+        self.first: str | None = None  # since `_WarnOnce` began its latest export
 
     def filter(self, record: logging.LogRecord) -> bool:
-        self.last = record.getMessage()
+        if self.first is None:
+            self.first = record.getMessage()
         return False
+
+
+_EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+
+
+def _export_failures() -> _ExportFailures:
+    """The process's `_ExportFailures`, put on the exporter's logger at the first call."""
+    logger = logging.getLogger(_EXPORTER_LOGGER)
+    held = next((f for f in logger.filters if isinstance(f, _ExportFailures)), None)
+    if held is None:
+        held = _ExportFailures()
+        logger.addFilter(held)
+    return held
 
 
 class _WarnOnce(SpanExporter):
@@ -103,6 +120,7 @@ class _WarnOnce(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if self.failing and self.stopping:
             return SpanExportResult.FAILURE
+        self._failures.first = None
         result = self._exporter.export(spans)
         if result is SpanExportResult.SUCCESS:
             if self.failing:
@@ -111,7 +129,7 @@ class _WarnOnce(SpanExporter):
         elif not self.failing:
             self.failing = True
             log.warning("traces: could not export %d spans to %s (%s); spans are dropped until the collector "
-                        "takes them, rollouts go on", len(spans), self._url, self._failures.last or "no reason given")
+                        "takes them, rollouts go on", len(spans), self._url, self._failures.first or "no reason given")
         return result
 
     def shutdown(self) -> None:
@@ -136,9 +154,7 @@ class RolloutTracer:
     def otlp(cls, endpoint: str) -> RolloutTracer:
         """Spans batched to the OTLP/HTTP collector at `endpoint` (`traces_url`) by a background thread."""
         url = traces_url(endpoint)
-        failures = _ExportFailures()
-        logging.getLogger("opentelemetry.exporter.otlp.proto.http.trace_exporter").addFilter(failures)
-        exporter = _WarnOnce(OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), url, failures)
+        exporter = _WarnOnce(OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), url, _export_failures())
         return cls(BatchSpanProcessor(exporter), exporter)
 
     def batch(self, batch_id: str, route: str, groups: Sequence[GroupRequest], start_ns: int,
