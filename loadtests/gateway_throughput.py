@@ -149,7 +149,8 @@ def _measure(samples: int, group_size: int, tokens: int, rate: float, repeats: i
             paced_rates.append(paced_samples / elapsed)
 
     return {
-        "wire": wire, "progress": progress, "traces": traced, "samples": samples, "group_size": group_size, "tokens_per_sample": tokens,
+        "wire": wire, "progress": progress, "traces": traced, "samples": samples, "group_size": group_size,
+        "tokens_per_sample": tokens,
         "repeats": repeats, "samples_per_s": round(statistics.median(throughputs)),
         "samples_per_s_runs": [round(x) for x in throughputs],
         "paced_rate": rate, "paced_samples": paced_samples,

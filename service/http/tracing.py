@@ -214,10 +214,11 @@ class BatchTrace:
             return
         end = time.time_ns()
         attributes: dict[str, str | int | float] = {
-            "das.problem_id": sample.problem_id, "das.group_index": group_index, "das.sample_index": sample.sample_index,
-            "das.output_tokens": len(sample.token_ids), "das.draft_tokens": sample.draft_tokens,
-            "das.accepted_tokens": sample.accepted_tokens, "das.finish_reason": sample.finish_reason,
-            "das.redispatches": sample.redispatches, "das.policy_version": sample.policy_version}
+            "das.problem_id": sample.problem_id, "das.group_index": group_index,
+            "das.sample_index": sample.sample_index, "das.output_tokens": len(sample.token_ids),
+            "das.draft_tokens": sample.draft_tokens, "das.accepted_tokens": sample.accepted_tokens,
+            "das.finish_reason": sample.finish_reason, "das.redispatches": sample.redispatches,
+            "das.policy_version": sample.policy_version}
         if sample.predicted_tokens is not None:
             attributes["das.predicted_tokens"] = sample.predicted_tokens
         if sample.engine is not None:
