@@ -15,15 +15,22 @@ each sample's tokens in 4 pieces before the sample, and the client decodes those
 and without it (the stub reports progress to the gateway in both: engines always do, for resume and stall
 detection; what --progress adds is the per-sample progress frames stored and streamed).
 
+With `--traces` the gateway traces every batch (GatewaySettings.otlp_traces_endpoint, service/http/tracing.py) to a
+collector stand-in in this process (loadtests/otlp_collector.py), each batch under a traceparent as a trainer's
+would be: compare samples/s with and without it. A span the exporter's queue had no room for is dropped, not
+waited for; `spans_received` says how many reached the collector.
+
 Goal (issue 5): >= 5,000 samples/s with msgpack and <= 5 ms p99 added per sample.
-Run: .venv/bin/python -m loadtests.gateway_throughput [--progress]
+Run: .venv/bin/python -m loadtests.gateway_throughput [--progress] [--traces]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
+import secrets
 import socket
 import statistics
 import threading
@@ -34,22 +41,23 @@ from typing import Any
 import httpx
 
 from loadtests.child_gateway import SpawnedGateway
+from loadtests.otlp_collector import OtlpCollector
 
 GOAL_SAMPLES_PER_S = 5000.0
 GOAL_P99_ADDED_MS = 5.0
 
 
-def _serve(sock: socket.socket, stub: dict[str, Any], conn: Connection) -> None:
-    """Child process: the gateway over a StubBackend on `sock` until SIGTERM; answers "emissions" (returns and
-    clears the stub's emission log) on `conn`."""
+def _serve(sock: socket.socket, stub: dict[str, Any], traces: str | None, conn: Connection) -> None:
+    """Child process: the gateway over a StubBackend on `sock` until SIGTERM, tracing to the collector at `traces`
+    if given; answers "emissions" (returns and clears the stub's emission log) on `conn`."""
     import uvicorn
 
     from das.service.cluster.rollout_backend import StubBackend
     from das.service.http.gateway import GatewaySettings, create_app
 
     backend = StubBackend(log_emissions=True, **stub)
-    server = uvicorn.Server(uvicorn.Config(create_app(backend, GatewaySettings(max_batch_samples=10**6, freeze_gc=True)),
-                                           log_level="warning", access_log=False))
+    settings = GatewaySettings(max_batch_samples=10**6, freeze_gc=True, otlp_traces_endpoint=traces)
+    server = uvicorn.Server(uvicorn.Config(create_app(backend, settings), log_level="warning", access_log=False))
 
     def commands() -> None:
         while True:
@@ -66,9 +74,9 @@ def _serve(sock: socket.socket, stub: dict[str, Any], conn: Connection) -> None:
 class StubServer(SpawnedGateway):
     """The gateway in a child process on a free loopback port, its stub's emission log on a pipe."""
 
-    def __init__(self, **stub: Any) -> None:
+    def __init__(self, traces: str | None = None, **stub: Any) -> None:
         self._conn, child = multiprocessing.Pipe()
-        super().__init__(_serve, stub, child)
+        super().__init__(_serve, stub, traces, child)
 
     def emissions(self) -> dict[tuple[int, int], float]:
         """(group, sample) -> perf_counter time the stub emitted it, since the last call."""
@@ -82,14 +90,17 @@ def _groups(samples: int, group_size: int) -> list[dict[str, Any]]:
              "sampling": {"max_tokens": 4096}} for i in range(count)]
 
 
-def _run_batch(url: str, groups: list[dict[str, Any]], wire: str, progress: bool = False
+def _run_batch(url: str, groups: list[dict[str, Any]], wire: str, progress: bool = False, traced: bool = False
                ) -> tuple[float, dict[tuple[int, int], float]]:
-    """Seconds from the request to the last sample decoded, and each sample's decode time (perf_counter)."""
+    """Seconds from the request to the last sample decoded, and each sample's decode time (perf_counter).
+    `traced`: the request carries a fresh W3C traceparent."""
     from das.service.client import RolloutClient
     from das.service.wire.sample_progress import ProgressRecord
 
     received: dict[tuple[int, int], float] = {}
     with RolloutClient(url, wire=wire, retries=0) as client:  # type: ignore[arg-type]
+        if traced:
+            client.http.headers["traceparent"] = f"00-{secrets.token_hex(16)}-{secrets.token_hex(8)}-01"
         start = time.perf_counter()
         for record in client.generate(groups, progress=progress):
             if isinstance(record, ProgressRecord):
@@ -100,25 +111,36 @@ def _run_batch(url: str, groups: list[dict[str, Any]], wire: str, progress: bool
 
 
 def measure(samples: int, group_size: int, tokens: int, rate: float, repeats: int, wire: str,
-            progress: bool = False) -> dict[str, Any]:
+            progress: bool = False, traces: bool = False) -> dict[str, Any]:
+    with contextlib.ExitStack() as stack:
+        collector = stack.enter_context(OtlpCollector()) if traces else None
+        result = _measure(samples, group_size, tokens, rate, repeats, wire, progress,
+                          collector.url if collector is not None else None)
+    result["spans_received"] = len(collector.spans()) if collector is not None else None
+    return result
+
+
+def _measure(samples: int, group_size: int, tokens: int, rate: float, repeats: int, wire: str, progress: bool,
+             traces: str | None) -> dict[str, Any]:
     groups = _groups(samples, group_size)
+    traced = traces is not None
     throughputs = []
-    with StubServer(output_tokens=tokens) as server:
-        _run_batch(server.url, groups[:8], wire, progress)  # warm-up: first-request imports and connection setup
+    with StubServer(traces, output_tokens=tokens) as server:
+        _run_batch(server.url, groups[:8], wire, progress, traced)  # warm-up: first-request imports and connections
         server.emissions()
         for _ in range(repeats):
-            elapsed, received = _run_batch(server.url, groups, wire, progress)
+            elapsed, received = _run_batch(server.url, groups, wire, progress, traced)
             assert len(received) == samples and len(server.emissions()) == samples
             throughputs.append(samples / elapsed)
 
     paced_samples = min(samples, int(rate * 4))  # about 4 s of emission per repeat
     paced_groups = _groups(paced_samples, group_size)
     p50s, p99s, paced_rates = [], [], []
-    with StubServer(output_tokens=tokens, interval_s=1.0 / rate) as server:
-        _run_batch(server.url, paced_groups[:8], wire, progress)
+    with StubServer(traces, output_tokens=tokens, interval_s=1.0 / rate) as server:
+        _run_batch(server.url, paced_groups[:8], wire, progress, traced)
         server.emissions()
         for _ in range(repeats):
-            elapsed, received = _run_batch(server.url, paced_groups, wire, progress)
+            elapsed, received = _run_batch(server.url, paced_groups, wire, progress, traced)
             emitted = server.emissions()
             added_ms = sorted((received[k] - emitted[k]) * 1e3 for k in emitted)
             assert len(added_ms) == paced_samples == len(received)
@@ -127,7 +149,8 @@ def measure(samples: int, group_size: int, tokens: int, rate: float, repeats: in
             paced_rates.append(paced_samples / elapsed)
 
     return {
-        "wire": wire, "progress": progress, "samples": samples, "group_size": group_size, "tokens_per_sample": tokens,
+        "wire": wire, "progress": progress, "traces": traced, "samples": samples, "group_size": group_size,
+        "tokens_per_sample": tokens,
         "repeats": repeats, "samples_per_s": round(statistics.median(throughputs)),
         "samples_per_s_runs": [round(x) for x in throughputs],
         "paced_rate": rate, "paced_samples": paced_samples,
@@ -148,14 +171,18 @@ def main() -> None:
     parser.add_argument("--wire", choices=["msgpack", "ndjson"], default="msgpack")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--progress", action="store_true", help="batches ask for the token progress stream")
+    parser.add_argument("--traces", action="store_true", help="the gateway traces every batch to a collector "
+                                                              "stand-in (OTLP/HTTP), each under a traceparent")
     args = parser.parse_args()
-    result = measure(args.samples, args.group_size, args.tokens, args.rate, args.repeats, args.wire, args.progress)
+    result = measure(args.samples, args.group_size, args.tokens, args.rate, args.repeats, args.wire, args.progress,
+                     args.traces)
     if args.json:
         print(json.dumps(result, indent=2))
         return
     ok_rate = result["samples_per_s"] >= GOAL_SAMPLES_PER_S
     ok_p99 = result["added_ms_p99"] <= GOAL_P99_ADDED_MS
-    print(f"wire {result['wire']}{' with progress' if result['progress'] else ''}, "
+    print(f"wire {result['wire']}{' with progress' if result['progress'] else ''}"
+          f"{' traced' if result['traces'] else ''}, "
           f"{result['tokens_per_sample']} tokens/sample, groups of {result['group_size']}, "
           f"median of {result['repeats']} repeats")
     print(f"throughput: {result['samples_per_s']} samples/s over {result['samples']} samples "
@@ -164,6 +191,9 @@ def main() -> None:
           f"{result['paced_achieved_samples_per_s']} samples/s received): p50 {result['added_ms_p50']} ms, "
           f"p99 {result['added_ms_p99']} ms (runs {result['added_ms_p99_runs']}; goal <= {GOAL_P99_ADDED_MS} ms: "
           f"{'ok' if ok_p99 else 'MISSED'})")
+    if result["traces"]:
+        print(f"spans received by the collector: {result['spans_received']} (the rest dropped at the exporter's "
+              f"queue)")
 
 
 if __name__ == "__main__":

@@ -194,6 +194,11 @@ def serve(
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
+    otlp_traces_endpoint: Annotated[Optional[str], typer.Option("--otlp-traces-endpoint", help="An OTLP/HTTP "
+                                                                "collector (e.g. http://127.0.0.1:4318) that gets a "
+                                                                "trace per batch: the batch's and each sample's "
+                                                                "spans, under the trainer's traceparent header; "
+                                                                "without it nothing is traced.")] = None,
 ) -> None:
     """Serve the rollout API: the gateway, the history store and one engine actor per node, over Ray.
 
@@ -223,10 +228,15 @@ def serve(
         # held until the process ends: a second das serve on this state directory refuses to start
         state_lock = lock_state_dir(state_dir) if state_dir is not None else None
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
+        if otlp_traces_endpoint is not None:
+            from das.service.http.tracing import traces_url
+
+            # checked here for its own message: pydantic's would echo the URL, credentials and all
+            otlp_traces_endpoint = traces_url(otlp_traces_endpoint)
         settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
                                    header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                    tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                                   max_body_bytes=max_body_bytes)
+                                   max_body_bytes=max_body_bytes, otlp_traces_endpoint=otlp_traces_endpoint)
         engine = ({"stub_engine": {"tensor_parallel_size": tensor_parallel_size}} if stub_engine else {"engine": {
             "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,

@@ -154,6 +154,7 @@ class StubEngine:
                 key = group.sample_key(index)
                 tokens = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
                 resumed = len(tokens)
+                first: float | None = None  # seconds from the group's start to this sample's first new token
                 spans: list[tuple[int, int]] = []
                 while len(tokens) < length and self._gate.abort_epoch == epoch:
                     await self._gate.unfrozen(epoch)
@@ -165,6 +166,8 @@ class StubEngine:
                     if not spans or spans[-1][0] != version:
                         spans.append((version, len(tokens)))
                     tokens.append((7 * len(tokens) + key) % self.config.vocab_size)
+                    if first is None:
+                        first = time.perf_counter() - start
                     self.tokens_made[group.problem_id] += 1
                     if on_progress is not None and len(tokens) < length:
                         on_progress(SampleProgress(index, len(tokens) - 1, tokens[-1:], [-1.0], "", version))
@@ -179,7 +182,7 @@ class StubEngine:
                     logprobs=[-1.0] * (len(tokens) - resumed), finish_reason=finish,
                     policy_version=spans[0][0] if spans else self.policy_version,
                     policy_spans=spans if len(spans) > 1 or (resumed and spans) else None,
-                    decode_steps=len(tokens) - resumed,
+                    decode_steps=len(tokens) - resumed, first_token_s=first,
                     total_s=time.perf_counter() - start, prompt_token_ids=prompt)
         finally:
             self.tally.running -= group.n

@@ -688,6 +688,7 @@ class RayBackend:
                                 continue
                             taken = work[k][0].take(sample)
                             if taken is not None:
+                                taken.predicted_tokens = work[k][1].predicted_tokens
                                 self._placed.arrived(name, work[k][1])
                                 out.put_nowait((work[k][0].group_index, taken))
                 except _lost_errors() as exc:

@@ -127,8 +127,9 @@ class Share:
                               report.policy_version)
 
     def take(self, sample: SampleResult) -> SampleResult | None:
-        """The engine's sample renumbered as the batch's sample (in place), or None if that sample has already
-        arrived. ValueError for an index the engine was not asked for."""
+        """The engine's sample renumbered as the batch's sample (in place, with the engine deaths it ran through as
+        `redispatches`), or None if that sample has already arrived. ValueError for an index the engine was not asked
+        for."""
         j = sample.sample_index
         if not 0 <= j < len(self.indices):
             raise ValueError(f"sample index {j} of group {self.group_index}: the engine was asked for "
@@ -138,6 +139,7 @@ class Share:
             return None
         self.received.add(index)
         sample.sample_index = index
+        sample.redispatches = self.deaths
         delivered = self.delivered.pop(index, None)
         resumed = self.resumed.get(index, 0)
         if resumed and delivered is not None:

@@ -79,9 +79,9 @@ import math
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response
@@ -90,7 +90,7 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
@@ -128,6 +128,9 @@ from das.service.wire.api import (
 )
 from das.service.wire.sample_keys import fresh_seed
 from das.service.wire.sample_progress import SampleProgress
+
+if TYPE_CHECKING:  # imported when tracing is on only (service/http/tracing.py): no OpenTelemetry without it
+    from das.service.http.tracing import BatchTrace, RolloutTracer
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +186,18 @@ class GatewaySettings(BaseModel):
                                                "permanent generation (gc.freeze); process-wide, so for the "
                                                "process that serves (das serve, the load test), not a library "
                                                "user's process")
+    otlp_traces_endpoint: str | None = Field(None, description="the OTLP/HTTP collector that gets a trace per "
+                                             "batch (service/http/tracing.py): its base URL (/v1/traces is added) "
+                                             "or the traces URL itself; None: nothing traced, nothing exported")
+
+    @field_validator("otlp_traces_endpoint")
+    @classmethod
+    def _traces_url(cls, endpoint: str | None) -> str | None:
+        if endpoint is None:
+            return None
+        from das.service.http.tracing import traces_url
+
+        return traces_url(endpoint)
 
     @model_validator(mode="after")
     def _auto_tools_need_a_parser(self) -> GatewaySettings:
@@ -218,6 +233,7 @@ class _Batch:
         # Without a batch_id no retry can name it: aborted once no connection follows it (_Gateway.follow).
         self.tied = False
         self.readers = 0  # connections streaming it now
+        self.trace: BatchTrace | None = None  # its spans, when the gateway traces (service/http/tracing.py)
         self.finish_times: list[float] = []  # seconds after start, per record
         self.lengths: list[int] = []
         self.tokens = self.draft_tokens = self.accepted_tokens = self.errors = 0
@@ -464,6 +480,11 @@ class _Gateway:
             attach(self.sessions)
         self._stopping = False  # batches aborted from now on were cut off by the shutdown
         self._aborts: set[asyncio.Task[None]] = set()  # aborts of abandoned batches (the loop holds tasks weakly)
+        self.tracer: RolloutTracer | None = None
+        if settings.otlp_traces_endpoint is not None:
+            from das.service.http.tracing import RolloutTracer
+
+            self.tracer = RolloutTracer.otlp(settings.otlp_traces_endpoint)
 
     def _session_closed(self, session: Session, reason: CloseReason) -> None:
         self.metrics.observe_session(session, reason)
@@ -485,9 +506,12 @@ class _Gateway:
             raise HTTPException(409, old.refusal(fingerprint).model_dump())
         return batch
 
-    async def admit(self, body: RolloutRequest) -> tuple[_Batch, int]:
+    async def admit(self, body: RolloutRequest, route: str = "/v1/rollouts",
+                    headers: Sequence[Mapping[str, str]] = ()) -> tuple[_Batch, int]:
         """The batch this request streams (a new one, or the running/ended one with its id) and the record to
-        start from."""
+        start from. A new batch is traced (when the gateway traces) as run for `route`, following the W3C
+        traceparent of the requests' `headers` (service/http/tracing.py)."""
+        arrived_ns = time.time_ns() if self.tracer is not None else 0
         identity = body.model_dump_json(include={"groups", "logprobs", "return_prompt_token_ids", "seed"})
         fingerprint = hashlib.sha256(identity.encode()).hexdigest()
         batch = self._existing(body, fingerprint)
@@ -533,6 +557,9 @@ class _Gateway:
             self.batches.add(batch)
             if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id
                 self.journal.accepted(batch.batch_id, fingerprint, batch.expected)
+            if self.tracer is not None:
+                batch.trace = self.tracer.batch(batch.batch_id, route, batch.groups, arrived_ns, headers)
+                batch.trace.admitted()
         finally:
             self._admitting -= 1
         self.metrics.batches_in_flight += 1
@@ -548,6 +575,8 @@ class _Gateway:
             await self.hold.wait()  # a batch sent while paused reaches the engines once they have resumed
             async with self.gate.batch():
                 batch.start()
+                if batch.trace is not None:
+                    batch.trace.dispatched()
                 self._current = batch
                 self.metrics.current_batch_longest = 0
                 loop = asyncio.get_running_loop()
@@ -570,6 +599,8 @@ class _Gateway:
                             self.metrics.current_batch_longest = max(self.metrics.current_batch_longest,
                                                                      len(sample.token_ids))
                         batch.add(group_index, sample)
+                        if batch.trace is not None:
+                            batch.trace.sample(group_index, sample)
                         if (group := batch.groups[group_index]).session_id is not None:
                             self.sessions.finished(
                                 batch.batch_id, group.session_id, engine=sample.engine,
@@ -603,6 +634,8 @@ class _Gateway:
             ended: EndStatus = "interrupted" if self._stopping and status == "aborted" else status
             self.journal.ended(batch.batch_id, ended, len(batch.frames))
         self.metrics.batches_in_flight -= 1
+        if batch.trace is not None:
+            batch.trace.end(status, error, len(batch.frames), batch.tokens, batch.draft_tokens, batch.accepted_tokens)
         makespan = batch.finish_times[-1] if batch.finish_times else 0.0
         self.metrics.observe_batch(status, makespan, batch.finish_times, batch.lengths)
 
@@ -659,6 +692,8 @@ class _Gateway:
             self.journal.close()
         if self.session_journal is not None:
             await self.session_journal.aclose()
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.shutdown)  # flushes: the batches just aborted have ended spans
 
     # ---- weights ----
 
@@ -788,7 +823,7 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
             503: "the backend is not ready (Retry-After)"})})
     async def post_rollouts(body: RolloutRequest, request: Request) -> StreamingResponse:
         """Run a batch (or attach to the batch with this batch_id) and stream its samples as they finish."""
-        batch, start = await gateway.admit(body)
+        batch, start = await gateway.admit(body, headers=[request.headers])
         if body.batch_id is None:
             batch.tied = True  # a new batch (an unnamed request never attaches): its client alone can read it
         wire = MSGPACK if MSGPACK in request.headers.get("accept", "") else NDJSON

@@ -4,7 +4,7 @@ gateway.py back. `_Gateway` in gateway.py is the one implementation."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from das.service.cluster.rollout_backend import RolloutBackend
@@ -56,9 +56,11 @@ class GatewayCore(Protocol[Batch]):
     @property
     def batches(self) -> LiveBatches[Batch]: ...
 
-    async def admit(self, body: RolloutRequest) -> tuple[Batch, int]:
+    async def admit(self, body: RolloutRequest, route: str = "/v1/rollouts",
+                    headers: Sequence[Mapping[str, str]] = ()) -> tuple[Batch, int]:
         """The batch this request streams (a new one, or the running or ended one with its batch id) and the record
-        to start streaming from."""
+        to start streaming from. `route` and the requests' `headers` (their W3C traceparent) are what a new batch's
+        trace records and follows, when the gateway traces."""
         ...
 
     def stream(self, batch: Batch, start: int, wire: str) -> AsyncIterator[bytes]:

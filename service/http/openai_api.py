@@ -75,7 +75,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -309,8 +309,10 @@ def _group(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max
 class _Share:
     """One request's part of a group: the group's samples [offset, offset + n), handed over renumbered from 0."""
 
-    def __init__(self, group: _Group, offset: int, n: int, stream: bool = False) -> None:
+    def __init__(self, group: _Group, offset: int, n: int, stream: bool = False,
+                 headers: Mapping[str, str] | None = None) -> None:
         self.group, self.offset, self.n, self.stream = group, offset, n, stream
+        self.headers = headers  # the request's, for its traceparent (service/http/tracing.py)
         self.batch_id: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self.queue: asyncio.Queue[Record] = asyncio.Queue()
         self.done = False
@@ -350,8 +352,8 @@ class _Group:
         self.n = 0
         self.abort: Callable[[], None] | None = None  # set once its batch runs
 
-    def join(self, n: int, stream: bool = False) -> _Share:
-        share = _Share(self, self.n, n, stream)
+    def join(self, n: int, stream: bool = False, headers: Mapping[str, str] | None = None) -> _Share:
+        share = _Share(self, self.n, n, stream, headers)
         self.shares.append(share)
         self.n += n
         return share
@@ -385,9 +387,12 @@ class _Coalescer:
         self._open: dict[str, _Group] = {}
         self._tasks: set[asyncio.Task[None]] = set()  # strong references: the loop holds tasks weakly
 
-    async def submit(self, group: GroupRequest, stream: bool = False) -> tuple[_Share, str]:
+    async def submit(self, group: GroupRequest, route: str, stream: bool = False,
+                     headers: Mapping[str, str] | None = None) -> tuple[_Share, str]:
         """This request's share of a group and the id of the batch running it, once the gateway admitted it;
-        HTTPException as the gateway refused it. `stream`: the share also gets its samples' token progress."""
+        HTTPException as the gateway refused it. `stream`: the share also gets its samples' token progress.
+        `route` and `headers` (the request's): what the batch's trace records and follows (the group's first
+        request's route)."""
         key = group.model_dump_json(exclude={"n"})
         target = self._open.get(key)
         # A session's turn runs alone and at once: it is one trajectory (n = 1), and waits for nobody.
@@ -396,8 +401,8 @@ class _Coalescer:
             target = _Group(group)
             if self._window_s > 0 and not alone:
                 self._open[key] = target
-            self._spawn(self._launch(key, target, 0.0 if group.session_id is not None else self._window_s))
-        share = target.join(group.n, stream)
+            self._spawn(self._launch(key, target, 0.0 if group.session_id is not None else self._window_s, route))
+        share = target.join(group.n, stream, headers)
         # Shielded: a request cancelled while it waits must leave its future for _launch to resolve (resolving a
         # cancelled one raises there, and its siblings would never hear back).
         return share, await asyncio.shield(share.batch_id)
@@ -407,7 +412,7 @@ class _Coalescer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _launch(self, key: str, group: _Group, window_s: float) -> None:
+    async def _launch(self, key: str, group: _Group, window_s: float, route: str) -> None:
         if window_s > 0:
             await asyncio.sleep(window_s)
             if self._open.get(key) is group:
@@ -415,8 +420,9 @@ class _Coalescer:
         merged = group.template.model_copy(update={"n": group.n})
         progress = any(share.stream for share in group.shares)  # token deltas only where a request streams
         try:
-            batch, _ = await self._gateway.admit(RolloutRequest(groups=[merged], logprobs=True,
-                                                                return_prompt_token_ids=True, progress=progress))
+            batch, _ = await self._gateway.admit(
+                RolloutRequest(groups=[merged], logprobs=True, return_prompt_token_ids=True, progress=progress),
+                route, [share.headers for share in group.shares if share.headers is not None])
         except Exception as exc:  # the gateway's refusal is every joined request's answer
             for share in group.shares:
                 share.batch_id.set_exception(exc)
@@ -604,11 +610,11 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
             log.debug("%s: ignored unknown fields %s", path, sorted(body.model_extra))
 
     async def start(body: SamplingRequest, prompt: dict[str, Any], prompt_param: str, max_tokens: int | None,
-                    prefix: str) -> _Reply:
+                    prefix: str, request: Request) -> _Reply:
         session = gateway.sessions.get(body.session_id) if body.session_id is not None else None
         group = _group(body, prompt, prompt_param, max_tokens, session.problem_id if session is not None else None)
         try:
-            share, batch_id = await coalescer.submit(group, bool(body.stream))
+            share, batch_id = await coalescer.submit(group, request.url.path, bool(body.stream), request.headers)
         except HTTPException as exc:
             # Refused input (too many samples, a group the backend refuses) is a 400 in OpenAI's terms.
             param = {413: "n", 422: prompt_param}.get(exc.status_code)
@@ -638,7 +644,7 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
         check(body, "/v1/completions")
         prompt = _completion_prompt(body.prompt)
         max_tokens = _COMPLETIONS_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-        reply = await start(body, prompt, "prompt", max_tokens, "cmpl")
+        reply = await start(body, prompt, "prompt", max_tokens, "cmpl", request)
         if body.stream:
             return reply.stream(
                 lambda r, first: CompletionResponse(**reply.header(), choices=[_completion_choice(r, body)],
@@ -666,7 +672,7 @@ def openai_router(gateway: GatewayCore[Any]) -> APIRouter:
                   else _chat_prompt(body.messages)) | _tool_fields(body, parser)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         param = "prompt_token_ids" if body.prompt_token_ids is not None else "messages"
-        reply = await start(body, prompt, param, max_tokens, "chatcmpl")
+        reply = await start(body, prompt, param, max_tokens, "chatcmpl", request)
         ids = body.return_token_ids
 
         parsing = "tool_parser" in prompt

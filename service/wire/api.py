@@ -341,6 +341,11 @@ class SampleResult(BaseModel):
                           "None: not parsed. token_ids are the tokens generated, parsed or not")
     content: str | None = Field(None, description="where tool_calls is set: `text` less the tool-call markup "
                                                   "(None when nothing else was said)")
+    predicted_tokens: float | None = Field(None, description="the output length, in tokens, the coordinator "
+                                           "predicted for the sample's group and placed it by; None: no placement "
+                                           "ran (an in-process backend)")
+    redispatches: int = Field(0, ge=0, description="engine deaths the sample was drawn again after (on another "
+                                                   "engine, or the restarted one)")
 
 
 # --- the HTTP batch API ----------------------------------------------------------------------------------------

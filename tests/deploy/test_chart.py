@@ -37,7 +37,8 @@ EXAMPLE = "values-8xh100.yaml"
 # branch is rendered and validated at least once.
 ALL_OPTIONS: dict[str, Any] = {
     "engine": {"maxModelLen": 4096, "eager": True, "maxGroupDeaths": 2, "extraArgs": ["--history-shards", "4"]},
-    "gateway": {"ingress": {"enabled": True, "className": "nginx",
+    "gateway": {"otlpTracesEndpoint": "http://otel-collector.monitoring:4318",
+                "ingress": {"enabled": True, "className": "nginx",
                             "tls": [{"secretName": "das-tls", "hosts": ["das.example.test"]}],
                             "hosts": [{"host": "das.example.test", "paths": [{"path": "/", "pathType": "Prefix"}]}]}},
     "auth": {"enabled": False},
@@ -104,6 +105,7 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     assert params["port"] == values["gateway"]["port"]
     assert params["header_timeout"] == values["gateway"]["headerTimeoutSeconds"]
     assert params["body_timeout"] == values["gateway"]["bodyTimeoutSeconds"]
+    assert params["otlp_traces_endpoint"] == (values["gateway"]["otlpTracesEndpoint"] or None)
     assert params["model"] == values["engine"]["model"] and params["k"] == values["engine"]["k"]
     assert params["speculation"] == values["engine"]["speculation"]
     if values["engine"]["maxModelLen"]:

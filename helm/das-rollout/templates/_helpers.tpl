@@ -59,6 +59,9 @@ bash (it starts Ray first), so every value from the user is quoted here rather t
 {{- $args := list "das" "serve" "--address" "auto" "--host" "0.0.0.0" "--port" (toString $v.gateway.port) -}}
 {{- $args = concat $args (list "--header-timeout" (toString $v.gateway.headerTimeoutSeconds)) -}}
 {{- $args = concat $args (list "--body-timeout" (toString $v.gateway.bodyTimeoutSeconds)) -}}
+{{- if $v.gateway.otlpTracesEndpoint }}
+{{- $args = concat $args (list "--otlp-traces-endpoint" (include "das-rollout.shellQuote" $v.gateway.otlpTracesEndpoint)) -}}
+{{- end }}
 {{- $args = concat $args (list "--model" (include "das-rollout.shellQuote" $v.engine.model)) -}}
 {{- $args = concat $args (list "--speculation" (include "das-rollout.shellQuote" $v.engine.speculation)) -}}
 {{- $args = concat $args (list "--k" (toString (int $v.engine.k))) -}}

@@ -44,7 +44,7 @@ def test_a_share_maps_the_engines_indices_back_and_its_remainder_is_what_never_a
     group = GroupRequest(problem_id="p", prompt_token_ids=[1], n=6)
     first = Share(3, tuple(range(6)))
     assert first.request(group) is group  # the whole group goes as it is
-    assert [first.take(sample(j)).sample_index for j in (4, 1)] == [4, 1]
+    assert [(s.sample_index, s.redispatches) for s in (first.take(sample(j)) for j in (4, 1))] == [(4, 0), (1, 0)]
     assert first.take(sample(4)) is None  # a repeat is never delivered twice
     assert first.missing() == (0, 2, 3, 5)
 
@@ -56,12 +56,12 @@ def test_a_share_maps_the_engines_indices_back_and_its_remainder_is_what_never_a
     assert request.model_copy(update={"n": 6, "key_indices": None}) == group
     keyed = group.model_copy(update={"key_indices": (10, 11, 12, 13, 14, 15)})  # a group naming its own keys
     assert rest.request(keyed).key_indices == (10, 12, 13, 15)
-    # the engine numbers the re-dispatched samples 0..3; they land on the missing indices
-    assert [rest.take(sample(j)).sample_index for j in (2, 0)] == [3, 0]
+    # the engine numbers the re-dispatched samples 0..3; they land on the missing indices, one death counted
+    assert [(s.sample_index, s.redispatches) for s in (rest.take(sample(j)) for j in (2, 0))] == [(3, 1), (0, 1)]
     again = rest.remainder()
     assert again is not None and again.indices == (2, 5) and again.request(group).key_indices == (2, 5)
     assert (first.deaths, rest.deaths, again.deaths) == (0, 1, 2)  # the engine deaths the group ran through
-    assert again.take(sample(1)).sample_index == 5 and again.take(sample(0)).sample_index == 2
+    assert again.take(sample(1)).sample_index == 5 and again.take(sample(0)).redispatches == 2
     assert again.remainder() is None and again.missing() == ()
     delivered = sorted([1, 4] + [3, 0] + [5, 2])
     assert delivered == list(range(6))  # every index exactly once over the three engines

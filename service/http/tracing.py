@@ -1,0 +1,250 @@
+"""A trace per rollout: OpenTelemetry spans of each batch and each of its samples, exported over OTLP/HTTP
+(protobuf) when the gateway is given a collector (`GatewaySettings.otlp_traces_endpoint`, `das serve
+--otlp-traces-endpoint URL`). Without one the gateway never imports this module: no tracer provider, no exporter
+thread, and its work per sample is one `is None` check.
+
+Spans, all in the gateway's process (the coordinator runs there too; an engine's timings come back on its samples):
+
+- `rollout.batch`, one per batch the gateway admits (`POST /v1/rollouts` and the OpenAI routes, whose coalesced
+  requests share one batch): from the request's admission to the batch's end. A W3C `traceparent` header on the
+  request makes it a child of the trainer's span (read by OTel's TraceContext propagator); of coalesced OpenAI
+  requests the first one carrying one is the parent and the others' are links. Events `admitted` (checks passed,
+  batch registered) and `dispatched` (past the pause hold and the reload gate: the coordinator places its groups
+  now). Attributes `das.batch_id`, `das.route`, `das.groups`, `das.samples_expected`, at the end `das.status`,
+  `das.samples`, `das.output_tokens`, `das.draft_tokens`, `das.accepted_tokens`; status ERROR with the batch's
+  error when it failed. A request attaching to a batch that runs already (a repeated batch_id) adds no span.
+- `rollout.sample`, one per sample, child of its batch's span: from the batch's dispatch to the sample's delivery
+  (its record stored and the batch's readers woken). Attributes `das.problem_id`, `das.group_index`,
+  `das.sample_index`, `das.predicted_tokens` (the length placement planned with), `das.engine`,
+  `das.output_tokens`, `das.draft_tokens` (proposed), `das.accepted_tokens`, `das.finish_reason`,
+  `das.redispatches` (engine deaths it was drawn again after), `das.policy_version`; status ERROR with its error.
+  Events `engine.started` (its engine began its request: placement, the Ray hop and a re-dispatch lie before it;
+  the engine's queue and prefill between it and the next) and `engine.first_token` (generation after it). The
+  engine measures both as durations in its own process (SampleResult.total_s, first_token_s), placed back from the
+  sample's arrival here, so no clocks are compared across nodes; the hop back from the engine counts as engine time.
+
+vLLM's own request spans are not joined to these: the engines run AsyncLLM without vLLM's tracing.
+
+Cost, with a collector: a sample's span is built finished (`BatchTrace.sample`), about 15 us of the event loop on
+a shared 2-core machine; the exporter's thread then spends several times that encoding it (protobuf, in Python,
+under the interpreter lock), so a gateway short of CPU serves fewer samples a second (loadtests/README.md). A
+collector that is slow or gone never holds a rollout up: spans wait in the BatchSpanProcessor's queue (2048) and
+are dropped when it is full, an export gives up after `EXPORT_TIMEOUT_S`, and one warning says so until exports
+succeed again.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
+
+from opentelemetry import trace
+from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import Event, ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
+from opentelemetry.trace import Link, SpanContext, Status, StatusCode
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from das.service.wire.api import BatchStatus, GroupRequest, SampleResult
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "das-rollout"
+TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, added to a base URL
+EXPORT_TIMEOUT_S = 5.0  # one export's sends and retries together; then its spans are dropped
+
+_propagator = TraceContextTextMapPropagator()
+_UNSET = Status(StatusCode.UNSET)
+
+
+def traces_url(endpoint: str) -> str:
+    """The URL spans are posted to: `endpoint` as given when it names a path, else with /v1/traces added (a
+    collector's base URL, as OTEL_EXPORTER_OTLP_ENDPOINT takes it). ValueError, naming what is wrong, for anything but
+    http(s)://host[:port][/path]: credentials in the URL are refused, since export errors are logged with it."""
+    parts = urlsplit(endpoint)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: not an http(s) URL with a host (e.g. "
+                         f"http://127.0.0.1:4318)")
+    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
+        raise ValueError("--otlp-traces-endpoint: give http(s)://host[:port][/path] only, without credentials, "
+                         "query or fragment (a collector's credentials go in $OTEL_EXPORTER_OTLP_TRACES_HEADERS)")
+    try:
+        port = parts.port
+    except ValueError as exc:  # a port out of range, or not a number
+        raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: {exc}") from None
+    if port == 0:
+        raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: port 0")
+    return endpoint if parts.path not in ("", "/") else endpoint.rstrip("/") + TRACES_PATH
+
+
+class _ExportFailures(logging.Filter):
+    """Held on the OTLP exporter's logger: it logs every retry and failure of every export, which against a collector
+    that is gone is a line every few seconds. They are swallowed here, the first of an export kept for `_WarnOnce`'s
+    warning (it names the cause; the last says only that the retries ran out). One per process
+    (`_export_failures`): a logger's first filter to refuse a record is the last to see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first: str | None = None  # since `_WarnOnce` began its latest export
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if self.first is None:
+            self.first = record.getMessage()
+        return False
+
+
+_EXPORTER_LOGGER = "opentelemetry.exporter.otlp.proto.http.trace_exporter"
+
+
+def _export_failures() -> _ExportFailures:
+    """The process's `_ExportFailures`, put on the exporter's logger at the first call."""
+    logger = logging.getLogger(_EXPORTER_LOGGER)
+    held = next((f for f in logger.filters if isinstance(f, _ExportFailures)), None)
+    if held is None:
+        held = _ExportFailures()
+        logger.addFilter(held)
+    return held
+
+
+class _WarnOnce(SpanExporter):
+    """The OTLP exporter, with one warning when exports start failing (and a note when they succeed again) instead
+    of its own lines per export. Once failing, what is left at shutdown is dropped at once, not retried."""
+
+    def __init__(self, exporter: SpanExporter, url: str, failures: _ExportFailures) -> None:
+        self._exporter = exporter
+        self._url = url
+        self._failures = failures
+        self.failing = False
+        self.stopping = False
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.failing and self.stopping:
+            return SpanExportResult.FAILURE
+        self._failures.first = None
+        result = self._exporter.export(spans)
+        if result is SpanExportResult.SUCCESS:
+            if self.failing:
+                log.info("traces: exports to %s succeed again", self._url)
+            self.failing = False
+        elif not self.failing:
+            self.failing = True
+            log.warning("traces: could not export %d spans to %s (%s); spans are dropped until the collector "
+                        "takes them, rollouts go on", len(spans), self._url, self._failures.first or "no reason given")
+        return result
+
+    def shutdown(self) -> None:
+        self._exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self._exporter.force_flush(timeout_millis)
+
+
+class RolloutTracer:
+    """Makes the spans of rollouts (`batch`) and hands them to `processor` (a BatchSpanProcessor over the OTLP
+    exporter in `otlp`; tests give an in-memory one). Its own TracerProvider, not OTel's global one: several gateways
+    in one process keep theirs apart."""
+
+    def __init__(self, processor: SpanProcessor, exporter: _WarnOnce | None = None) -> None:
+        self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self._provider.add_span_processor(processor)
+        self._processor = processor
+        self._tracer = self._provider.get_tracer(__name__)
+        self._exporter = exporter
+
+    @classmethod
+    def otlp(cls, endpoint: str) -> RolloutTracer:
+        """Spans batched to the OTLP/HTTP collector at `endpoint` (`traces_url`) by a background thread."""
+        url = traces_url(endpoint)
+        exporter = _WarnOnce(OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), url, _export_failures())
+        return cls(BatchSpanProcessor(exporter), exporter)
+
+    def batch(self, batch_id: str, route: str, groups: Sequence[GroupRequest], start_ns: int,
+              headers: Sequence[Mapping[str, str]] = ()) -> BatchTrace:
+        """The span of a batch admitted from `start_ns` (time.time_ns()), child of the first `traceparent` among
+        the requests' `headers` (the others' linked), else the root of a trace of its own."""
+        contexts = [context for h in headers if (context := _remote_context(h)) is not None]
+        parent = trace.set_span_in_context(trace.NonRecordingSpan(contexts[0])) if contexts else None
+        span = self._tracer.start_span(
+            "rollout.batch", context=parent, start_time=start_ns, links=[Link(c) for c in contexts[1:]],
+            attributes={"das.batch_id": batch_id, "das.route": route, "das.groups": len(groups),
+                        "das.samples_expected": sum(g.n for g in groups)})
+        return BatchTrace(span, self._processor, start_ns)
+
+    def shutdown(self) -> None:
+        """Exports what is queued and stops the exporter's thread (blocks: at most about `EXPORT_TIMEOUT_S` per
+        queued export while the collector answers, none once it has failed)."""
+        if self._exporter is not None:
+            self._exporter.stopping = True
+        self._provider.shutdown()
+
+
+def _remote_context(headers: Mapping[str, str]) -> SpanContext | None:
+    """The trainer's span a request names in its `traceparent` header, if it names a valid one."""
+    context = trace.get_current_span(_propagator.extract(headers)).get_span_context()
+    return context if context.is_valid else None
+
+
+class BatchTrace:
+    """One batch's span and its samples' spans. Methods are called on the event loop, in the batch's order:
+    `admitted`, `dispatched`, `sample` per sample, `end` once."""
+
+    _ids = RandomIdGenerator()
+
+    def __init__(self, span: trace.Span, processor: SpanProcessor, start_ns: int) -> None:
+        self._span = span
+        self._processor = processor
+        self._context = span.get_span_context()
+        self._dispatched_ns = start_ns
+
+    def admitted(self) -> None:
+        self._span.add_event("admitted")
+
+    def dispatched(self) -> None:
+        self._dispatched_ns = time.time_ns()
+        self._span.add_event("dispatched", timestamp=self._dispatched_ns)
+
+    def sample(self, group_index: int, sample: SampleResult) -> None:
+        """The span of `sample` (of the batch's group `group_index`), delivered now."""
+        span = self._span
+        if not isinstance(span, Span):  # a non-recording span: the trainer's traceparent says it is not sampled
+            return
+        end = time.time_ns()
+        attributes: dict[str, str | int | float] = {
+            "das.problem_id": sample.problem_id, "das.group_index": group_index,
+            "das.sample_index": sample.sample_index, "das.output_tokens": len(sample.token_ids),
+            "das.draft_tokens": sample.draft_tokens, "das.accepted_tokens": sample.accepted_tokens,
+            "das.finish_reason": sample.finish_reason, "das.redispatches": sample.redispatches,
+            "das.policy_version": sample.policy_version}
+        if sample.predicted_tokens is not None:
+            attributes["das.predicted_tokens"] = sample.predicted_tokens
+        if sample.engine is not None:
+            attributes["das.engine"] = sample.engine
+        events = []
+        if sample.total_s > 0:
+            started = max(self._dispatched_ns, end - int(sample.total_s * 1e9))
+            events.append(Event("engine.started", timestamp=started))
+            if sample.first_token_s is not None:
+                events.append(Event("engine.first_token",
+                                    timestamp=min(end, started + int(sample.first_token_s * 1e9))))
+        # Built finished and handed to the processor, not through Tracer.start_span: that one checks every attribute
+        # value and runs the sampler, 8x the cost here, for values typed above and a parent already sampled.
+        parent = self._context
+        self._processor.on_end(ReadableSpan(
+            "rollout.sample", SpanContext(parent.trace_id, self._ids.generate_span_id(), False, parent.trace_flags,
+                                          parent.trace_state),
+            parent, span.resource, attributes, events,
+            status=Status(StatusCode.ERROR, sample.error) if sample.finish_reason == "error" else _UNSET,
+            start_time=self._dispatched_ns, end_time=end, instrumentation_scope=span.instrumentation_scope))
+
+    def end(self, status: BatchStatus, error: str | None, samples: int, tokens: int, draft_tokens: int,
+            accepted_tokens: int) -> None:
+        """Ends the batch's span: its status (done, aborted, failed), its error and its totals."""
+        self._span.set_attributes({"das.status": status, "das.samples": samples, "das.output_tokens": tokens,
+                                   "das.draft_tokens": draft_tokens, "das.accepted_tokens": accepted_tokens})
+        if status == "failed":
+            self._span.set_status(Status(StatusCode.ERROR, error))
+        self._span.end()
