@@ -25,12 +25,10 @@ Spans, all in the gateway's process (the coordinator runs there too; an engine's
 
 vLLM's own request spans are not joined to these: the engines run AsyncLLM without vLLM's tracing.
 
-Cost, with a collector: a sample's span is built finished (`BatchTrace.sample`), about 15 us of the event loop on
-a shared 2-core machine; the exporter's thread then spends several times that encoding it (protobuf, in Python,
-under the interpreter lock), so a gateway short of CPU serves fewer samples a second (loadtests/README.md). A
-collector that is slow or gone never holds a rollout up: spans wait in the BatchSpanProcessor's queue (2048) and
-are dropped when it is full, an export gives up after `EXPORT_TIMEOUT_S`, and one warning says so until exports
-succeed again.
+Cost, with a collector: a span per sample through the SDK's public API, about 0.1 ms on the event loop on a
+shared 2-core machine, and as much again in the exporter's thread (protobuf encoding). A collector that is slow or
+gone never holds a rollout up: spans wait in the BatchSpanProcessor's queue (2048) and are dropped when it is full,
+an export gives up after `EXPORT_TIMEOUT_S`, and one warning says so until exports succeed again.
 """
 
 from __future__ import annotations
@@ -43,9 +41,8 @@ from urllib.parse import urlsplit
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import Event, ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -58,7 +55,6 @@ TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, added to a base URL
 EXPORT_TIMEOUT_S = 5.0  # one export's sends and retries together; then its spans are dropped
 
 _propagator = TraceContextTextMapPropagator()
-_UNSET = Status(StatusCode.UNSET)
 
 
 def traces_url(endpoint: str) -> str:
@@ -151,7 +147,6 @@ class RolloutTracer:
     def __init__(self, processor: SpanProcessor, exporter: _WarnOnce | None = None) -> None:
         self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
         self._provider.add_span_processor(processor)
-        self._processor = processor
         self._tracer = self._provider.get_tracer(__name__)
         self._exporter = exporter
 
@@ -172,7 +167,7 @@ class RolloutTracer:
             "rollout.batch", context=parent, start_time=start_ns, links=[Link(c) for c in contexts[1:]],
             attributes={"das.batch_id": batch_id, "das.route": route, "das.groups": len(groups),
                         "das.samples_expected": sum(g.n for g in groups)})
-        return BatchTrace(span, self._processor, start_ns)
+        return BatchTrace(self._tracer, span, start_ns)
 
     def shutdown(self) -> None:
         """Exports what is queued and stops the exporter's thread (blocks: at most about `EXPORT_TIMEOUT_S` per
@@ -192,12 +187,11 @@ class BatchTrace:
     """One batch's span and its samples' spans. Methods are called on the event loop, in the batch's order:
     `admitted`, `dispatched`, `sample` per sample, `end` once."""
 
-    _ids = RandomIdGenerator()
-
-    def __init__(self, span: trace.Span, processor: SpanProcessor, start_ns: int) -> None:
+    def __init__(self, tracer: trace.Tracer, span: trace.Span, start_ns: int) -> None:
+        self._tracer = tracer
         self._span = span
-        self._processor = processor
-        self._context = span.get_span_context()
+        self._recording = span.is_recording()  # False when the trainer's traceparent says it is not sampled
+        self._parent = trace.set_span_in_context(span)
         self._dispatched_ns = start_ns
 
     def admitted(self) -> None:
@@ -209,8 +203,7 @@ class BatchTrace:
 
     def sample(self, group_index: int, sample: SampleResult) -> None:
         """The span of `sample` (of the batch's group `group_index`), delivered now."""
-        span = self._span
-        if not isinstance(span, Span):  # a non-recording span: the trainer's traceparent says it is not sampled
+        if not self._recording:
             return
         end = time.time_ns()
         attributes: dict[str, str | int | float] = {
@@ -223,22 +216,16 @@ class BatchTrace:
             attributes["das.predicted_tokens"] = sample.predicted_tokens
         if sample.engine is not None:
             attributes["das.engine"] = sample.engine
-        events = []
+        span = self._tracer.start_span("rollout.sample", context=self._parent, start_time=self._dispatched_ns,
+                                       attributes=attributes)
         if sample.total_s > 0:
             started = max(self._dispatched_ns, end - int(sample.total_s * 1e9))
-            events.append(Event("engine.started", timestamp=started))
+            span.add_event("engine.started", timestamp=started)
             if sample.first_token_s is not None:
-                events.append(Event("engine.first_token",
-                                    timestamp=min(end, started + int(sample.first_token_s * 1e9))))
-        # Built finished and handed to the processor, not through Tracer.start_span: that one checks every attribute
-        # value and runs the sampler, 8x the cost here, for values typed above and a parent already sampled.
-        parent = self._context
-        self._processor.on_end(ReadableSpan(
-            "rollout.sample", SpanContext(parent.trace_id, self._ids.generate_span_id(), False, parent.trace_flags,
-                                          parent.trace_state),
-            parent, span.resource, attributes, events,
-            status=Status(StatusCode.ERROR, sample.error) if sample.finish_reason == "error" else _UNSET,
-            start_time=self._dispatched_ns, end_time=end, instrumentation_scope=span.instrumentation_scope))
+                span.add_event("engine.first_token", timestamp=min(end, started + int(sample.first_token_s * 1e9)))
+        if sample.finish_reason == "error":
+            span.set_status(Status(StatusCode.ERROR, sample.error))
+        span.end(end_time=end)
 
     def end(self, status: BatchStatus, error: str | None, samples: int, tokens: int, draft_tokens: int,
             accepted_tokens: int) -> None:
