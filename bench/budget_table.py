@@ -82,7 +82,8 @@ def run_cell(cell: Cell, engines: int = 8, k_max: int = 16) -> Row:
     model = load_cost_model(cell.model_name())
     bench = run_simulation_bench(load_rollouts(cell.trace_path()), cell.traces, model, engines,
                                  arms=arm_list("none,fixed,das", k_max), k_max=k_max, progress=False,
-                                 host_s=cell.host_ms / 1e3)
+                                 host_s=cell.host_ms / 1e3, references=("drafts_free", "exact_drafts"),
+                                 placements=False)
     arms = {name: result.makespan_s for name, result in bench.arms.items()}
     das = arms["das"]
     fixed = {name: s for name, s in arms.items() if name not in ("none", "das")}

@@ -596,13 +596,17 @@ class SimulationBench:
 
 def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: CostModel, engines: int,
                          arms: Sequence[str] = ARMS, placement_policy: str = "das", k_max: int = 16,
-                         progress: bool = True, host_s: float = 0.0) -> SimulationBench:
-    """Every arm, both placements and the references (SimulationBench); `host_s`: the host's price a step of an
-    engine that drafts (module docstring), 0 for none."""
+                         progress: bool = True, host_s: float = 0.0,
+                         references: Sequence[str] = REFERENCES, placements: bool = True) -> SimulationBench:
+    """Every arm, both placements (unless not `placements`) and the `references` (SimulationBench); `host_s`: the
+    host's price a step of an engine that drafts (module docstring), 0 for none."""
     from rich.progress import Progress
 
     for a in [*arms, placement_policy]:
         make_policy(a)  # reject unknown names before any work
+    unknown = sorted(set(references) - set(REFERENCES))
+    if unknown:
+        raise ValueError(f"unknown references {unknown}; known: {list(REFERENCES)}")
     host_priced = cost.with_host(host_s)
     batches = len({r.policy_version for r in records}) - 1
     bench = SimulationBench(config={"traces": traces, "cost_model": cost.name, "cost_model_source": cost.source,
@@ -611,12 +615,13 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
                                     "engines": engines, "k_max": k_max, "placement_policy": placement_policy,
                                     "host_ms_per_step": round(host_s * 1e3, 4)})
     with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task("simulating", total=max(1, batches) * (len(arms) + len(PLACEMENTS) + len(REFERENCES)))
+        task = bar.add_task("simulating", total=max(1, batches) * (len(arms) + len(PLACEMENTS) * placements
+                                                                  + len(references)))
         for name in arms:
             bar.update(task, description=f"simulating {name}")
             bench.arms[name] = simulate(records, cost if name == "none" else host_priced, engines, name, "length-aware",
                                         k_max, on_batch=lambda: bar.advance(task))
-        for kind in PLACEMENTS:
+        for kind in PLACEMENTS if placements else ():
             if kind == "length-aware" and placement_policy in bench.arms:
                 bench.placement[kind] = bench.arms[placement_policy]
                 bar.advance(task, batches)
@@ -624,16 +629,18 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
             bar.update(task, description=f"simulating {placement_policy} with {kind} placement")
             bench.placement[kind] = simulate(records, host_priced, engines, placement_policy, kind, k_max,
                                              on_batch=lambda: bar.advance(task))
-        bar.update(task, description=f"simulating {placement_policy} with one engine per group")
-        bench.references["every_group_alone"] = simulate(records, host_priced, engines, placement_policy, k_max=k_max,
-                                                         on_batch=lambda: bar.advance(task), engine_per_group=True)
-        bar.update(task, description=f"simulating {placement_policy} with the true lengths")
-        bench.references["oracle_lengths"] = simulate(records, host_priced, engines, placement_policy, k_max=k_max,
-                                                      on_batch=lambda: bar.advance(task), oracle_lengths=True)
-        bar.update(task, description=f"simulating uniform-{k_max} with free drafts")
-        bench.references["drafts_free"] = simulate(records, host_priced, engines, f"uniform-{k_max}", k_max=k_max,
-                                                   on_batch=lambda: bar.advance(task), free_drafts=True)
-        bar.update(task, description=f"simulating the recorded futures as drafts at K_max {k_max}")
-        bench.references["exact_drafts"] = simulate(records, host_priced, engines, "none", k_max=k_max,
-                                                    on_batch=lambda: bar.advance(task), exact_drafts=True)
+        runs = {"every_group_alone": (f"{placement_policy} with one engine per group",
+                                      dict(policy_name=placement_policy, engine_per_group=True)),
+                "oracle_lengths": (f"{placement_policy} with the true lengths",
+                                   dict(policy_name=placement_policy, oracle_lengths=True)),
+                "drafts_free": (f"uniform-{k_max} with free drafts",
+                                dict(policy_name=f"uniform-{k_max}", free_drafts=True)),
+                "exact_drafts": (f"the recorded futures as drafts at K_max {k_max}",
+                                 dict(policy_name="none", exact_drafts=True))}
+        for name in REFERENCES:
+            if name in references:
+                label, kwargs = runs[name]
+                bar.update(task, description=f"simulating {label}")
+                bench.references[name] = simulate(records, host_priced, engines, k_max=k_max,
+                                                  on_batch=lambda: bar.advance(task), **kwargs)
     return bench

@@ -225,3 +225,15 @@ def test_drafts_free_prices_each_request_s_own_token_but_not_its_drafts():
     assert free.accepted_tokens > 0 and free.forward_passes < 40
     assert free.makespan_s == pytest.approx(2.0 + (free.forward_passes - 1) * 1.5)  # the prompt's pass: 1 + 2 * 0.5
     assert priced.makespan_s > free.makespan_s
+
+
+def test_the_bench_runs_only_the_references_asked_for():
+    from das.scheduler.simulator import run_simulation_bench
+
+    recs = records({0: [20, 30, 20, 30], 1: [25, 35, 20, 30]})
+    bench = run_simulation_bench(recs, "t", FLAT, 2, arms=["none", "das"], progress=False,
+                                 references=("exact_drafts",), placements=False)
+    assert set(bench.references) == {"exact_drafts"} and bench.placement == {}
+    assert "exact-drafts/none" in bench.ratios()
+    with pytest.raises(ValueError, match="unknown references"):
+        run_simulation_bench(recs, "t", FLAT, 2, arms=["none"], progress=False, references=("nope",))
