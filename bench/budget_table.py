@@ -24,6 +24,8 @@ TRACE_SETS: dict[str, str] = {
     "qwen2.5-coder-0.5b": "cpu-qwen2.5-coder-0.5b",
     "smollm2-66x16": "cpu-smollm2",
     "heldout-qwen2.5-coder-code": "cpu-qwen2.5-coder-0.5b",
+    "smollm2-code": "cpu-smollm2",
+    "heldout-smollm2-rg": "cpu-smollm2",
 }
 CPU = "cpu"
 FREE_SLACK = 1.10  # issue 55: das within 1.10x of drafts free
