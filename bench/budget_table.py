@@ -133,8 +133,11 @@ class BudgetTable:
 def budget_table(traces: Sequence[str], cost_models: Sequence[str], host_ms: Sequence[float], *, engines: int = 8,
                  k_max: int = 16, jobs: int = 1, progress: bool = True) -> BudgetTable:
     """Every traces x cost model x host price cell (a CPU fit only at host 0: its steps were measured whole, the
-    host's work included), `jobs` at a time."""
-    from rich.progress import Progress
+    host's work included), `jobs` at a time; with `progress`, a line on stderr as each cell ends (a cell takes
+    minutes)."""
+    import time
+
+    from rich.console import Console
 
     cells = [Cell(t, m, h) for t in traces for m in cost_models for h in host_ms if not (m == CPU and h)]
     for cell in cells:  # refuse bad names before any work
@@ -142,18 +145,20 @@ def budget_table(traces: Sequence[str], cost_models: Sequence[str], host_ms: Seq
         if not cell.trace_path().exists():
             raise ValueError(f"trace set {cell.traces}: no file at {cell.trace_path()}")
     work = [(cell, engines, k_max) for cell in cells]
-    with Progress(disable=not progress, transient=True) as bar:
-        task = bar.add_task(f"simulating {len(cells)} cells", total=len(cells))
-        if jobs <= 1:
-            rows = []
-            for args in work:
-                rows.append(_run(args))
-                bar.advance(task)
-        else:
-            with ProcessPoolExecutor(max_workers=jobs) as pool:
-                futures = [pool.submit(_run, args) for args in work]
-                rows = []
-                for future in futures:
-                    rows.append(future.result())
-                    bar.advance(task)
-    return BudgetTable(rows)
+    err = Console(stderr=True)
+    start = time.monotonic()
+
+    def done(i: int, row: Row) -> Row:
+        if progress:
+            err.print(f"[{i}/{len(cells)}] {row.traces} under {row.cost_model}, host {row.host_ms:g} ms: das / none "
+                      f"{row.das_over_none:.3f}, das / best fixed {row.das_over_best_fixed:.3f} ({row.best_fixed}) "
+                      f"[{time.monotonic() - start:.0f} s]", highlight=False)
+        return row
+
+    if progress:
+        err.print(f"simulating {len(cells)} cells, {jobs} at a time", highlight=False)
+    if jobs <= 1:
+        return BudgetTable([done(i, _run(args)) for i, args in enumerate(work, 1)])
+    with ProcessPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(_run, args) for args in work]
+        return BudgetTable([done(i, future.result()) for i, future in enumerate(futures, 1)])

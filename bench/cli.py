@@ -147,7 +147,7 @@ def bench_budgets(
         hosts = [float(h) for h in host_ms.split(",") if h.strip()]
         table = budget_table([t.strip() for t in traces.split(",") if t.strip()],
                              [m.strip() for m in cost_models.split(",") if m.strip()], hosts, engines=engines,
-                             k_max=k_max, jobs=jobs, progress=not as_json)
+                             k_max=k_max, jobs=jobs)
     except (OSError, ValueError) as exc:
         fail(str(exc))
     emit(table, as_json)

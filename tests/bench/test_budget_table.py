@@ -65,3 +65,9 @@ def test_cli_prints_rows_and_exits_1_where_das_loses(tmp_path):
     assert result.exit_code == (0 if out["passed"] else 1)
     bad = CliRunner().invoke(app, ["bench", "budgets", "--traces", path, "--cost-models", "cpu"])
     assert bad.exit_code == 2 and "bundled" in bad.output
+
+
+def test_each_cell_s_end_is_a_line_on_stderr(tmp_path, capsys):
+    budget_table([str(_traces(tmp_path))], ["h200-7b"], [0.0, 1.0], engines=2, k_max=1)
+    err = capsys.readouterr().err
+    assert "simulating 2 cells" in err and "[1/2]" in err and "[2/2]" in err and "host 1 ms" in err
