@@ -136,11 +136,31 @@ class DraftPlan:
     float64, the least probability (the drafter's estimate that every draft token up to this one is accepted) a
     draft token must have to be verified: 0 verifies whatever the drafter proposes, inf nothing. explored: None, or
     a bool per request: its length is exploration's token (scheduler/exploration.py), whose accepted tokens are
-    refunded to the exploration credit."""
+    refunded to the exploration credit.
+
+    The step's price, where the plan prices its drafts (`confidence_plan`; None elsewhere): `value`, float64 per
+    request, the seconds an accepted draft token of it saves; `token_s`, what a draft token costs to verify;
+    `step_s`, what a step pays for verifying any draft at all (the drafted step's fixed price, the guard's
+    included). `pays` weighs a step's drafts against them."""
 
     lengths: np.ndarray
     min_prob: np.ndarray
     explored: np.ndarray | None = None
+    value: np.ndarray | None = None
+    token_s: float = 0.0
+    step_s: float = 0.0
+
+    def pays(self, probs: np.ndarray, offsets: np.ndarray) -> bool:
+        """Whether a step's drafts (request r's tokens at probs[offsets[r]:offsets[r + 1]], each the drafter's
+        estimate that it and the ones before it are accepted) are worth their drafted step: the expected seconds
+        they save, sum over tokens of p value_r - (1 - p) token_s (an accepted token is one its request would have
+        computed later, a rejected one is paid for nothing), at least the step's fixed price `step_s`. True where
+        the plan has no price or there are no drafts. O(draft tokens), vectorised."""
+        if self.value is None or self.step_s <= 0.0 or probs.size == 0:
+            return True
+        owner = np.repeat(np.arange(len(offsets) - 1), np.diff(offsets))
+        p = probs.astype(np.float64)
+        return float((p * (self.value[owner] + self.token_s)).sum() - self.token_s * p.size) >= self.step_s
 
 
 @runtime_checkable
@@ -368,7 +388,9 @@ def confidence_plan(batch: BatchState) -> DraftPlan:
     (c_draft + c_base), a batch of many equally long ones only what is about as likely as not to hold. This asks
     the drafter's probabilities to be calibrated and spends nothing from the request's acceptance counts: a new
     request whose context repeats itself drafts at its first step. The length forecast acts through the ranks alone.
-    Vectorised: a sort and a few numpy calls over n."""
+    Per token the price shares the drafted step's fixed price as if a full draft did; the step as a whole pays it
+    only where its drafts' expected saving covers it (`DraftPlan.pays`, applied by scheduler/draft_step.py), so a
+    step with a few middling drafts verifies none. Vectorised: a sort and a few numpy calls over n."""
     n = len(batch)
     rem = batch.remaining
     if n == 0 or batch.k_max == 0 or batch.c_base_s == 0.0:
@@ -378,7 +400,8 @@ def confidence_plan(batch: BatchState) -> DraftPlan:
     value = batch.c_base_s / at_least_as_long
     live = rem > 0.0
     floor = np.where(live, c_draft / (c_draft + value), np.inf)
-    return DraftPlan(np.where(live, batch.k_max, 0).astype(np.int32), floor)
+    return DraftPlan(np.where(live, batch.k_max, 0).astype(np.int32), floor, value=value, token_s=batch.c_tok_s,
+                     step_s=batch.c_spec_s)
 
 
 def _without_drafts(n: int, l_max: float) -> BudgetSolution:

@@ -8,7 +8,9 @@ A step is two calls around the forward pass that verifies the drafts:
   * `draft`: the budget hook plans K_i and a probability floor per request from its predicted remaining length and
     its measured acceptance (`BudgetHook.plan`); K_i is capped by the request's draft room and K_max; the bank
     drafts at most K_i tokens per request, and a shadow draft of up to K_max (at most the room) where the plan
-    gives none.
+    gives none. Where the plan prices the step (`DraftPlan.pays`) and the drafts do not pay its fixed price, the
+    step verifies none: the bank drafts again with every K_i = 0 (shadow drafts only; the first candidates are
+    still scored for the source chooser), which costs a second draft call on such steps.
 The budget hook's `observe` / `refund` are the caller's to call once it knows what the step cost (the engine
 times it, the simulator prices it).
 """
@@ -85,9 +87,14 @@ class DraftStep:
         plan = self.budget.plan(view, self.acceptance.params(slots) if self.budget.reads_acceptance else None)
         k = np.minimum(np.minimum(plan.lengths, draft_room), self.k_max).astype(np.int32)
         shadow_room = np.where(k == 0, np.minimum(draft_room, self.k_max), 0).astype(np.int32)
-        drafts = self.bank.draft_step(bank_slots, table, ends, k, np.asarray(plan.min_prob, np.float64), shadow_room,
-                                      vocab_size, rows=rows)
-        return drafts, plan
+        floors = np.asarray(plan.min_prob, np.float64)
+        drafts = self.bank.draft_step(bank_slots, table, ends, k, floors, shadow_room, vocab_size, rows=rows)
+        if plan.pays(drafts.probs, drafts.offsets):
+            return drafts, plan
+        none = np.zeros_like(k)
+        shadow_room = np.minimum(draft_room, self.k_max).astype(np.int32)
+        drafts = self.bank.draft_step(bank_slots, table, ends, none, floors, shadow_room, vocab_size, rows=rows)
+        return drafts, DraftPlan(none, np.full(len(k), np.inf))
 
     def _record(self, slots: np.ndarray, drafted: np.ndarray, accepted: np.ndarray) -> tuple[int, int]:
         """Records the outcomes of distinct requests' drafts (request slots[j] drafted `drafted[j]` tokens, of

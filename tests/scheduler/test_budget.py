@@ -12,6 +12,7 @@ from das.scheduler.budget import (
     BatchState,
     BudgetPolicy,
     ClassPolicy,
+    DraftPlan,
     OptimalPolicy,
     UniformPolicy,
     estimate_drafter_params,
@@ -374,3 +375,21 @@ def test_batch_state_is_frozen_owns_its_arrays_and_keeps_acceptance_nonincreasin
         b.acceptance[0, 0] = 1.0
     with pytest.raises(AttributeError):
         b.k_max = 3  # type: ignore[misc]
+
+
+def test_a_step_pays_its_fixed_price_only_where_its_drafts_expected_saving_covers_it():
+    plan = DraftPlan(np.array([4, 4], np.int32), np.zeros(2), value=np.array([1.0, 0.5]), token_s=0.1, step_s=0.5)
+    offsets = np.array([0, 2, 3])
+    # saving: 0.9 (1 + 0.1) - 0.1 + 0.5 (1.1) - 0.1 + 0.8 (0.5 + 0.1) - 0.1 = 1.17: pays 0.5, not 1.5
+    probs = np.array([0.9, 0.5, 0.8], np.float32)
+    assert plan.pays(probs, offsets)
+    assert not DraftPlan(plan.lengths, plan.min_prob, value=plan.value, token_s=0.1, step_s=1.5).pays(probs, offsets)
+    # no price (the fixed baselines' plans), no fixed price, or no drafts: nothing to weigh
+    assert DraftPlan(plan.lengths, plan.min_prob).pays(probs, offsets)
+    assert DraftPlan(plan.lengths, plan.min_prob, value=plan.value, token_s=0.1).pays(probs, offsets)
+    assert plan.pays(np.zeros(0, np.float32), np.array([0, 0, 0]))
+    # the confidence plan prices its step: the drafted step's fixed price, a token's cost, each request's value
+    b = batch([400.0, 190.0], c_base_s=30e-3, c_tok_s=2e-3, k_max=8, c_spec_s=4e-3)
+    priced = OptimalPolicy().plan(b)
+    assert priced.step_s == pytest.approx(4e-3) and priced.token_s == pytest.approx(2e-3)
+    np.testing.assert_allclose(priced.value, [30e-3, 30e-3 / 2])

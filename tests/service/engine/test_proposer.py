@@ -95,8 +95,9 @@ def test_without_the_runner_it_proposes_nothing():
 @pytest.mark.parametrize("budget, least_accepted", [
     # K_i from counts: a draft of up to 4 tokens per step, all right: 12 tokens in ceil(12 / 5) + a few steps
     ({"confidence": False}, 8),
-    # the default: a cold calibrator rates a continuation seen once at 1/3 a token, so 1-3 tokens a step at first
-    ({}, 6)])
+    # the default: a cold calibrator rates a continuation seen once at 1/3 a token, so 1-3 tokens a step at first,
+    # and a step verifies them only where they pay the generic prior's drafted-step price (half a step)
+    ({}, 4)])
 def test_a_second_sample_of_a_problem_drafts_the_first_and_counts_what_was_accepted(budget, least_accepted):
     proposer, runner = attached(budget=budget)
     run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE)
@@ -188,7 +189,8 @@ def test_requests_that_leave_the_runner_are_finished_and_preempted_ones_kept():
 
 
 def test_drafts_stay_inside_the_vocabulary_the_room_and_k_max():
-    proposer, runner = attached(k=8, vocab=15)
+    # a drafted step priced like a plain one, so that a single draft token is worth verifying
+    proposer, runner = attached(k=8, vocab=15, budget={"c_base_s": 20e-3, "c_tok_s": 0.5e-3})
     # imported history with ids the model does not have (>= 15) after a few valid ones
     proposer.bank.add_rollouts([RolloutRecord("p", 0, 0, tuple(PROMPT), (10, 11, 12, 40, 41, 42))])
     runner.add("r", PROMPT, max_tokens=3, tags=RequestTags("p", key="r"))
