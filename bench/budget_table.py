@@ -145,7 +145,7 @@ def budget_table(traces: Sequence[str], cost_models: Sequence[str], host_ms: Seq
         if not cell.trace_path().exists():
             raise ValueError(f"trace set {cell.traces}: no file at {cell.trace_path()}")
     work = [(cell, engines, k_max) for cell in cells]
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
     start = time.monotonic()
 
     def done(i: int, row: Row) -> Row:
