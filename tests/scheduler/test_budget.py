@@ -380,10 +380,11 @@ def test_batch_state_is_frozen_owns_its_arrays_and_keeps_acceptance_nonincreasin
 def test_a_step_pays_its_fixed_price_only_where_its_drafts_expected_saving_covers_it():
     plan = DraftPlan(np.array([4, 4], np.int32), np.zeros(2), value=np.array([1.0, 0.5]), token_s=0.1, step_s=0.5)
     offsets = np.array([0, 2, 3])
-    # saving: 0.9 (1 + 0.1) - 0.1 + 0.5 (1.1) - 0.1 + 0.8 (0.5 + 0.1) - 0.1 = 1.17: pays 0.5, not 1.5
+    # request 0's two tokens, request 1's one: 0.9 (1 + 0.1) + 0.5 (1 + 0.1) + 0.8 (0.5 + 0.1) - 3 x 0.1 = 1.72 s
     probs = np.array([0.9, 0.5, 0.8], np.float32)
     assert plan.pays(probs, offsets)
-    assert not DraftPlan(plan.lengths, plan.min_prob, value=plan.value, token_s=0.1, step_s=1.5).pays(probs, offsets)
+    assert DraftPlan(plan.lengths, plan.min_prob, value=plan.value, token_s=0.1, step_s=1.7).pays(probs, offsets)
+    assert not DraftPlan(plan.lengths, plan.min_prob, value=plan.value, token_s=0.1, step_s=1.75).pays(probs, offsets)
     # no price (the fixed baselines' plans), no fixed price, or no drafts: nothing to weigh
     assert DraftPlan(plan.lengths, plan.min_prob).pays(probs, offsets)
     assert DraftPlan(plan.lengths, plan.min_prob, value=plan.value, token_s=0.1).pays(probs, offsets)

@@ -9,7 +9,7 @@ import pytest
 from das.drafter.history import DrafterConfig, HistoryBank
 from das.drafter.records import RolloutRecord
 from das.scheduler.acceptance import AcceptanceCounts
-from das.scheduler.budget import OptimalPolicy, UniformPolicy
+from das.scheduler.budget import DraftPlan, UniformPolicy
 from das.scheduler.budget_hook import BatchView, PolicyBudget
 from das.scheduler.cost_model import CostModel
 from das.scheduler.draft_step import DraftStep
@@ -52,22 +52,36 @@ def test_a_verifier_that_knows_the_accepted_tokens_overrides_the_banks_count():
     assert settled.accepted == 4 and settled.commit.accepted.tolist() == [3]
 
 
+class _PricedHook:
+    """A budget hook whose plan lets every draft token through and prices the step: an accepted token saves
+    `value` seconds, a drafted step costs `step_s` more."""
+
+    name, reads_acceptance = "priced", False
+
+    def __init__(self, value: float, step_s: float) -> None:
+        self.value, self.step_s = value, step_s
+
+    def plan(self, batch, drafter=None):
+        n = len(batch)
+        return DraftPlan(np.full(n, 4, np.int32), np.zeros(n), value=np.full(n, self.value), token_s=0.0,
+                         step_s=self.step_s)
+
+
 def test_a_step_whose_drafts_do_not_pay_its_fixed_price_verifies_none_and_shadows_them():
-    def run(c_spec_s: float):
-        cost = CostModel("t", c_base_s=1.0, c_tok_s=0.01, source="test", c_spec_s=c_spec_s)
+    def run(step_s: float):
         bank = HistoryBank(DrafterConfig.for_drafts(4))
         bank.add_rollouts([RolloutRecord("p", 0, 0, (1, 2, 3), tuple(range(4, 13)), "stop")])
-        step = DraftStep(bank, PolicyBudget(OptimalPolicy(), 4, cost, online=False, guard=False), AcceptanceCounts(4),
-                         4)
+        step = DraftStep(bank, _PricedHook(1.0, step_s), AcceptanceCounts(4), 4)
         slot = np.array([step.acceptance.start("r")])
         bank_slot = np.array([step.bank.start_request("r", "p", TEXT[0, :3], 1)], np.int32)
         drafts, plan = step.draft(slot, bank_slot, _view(), TEXT, np.array([4]), draft_room=np.array([4]))
         settled = step.settle(slot, bank_slot, TEXT, np.array([4]), np.array([5]))
         return drafts, plan, settled
 
-    drafts, plan, settled = run(0.0)  # a cheap drafted step: the history's continuation is verified
-    assert drafts.lists()[0] and plan.lengths.tolist() == [4] and settled.drafted > 0
-    # a drafted step dearer than everything its drafts could save: nothing verified, a shadow draft measures them
+    # the history's continuation, 4 tokens of which each may save a second: worth a step that costs 0.01 s more
+    drafts, plan, settled = run(0.01)
+    assert drafts.lists() == [[5, 6, 7, 8]] and plan.lengths.tolist() == [4] and settled.drafted == 4
+    # the same drafts cannot save the 100 s a drafted step would cost: none verified, a shadow draft measures them
     dear, plan, settled = run(100.0)
     assert dear.lists() == [[]] and dear.shadowed.tolist() == [True]
     assert plan.lengths.tolist() == [0] and settled.drafted == 0
