@@ -103,8 +103,12 @@ def decode(drafter: DasProposer, runner: V1Runner, rid: str, tags: RequestTags) 
     return steps
 
 
+# A drafted step priced like a plain one: these tests follow drafts through the input batch, not the budget's gate.
+FREE_STEP = {"c_base_s": 20e-3, "c_tok_s": 0.5e-3}
+
+
 def test_the_proposer_drafts_a_siblings_tokens_through_the_gpu_builds_input_batch(gpu_batch_module):
-    drafter, runner = make_proposer(), V1Runner(gpu_batch_module)
+    drafter, runner = make_proposer(budget=FREE_STEP), V1Runner(gpu_batch_module)
     drafter.attach(runner)
     first_steps = decode(drafter, runner, "a", RequestTags("p", key="a"))
     first = drafter.pop_counts(["a"])["a"]
@@ -118,7 +122,7 @@ def test_the_proposer_drafts_a_siblings_tokens_through_the_gpu_builds_input_batc
 def test_rows_follow_the_input_batchs_order_after_a_request_leaves(gpu_batch_module):
     """Three requests; the first leaves and vLLM condenses the batch (the last row moves into the hole): drafts
     still reach the right requests."""
-    drafter, runner = make_proposer(), V1Runner(gpu_batch_module)
+    drafter, runner = make_proposer(budget=FREE_STEP), V1Runner(gpu_batch_module)
     drafter.attach(runner)
     decode(drafter, runner, "seed", RequestTags("p", key="seed"))
     for rid, problem in (("x", "other"), ("y", "p"), ("z", "p")):
