@@ -46,6 +46,26 @@ def bench_drafter(
     emit(result, as_json)
 
 
+@bench_app.command("coupled")
+def bench_coupled(
+    traces: Annotated[str, typer.Option(help="Trace files, comma-separated (e.g. the GRPO example's "
+                                             "OUT/<arm>/rollouts.jsonl.gz).")],
+    max_draft: Annotated[int, typer.Option("--max-draft", min=1, max=64, help="Draft tokens a step.")] = 16,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """How much of each sample the same-key sample of its problem's previous visit predicts exactly (coupled seeds
+    across epochs), by visit and by policy versions between them, and the drafter replayed with it and without."""
+    from das.bench.coupled_epochs import coupled_bench
+    from das.drafter.records import RecordError
+
+    try:
+        result = coupled_bench([Path(t.strip()) for t in traces.split(",") if t.strip()], max_draft=max_draft,
+                               console=Console(stderr=True))
+    except (RecordError, OSError, ValueError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
+
+
 @bench_app.command("verify")
 def bench_verify(
     requests: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "8,32,128",

@@ -201,7 +201,8 @@ class DrafterBenchResult:
 
 def replay_arm(drafter: ReplayDrafter, records: Sequence[RolloutRecord], max_draft: int,
                on_version: Callable[[int], None] | None = None) -> ArmStats:
-    """Runs one drafter over the traces; the first policy version is ingested, the others measured."""
+    """Runs one drafter over the traces; the first policy version is ingested, the others measured. Request ids
+    are `problem/version/sample_index`."""
     by_version: dict[int, list[RolloutRecord]] = {}
     for r in sorted(records, key=lambda r: (r.policy_version, r.problem_id, r.sample_index)):
         by_version.setdefault(r.policy_version, []).append(r)

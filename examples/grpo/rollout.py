@@ -8,9 +8,13 @@ but HTTP: the official `openai` client for rollouts and vLLM's `/update_weights`
   drafts from its earlier rollouts with no id from the trainer. With `ServiceConfig.seed` each request carries
   OpenAI's `seed` (a function of the seed, the step and the request), so under the service's keyed sampling two
   runs with one seed draw the same samples whatever the speculation (served in float32; in bfloat16 the same
-  distribution, not the same tokens). It returns TRL's `prompt_ids`,
-  `completion_ids` and `logprobs` (of the distribution sampled from) and records what the step's rollout cost
-  (`RolloutStep`).
+  distribution, not the same tokens). With `ServiceConfig.coupled` the seed is a function of the seed and the
+  prompt alone: sample i of a problem draws from the same noise every time the problem comes back, so it repeats
+  its previous visit's sample up to the first token the policy's updates flip (each visit's samples are still exact
+  draws from the current policy; only their correlation across steps changes). It returns TRL's `prompt_ids`,
+  `completion_ids` and `logprobs` (of the distribution sampled from), records what the step's rollout cost
+  (`RolloutStep`) and keeps every sample in the trace format (`records`: `das bench simulate` and `das bench
+  coupled` read them).
 - `WeightSync` is a TrainerCallback: after each optimizer step it saves the policy as safetensors under the
   service's weights root and POSTs `/update_weights {path, version}` (version = the optimizer steps taken: the
   service starts at 0), so the next rollout
@@ -22,6 +26,8 @@ but HTTP: the official `openai` client for rollouts and vLLM's `/update_weights`
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import shutil
 import time
 from collections.abc import Sequence
@@ -41,7 +47,8 @@ DRAFT_METRICS = {"das_source_draft_tokens_proposed": "proposed", "das_source_dra
 class ServiceConfig:
     """Where the service is and how to sample. `url`: the gateway's base URL (no /v1); `token`: its bearer token,
     or None without auth; `max_tokens` and `temperature` must match the trainer's (its loss divides the logits
-    by the same temperature); `seed`: the rollouts' seed (None: the service draws fresh ones)."""
+    by the same temperature); `seed`: the rollouts' seed (None: the service draws fresh ones); `coupled`: one seed
+    per problem for the whole run instead of one per step and request (module docstring)."""
 
     url: str
     token: str | None
@@ -50,12 +57,22 @@ class ServiceConfig:
     model: str = "das"
     timeout_s: float = 600.0
     seed: int | None = None
+    coupled: bool = False
 
-    def request_seed(self, step: int, request: int) -> int | None:
-        """OpenAI's `seed` of the step's request (0-based both): distinct per (seed, step, request), in int64."""
+    def request_seed(self, step: int, request: int, prompt: Any) -> int | None:
+        """OpenAI's `seed` of the step's request (0-based both) for `prompt` (its chat messages), in int64:
+        distinct per (seed, step, request), or with `coupled` per (seed, problem), the same every step."""
         if self.seed is None:
             return None
+        if self.coupled:
+            return (self.seed * 1_000_003 + int(problem_key(prompt), 16)) % 2**63
         return ((self.seed * 1_000_003 + step) * 1_000_033 + request) % 2**63
+
+
+def problem_key(prompt: Any) -> str:
+    """A problem's name in the traces: 16 hex digits of the SHA-256 of its prompt (chat messages as canonical
+    JSON), the same every step, as the service's own name for it is."""
+    return hashlib.sha256(json.dumps(prompt, sort_keys=True).encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -105,21 +122,24 @@ def counts_delta(after: dict[str, dict[str, int]], before: dict[str, dict[str, i
 
 
 class ServiceRollout:
-    """GRPOTrainer's `rollout_func` over the service (module docstring). `steps` grows by one per call."""
+    """GRPOTrainer's `rollout_func` over the service (module docstring). `steps` grows by one per call; `records`
+    by one per sample, each a dict of the trace format's fields (das.drafter.records.RolloutRecord)."""
 
     def __init__(self, config: ServiceConfig) -> None:
         self.config = config
         self.steps: list[RolloutStep] = []
+        self.records: list[dict[str, Any]] = []
         self._headers = {"Authorization": f"Bearer {config.token}"} if config.token else {}
 
     def __call__(self, prompts: list[Any], trainer: Any = None) -> dict[str, Any]:
         before = self._draft_counts()
         start = time.perf_counter()
-        responses = asyncio.run(self._complete(prompt_runs(prompts)))
+        runs = prompt_runs(prompts)
+        responses = asyncio.run(self._complete(runs))
         seconds = time.perf_counter() - start
         out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "policy_version": []}
         draft = accepted = 0
-        for response in responses:
+        for (prompt, _), response in zip(runs, responses):
             das = response.model_extra.get("das") or {}
             draft += das.get("draft_tokens", 0)
             accepted += das.get("accepted_tokens", 0)
@@ -131,6 +151,10 @@ class ServiceRollout:
                 out["completion_ids"].append(list(choice.model_extra["token_ids"]))
                 out["logprobs"].append([token.logprob for token in choice.logprobs.content])
                 out["policy_version"].append(das.get("policy_version", 0))
+                self.records.append({"problem_id": problem_key(prompt), "policy_version": das.get("policy_version", 0),
+                                     "sample_index": choice.index, "prompt_token_ids": list(prompt_ids),
+                                     "output_token_ids": list(choice.model_extra["token_ids"]),
+                                     "finish_reason": choice.finish_reason})
         lengths = [len(ids) for ids in out["completion_ids"]]
         self.steps.append(RolloutStep(
             samples=len(lengths), seconds=seconds, completion_tokens=sum(lengths), longest_tokens=max(lengths),
@@ -145,7 +169,7 @@ class ServiceRollout:
                 client.chat.completions.create(
                     model=self.config.model, messages=prompt, n=n, max_tokens=self.config.max_tokens,
                     temperature=self.config.temperature, logprobs=True, extra_body={"return_token_ids": True},
-                    seed=self.config.request_seed(len(self.steps), i))
+                    seed=self.config.request_seed(len(self.steps), i, prompt))
                 for i, (prompt, n) in enumerate(runs)))
 
     def _draft_counts(self) -> dict[str, dict[str, int]]:

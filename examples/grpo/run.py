@@ -6,8 +6,13 @@ the default) and once against `das serve --speculation none`, with the same seed
 Per arm it starts the service (its log in OUT/<arm>/serve.log), trains `--steps` optimizer steps (each: one
 rollout of `--prompts` problems x `--samples` samples through the official openai client, TRL's group-relative
 advantages and clipped policy-gradient loss, an AdamW step, the weights pushed to the service as the next policy
-version), writes one JSON line per step to OUT/<arm>/steps.jsonl and stops the service. Then `report.py` writes
-OUT/summary.json and OUT/grpo.png and prints the comparison. README.md here says what the task is and why.
+version), writes one JSON line per step to OUT/<arm>/steps.jsonl and every sample to OUT/<arm>/rollouts.jsonl.gz
+(the trace format) and stops the service. Then `report.py` writes OUT/summary.json and OUT/grpo.png and prints the
+comparison. README.md here says what the task is and why.
+
+An arm is the service's speculation (`das`, `none`), optionally with `-coupled`: each problem's rollouts carry one
+seed for the whole run (`ServiceConfig.coupled`), so sample i of a problem repeats its previous visit's sample up to
+the first token the updates flip (`das bench coupled` measures how far).
 """
 
 from __future__ import annotations
@@ -36,12 +41,17 @@ TOKEN = "grpo-example-token"
 REWARD_WEIGHTS = (1.0, 0.5)  # correct, formatted: a right answer counts most; its readable form helps
 
 
+ARMS = ("das", "none", "das-coupled", "none-coupled")
+COUPLED = "-coupled"
+
+
 def start_service(arm: str, port: int, weights_root: Path, log_path: Path, timeout_s: float) -> subprocess.Popen:
     """`das serve` for one arm, in a process group of its own; returns once /readyz answers 200. Served in float32
     (the trainer's dtype): keyed sampling then gives the two arms the same samples from the same weights, which in
     bfloat16 they would share only in distribution (docs/design.md, keyed sampling)."""
     das = Path(sys.executable).with_name("das")
-    command = [str(das), "serve", "--port", str(port), "--speculation", arm, "--weights-root", str(weights_root),
+    command = [str(das), "serve", "--port", str(port), "--speculation", arm.removesuffix(COUPLED),
+               "--weights-root", str(weights_root),
                "--dtype", "float32"]
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -74,11 +84,13 @@ def stop_service(process: subprocess.Popen) -> None:
 
 def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, problems: int, max_tokens: int,
               learning_rate: float, seed: int, port: int) -> None:
-    """One arm: the service up, `steps` GRPO steps, the service down. Writes OUT/<arm>/steps.jsonl."""
+    """One arm: the service up, `steps` GRPO steps, the service down. Writes OUT/<arm>/steps.jsonl and
+    OUT/<arm>/rollouts.jsonl.gz."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from das.drafter.records import RolloutRecord, write_rollouts
     from das.service.client.prompt_sets import reasoning_gym_problems
     from das.service.engine.models import prepare_model
 
@@ -89,7 +101,7 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
     dataset = Dataset.from_list([{"prompt": list(p.messages), "problem_id": p.problem_id} for p in problem_set])
     model_dir = prepare_model("smollm2")
     service = ServiceConfig(url=f"http://127.0.0.1:{port}", token=TOKEN, max_tokens=max_tokens, temperature=1.0,
-                            seed=seed)
+                            seed=seed, coupled=arm.endswith(COUPLED))
     rollout = ServiceRollout(service)
     sync = WeightSync(service, weights_root)
     steps_path = arm_dir / "steps.jsonl"
@@ -137,13 +149,14 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
         trainer.train()
     finally:
         stop_service(process)
+        write_rollouts(arm_dir / "rollouts.jsonl.gz", (RolloutRecord(**r) for r in rollout.records))
 
 
 @app.command()
 def main(
     out: Annotated[Path, typer.Option(help="Where each arm's steps.jsonl and the report go.")] = Path("runs/grpo"),
-    arms: Annotated[str, typer.Option(help="Comma-separated: das, none (the service's --speculation).")]
-        = "das,none",
+    arms: Annotated[str, typer.Option(help="Comma-separated: das, none (the service's --speculation), each with "
+                                           "-coupled for one seed per problem for the whole run.")] = "das,none",
     steps: Annotated[int, typer.Option(min=1, help="Optimizer steps per arm.")] = 10,
     prompts: Annotated[int, typer.Option(min=1, help="Problems per step.")] = 4,
     samples: Annotated[int, typer.Option(min=2, help="Samples per problem (GRPO's group).")] = 4,
@@ -158,8 +171,8 @@ def main(
 ) -> None:
     """Train both arms, then compare them (report.py)."""
     names = [a.strip() for a in arms.split(",") if a.strip()]
-    if not names or any(a not in ("das", "none") for a in names):
-        raise typer.BadParameter(f"arms must be das and/or none, got {arms!r}", param_hint="--arms")
+    if not names or any(a not in ARMS for a in names):
+        raise typer.BadParameter(f"arms must be among {', '.join(ARMS)}, got {arms!r}", param_hint="--arms")
     for arm in names:
         train_arm(arm, out, steps=steps, prompts=prompts, samples=samples, problems=problems,
                   max_tokens=max_tokens, learning_rate=learning_rate, seed=seed, port=port)

@@ -18,6 +18,7 @@ from examples.grpo.rollout import (
     WeightSync,
     counts_delta,
     draft_counts_by_source,
+    problem_key,
     prompt_runs,
 )
 from tests.service.http.test_gateway import LiveServer, gateway_settings
@@ -90,8 +91,36 @@ def test_a_seeded_rollout_sends_one_seed_per_step_and_request(service):
     for _ in range(2):
         rollout([CHAT_A, CHAT_A, CHAT_B, CHAT_B])
     seeds = [g[0].sampling.seed for g in backend.received]
-    assert sorted(seeds) == sorted(seeded.request_seed(step, r) for step in (0, 1) for r in (0, 1))
+    assert sorted(seeds) == sorted(seeded.request_seed(step, r, chat) for step in (0, 1)
+                                   for r, chat in enumerate((CHAT_A, CHAT_B)))
     assert len(set(seeds)) == 4
+
+
+def test_a_coupled_rollout_gives_each_problem_one_seed_for_every_step(service):
+    backend, config = service
+    rollout = ServiceRollout(dataclasses.replace(config, seed=3, coupled=True))
+    rollout([CHAT_A, CHAT_A, CHAT_B, CHAT_B])
+    rollout([CHAT_B, CHAT_B, CHAT_A, CHAT_A])  # the problems come back in another order
+    seeds = [(g[0].messages[0].content, g[0].sampling.seed) for g in backend.received]
+    by_problem = {content: {seed for c, seed in seeds if c == content} for content, _ in seeds}
+    assert all(len(s) == 1 for s in by_problem.values()) and len(by_problem) == 2
+    assert by_problem[CHAT_A[0]["content"]] != by_problem[CHAT_B[0]["content"]]
+    other = ServiceRollout(dataclasses.replace(config, seed=4, coupled=True))
+    other([CHAT_A, CHAT_A])
+    assert backend.received[-1][0].sampling.seed not in by_problem[CHAT_A[0]["content"]]  # the run's seed counts
+
+
+def test_rollout_keeps_every_sample_as_a_trace_record(service):
+    from das.drafter.records import RolloutRecord
+
+    _, config = service
+    rollout = ServiceRollout(config)
+    rollout([CHAT_A, CHAT_A, CHAT_B])
+    records = [RolloutRecord(**r) for r in rollout.records]  # the trace format accepts them as they are
+    assert [(r.problem_id == problem_key(CHAT_A), r.sample_index) for r in records] == [
+        (True, 0), (True, 1), (False, 0)]
+    assert all(r.output_token_ids == tuple(STUB_TOKENS) and r.policy_version == 0 for r in records)
+    assert records[0].prompt_token_ids == (14,) and records[2].prompt_token_ids == (15,)
 
 
 def test_rollout_refuses_an_answer_without_prompt_ids(tmp_path):
