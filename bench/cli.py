@@ -46,6 +46,29 @@ def bench_drafter(
     emit(result, as_json)
 
 
+@bench_app.command("drafter-loss")
+def bench_drafter_loss(
+    traces: Annotated[str, typer.Option(help="Trace sets, comma-separated: bundled names (tests/fixtures/"
+                                             "traces-NAME.jsonl.gz) or paths.")] = "smollm2",
+    max_draft: Annotated[int, typer.Option("--max-draft", min=1, max=64, help="Draft tokens a step.")] = 16,
+    match: Annotated[int, typer.Option(min=1, max=16, help="Context tokens a missed token is looked up after.")]
+        = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Where the drafter loses to the exact future (why, draft position, length class, our drafts by source) and
+    which place held each token it missed (prompt, own text, siblings, history by policy age, other problems)."""
+    from das.bench.drafter_loss import drafter_loss_bench
+    from das.bench.drafter_replay import trace_path
+    from das.drafter.records import RecordError
+
+    try:
+        result = drafter_loss_bench([trace_path(t.strip()) for t in traces.split(",") if t.strip()],
+                                    max_draft=max_draft, match=match, console=Console(stderr=True))
+    except (RecordError, OSError, ValueError) as exc:
+        fail(str(exc))
+    emit(result, as_json)
+
+
 @bench_app.command("coupled")
 def bench_coupled(
     traces: Annotated[str, typer.Option(help="Trace files, comma-separated (e.g. the GRPO example's "

@@ -41,6 +41,12 @@ def default_trace_path(name: str = DEFAULT_TRACES) -> Path:
     return path
 
 
+def trace_path(name: str) -> Path:
+    """A bundled trace set by its name (tests/fixtures/traces-NAME.jsonl.gz), else `name` as a path."""
+    bundled = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / f"traces-{name}.jsonl.gz"
+    return bundled if bundled.exists() else Path(name)
+
+
 class DasDrafter:
     """Our drafter behind the replay protocol: a HistoryBank with per-problem windowed history. `min_prob`: the
     per-request floor on a draft token's calibrated cumulative acceptance probability, as the service's budget sets
