@@ -373,31 +373,36 @@ def confidence_plan(batch: BatchState) -> DraftPlan:
     """Every request may verify up to K_max draft tokens, each while the drafter's estimate p that it (and every one
     before it) is accepted is at least the request's price
 
-        floor_i = c_draft / (c_draft + c_base / m_i),    c_draft = c_tok + c_spec / K_max,
+        floor_i = c_draft / (c_draft + value_i),   value_i = c_base / (2 m_i - 1),   c_draft = c_tok + c_spec / K_max,
 
     where m_i = #{j : l_j >= FORECAST_SPREAD l_i} counts the requests that may run at least as long as i (forecasts
     within a factor 1 / FORECAST_SPREAD of each other do not tell which one ends last). A draft token costs its
     verification, c_draft (the token plus its share of a full draft's fixed price, the guard's included), when it
     is rejected; an accepted one is a token its request would have computed in a later pass anyway. What an
-    accepted token buys is a pass less for its request, which shortens the batch only if every request at least as
-    long advances too: c_base / m_i each. Only the fixed part of a pass is saved: the other requests' tokens are
-    computed all the same, in whichever pass, so a step's per-token work (c_tok n) is no part of the value. That is
-    what reads the regime: where a step is mostly fixed cost (a GPU: c_tok ~1/250 of c_base) nearly every draft pays;
-    where it is mostly per-token work (this CPU at 30+ requests) only likely ones do. The draft pays where p (c_draft
-    + c_base / m_i) >= c_draft, i.e. p >= floor_i: the batch's longest request (m = 1) drafts down to c_draft /
-    (c_draft + c_base), a batch of many equally long ones only what is about as likely as not to hold. This asks
-    the drafter's probabilities to be calibrated and spends nothing from the request's acceptance counts: a new
-    request whose context repeats itself drafts at its first step. The length forecast acts through the ranks alone.
-    Per token the price shares the drafted step's fixed price as if a full draft did; the step as a whole pays it
-    only where its drafts' expected saving covers it (`DraftPlan.pays`, applied by scheduler/draft_step.py), so a
-    step with a few middling drafts verifies none. Vectorised: a sort and a few numpy calls over n."""
+    accepted token buys is a pass less for its request, which shortens the batch only if that request is the one
+    that ends last. The longest request alone (m_i = 1) is: its accepted tokens are the batch's, c_base each. Of m
+    tied ones each would end last with chance 1/m if they advanced alike, but the last is the one whose drafts held
+    least, and a request whose draft token is accepted is by that token pulling ahead of its peers, so its chance
+    is lower: 1 / (2m - 1) halves the tied value and keeps the lone straggler's whole. That factor is measured, not
+    derived (docs/results/2026-11-28-budget-regimes.md, "The tied requests' value"). Only the fixed part of a pass
+    is saved: the other requests' tokens are computed all the same, in whichever pass, so a step's per-token work
+    (c_tok n) is no part of the value. That is what reads the regime: where a step is mostly fixed cost (a GPU: c_tok
+    ~1/250 of c_base) nearly every draft pays; where it is mostly per-token work (this CPU at 30+ requests) only
+    likely ones do. The draft pays where p (c_draft + value_i) >= c_draft, i.e. p >= floor_i: the batch's longest
+    request drafts down to c_draft / (c_draft + c_base), a batch of many equally long ones only what is likely to
+    hold. This asks the drafter's probabilities to be calibrated and spends nothing from the request's acceptance
+    counts: a new request whose context repeats itself drafts at its first step. The length forecast acts through
+    the ranks alone. Per token the price shares the drafted step's fixed price as if a full draft did; the step as a
+    whole pays it only where its drafts' expected saving covers it (`DraftPlan.pays`, applied by
+    scheduler/draft_step.py), so a step with a few middling drafts verifies none. Vectorised: a sort and a few numpy
+    calls over n."""
     n = len(batch)
     rem = batch.remaining
     if n == 0 or batch.k_max == 0 or batch.c_base_s == 0.0:
         return DraftPlan(np.zeros(n, dtype=np.int32), np.full(n, np.inf))
     c_draft = batch.c_tok_s + batch.c_spec_s / batch.k_max
     at_least_as_long = n - np.sort(rem).searchsorted(rem * FORECAST_SPREAD, "left")
-    value = batch.c_base_s / at_least_as_long
+    value = batch.c_base_s / (2.0 * at_least_as_long - 1.0)
     live = rem > 0.0
     floor = np.where(live, c_draft / (c_draft + value), np.inf)
     return DraftPlan(np.where(live, batch.k_max, 0).astype(np.int32), floor, value=value, token_s=batch.c_tok_s,
