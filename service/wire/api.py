@@ -346,6 +346,8 @@ class SampleResult(BaseModel):
                                            "ran (an in-process backend)")
     redispatches: int = Field(0, ge=0, description="engine deaths the sample was drawn again after (on another "
                                                    "engine, or the restarted one)")
+    finished_unix_s: float | None = Field(None, description="when the sample left its engine (its engine actor's "
+                                          "clock, Unix seconds); None where no engine actor ran it")
 
 
 # --- the HTTP batch API ----------------------------------------------------------------------------------------
@@ -416,6 +418,8 @@ class SampleRecord(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, description="as SampleResult.tool_calls: present where the "
                                               "group named a tool_parser")
     content: str | None = Field(None, description="as SampleResult.content: present with tool_calls")
+    finished_unix_s: float | None = Field(None, description="as SampleResult.finished_unix_s: when the sample left "
+                                          "its engine (Unix seconds, the engine node's clock); absent where unknown")
 
 
 BatchStatus = Literal["queued", "running", "done", "aborted", "failed"]
