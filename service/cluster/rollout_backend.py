@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
@@ -188,13 +187,13 @@ class RolloutBackend(Protocol):
 async def merge_batches(streams: Sequence[AsyncIterator[Any]], max_items: int, min_interval_s: float = 0.0
                         ) -> AsyncGenerator[list[Any], None]:
     """The items of all `streams` in the order they arrive, in lists of what is ready at once (1 to `max_items`
-    items). With `min_interval_s`, a list follows the previous one by at least that many seconds unless
-    `max_items` are waiting or every stream has ended: items that arrive in between travel together (fewer, fuller
-    lists; an item waits `min_interval_s` at most, and the last ones do not wait). The first stream to raise ends
-    the merge with its exception; closing the merge (or an error) cancels every stream still running and waits for
-    them."""
+    items). With `min_interval_s`, a list follows the start, or the previous list, by at least that many seconds
+    unless `max_items` are waiting or every stream has ended: items that arrive in between travel together (fewer,
+    fuller lists; an item waits `min_interval_s` at most, and the last ones do not wait: a run shorter than the
+    interval is one list). The first stream to raise ends the merge with its exception; closing the merge (or an
+    error) cancels every stream still running and waits for them."""
     loop = asyncio.get_running_loop()
-    last = -math.inf  # when the previous list was yielded (loop time)
+    last = loop.time()  # when the previous list was yielded, or the merge started
     done = object()  # a stream's end marker in the merged queue
     merged: asyncio.Queue[Any] = asyncio.Queue()
     ended = 0  # streams that have ended (put their marker or their error)

@@ -26,7 +26,7 @@ def test_an_interval_makes_fewer_fuller_lists_and_the_last_items_do_not_wait() -
     paced, took = asyncio.run(lists(0.15))
     assert sorted(i for items in paced for i in items) == sorted(i for items in plain for i in items)
     assert len(plain) >= 15  # about one list per tick
-    assert len(paced) <= 4  # 0.2 s of ticks in lists 0.15 s apart (the first goes at once)
+    assert len(paced) <= 3  # 0.2 s of ticks in lists 0.15 s after the start and apart, the last at the end
     # the streams end at ~0.2 s (later on a loaded machine); the last list does not wait out its interval
     assert took < 0.2 + 0.15 + 0.5
     assert [i for i in paced[-1]][-1] in ("a19", "b19")
@@ -37,7 +37,7 @@ def test_a_full_list_does_not_wait_for_the_interval() -> None:
         started = time.monotonic()
         out: list[list[str]] = []
         # 40 items at once, beside a stream that stays open for 2 s: full lists of 4 go without their 5 s interval
-        # (the first list goes at once with what is there; the partial list at the end waits)
+        # (the partial list at the end waits)
         async for items in merge_batches([ticks(40, 0.0, "a"), ticks(1, 2.0, "z")], 4, 5.0):
             out.append(items)
             if len([i for items_ in out for i in items_]) >= 36:
@@ -45,5 +45,11 @@ def test_a_full_list_does_not_wait_for_the_interval() -> None:
         raise AssertionError("the full lists never came")
 
     lists_, took = asyncio.run(run())
-    assert all(len(items) <= 4 for items in lists_) and len(lists_) >= 9
+    assert all(len(items) <= 4 for items in lists_) and len(lists_) == 9
     assert took < 1.5
+
+
+def test_a_run_shorter_than_the_interval_is_one_list() -> None:
+    paced, took = asyncio.run(lists(5.0, count=5))
+    assert len(paced) == 1 and len(paced[0]) == 10
+    assert took < 2.0  # sent when the streams ended, not after the interval
