@@ -140,12 +140,13 @@ def _client(url: str) -> None:
             job = json.loads(line)
             delays: list[float] = []
             started = time.perf_counter()
-            for record in client.generate(job["groups"], batch_id=job["batch_id"]):
+            for record in client.generate(job["groups"], batch_id=job["batch_id"], timings=True):
                 if isinstance(record, SampleRecord):
                     if record.finish_reason not in ("stop", "length"):
                         raise RuntimeError(f"sample failed: {record.finish_reason} {record.error}")
-                    if record.finished_unix_s is not None:
-                        delays.append(time.time() - record.finished_unix_s)
+                    if record.finished_unix_s is None:  # every sample here left an engine actor
+                        raise RuntimeError("a record without finished_unix_s: the gateway dropped timings")
+                    delays.append(time.time() - record.finished_unix_s)
             print(json.dumps({"wall_s": time.perf_counter() - started, "delays": delays}), flush=True)
 
 

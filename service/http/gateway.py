@@ -213,8 +213,9 @@ class _Batch:
     they are, and results held for replay cost bytes per token rather than Python objects."""
 
     def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, prompts: bool,
-                 fingerprint: str, seed: int, progress: bool = False) -> None:
+                 fingerprint: str, seed: int, progress: bool = False, timings: bool = False) -> None:
         self.batch_id = batch_id
+        self.timings = timings  # records carry finished_unix_s
         # Token progress and records in one order, for streams that asked for progress (service/http/batch_progress.py)
         self.progress_log = ProgressLog(_pack, logprobs) if progress else None
         self.seed = seed
@@ -266,7 +267,7 @@ class _Batch:
         if sample.tool_calls is not None:
             record["tool_calls"] = [call.model_dump() for call in sample.tool_calls]
             record["content"] = sample.content
-        if sample.finished_unix_s is not None:
+        if self.timings and sample.finished_unix_s is not None:
             record["finished_unix_s"] = sample.finished_unix_s
         frame = _pack(record)
         self.frames.append(frame)
@@ -546,7 +547,7 @@ class _Gateway:
             # Seeds are fixed here, once: a sample re-run after its engine died draws the same tokens.
             seed = body.seed if body.seed is not None else fresh_seed()
             batch = _Batch(body.batch_id or uuid.uuid4().hex, seeded_groups(body.groups, seed), body.logprobs,
-                           body.return_prompt_token_ids, fingerprint, seed, body.progress)
+                           body.return_prompt_token_ids, fingerprint, seed, body.progress, body.timings)
             turns = [(g.session_id, g.problem_id) for g in body.groups if g.session_id is not None]
             if turns:
                 try:

@@ -378,6 +378,8 @@ class RolloutRequest(BaseModel):
     progress: bool = Field(False, description="the stream also carries each running sample's new tokens as they "
                                               "are made, as {\"progress\": {...}} objects before its record "
                                               "(service/http/gateway.py says what they hold)")
+    timings: bool = Field(False, description="each record carries finished_unix_s, when the sample left its engine "
+                                             "(load tests: a sample's time from its engine to the client)")
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description=(
         "the batch's seed: group g without a sampling.seed of its own samples with seed derive(seed, g), so the "
         "same batch with the same seed gives the same samples; None: a fresh one (BatchSummary.seed says which)"))
@@ -419,7 +421,8 @@ class SampleRecord(BaseModel):
                                               "group named a tool_parser")
     content: str | None = Field(None, description="as SampleResult.content: present with tool_calls")
     finished_unix_s: float | None = Field(None, description="as SampleResult.finished_unix_s: when the sample left "
-                                          "its engine (Unix seconds, the engine node's clock); absent where unknown")
+                                          "its engine (Unix seconds, the engine node's clock); only where the batch "
+                                          "asked for timings and it is known")
 
 
 BatchStatus = Literal["queued", "running", "done", "aborted", "failed"]
