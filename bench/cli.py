@@ -89,6 +89,57 @@ def bench_coupled(
     emit(result, as_json)
 
 
+@bench_app.command("scale")
+def bench_scale(
+    engines: Annotated[str, typer.Option(help="Comma-separated engine counts (each a multiple of --nodes).")] =
+        "8,64,256,1024",
+    samples: Annotated[str, typer.Option(help="Comma-separated samples per batch (whole groups).")] = "1024,16384",
+    nodes: Annotated[int, typer.Option(min=1, help="Ray nodes of the test cluster on this machine.")] = 4,
+    engines_per_actor: Annotated[int, typer.Option("--engines-per-actor", min=1,
+                                                   help="Stub engines one NodeEngine actor hosts.")] = 64,
+    group_size: Annotated[int, typer.Option("--group-size", min=1, help="Samples per group (n).")] = 16,
+    token_ms: Annotated[float, typer.Option("--token-ms", min=0.0, help="The stub's milliseconds per output "
+                                            "token (16 tokens a sample).")] = 1.0,
+    profile: Annotated[Optional[Path], typer.Option(help="Also profile one more batch per configuration with "
+                                                         "cProfile (the event loop's thread), written here.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Batches through the gateway and coordinator over many stub engines on a multi-node Ray test cluster on
+    this machine: samples/s, the coordinator process's CPU per sample and per engine event, placement time, memory,
+    and a sample's time from its engine to the client. Progress on stderr."""
+    from das.bench.cluster_scale import ScaleConfig, run_scale_bench
+
+    try:
+        config = ScaleConfig(engines=tuple(int(x) for x in engines.split(",") if x.strip()),
+                             samples=tuple(int(x) for x in samples.split(",") if x.strip()), nodes=nodes,
+                             engines_per_actor=engines_per_actor, group_size=group_size, token_s=token_ms / 1e3,
+                             profile_dir=profile)
+        config.check()
+    except ValueError as exc:
+        fail(str(exc))
+    emit(run_scale_bench(config), as_json)
+
+
+@bench_app.command("history")
+def bench_history(
+    problems: Annotated[int, typer.Option(min=1, help="Problems imported.")] = 100_000,
+    tokens: Annotated[int, typer.Option(min=1, help="Output tokens imported in all.")] = 10_000_000,
+    rollouts: Annotated[int, typer.Option(min=1, help="Rollouts per problem.")] = 2,
+    shards: Annotated[int, typer.Option(min=1, help="History shard actors.")] = 4,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The history store at a dataset's scale: import throughput, resident memory per token, a lookup's latency
+    while the import runs, snapshot and restore times. Progress on stderr."""
+    from das.bench.history_scale import HistoryScaleConfig, run_history_bench
+
+    config = HistoryScaleConfig(problems=problems, tokens=tokens, rollouts_per_problem=rollouts, shards=shards)
+    try:
+        config.check()
+    except ValueError as exc:
+        fail(str(exc))
+    emit(run_history_bench(config), as_json)
+
+
 @bench_app.command("verify")
 def bench_verify(
     requests: Annotated[str, typer.Option(help="Comma-separated batch sizes.")] = "8,32,128",

@@ -74,9 +74,15 @@ def place_groups(group_loads: Sequence[float] | np.ndarray, engines: int,
         load, engine = heap[0]
         assignment[g] = engine
         heapq.heapreplace(heap, (load + float(loads_in[g]), engine))
-    # by_load is already longest first, so filtering it per engine gives each engine's start order
-    order = tuple(by_load[assignment[by_load] == i] for i in range(e))
-    return Placement(assignment, start + np.bincount(assignment, loads_in, minlength=e), order)
+    return Placement(assignment, start + np.bincount(assignment, loads_in, minlength=e),
+                     _start_order(by_load, assignment, e))
+
+
+def _start_order(by_load: np.ndarray, assignment: np.ndarray, engines: int) -> tuple[np.ndarray, ...]:
+    """Per engine, its groups in `by_load` order: one stable sort by engine and a split, O(G log G + E) (a filter per
+    engine was O(G x E): 1M comparisons a batch of 1,024 groups over 1,024 engines)."""
+    grouped = by_load[np.argsort(assignment[by_load], kind="stable")]
+    return tuple(np.split(grouped, np.cumsum(np.bincount(assignment, minlength=engines))[:-1]))
 
 
 def round_robin(group_loads: Sequence[float] | np.ndarray, engines: int,

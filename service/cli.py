@@ -191,6 +191,13 @@ def serve(
                                                           "JSON object of EngineConfig fields no flag sets, e.g. "
                                                           "'{\"drafter\": {\"min_prob\": 0.05}, \"budget\": "
                                                           "{\"per_token\": true}}'.")] = None,
+    target_engines: Annotated[Optional[int], typer.Option("--target-engines", min=1, help="Engines wanted on GPU "
+                                                          "nodes, asked of Ray's autoscaler as that many bundles of "
+                                                          "--tensor-parallel-size GPUs (KubeRay adds worker pods "
+                                                          "while they do not fit); engines start on GPU nodes only, "
+                                                          "up to this many, so other nodes stay idle for the "
+                                                          "autoscaler to remove. Default: no demand, an engine on "
+                                                          "every node.")] = None,
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
@@ -248,7 +255,7 @@ def serve(
                 raise ValueError("--engine-options: the stub engine takes none")
             engine["engine"] = merge_engine_options(engine["engine"], engine_options)
         config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
-                                               "engines_per_node": engines_per_node,
+                                               "engines_per_node": engines_per_node, "target_engines": target_engines,
                                                "failure": {"max_restarts": max_restarts,
                                                            "restart_window_s": restart_window,
                                                            "max_group_deaths": max_group_deaths},

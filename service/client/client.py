@@ -131,8 +131,9 @@ class _BatchProgress:
     summary."""
 
     def __init__(self, groups: list[dict[str, Any]], batch_id: str, logprobs: bool, prompts: bool,
-                 wire: Wire, seed: int | None, progress: bool = False) -> None:
+                 wire: Wire, seed: int | None, progress: bool = False, timings: bool = False) -> None:
         self.batch_id = batch_id
+        self.timings = timings
         self.progress = progress
         self._delivered: dict[tuple[int, int], int] = {}  # per sample in flight, tokens its progress carried
         self.seed = seed
@@ -159,6 +160,8 @@ class _BatchProgress:
                 "return_prompt_token_ids": self._prompts, "resume_from": self._received}
         if self.progress:
             body["progress"] = True
+        if self.timings:
+            body["timings"] = True
         return body if self.seed is None else {**body, "seed": self.seed}
 
     def begin(self, response: httpx.Response) -> None:
@@ -234,9 +237,10 @@ class _ClientBase:
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
 
     def _progress(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None,
-                  logprobs: bool, prompts: bool, seed: int | None, progress: bool = False) -> _BatchProgress:
+                  logprobs: bool, prompts: bool, seed: int | None, progress: bool = False,
+                  timings: bool = False) -> _BatchProgress:
         return _BatchProgress(_groups_json(groups), batch_id or uuid.uuid4().hex, logprobs, prompts, self.wire, seed,
-                              progress)
+                              progress, timings)
 
     def _delay(self, attempt: int) -> float:
         """Seconds before retry `attempt` (1-based): exponential, capped at 10 s."""
@@ -287,13 +291,14 @@ class RolloutClient(_ClientBase):
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
                  logprobs: bool = False, return_prompt_token_ids: bool = False,
-                 seed: int | None = None, progress: bool = False) -> RolloutStream:
+                 seed: int | None = None, progress: bool = False, timings: bool = False) -> RolloutStream:
         """The batch's samples as they finish (iterate the result). `seed`: the batch's seed (the same seed draws
         the same samples; None: the server draws one, in `summary.seed`). `progress`: also yield each running
-        sample's new tokens as `ProgressRecord`s as they are made (each sample's before its record). Raises
-        RolloutError when the server refuses the batch, gives up retrying, or the batch ends aborted or failed."""
+        sample's new tokens as `ProgressRecord`s as they are made (each sample's before its record). `timings`:
+        records carry `finished_unix_s`. Raises RolloutError when the server refuses the batch, gives up
+        retrying, or the batch ends aborted or failed."""
         return RolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed,
-                                                  progress))
+                                                  progress, timings))
 
     def _call(self, method: str, path: str, json_body: Any = None, params: Mapping[str, Any] | None = None,
               content: bytes | None = None) -> Any:
@@ -416,11 +421,11 @@ class AsyncRolloutClient(_ClientBase):
 
     def generate(self, groups: Sequence[GroupRequest | Mapping[str, Any]], batch_id: str | None = None,
                  logprobs: bool = False, return_prompt_token_ids: bool = False,
-                 seed: int | None = None, progress: bool = False) -> AsyncRolloutStream:
-        """The batch's samples as they finish (`async for` the result); `seed`, `progress` and errors as
-        `RolloutClient.generate`."""
+                 seed: int | None = None, progress: bool = False, timings: bool = False) -> AsyncRolloutStream:
+        """The batch's samples as they finish (`async for` the result); `seed`, `progress`, `timings` and errors
+        as `RolloutClient.generate`."""
         return AsyncRolloutStream(self, self._progress(groups, batch_id, logprobs, return_prompt_token_ids, seed,
-                                                       progress))
+                                                       progress, timings))
 
     async def _call(self, method: str, path: str, json_body: Any = None,
                     params: Mapping[str, Any] | None = None, content: bytes | None = None) -> Any:

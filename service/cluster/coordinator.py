@@ -33,9 +33,10 @@ reloads the model and pulls its drafter history from the store with fresh cursor
 served, then it serves again. The samples the dead engine owed that had not arrived are sent to a serving engine
 (or the restarted one) as a group with n = their count, and renumbered back to the missing indices
 (service/cluster/engine_failure.py `Share`), so every sample index reaches the client exactly once. Each resumes
-from the tokens it had delivered (the engines report each sample's new tokens every
-`node_engine.PROGRESS_INTERVAL_S`; the coordinator keeps them per sample and hands them to the caller's
-`on_progress`), so a death costs the recomputation of prompt + prefix and the tokens of the last interval, not the sample. `ready()` while at
+from the tokens it had delivered (the engines report each sample's new tokens every stream interval,
+`node_engine.PROGRESS_INTERVAL_S` or longer with many engines, `_stream_interval`; the coordinator keeps them per
+sample and hands them to the caller's `on_progress`), so a death costs the recomputation of prompt + prefix and the
+tokens of the last interval, not the sample. `ready()` while at
 least one engine serves; `live()` False once no engine can ever serve again.
 
 An engine that fails to load (at the start, after a restart, on a node that joined) is told by its error's kind
@@ -55,7 +56,7 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -72,7 +73,7 @@ from das.service.cluster.engine_layout import LayoutError, cpu_engine_error, cpu
 from das.service.cluster.group_aborts import GroupAborts, aborted_sample
 from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
 from das.service.cluster.load_failure import LoadFailure, classify
-from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
+from das.service.cluster.node_engine import PROGRESS_INTERVAL_S, EngineNotStarted, NodeEngine
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink
 from das.service.engine.config import EngineConfig
@@ -126,12 +127,15 @@ class _PlacedWork:
         for share, group in work:
             self._add(name, group, -len(share.missing()))
 
-    def engine_of(self, problem_id: str, names: Sequence[str]) -> int | None:
-        """The index in `names` of the engine running most of the problem's samples (ties: the first), None if
-        none of them runs any."""
-        engines = self._problems.get(problem_id, Counter())
-        running = [i for i, name in enumerate(names) if engines[name] > 0]
-        return max(running, key=lambda i: (engines[names[i]], -i)) if running else None
+    def engine_of(self, problem_id: str, index: Mapping[str, int]) -> int | None:
+        """The index (`index`: engine name -> its index) of the engine running most of the problem's samples (ties:
+        the lowest index), None if none of those engines runs any. Reads the engines the problem runs on (one or
+        a few), not every engine: placement calls it for every group of a batch."""
+        engines = self._problems.get(problem_id)
+        if not engines:
+            return None
+        running = [(count, -index[name]) for name, count in engines.items() if count > 0 and name in index]
+        return -max(running)[1] if running else None
 
     def _add(self, name: str, group: GroupRequest, samples: int) -> None:
         if not samples:
@@ -178,6 +182,20 @@ class ServiceConfig(BaseModel):
     adopt_nodes_interval_s: float = Field(10.0, gt=0, description="seconds between looks for Ray nodes that joined "
                                           "after the start (a replaced or added worker pod) and have no engine yet; "
                                           "each gets its engine actors")
+    stream_items_per_s: float = Field(250.0, gt=0, description="Ray objects per second the coordinator aims to "
+                                      "receive from all engines' streams together: each engine sends its finished "
+                                      "samples and progress together, an object every max(50 ms, engines / this) "
+                                      "at most often, the interval capped at 5 s (the coordinator's CPU goes per "
+                                      "object, ~1.2-2.9 ms each with "
+                                      "the gateway's share on a busy 2-core host: docs/design.md \"The coordinator "
+                                      "at scale\")")
+    target_engines: int | None = Field(None, ge=1, description="engines the service wants, on GPU nodes: asked of "
+                                       "Ray as that many bundles of an engine's GPUs (tensor_parallel_size each; "
+                                       "ray.autoscaler.sdk.request_resources), which an autoscaler (KubeRay's) adds "
+                                       "worker nodes for while they do not fit; engines start on GPU nodes only, "
+                                       "up to this many, so nodes beyond them stay idle and an autoscaler removes "
+                                       "them. None: no demand, engines on every node (every GPU node where there "
+                                       "are any)")
 
     @model_validator(mode="after")
     def _one_engine(self) -> ServiceConfig:
@@ -185,6 +203,10 @@ class ServiceConfig(BaseModel):
             raise ValueError("give exactly one of engine and stub_engine")
         return self
 
+
+# The longest interval between an engine's stream items (`RayBackend._stream_interval`): a finished sample waits on its
+# engine this long at most, whatever the number of engines.
+_MAX_STREAM_INTERVAL_S = 5.0
 
 # Seconds of calls refused with ActorDiedError after which an actor is taken to be dead for good.
 _DEAD_FOR_GOOD_S = 30.0
@@ -204,12 +226,12 @@ def _lost_errors() -> tuple[type[BaseException], ...]:
             EngineNotStarted)
 
 
-def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool
-                   ) -> list[tuple[Any, list[str]]]:
+def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool,
+                   limit: int | None = None) -> list[tuple[Any, list[str]]]:
     """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one per engine, each holding its
     `tensor_parallel_size` GPUs (service/cluster/engine_layout.py; LayoutError where that does not divide the node's
-    GPUs), or `engines_per_node` on a node without any; each with the names of its engines. Engines are named by
-    the node's address, and its id unless `short_name` (a cluster of one node)."""
+    GPUs), or `engines_per_node` on a node without any, at most `limit` of them; each with the names of its engines.
+    Engines are named by the node's address, and its id unless `short_name` (a cluster of one node)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -222,11 +244,15 @@ def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: lis
     # coordinator, so nothing runs twice.
     tp = engine.tensor_parallel_size
     count = gpu_engines(gpus, tp, f"node {node['NodeManagerAddress']}") if gpus else config.engines_per_node
+    count = count if limit is None else min(count, limit)
     options = ray.remote(NodeEngine).options(
         num_cpus=0, num_gpus=tp if gpus else 0, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-    return [(options.remote(name, engine, shard_names, 1, first_index=g, history_push=config.history.push),
-             [f"{name}/{g}"]) for g in range(count)]
+    per_actor = engine.engines_per_actor if isinstance(engine, StubEngineConfig) else 1
+    firsts = range(0, count, per_actor)
+    return [(options.remote(name, engine, shard_names, min(per_actor, count - g), first_index=g,
+                            history_push=config.history.push),
+             [f"{name}/{g + i}" for i in range(min(per_actor, count - g))]) for g in firsts]
 
 
 @dataclass(eq=False)
@@ -299,6 +325,9 @@ class RayBackend:
         self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
         self._redispatched = 0
         self._given_up = 0  # samples ended with an error after max_group_deaths engine deaths
+        self._stream_items = 0  # Ray objects received from engine streams (samples or progress)
+        self._placement_s = 0.0  # seconds spent in _place, over `_placements` calls
+        self._placements = 0
         self._given_up_prompts = GivenUpPrompts(config.failure)  # what `check` refuses for a while after that
         self._sessions: SessionBook | None = None  # the gateway's (attach_sessions): where sessions' prefixes are
 
@@ -349,9 +378,17 @@ class RayBackend:
 
         alive = [n for n in ray.nodes() if n["Alive"]]
         gpu_nodes = [n for n in alive if n["Resources"].get("GPU", 0) > 0]
-        actors = [(n["NodeID"], handle, names) for n in gpu_nodes or alive
-                  for handle, names in _engine_actors(config, n, shard_names, short_name=len(alive) == 1)]
-        backend = cls(config, shards, shard_names, actors, bool(gpu_nodes), own_cluster=own_cluster)
+        actors: list[tuple[str, Any, list[str]]] = []
+        target = config.target_engines
+        for n in gpu_nodes if gpu_nodes or target is not None else alive:  # with a target: GPU nodes only
+            wanted = None if target is None else target - sum(len(names) for _, _, names in actors)
+            if wanted is not None and wanted <= 0:
+                break
+            actors += [(n["NodeID"], handle, names) for handle, names in
+                       _engine_actors(config, n, shard_names, short_name=len(alive) == 1, limit=wanted)]
+        backend = cls(config, shards, shard_names, actors, bool(gpu_nodes) or target is not None,
+                      own_cluster=own_cluster)
+        backend._request_engines(target or 0)
         _RayInThisProcess.users += 1
         await backend._load_difficulty()
         progress(f"{len(shards)} history shards, {len(actors)} engine actors; loading engines")
@@ -493,6 +530,8 @@ class RayBackend:
         for task in (*self._background, *actor_tasks, *([self._loading] if self._loading else [])):
             task.cancel()
         await asyncio.gather(*self._background, *actor_tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):  # no longer wanted: the autoscaler may remove the nodes once idle
+            self._request_engines(0)
         try:
             written = await asyncio.gather(*(s.snapshot.remote(True) for s in self._shards))
             log.info("history snapshots: %s", [w for w in written if w])
@@ -531,8 +570,14 @@ class RayBackend:
         return self._loading is not None and self._loading.done() and bool(self._serving())
 
     async def live(self) -> bool:
-        """False once no engine can serve again: every actor past its restart cap or its recovery timeout."""
-        return not all(actor.state == "failed" for actor in self._actors)
+        """False once no engine can serve again: every actor past its restart cap or its recovery timeout, and no
+        engine wanted of nodes yet to join (`target_engines`)."""
+        return self._awaiting_nodes() or not all(actor.state == "failed" for actor in self._actors)
+
+    def _awaiting_nodes(self) -> bool:
+        """Engines are wanted (`target_engines`) that no node has room for yet: an autoscaler may add one."""
+        target = self.config.target_engines
+        return target is not None and self._engines_kept() < target
 
     async def check(self, groups: Sequence[GroupRequest]) -> None:
         held = self._given_up_prompts.refused(list(groups), time.monotonic())
@@ -563,7 +608,16 @@ class RayBackend:
         """A session's turn goes to the engine holding its prefix while that one serves and is not overloaded
         (SessionBook.engine_for; each session is its own unit, so a problem's trajectories spread); a problem's
         other groups go where its samples already run, if they run on a serving engine; the rest, a problem's groups
-        of this batch together, by LPT from the engines' placed loads plus the idle sessions' reserved work."""
+        of this batch together, by LPT from the engines' placed loads plus the idle sessions' reserved work. Timed
+        into `placement_s`."""
+        started = time.perf_counter()
+        try:
+            return self._place_timed(groups, serving)
+        finally:
+            self._placement_s += time.perf_counter() - started
+            self._placements += 1
+
+    def _place_timed(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> _Placement:
         tagged = with_length_predictions(self._predictor, groups)
         if self._sessions is not None:
             # A turn tagged here plans its drafts with its trajectory's remaining tokens (one tagged before, e.g.
@@ -573,6 +627,7 @@ class RayBackend:
                 "length_curve": book.trajectory_curve(t.session_id, t.length_curve, _sample_load(t))})
                 for g, t in zip(groups, tagged)]
         names = [name for _, _, name in serving]
+        index = {name: i for i, name in enumerate(names)}
         loads = np.array([g.n * _sample_load(g) for g in tagged])
         existing = np.array([self._placed.load(name) for name in names], dtype=np.float64)
         if self._sessions is not None:
@@ -585,7 +640,7 @@ class RayBackend:
                 engine = self._sessions.engine_for(group.session_id, names, existing.tolist())
                 unit = ("session", group.session_id)
             else:
-                engine = self._placed.engine_of(group.problem_id, names)
+                engine = self._placed.engine_of(group.problem_id, index)
                 unit = ("problem", group.problem_id)
             if engine is None:
                 units.setdefault(unit, []).append(i)
@@ -602,8 +657,10 @@ class RayBackend:
                 if group.session_id is not None:
                     self._sessions.placed(group.session_id, names[int(assignment[i])])
         # inside an engine, longest predicted first (ties in batch order)
-        by_load = np.argsort(-loads, kind="stable")
-        return [[(int(i), tagged[int(i)]) for i in by_load[assignment[by_load] == e]] for e in range(len(names))]
+        per_engine: _Placement = [[] for _ in names]
+        for i in np.argsort(-loads, kind="stable").tolist():
+            per_engine[int(assignment[i])].append((i, tagged[i]))
+        return per_engine
 
     async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
                        aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
@@ -675,11 +732,14 @@ class RayBackend:
                 self._end_aborted(name, [item for item in work if aborts.aborted(item[0].group_index)], out)
                 if all(not share.missing() for share, _ in work):
                     return
+                interval = self._stream_interval()
                 generator = actor.handle.run.remote(local, [(k, share.request(group))
                                                             for k, (share, group) in enumerate(work)
-                                                            if share.missing()], run_id=run_id)
+                                                            if share.missing()], progress_interval_s=interval,
+                                                    item_interval_s=interval, run_id=run_id)
                 try:
                     async for ref in generator:
+                        self._stream_items += 1
                         for k, sample in await ref:
                             if isinstance(sample, SampleProgress):
                                 report = work[k][0].progress(sample)
@@ -804,7 +864,8 @@ class RayBackend:
                        samples_redispatched=self._redispatched, samples_given_up=self._given_up,
                        engine_recovery_s=dict(self._recovery_s),
                        engine_placed_tokens={name: self._placed.load(name) for name in self.engine_names},
-                       engine_load_failures=dict(self._load_failures),
+                       engine_load_failures=dict(self._load_failures), engine_stream_items=self._stream_items,
+                       placement_s=self._placement_s, placements=self._placements,
                        engines_failed={name: str(actor.error) for actor in self._actors if actor.state == "failed"
                                        for name in actor.names})
 
@@ -858,7 +919,7 @@ class RayBackend:
             serving = self._serving()
             if serving:
                 return min(serving, key=lambda engine: self._placed.load(engine[2]))
-            if all(actor.state == "failed" for actor in self._actors):
+            if all(actor.state == "failed" for actor in self._actors) and not self._awaiting_nodes():
                 raise RuntimeError("no engine can serve: " + "; ".join(str(a.error) for a in self._actors))
             await self._changed.wait()
 
@@ -976,14 +1037,20 @@ class RayBackend:
 
         if self._loading is None or not self._loading.done() or self._closing:
             return
+        every = await asyncio.to_thread(ray.nodes)
+        self._forget_departed({n["NodeID"] for n in every if n["Alive"]})
         known = {actor.node_id for actor in self._actors}
-        nodes = [n for n in await asyncio.to_thread(ray.nodes) if n["Alive"] and n["NodeID"] not in known
+        nodes = [n for n in every if n["Alive"] and n["NodeID"] not in known
                  and (not self._gpu_nodes or n["Resources"].get("GPU", 0) > 0)]
+        target = self.config.target_engines
         for node in nodes:
             if node["NodeID"] in self._refused_nodes:
                 continue
+            wanted = None if target is None else target - self._engines_kept()
+            if wanted is not None and wanted <= 0:  # a node beyond the target stays idle: an autoscaler removes it
+                break
             try:
-                handles = _engine_actors(self.config, node, self._shard_names, short_name=False)
+                handles = _engine_actors(self.config, node, self._shard_names, short_name=False, limit=wanted)
             except LayoutError as exc:  # said once; the engines already serving go on
                 self._refused_nodes.add(node["NodeID"])
                 log.error("node %s joined but runs no engine: %s", node["NodeManagerAddress"], exc)
@@ -1000,6 +1067,51 @@ class RayBackend:
         await self._load(actor)
         if actor.state == "serving":
             log.warning("engine %s joined and serves", ", ".join(actor.names))
+
+    def _stream_interval(self) -> float:
+        """Seconds between an engine's stream items (finished samples and progress travel together): 50 ms, longer
+        once the engines together would send more than `stream_items_per_s`, at most 5 s. A finished sample waits
+        up to this long on its engine (not the last ones of its engine's run), and a death loses up to this long of
+        a sample's tokens."""
+        return min(_MAX_STREAM_INTERVAL_S,
+                   max(PROGRESS_INTERVAL_S, len(self._engines) / self.config.stream_items_per_s))
+
+    def _engines_kept(self) -> int:
+        """Engines of the actors that have not failed for good (loading, serving or recovering)."""
+        return sum(len(actor.names) for actor in self._actors if actor.state != "failed")
+
+    def _request_engines(self, engines: int) -> None:
+        """Asks Ray's autoscaler for room for `engines` engines on GPU nodes, in place of the last request (0: no
+        request). A request is a floor on the cluster's resources, not a claim on them: the engines that run
+        satisfy it, and nodes beyond it that nothing uses are idle (docs/design.md "Autoscaling")."""
+        if self.config.target_engines is None:
+            return
+        from ray.autoscaler.sdk import request_resources
+
+        engine = self.config.engine or self.config.stub_engine
+        assert engine is not None
+        request_resources(bundles=[{"GPU": float(engine.tensor_parallel_size)}] * engines)
+
+    def _forget_departed(self, alive: set[str]) -> None:
+        """Drops the actors pinned to nodes that left the cluster and will not serve again (failed, or waiting for a
+        restart Ray cannot place): their engines leave the service's list and every figure, so a node an
+        autoscaler removed, or a replaced pod, is not shown as a failed engine. One still serving is left to its
+        watcher, which sees it die first."""
+        gone = [actor for actor in self._actors if actor.node_id and actor.node_id not in alive
+                and actor.state in ("failed", "recovering")]
+        for actor in gone:
+            log.warning("engine %s left with its node", ", ".join(actor.names))
+            for task in actor.tasks:
+                task.cancel()
+            self._actors.remove(actor)
+            self._engines = [engine for engine in self._engines if engine[0] is not actor]
+            for name in actor.names:
+                self._restarts.pop(name, None)
+                self._recovery_s.pop(name, None)
+            for key in [key for key in self._load_failures if key[0] in actor.names]:
+                del self._load_failures[key]
+        if gone:
+            self._notify()
 
     # ---- background ----
 

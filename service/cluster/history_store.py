@@ -126,7 +126,7 @@ class StoredRollout:
 
 @dataclass(slots=True)
 class _Problem:
-    prompt: tuple[int, ...]
+    prompt: array.array[int]  # int32, 4 bytes a token (a tuple of ints took ~36: 100k problems x 64 tokens, 230 MB)
     rollouts: deque[StoredRollout] = field(default_factory=deque)
     tokens: int = 0
 
@@ -240,11 +240,12 @@ class HistoryShard:
 
     def _add(self, origin: str, rec: RolloutRecord, seq: int | None = None) -> bool:
         problem = self._problems.get(rec.problem_id)
-        if problem is None or problem.prompt != rec.prompt_token_ids:
+        prompt = array.array("i", rec.prompt_token_ids)
+        if problem is None or problem.prompt != prompt:
             # A problem id asked with another prompt: the old rollouts continue another text; drop them.
             if problem is not None:
                 self._tokens -= problem.tokens
-            problem = self._problems[rec.problem_id] = _Problem(rec.prompt_token_ids)
+            problem = self._problems[rec.problem_id] = _Problem(prompt)
         newest = max((r.policy_version for r in problem.rollouts), default=rec.policy_version)
         if rec.policy_version <= newest - self.config.window_versions:
             return False
@@ -292,7 +293,7 @@ class HistoryShard:
             if problem is None:
                 out[pid] = ([], cursor)
                 continue
-            prompt = list(problem.prompt)
+            prompt = problem.prompt.tolist()
             records = [_record(pid, prompt, r) for r in problem.rollouts
                        if r.seq > cursor and r.origin != exclude_origin]
             out[pid] = (records, max((r.seq for r in problem.rollouts), default=cursor))
@@ -332,7 +333,7 @@ class HistoryShard:
         doc = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "shards": self.config.shards,
                "seq": self._seq, "received": {o: [r.floor, sorted(r.above)] for o, r in self._received.items()},
                "problems": [
-            {"problem_id": pid, "prompt": array.array("i", p.prompt).tobytes(),
+            {"problem_id": pid, "prompt": p.prompt.tobytes(),
              "rollouts": [[r.seq, r.origin, r.policy_version, r.sample_index, r.output.tobytes(), r.finish_reason,
                            r.reward] for r in p.rollouts],
              "difficulty": dump_difficulty(h) if (h := self.difficulty.get(pid)) is not None else None}

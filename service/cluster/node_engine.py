@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 import uuid
 from collections import OrderedDict, defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
@@ -51,6 +52,10 @@ _EARLY_ABORTS = 1024
 # Seconds between an engine's progress reports at most (docs/design.md "Token progress"): often enough for a stream
 # of deltas to look live and for a death to lose little, rare enough to cost one Ray object per engine per interval.
 PROGRESS_INTERVAL_S = 0.05
+# Seconds between an engine's stream items at least, by default (unless 64 samples wait): a sample that finishes waits
+# up to this long to travel with the others and the next progress report, because the coordinator's CPU goes per Ray
+# object (docs/design.md "The coordinator at scale"; the coordinator passes a longer one with many engines).
+ITEM_INTERVAL_S = PROGRESS_INTERVAL_S
 
 
 def _shard_actor(shard: Any) -> Any:
@@ -211,12 +216,14 @@ class NodeEngine:
         return None
 
     async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]],
-                  progress_interval_s: float = PROGRESS_INTERVAL_S, run_id: str | None = None
+                  progress_interval_s: float = PROGRESS_INTERVAL_S, run_id: str | None = None,
+                  item_interval_s: float = ITEM_INTERVAL_S
                   ) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
         """Runs (batch index, group) pairs on engine `engine`, starting them in the given order; yields lists of
         (batch index, sample) as samples finish, and (batch index, progress) of the samples in flight: each
         sample's new tokens since its last report, every `progress_interval_s` seconds at most (merged per sample,
-        all samples' reports in one item). Cancelling the Ray task aborts the samples still running. `run_id`
+        all samples' reports in one item). Items follow each other by `item_interval_s` at least (finished samples
+        wait for the next, up to 64 at once). Cancelling the Ray task aborts the samples still running. `run_id`
         names the run for `abort_group`."""
         self._started()
         aborts = GroupAborts()
@@ -225,7 +232,8 @@ class NodeEngine:
             for index in self._early_aborts.pop(run_id, ()):
                 aborts.abort(index)
         try:
-            async with contextlib.aclosing(self._run(engine, groups, progress_interval_s, aborts)) as stream:
+            async with contextlib.aclosing(self._run(engine, groups, progress_interval_s, aborts,
+                                                     item_interval_s)) as stream:
                 async for items in stream:
                     yield items
         finally:
@@ -245,7 +253,8 @@ class NodeEngine:
             aborts.abort(index)
 
     async def _run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]], progress_interval_s: float,
-                   aborts: GroupAborts) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
+                   aborts: GroupAborts, item_interval_s: float = ITEM_INTERVAL_S
+                   ) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
         target = self.engines[engine]
         name, origin = self.names[engine], self._origins[engine]
         try:
@@ -274,6 +283,7 @@ class NodeEngine:
                     if sample.finish_reason == "error" and target.dead:
                         self._engine_died(engine)  # the sample is owed, not failed: it is drawn again elsewhere
                     sample.engine = name
+                    sample.finished_unix_s = time.time()
                     if sample.finish_reason in ("stop", "length") and sample.prompt_token_ids:
                         records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
                                         "sample_index": sample.sample_index,
@@ -297,7 +307,7 @@ class NodeEngine:
         streams: list[AsyncIterator[Any]] = [one(i, g) for i, g in groups]
         if groups:
             streams.append(progress())
-        async with contextlib.aclosing(merge_batches(streams, _MAX_SAMPLES_PER_ITEM)) as merged:
+        async with contextlib.aclosing(merge_batches(streams, _MAX_SAMPLES_PER_ITEM, item_interval_s)) as merged:
             async for items in merged:
                 yield [pair for item in items for pair in (item if isinstance(item, list) else [item])]
 

@@ -91,7 +91,10 @@ class BackendStats:
     actors' current processes. `engine_placed_tokens`: per engine, the predicted output tokens of the samples placed
     there that have not reached the client (current; what placement balances). `engine_load_failures`: per (engine,
     reason) the loads that failed since the service started (service/cluster/load_failure.py: the reason says whether
-    a retry could mend it); `engines_failed`: per engine that stays down, why (its cause and what to do)."""
+    a retry could mend it); `engines_failed`: per engine that stays down, why (its cause and what to do).
+    `engine_stream_items`: Ray objects received from the engines' streams since the start (each carries up to 64
+    finished samples, or a progress report: the coordinator's per-event work); `placement_s` / `placements`: seconds
+    spent placing groups on engines, and the placements (one per batch, plus one per re-dispatch after a death)."""
 
     engines: tuple[EngineLoad, ...] = ()
     engines_ready: int = 0
@@ -108,6 +111,9 @@ class BackendStats:
     engine_placed_tokens: dict[str, float] = field(default_factory=dict)
     engine_load_failures: dict[tuple[str, str], int] = field(default_factory=dict)
     engines_failed: dict[str, str] = field(default_factory=dict)
+    engine_stream_items: int = 0
+    placement_s: float = 0.0
+    placements: int = 0
 
 
 class RolloutBackend(Protocol):
@@ -178,26 +184,45 @@ class RolloutBackend(Protocol):
         ...
 
 
-async def merge_batches(streams: Sequence[AsyncIterator[Any]], max_items: int) -> AsyncGenerator[list[Any], None]:
+async def merge_batches(streams: Sequence[AsyncIterator[Any]], max_items: int, min_interval_s: float = 0.0
+                        ) -> AsyncGenerator[list[Any], None]:
     """The items of all `streams` in the order they arrive, in lists of what is ready at once (1 to `max_items`
-    items). The first stream to raise ends the merge with its exception; closing the merge (or an error) cancels
-    every stream still running and waits for them."""
+    items). With `min_interval_s`, a list follows the start, or the previous list, by at least that many seconds
+    unless `max_items` are waiting or every stream has ended: items that arrive in between travel together (fewer,
+    fuller lists; an item waits `min_interval_s` at most, and the last ones do not wait: a run shorter than the
+    interval is one list). The first stream to raise ends the merge with its exception; closing the merge (or an
+    error) cancels every stream still running and waits for them."""
+    loop = asyncio.get_running_loop()
+    last = loop.time()  # when the previous list was yielded, or the merge started
     done = object()  # a stream's end marker in the merged queue
     merged: asyncio.Queue[Any] = asyncio.Queue()
+    ended = 0  # streams that have ended (put their marker or their error)
+    wake = asyncio.Event()  # set when a full list waits or every stream has ended: the interval is cut short
 
     async def pump(stream: AsyncIterator[Any]) -> None:
+        nonlocal ended
         try:
             async for item in stream:
                 merged.put_nowait(item)
+                if merged.qsize() + 1 >= max_items:
+                    wake.set()
             merged.put_nowait(done)
         except Exception as exc:  # handed to the consumer, which owns the error
             merged.put_nowait(exc)
+        ended += 1
+        if ended == len(streams):
+            wake.set()
 
     tasks = [asyncio.create_task(pump(s)) for s in streams]
     try:
         running = len(tasks)
         while running:
             ready = [await merged.get()]
+            wait = last + min_interval_s - loop.time()
+            if wait > 0 and merged.qsize() + 1 < max_items and ended < len(streams):
+                wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), wait)
             while len(ready) < max_items and not merged.empty():
                 ready.append(merged.get_nowait())
             items = []
@@ -210,6 +235,7 @@ async def merge_batches(streams: Sequence[AsyncIterator[Any]], max_items: int) -
                     items.append(item)
             if items:
                 yield items
+                last = loop.time()
     finally:
         for task in tasks:
             task.cancel()

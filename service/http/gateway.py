@@ -213,8 +213,9 @@ class _Batch:
     they are, and results held for replay cost bytes per token rather than Python objects."""
 
     def __init__(self, batch_id: str, groups: list[GroupRequest], logprobs: bool, prompts: bool,
-                 fingerprint: str, seed: int, progress: bool = False) -> None:
+                 fingerprint: str, seed: int, progress: bool = False, timings: bool = False) -> None:
         self.batch_id = batch_id
+        self.timings = timings  # records carry finished_unix_s
         # Token progress and records in one order, for streams that asked for progress (service/http/batch_progress.py)
         self.progress_log = ProgressLog(_pack, logprobs) if progress else None
         self.seed = seed
@@ -266,6 +267,8 @@ class _Batch:
         if sample.tool_calls is not None:
             record["tool_calls"] = [call.model_dump() for call in sample.tool_calls]
             record["content"] = sample.content
+        if self.timings and sample.finished_unix_s is not None:
+            record["finished_unix_s"] = sample.finished_unix_s
         frame = _pack(record)
         self.frames.append(frame)
         self.size += len(frame)
@@ -544,7 +547,7 @@ class _Gateway:
             # Seeds are fixed here, once: a sample re-run after its engine died draws the same tokens.
             seed = body.seed if body.seed is not None else fresh_seed()
             batch = _Batch(body.batch_id or uuid.uuid4().hex, seeded_groups(body.groups, seed), body.logprobs,
-                           body.return_prompt_token_ids, fingerprint, seed, body.progress)
+                           body.return_prompt_token_ids, fingerprint, seed, body.progress, body.timings)
             turns = [(g.session_id, g.problem_id) for g in body.groups if g.session_id is not None]
             if turns:
                 try:
@@ -582,18 +585,28 @@ class _Gateway:
                 loop = asyncio.get_running_loop()
                 # Started here, not before the gate: a batch held behind a reload is waiting, not stalled.
                 stalled = batch.stall = asyncio.timeout(None if self.paused else stall_s)
+                def alive() -> None:
+                    # A token or a sample made: the batch is not stalled. The deadline moves when it would move by
+                    # 1% of stall_s (1 s at most) or more, so a stall is declared at most that much early (re-armed
+                    # for every progress report, the timer cost the gateway ~30 us each, several a sample).
+                    assert stalled is not None
+                    self.stalls_in_a_row = 0
+                    if self.paused:
+                        stalled.reschedule(None)
+                        return
+                    deadline, when = loop.time() + stall_s, stalled.when()
+                    if when is None or deadline - when >= min(1.0, stall_s / 100):
+                        stalled.reschedule(deadline)
+
                 def heard(group_index: int, report: SampleProgress) -> None:
                     # a token made anywhere in the batch: it is not stalled (a long sample is not a stall)
-                    assert stalled is not None
-                    stalled.reschedule(None if self.paused else loop.time() + stall_s)
-                    self.stalls_in_a_row = 0
+                    alive()
                     batch.progress(group_index, report)
 
                 samples = self.backend.generate(batch.groups, heard, batch.aborts)
                 async with stalled, contextlib.aclosing(samples) as stream:
                     async for group_index, sample in stream:
-                        stalled.reschedule(None if self.paused else loop.time() + stall_s)
-                        self.stalls_in_a_row = 0
+                        alive()
                         self.metrics.observe_sample(sample, batch.groups[group_index].sampling.max_tokens)
                         if batch is self._current:
                             self.metrics.current_batch_longest = max(self.metrics.current_batch_longest,

@@ -314,6 +314,13 @@ class GatewayMetrics:
         for engine, tokens in sorted(stats.engine_placed_tokens.items()):
             placed.add_metric([engine], tokens)
         yield placed
+        yield CounterMetricFamily("das_engine_stream_items", "Ray objects the coordinator received from the "
+                                  "engines' streams (each up to 64 finished samples, or a progress report).",
+                                  value=stats.engine_stream_items)
+        yield CounterMetricFamily("das_placement_seconds", "Seconds the coordinator spent placing groups on "
+                                  "engines (over das_placements placements).", value=stats.placement_s)
+        yield CounterMetricFamily("das_placements", "Placements of groups on engines: one per batch, one per "
+                                  "re-dispatch after an engine death.", value=stats.placements)
         yield CounterMetricFamily("das_samples_redispatched", "Samples a dead engine owed that had not reached the "
                                   "client, run again on a serving engine.", value=stats.samples_redispatched)
         yield CounterMetricFamily("das_samples_given_up", "Samples ended with finish_reason error, not run again: "

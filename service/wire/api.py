@@ -346,6 +346,8 @@ class SampleResult(BaseModel):
                                            "ran (an in-process backend)")
     redispatches: int = Field(0, ge=0, description="engine deaths the sample was drawn again after (on another "
                                                    "engine, or the restarted one)")
+    finished_unix_s: float | None = Field(None, description="when the sample left its engine (its engine actor's "
+                                          "clock, Unix seconds); None where no engine actor ran it")
 
 
 # --- the HTTP batch API ----------------------------------------------------------------------------------------
@@ -376,6 +378,8 @@ class RolloutRequest(BaseModel):
     progress: bool = Field(False, description="the stream also carries each running sample's new tokens as they "
                                               "are made, as {\"progress\": {...}} objects before its record "
                                               "(service/http/gateway.py says what they hold)")
+    timings: bool = Field(False, description="each record carries finished_unix_s, when the sample left its engine "
+                                             "(load tests: a sample's time from its engine to the client)")
     seed: int | None = Field(None, ge=-INT64_MAX - 1, le=INT64_MAX, description=(
         "the batch's seed: group g without a sampling.seed of its own samples with seed derive(seed, g), so the "
         "same batch with the same seed gives the same samples; None: a fresh one (BatchSummary.seed says which)"))
@@ -416,6 +420,9 @@ class SampleRecord(BaseModel):
     tool_calls: list[ToolCall] | None = Field(None, description="as SampleResult.tool_calls: present where the "
                                               "group named a tool_parser")
     content: str | None = Field(None, description="as SampleResult.content: present with tool_calls")
+    finished_unix_s: float | None = Field(None, description="as SampleResult.finished_unix_s: when the sample left "
+                                          "its engine (Unix seconds, the engine node's clock); only where the batch "
+                                          "asked for timings and it is known")
 
 
 BatchStatus = Literal["queued", "running", "done", "aborted", "failed"]

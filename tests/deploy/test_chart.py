@@ -50,6 +50,7 @@ ALL_OPTIONS: dict[str, Any] = {
     "head": {"extraVolumes": [{"name": "scratch", "emptyDir": {}}],
              "extraVolumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]},
     "serviceMonitor": {"enabled": True}, "dashboards": {"enabled": True},
+    "autoscaling": {"enabled": True, "targetEngines": 16},
 }
 CASES = {"defaults": None, "example-8xh100": example_values(EXAMPLE), "all-options": ALL_OPTIONS}
 
@@ -120,6 +121,8 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
     assert params["max_group_deaths"] == values["engine"]["maxGroupDeaths"]
     assert params["snapshot_interval"] == values["history"]["snapshotIntervalSeconds"]
+    autoscaling = values["autoscaling"]
+    assert params["target_engines"] == ((autoscaling["targetEngines"] or None) if autoscaling["enabled"] else None)
     assert params["token"] is None  # never on the command line (visible in the pod spec): DAS_TOKEN from a Secret
 
     container = head_container(docs)

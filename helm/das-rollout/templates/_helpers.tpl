@@ -82,6 +82,9 @@ bash (it starts Ray first), so every value from the user is quoted here rather t
 {{- if $v.weights.volume }}
 {{- $args = concat $args (list "--weights-root" (include "das-rollout.shellQuote" $v.weights.mountPath)) -}}
 {{- end }}
+{{- if and $v.autoscaling.enabled $v.autoscaling.targetEngines }}
+{{- $args = concat $args (list "--target-engines" (toString (int $v.autoscaling.targetEngines))) -}}
+{{- end }}
 {{- range $v.engine.extraArgs }}
 {{- $args = append $args (include "das-rollout.shellQuote" .) -}}
 {{- end }}

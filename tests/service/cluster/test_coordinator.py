@@ -100,21 +100,29 @@ def test_the_placed_work_ledger_holds_each_sample_once_and_names_a_problems_engi
     ledger.hold("e0", [(share_a, a)])
     ledger.hold("e1", [(share_b, b)])
     assert ledger.tokens == {"e0": 30.0, "e1": 10.0}
-    assert ledger.engine_of("a", ["e0", "e1"]) == 0 and ledger.engine_of("a", ["e1", "e0"]) == 1
-    assert ledger.engine_of("a", ["e1"]) is None  # its engine is not serving
-    assert ledger.engine_of("c", ["e0", "e1"]) is None
+    assert ledger.engine_of("a", {"e0": 0, "e1": 1}) == 0 and ledger.engine_of("a", {"e1": 0, "e0": 1}) == 1
+    assert ledger.engine_of("a", {"e1": 0}) is None  # its engine is not serving
+    assert ledger.engine_of("c", {"e0": 0, "e1": 1}) is None
     # a second group of "a" on e1 with more samples: e1 runs most of it
     ledger.hold("e1", [(Share(2, (0, 1, 2, 3)), a)])
-    assert ledger.engine_of("a", ["e0", "e1"]) == 1
+    assert ledger.engine_of("a", {"e0": 0, "e1": 1}) == 1
     # one sample of the first arrives, then its job ends without the rest (cancelled): all of it is gone
     share_a.take(SampleResult(problem_id="a", sample_index=0, token_ids=[], logprobs=[], finish_reason="stop",
                               policy_version=0))
     ledger.arrived("e0", a)
     ledger.release("e0", [(share_a, a)])
-    assert ledger.tokens["e0"] == 0.0 and ledger.engine_of("a", ["e0", "e1"]) == 1
+    assert ledger.tokens["e0"] == 0.0 and ledger.engine_of("a", {"e0": 0, "e1": 1}) == 1
     ledger.release("e1", [(Share(2, (0, 1, 2, 3)), a), (share_b, b)])
     assert ledger.tokens["e1"] == 0.0
-    assert ledger.engine_of("a", ["e0", "e1"]) is None and ledger.engine_of("b", ["e0", "e1"]) is None
+    assert ledger.engine_of("a", {"e0": 0, "e1": 1}) is None and ledger.engine_of("b", {"e0": 0, "e1": 1}) is None
+
+
+@pytest.mark.parametrize("engines, interval", [(1, 0.05), (12, 0.05), (64, 0.256), (1024, 4.096), (5000, 5.0)])
+def test_the_stream_interval_keeps_the_objects_per_second_bounded(engines: int, interval: float) -> None:
+    # 250 objects a second over all engines by default: 50 ms for a few engines, longer with many, 5 s at most
+    backend = RayBackend(ServiceConfig(stub_engine={}), [], [], [], gpu_nodes=False)
+    backend._engines = [(None, i, f"e{i}") for i in range(engines)]  # type: ignore[misc]
+    assert backend._stream_interval() == pytest.approx(interval)
 
 
 def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEventLoop, tmp_path: Path,

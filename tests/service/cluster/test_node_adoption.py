@@ -75,6 +75,9 @@ def test_a_node_that_joins_later_gets_an_engine_and_a_replaced_one_too(cluster: 
         third = next(name for name in backend.serving_engines if name not in (first, second))
         assert replacement.node_id[:6] in third
         wait_for(lambda: second not in backend.serving_engines, "the engine of the node that left still serves")
+        # gone with its node: not listed as a failed engine (a replaced pod is not a failure)
+        wait_for(lambda: second not in backend.engine_names, "the engine of the node that left is still listed")
+        assert second not in backend.stats().engines_failed
         assert run(collect(backend)) == {first, third}
         assert run(backend.ready()) and run(backend.live())
     finally:

@@ -122,6 +122,24 @@ def test_msgpack_stream_carries_logprobs_when_asked(serve):
     assert last["summary"]["status"] == "done"
 
 
+class _TimedBackend(StubBackend):
+    """Samples stamped as an engine actor stamps them (finished_unix_s)."""
+
+    async def generate(self, groups, on_progress=None, aborts=None):  # noqa: ANN001, ANN201 - as StubBackend's
+        async for index, sample in super().generate(groups, on_progress, aborts):
+            sample.finished_unix_s = 1_800_000_000.5
+            yield index, sample
+
+
+def test_records_carry_when_their_sample_left_its_engine_only_when_asked(serve):
+    _, http = serve(_TimedBackend(output_tokens=2))
+    asked = read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2), "timings": True}))[:-1]
+    plain = read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2)}))[:-1]
+    assert [r["finished_unix_s"] for r in asked] == [1_800_000_000.5] * 2
+    assert len(plain) == 2 and all("finished_unix_s" not in r for r in plain)  # what older clients can read
+    assert all(SampleRecord.model_validate(r).finished_unix_s is None for r in plain)
+
+
 def test_samples_stream_before_the_batch_ends(serve):
     _, http = serve(StubBackend(first_delay_s=0.05, interval_s=0.15))
     with http.stream("POST", "/v1/rollouts", json={"batch_id": "slow", "groups": groups(2, 3)}) as response:

@@ -1,0 +1,30 @@
+"""`das bench scale` at a small size: 8 engines hosted 4 to an actor on a 2-node Ray test cluster, 256 samples
+through the gateway and coordinator; every figure is measured, and each engine is placed and streamed as one."""
+
+import pytest
+
+from das.bench.cluster_scale import ScaleConfig, run_scale_bench
+
+
+def test_small_cluster_measures_every_figure() -> None:
+    messages: list[str] = []
+    result = run_scale_bench(ScaleConfig(engines=(8,), samples=(256,), nodes=2, engines_per_actor=4),
+                             progress=messages.append)
+    (run,) = result.runs
+    assert (run.engines, run.samples, run.actors) == (8, 256, 2)
+    assert run.samples_per_s > 0 and run.wall_s > 0
+    assert run.coordinator_cpu_s > 0 and run.coordinator_cpu_s_per_sample == pytest.approx(run.coordinator_cpu_s / 256)
+    # 16 groups over 8 engines: every engine streams at least its finished samples, in at most 64 a Ray object
+    assert run.engine_events >= 8
+    assert run.placement_s_per_batch > 0
+    assert run.coordinator_rss_mib > 50
+    # every sample carries when it left its engine; the client saw each after that
+    assert 0 <= run.engine_to_client_p50_ms <= run.engine_to_client_p99_ms <= run.engine_to_client_max_ms < 60_000
+    assert any("8 engines in 2 actors ready" in m for m in messages)
+    assert result.to_dict()["runs"][0]["coordinator_cpu_s_per_sample"] == run.coordinator_cpu_s_per_sample
+
+
+@pytest.mark.parametrize("engines, samples", [((6,), (256,)), ((8,), (250,)), ((), (256,))])
+def test_refuses_sizes_that_do_not_split(engines: tuple[int, ...], samples: tuple[int, ...]) -> None:
+    with pytest.raises(ValueError):
+        ScaleConfig(engines=engines, samples=samples, nodes=4).check()
