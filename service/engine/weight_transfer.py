@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
 from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
     TrainerInitInfo,
     TrainerWeightTransferEngine,
     VLLMWeightSyncClient,
@@ -193,3 +194,28 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if self._group is not None:
             self._group.close()
             self._group = None
+
+
+class PushedPairs(WeightSource):
+    """A `WeightSource` over the (name, tensor) pairs of the current push: the trainer's `WeightSender` sets
+    `pairs` before each `send_weights` (vLLM's trainer engines take their source once, at init)."""
+
+    def __init__(self) -> None:
+        self.pairs: list[tuple[str, torch.Tensor]] = []
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in self.pairs]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.pairs)
+
+
+def nccl_trainer(client: VLLMWeightSyncClient, master_address: str, master_port: int,
+                 world_size: int) -> TrainerWeightTransferEngine:
+    """vLLM's NCCL trainer engine (rank 0, the sender) over `client`, its source a `PushedPairs`: what the
+    trainer's WeightSender pushes with on GPU engines. Needs CUDA on the trainer."""
+    from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+    return WeightTransferTrainerFactory.trainer_init(
+        NCCLTrainerInitInfo(master_address=master_address, master_port=master_port, world_size=world_size, rank=0),
+        client=client, source=PushedPairs())
