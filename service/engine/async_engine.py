@@ -517,6 +517,8 @@ class Engine:
         async with self._reloading:
             swap = await self._begin_swap()
             await worker_rpc(self._llm, "reload_weights", kwargs={"weights_path": str(path)})
+            # vLLM's reload leaves a tied output layer on the old weights (weight_transfer.py refresh_tied_head)
+            await worker_rpc(self._llm, "das_refresh_tied_head")
             await self._end_swap(swap, new)
         return self.policy_version
 

