@@ -252,7 +252,7 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
         await transfer(gateway.weight_updates.shutdown())
         return TransferMessage(message="Weight transfer shut down")
 
-    @router.get("/get_world_size")
+    @router.get("/get_world_size", responses=error_responses({400: "include_dp is not a boolean"}, ErrorResponse))
     async def get_world_size(include_dp: Annotated[bool, Query()] = True) -> WorldSizeResponse:
         """Model workers of every serving engine (`include_dp` is vLLM's; engines are the service's data
         parallelism, so it changes nothing)."""

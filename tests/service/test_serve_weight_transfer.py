@@ -10,12 +10,14 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
 from das.service.client import RolloutClient
+from das.service.wire.sample_progress import ProgressRecord
 from das.service.engine.models import prepare_model
 from tests.service.test_serve import TOKEN, Server, metric
 
@@ -102,8 +104,9 @@ def perturbed(tmp_path_factory, smollm2) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2):
-    server = Server(smollm2, tmp_path_factory.mktemp("state"), "--weight-transfer", "gloo")
+def server(tmp_path_factory, smollm2, perturbed):
+    server = Server(smollm2, tmp_path_factory.mktemp("state"), "--weight-transfer", "gloo", "--weights-root",
+                    str(perturbed.parent))
     try:
         server.wait_ready()
         yield server
@@ -146,15 +149,50 @@ def test_a_trainer_killed_mid_push_leaves_the_old_weights_serving(server, before
     assert served_version(server.url) == 0
 
 
+def test_a_push_while_paused_splits_the_held_sample_between_the_two_versions(server, perturbed):
+    long = [{"problem_id": "span", "prompt": "Once upon a time", "n": 1,
+             "sampling": {"max_tokens": 96, "temperature": 1.0, "seed": 7, "ignore_eos": True}}]
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    started = threading.Event()
+    result: list = []
+
+    def run() -> None:
+        with RolloutClient(server.url, TOKEN) as client:
+            for record in client.generate(long, progress=True):
+                started.set()
+                if not isinstance(record, ProgressRecord):
+                    result.append(record)
+
+    reader = threading.Thread(target=run)
+    reader.start()
+    assert started.wait(120)
+    assert httpx.post(f"{server.url}/pause", params={"mode": "keep"}, headers=auth).status_code == 200
+    served = served_version(server.url)
+    assert run_trainer(server.url, perturbed / "model.safetensors") == {"version": served + 1}
+    assert httpx.post(f"{server.url}/resume", headers=auth).status_code == 200
+    reader.join(300)
+    (sample,) = result
+    (old, start), (new, resumed) = sample.policy_spans
+    assert (old, start, new) == (served, 0, served + 1) and 0 < resumed < 96 and len(sample.output_token_ids) == 96
+
+
 def test_a_pushed_checkpoint_serves_the_samples_of_a_server_started_on_it(server, before, perturbed, tmp_path):
+    served = served_version(server.url)
     outcome = run_trainer(server.url, perturbed / "model.safetensors")
-    assert outcome == {"version": 1}
+    assert outcome == {"version": served + 1}
     pushed, versions = samples(server.url)
-    assert versions == {1} and pushed != before
+    assert versions == {served + 1} and pushed != before
     text = scrape(server.url)
-    assert metric(text, "das_weight_transfers") == 1 and metric(text, "das_policy_version") == 1
+    assert metric(text, "das_policy_version") == served + 1
+    pushes = metric(text, "das_weight_transfers")
     checkpoint = perturbed / "model.safetensors"
-    assert metric(text, "das_weight_transfer_bytes") == checkpoint.stat().st_size - _header_bytes(checkpoint)
+    assert pushes >= 1  # this one, and any pushed by the tests before
+    assert metric(text, "das_weight_transfer_bytes") == pushes * (checkpoint.stat().st_size - _header_bytes(checkpoint))
+    # the same copy through the checkpoint path: the same samples (both reload a tied head: weight_transfer.py)
+    reload = httpx.post(f"{server.url}/update_weights", json={"path": str(perturbed)},
+                        headers={"Authorization": f"Bearer {TOKEN}"})
+    assert reload.status_code == 200, reload.text
+    assert samples(server.url) == (pushed, {served + 2})
     server.stop()
     reference = Server(perturbed, tmp_path / "state")
     try:
