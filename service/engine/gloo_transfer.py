@@ -24,7 +24,7 @@ import dataclasses
 import datetime
 from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -66,7 +66,7 @@ class GlooUpdateInfo:
 
     names: list[str]
     dtype_names: list[str]
-    shapes: list[list[int]] = field(default_factory=list)
+    shapes: list[list[int]]
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):

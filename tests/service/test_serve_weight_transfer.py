@@ -85,7 +85,7 @@ def samples(url: str) -> tuple[list[list[int]], set[int]]:
 
 
 def scrape(url: str) -> str:
-    return httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text
+    return httpx.get(f"{url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60).text
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +123,7 @@ def before(server) -> list[list[int]]:
 
 
 def served_version(url: str) -> int:
-    reply = httpx.get(f"{url}/v1/weights/transfer", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+    reply = httpx.get(f"{url}/v1/weights/transfer", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60).json()
     assert reply["backend"] == "gloo" and reply["world_size"] == 1
     return int(reply["policy_version"])
 
@@ -166,10 +166,10 @@ def test_a_push_while_paused_splits_the_held_sample_between_the_two_versions(ser
     reader = threading.Thread(target=run)
     reader.start()
     assert started.wait(120)
-    assert httpx.post(f"{server.url}/pause", params={"mode": "keep"}, headers=auth).status_code == 200
+    assert httpx.post(f"{server.url}/pause", params={"mode": "keep"}, headers=auth, timeout=60).status_code == 200
     served = served_version(server.url)
     assert run_trainer(server.url, perturbed / "model.safetensors") == {"version": served + 1}
-    assert httpx.post(f"{server.url}/resume", headers=auth).status_code == 200
+    assert httpx.post(f"{server.url}/resume", headers=auth, timeout=60).status_code == 200
     reader.join(300)
     (sample,) = result
     (old, start), (new, resumed) = sample.policy_spans
@@ -190,7 +190,7 @@ def test_a_pushed_checkpoint_serves_the_samples_of_a_server_started_on_it(server
     assert metric(text, "das_weight_transfer_bytes") == pushes * (checkpoint.stat().st_size - _header_bytes(checkpoint))
     # the same copy through the checkpoint path: the same samples (both reload a tied head: weight_transfer.py)
     reload = httpx.post(f"{server.url}/update_weights", json={"path": str(perturbed)},
-                        headers={"Authorization": f"Bearer {TOKEN}"})
+                        headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300)
     assert reload.status_code == 200, reload.text
     assert samples(server.url) == (pushed, {served + 2})
     server.stop()
