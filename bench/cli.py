@@ -489,7 +489,7 @@ def bench_weight_sync(
                           "push_gb_s": times.bytes / times.push_s / 1e9,
                           "checkpoint_gb_s": times.bytes / times.checkpoint_s / 1e9}))
         return
-    console.print(f"{times.bytes / 1e9:.3f} GB of tensors, medians of {times.repeats} repeat(s)")
+    console.print(f"{times.bytes / 1e6:.1f} MB of tensors, medians of {times.repeats} repeat(s)")
     for arm, seconds, rate in times.rows():
         console.print(f"{arm:<28} {seconds:8.3f} s {rate:8.3f} GB/s")
 
