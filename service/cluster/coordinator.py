@@ -1095,6 +1095,11 @@ class RayBackend:
         # An actor that only seemed dead (unreachable for a moment) kept its weights.
         if self._weights is not None and await actor.handle.policy_version.remote() != self._weights[1]:
             await actor.handle.reload_weights.remote(*self._weights)
+        checkpointed = self._weights[1] if self._weights is not None else 0
+        if self._version > checkpointed:  # pushed weights live in the engines only (docs/design.md "Not done yet")
+            log.warning("engine %s serves policy version %d (its last checkpoint), not the pushed %d, until the "
+                        "trainer pushes again (the push after a restart re-forms the group with it)",
+                        ", ".join(actor.names), checkpointed, self._version)
         if self._paused is not None:  # it holds new work until /resume, as the others do
             await actor.handle.pause.remote(*self._paused)
 
