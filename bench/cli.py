@@ -557,6 +557,37 @@ def bench_architecture(
     emit(result, as_json)
 
 
+@bench_app.command("weight-sync")
+def bench_weight_sync(
+    checkpoint: Annotated[Path, typer.Argument(help="A model directory whose safetensors carry the served model's "
+                                                    "names and shapes (e.g. `das models perturb` of it).")],
+    weights_root: Annotated[Path, typer.Option("--weights-root", help="The server's --weights-root, as this "
+                                               "process sees it: the checkpoint arm writes there.")],
+    url: Annotated[str, typer.Option(help="A running `das serve` with weight transfer on (no trainer using it: "
+                                          "every sync moves its policy version).")] = "http://127.0.0.1:8000",
+    token: Annotated[Optional[str], typer.Option(envvar="DAS_TOKEN", show_default=False)] = None,
+    repeats: Annotated[int, typer.Option(min=1, help="Syncs per arm; figures are medians.")] = 3,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Time a weight push (vLLM's weight transfer, no disk) against a checkpoint write + reload, same tensors."""
+    from das.bench.weight_sync import time_weight_sync
+    from das.service.client.weights import WeightPushError
+
+    try:
+        times = time_weight_sync(url, token, checkpoint, weights_root, repeats)
+    except (ValueError, OSError, WeightPushError) as exc:
+        fail(str(exc))
+    if as_json:
+        print(json.dumps({"bytes": times.bytes, "repeats": times.repeats, "push_s": times.push_s,
+                          "write_s": times.write_s, "reload_s": times.reload_s,
+                          "push_gb_s": times.bytes / times.push_s / 1e9,
+                          "checkpoint_gb_s": times.bytes / times.checkpoint_s / 1e9}))
+        return
+    console.print(f"{times.bytes / 1e6:.1f} MB of tensors, medians of {times.repeats} repeat(s)")
+    for arm, seconds, rate in times.rows():
+        console.print(f"{arm:<28} {seconds:8.3f} s {rate:8.3f} GB/s")
+
+
 @bench_app.command("gpu-check")
 def bench_gpu_check(
     arms: Annotated[Optional[str], typer.Option(help="Compared arms (keyed, identical samples expected), "

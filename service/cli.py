@@ -187,6 +187,10 @@ def serve(
                                                 "bytes are refused (413) before they are read; a client's "
                                                 "add_history splits an import under it (set the client's "
                                                 "max_body_bytes to match).")] = 64 << 20,
+    weight_transfer: Annotated[str, typer.Option("--weight-transfer", help="vLLM's weight transfer (a trainer "
+                                                 "pushes weights over the network, no checkpoint: /start_weight_update "
+                                                 "...): nccl (GPU engines), gloo (CPU engines), none (those routes "
+                                                 "answer 501), auto: nccl on GPU nodes, gloo on CPU nodes.")] = "auto",
     engine_options: Annotated[Optional[str], typer.Option("--engine-options", help="More engine settings as a "
                                                           "JSON object of EngineConfig fields no flag sets, e.g. "
                                                           "'{\"drafter\": {\"min_prob\": 0.05}, \"budget\": "
@@ -248,7 +252,7 @@ def serve(
             "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget},
-            "model_runner": model_runner, "profile_steps": profile_steps,
+            "model_runner": model_runner, "profile_steps": profile_steps, "weight_transfer": weight_transfer,
             **({"oracle_file": str(oracle_file.resolve())} if oracle_file is not None else {})}})
         if engine_options is not None:
             if stub_engine:

@@ -27,7 +27,7 @@ def _lint_imports(cwd: Path, pythonpath: Path | None = None) -> subprocess.Compl
 def test_layers_and_client_contracts_hold() -> None:
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 5 kept, 0 broken" in result.stdout, result.stdout
+    assert "Contracts: 6 kept, 0 broken" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("module, line, broken", [
@@ -37,11 +37,13 @@ def test_layers_and_client_contracts_hold() -> None:
     ("service/http/gateway.py", "from das.service.engine import sampling",
      "dascopy.service.http.gateway -> dascopy.service.engine.sampling"),
     ("service/http/gateway.py", "from opentelemetry import trace", "dascopy.service.http.gateway -> opentelemetry"),
+    ("service/client/weights.py", "import vllm", "dascopy.service.client.weights -> vllm"),
+    ("service/engine/gloo_transfer.py", "import ray", "dascopy.service.engine.gloo_transfer -> ray"),
 ])
 def test_an_upward_or_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, line: str, broken: str) -> None:
     """The contracts can fail: the same contracts over a copy of the tree with one import added (the drafter
     importing the service, the wire types the gateway, the gateway vLLM's sampling glue or OpenTelemetry outside
-    service/http/tracing.py). The copy is renamed
+    service/http/tracing.py, the trainer's weight sender vLLM, or Ray through the gloo data plane it uses). The copy is renamed
     `dascopy` so that the installed `das` cannot shadow it."""
     for folder in ("drafter", "scheduler", "service", "bench"):
         shutil.copytree(ROOT / folder, tmp_path / "dascopy" / folder,
@@ -74,6 +76,15 @@ def test_the_client_loads_the_wire_contract_and_nothing_of_the_server_numpy_draf
              or m.startswith(("das.drafter", "das.scheduler", "das.service.engine", "das.service.cluster",
                               "das.service.http", "das.service.backends"))]
     assert heavy == []
+
+
+def test_the_weight_sender_loads_torch_and_the_wire_but_no_vllm_ray_or_server() -> None:
+    loaded = _loaded_after_import("das.service.client.weights")
+    assert "das.service.client.weights" in loaded and "torch" in loaded  # the probe sees imports
+    assert [m for m in loaded if m.split(".")[0] in ("vllm", "ray", "fastapi", "uvicorn", "transformers")
+            or m.startswith(("das.drafter", "das.scheduler", "das.service.cluster", "das.service.http",
+                             "das.service.backends", "das.service.engine.async_engine",
+                             "das.service.engine.weight_transfer"))] == []
 
 
 @pytest.mark.parametrize("module", ["das.service.http.gateway", "das.service.cluster.coordinator"])

@@ -75,11 +75,12 @@ from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, 
 from das.service.cluster.load_failure import LoadFailure, classify
 from das.service.cluster.node_engine import PROGRESS_INTERVAL_S, EngineNotStarted, NodeEngine
 from das.service.cluster.pause_hold import PauseHold
-from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink
-from das.service.engine.config import EngineConfig
-from das.service.engine.contract import validate_rollouts
+from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink, WeightUpdateConflict
+from das.service.engine.config import EngineConfig, transfer_backend
+from das.service.engine.contract import EngineInputError, validate_rollouts
 from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
 from das.service.wire.sample_progress import SampleProgress
+from das.service.wire.weight_transfer import TransferBackend
 from das.service.cluster.sessions import SessionBook
 
 log = logging.getLogger(__name__)
@@ -309,6 +310,10 @@ class RayBackend:
         self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
         self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
         self._paused: tuple[PauseMode, bool] | None = None  # the last /pause (mode, clear_cache) until /resume
+        # the engines in the trainer's weight-transfer group (actor, incarnation), in rank order: set by
+        # /init_weight_transfer_engine; a push needs the same ones serving
+        self._transfer_group: list[tuple[_Actor, int]] = []
+        self._pushing = False  # a push is open: `_weights_lock` is held from its start to its end
         # every dispatch to an engine actor waits here while paused (service/cluster/pause_hold.py)
         self._hold = PauseHold()
         self._control_lock = asyncio.Lock()  # a pause or resume and a recovered engine's catch-up never interleave
@@ -869,6 +874,131 @@ class RayBackend:
                        engines_failed={name: str(actor.error) for actor in self._actors if actor.state == "failed"
                                        for name in actor.names})
 
+    # ---- vLLM's weight transfer (rollout_backend.RolloutBackend says what each does) ----
+
+    @property
+    def weight_transfer(self) -> TransferBackend | None:
+        engine = self.config.engine
+        return transfer_backend(engine.weight_transfer, gpu=self._gpu_nodes) if engine is not None else None
+
+    def transfer_world_size(self) -> int:
+        engine = self.config.engine or self.config.stub_engine
+        assert engine is not None
+        return len(self._serving()) * engine.tensor_parallel_size
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Every serving engine joins the trainer's group: engine e's workers at the trainer's `rank_offset` + the
+        workers of the engines before it. Refused (EngineInputError) unless `world_size` is that offset + every
+        serving worker: a group of another size would wait for ranks that never come."""
+        if self._pushing:
+            raise WeightUpdateConflict("a weight update is open: finish it before joining a new group")
+        serving = self._serving()
+        if not serving:
+            raise RuntimeError("no engine serves: nothing to join the group")
+        tp = self.transfer_world_size() // len(serving)
+        offset, world = init_info.get("rank_offset", 1), init_info.get("world_size")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 1:
+            raise EngineInputError(f"init_info.rank_offset: the first worker's rank, an integer >= 1; got {offset!r}")
+        if world != offset + len(serving) * tp:
+            raise EngineInputError(f"init_info.world_size: {world!r}, but the group has the trainer's {offset} "
+                                   f"rank(s) and {len(serving) * tp} model workers ({len(serving)} engines x "
+                                   f"{tp}): {offset + len(serving) * tp} (GET /get_world_size + 1)")
+        infos: dict[int, list[dict[str, Any]]] = {}
+        actors: dict[int, _Actor] = {}
+        for position, (actor, _, _) in enumerate(serving):
+            actors[id(actor)] = actor
+            infos.setdefault(id(actor), []).append({**init_info, "rank_offset": offset + position * tp})
+        self._transfer_group = []
+        group = [(actor, actor.incarnation) for actor in actors.values()]
+        await self._on_actors(group, lambda actor: actor.handle.init_weight_transfer.remote(infos[id(actor)]))
+        self._transfer_group = group
+
+    async def start_weight_update(self) -> None:
+        """Opens a push on every engine of the group (each waits for its running samples unless paused). Held
+        against checkpoint reloads and restarted engines' catch-up until it ends (`_weights_lock`)."""
+        changed = self._group_changes()
+        if changed:
+            raise WeightUpdateConflict(f"the engines changed since /init_weight_transfer_engine ({changed}): "
+                                       f"join the group again")
+        await self._weights_lock.acquire()
+        self._pushing = True
+        try:
+            await self._on_actors(self._transfer_group, lambda actor: actor.handle.start_weight_update.remote())
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Every engine of the group receives one chunk (staged); a failure anywhere gives the push up
+        everywhere."""
+        if not self._pushing:
+            raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
+        try:
+            await self._on_actors(self._transfer_group, lambda actor: actor.handle.update_weights.remote(update_info))
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+
+    async def finish_weight_update(self, version: int) -> int:
+        """Every engine of the group loads what it received and serves it as `version`; the push ends."""
+        if not self._pushing:
+            raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
+        try:
+            await self._on_actors(self._transfer_group,
+                                  lambda actor: actor.handle.finish_weight_update.remote(version))
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+        self._version = version
+        self._pushing = False
+        self._weights_lock.release()
+        return version
+
+    async def abort_weight_update(self) -> None:
+        """Gives the open push up on every engine of the group (nothing loaded by the gloo backend); idempotent."""
+        if not self._pushing:
+            return
+        try:
+            await self._on_actors([(a, i) for a, i in self._transfer_group if a.state == "serving"],
+                                  lambda actor: actor.handle.abort_weight_update.remote())
+        finally:
+            self._pushing = False
+            self._weights_lock.release()
+
+    async def shutdown_weight_transfer(self) -> None:
+        await self.abort_weight_update()
+        group, self._transfer_group = self._transfer_group, []
+        await self._on_actors([(a, i) for a, i in group if a.state == "serving"],
+                              lambda actor: actor.handle.shutdown_weight_transfer.remote())
+
+    def _group_changes(self) -> str:
+        """How the serving engines differ from the transfer group's ('' if they do not)."""
+        if not self._transfer_group:
+            return "no group: call /init_weight_transfer_engine first"
+        members = {id(actor): incarnation for actor, incarnation in self._transfer_group}
+        serving = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
+        gone = [actor for actor, incarnation in self._transfer_group
+                if actor.state != "serving" or actor.incarnation != incarnation]
+        new = [actor for actor in serving if id(actor) not in members]
+        return "; ".join([*(f"engine {', '.join(a.names)} restarted or stopped serving" for a in gone),
+                          *(f"engine {', '.join(a.names)} joined" for a in new)])
+
+    async def _on_actors(self, actors: list[tuple[_Actor, int]], call: Callable[[_Actor], Any]) -> list[Any]:
+        """`call(actor)` on each of `actors` at once; their replies. A lost actor is reported as a death and raised
+        as a RuntimeError naming it; any other error is raised as it is (the first one)."""
+        replies = await asyncio.gather(*(call(actor) for actor, _ in actors), return_exceptions=True)
+        lost = _lost_errors()
+        errors: list[BaseException] = []
+        for (actor, incarnation), reply in zip(actors, replies):
+            if isinstance(reply, lost):
+                self._engine_died(actor, incarnation, reply)
+                errors.append(RuntimeError(f"engine {', '.join(actor.names)} died during the weight transfer"))
+            elif isinstance(reply, BaseException):
+                errors.append(reply)
+        if errors:  # a refusal says more than the broken group it leaves the others with
+            raise next((e for e in errors if isinstance(e, EngineInputError)), errors[0])
+        return list(replies)
+
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
 
     async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
@@ -1026,6 +1156,11 @@ class RayBackend:
         # An actor that only seemed dead (unreachable for a moment) kept its weights.
         if self._weights is not None and await actor.handle.policy_version.remote() != self._weights[1]:
             await actor.handle.reload_weights.remote(*self._weights)
+        checkpointed = self._weights[1] if self._weights is not None else 0
+        if self._version > checkpointed:  # pushed weights live in the engines only (docs/design.md "Not done yet")
+            log.warning("engine %s serves policy version %d (its last checkpoint), not the pushed %d, until the "
+                        "trainer pushes again (the push after a restart re-forms the group with it)",
+                        ", ".join(actor.names), checkpointed, self._version)
         if self._paused is not None:  # it holds new work until /resume, as the others do
             await actor.handle.pause.remote(*self._paused)
 

@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict, defaultdict
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -329,6 +329,38 @@ class NodeEngine:
         """Reloads every engine of the node (they drain their running samples first)."""
         versions = await asyncio.gather(*(e.reload_weights(path, version) for e in self.engines))
         return int(versions[0])
+
+    # ---- vLLM's weight transfer: every engine of the node (rollout_backend.RolloutBackend says what) ----
+
+    async def init_weight_transfer(self, infos: list[dict[str, Any]]) -> None:
+        """Every engine joins the trainer's group, engine i with `infos[i]` (its own rank offset)."""
+        await asyncio.gather(*(e.init_weight_transfer(info) for e, info in zip(self.engines, infos, strict=True)))
+
+    async def start_weight_update(self) -> None:
+        await self._all_or_none(lambda e: e.start_weight_update())
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        await self._all_or_none(lambda e: e.update_weights(update_info))
+
+    async def finish_weight_update(self, version: int) -> int:
+        versions = await self._all_or_none(lambda e: e.finish_weight_update(version))
+        return int(versions[0])
+
+    async def abort_weight_update(self) -> None:
+        await asyncio.gather(*(e.abort_weight_update() for e in self.engines))
+
+    async def shutdown_weight_transfer(self) -> None:
+        await asyncio.gather(*(e.shutdown_weight_transfer() for e in self.engines))
+
+    async def _all_or_none(self, step: Callable[[Engine], Awaitable[Any]]) -> list[Any]:
+        """`step(engine)` on every engine; if one fails, the transfer is given up on all of them and its error
+        raised."""
+        replies = await asyncio.gather(*(step(e) for e in self.engines), return_exceptions=True)
+        failed = [r for r in replies if isinstance(r, BaseException)]
+        if failed:
+            await self.abort_weight_update()
+            raise failed[0]
+        return replies
 
     # ---- vLLM's RL control plane: every engine of the node at once (rollout_backend.RolloutBackend says what) ----
 

@@ -23,6 +23,7 @@ from das.service.engine.contract import EngineInputError, EngineTally, StepPartT
 from das.service.engine.runner_choice import RunnerChoice
 from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult, ToolCall
 from das.service.wire.sample_progress import SampleProgress
+from das.service.wire.weight_transfer import TransferBackend
 
 if TYPE_CHECKING:
     from das.service.engine.async_engine import Engine
@@ -45,6 +46,11 @@ class GroupInputError(EngineInputError):
 
 class HistoryUnavailable(Exception):
     """The backend keeps no history store (GET /v1/history answers 501)."""
+
+
+class WeightUpdateConflict(Exception):
+    """A weight-transfer call out of turn (an update already open, none open, the engines changed since the group
+    was formed): nothing was done (409)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +189,44 @@ class RolloutBackend(Protocol):
         had; its batch goes on), without pausing; returns how many."""
         ...
 
+    # vLLM's weight transfer (docs/design.md "vLLM's RL control plane"): a push is start, update(s), finish.
+
+    @property
+    def weight_transfer(self) -> TransferBackend | None:
+        """The backend the engines were started with; None: no transfer (the routes answer 501)."""
+        ...
+
+    def transfer_world_size(self) -> int:
+        """Model workers of every serving engine (vLLM's /get_world_size)."""
+        ...
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Every serving engine's workers join the trainer's group, laid out trainer first, then engine by engine.
+        EngineInputError for init info that cannot form the group."""
+        ...
+
+    async def start_weight_update(self) -> None:
+        """Opens a push: each engine waits for its running samples unless paused. WeightUpdateConflict when the
+        engines are not those of the group."""
+        ...
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Every engine receives one chunk (staged). On any failure the push is given up everywhere and nothing
+        is loaded (gloo): EngineInputError for a refused name, shape or dtype, else RuntimeError naming the cause."""
+        ...
+
+    async def finish_weight_update(self, version: int) -> int:
+        """Every engine loads what it received and serves it as `version`; the push ends. Returns the version."""
+        ...
+
+    async def abort_weight_update(self) -> None:
+        """Gives the open push up everywhere, if any."""
+        ...
+
+    async def shutdown_weight_transfer(self) -> None:
+        """The engines leave the trainer's group."""
+        ...
+
 
 async def merge_batches(streams: Sequence[AsyncIterator[Any]], max_items: int, min_interval_s: float = 0.0
                         ) -> AsyncGenerator[list[Any], None]:
@@ -249,7 +293,35 @@ async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator
             yield item
 
 
-class EngineBackend:
+class NoWeightTransfer:
+    """The weight-transfer part of `RolloutBackend` for a backend without it (the routes answer 501 before any of
+    these is called): the stub, and one in-process engine (the transfer is the Ray service's)."""
+
+    weight_transfer: TransferBackend | None = None
+
+    def transfer_world_size(self) -> int:
+        return 0
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        raise WeightUpdateConflict("this backend has no weight transfer")
+
+    async def start_weight_update(self) -> None:
+        raise WeightUpdateConflict("this backend has no weight transfer")
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        raise WeightUpdateConflict("this backend has no weight transfer")
+
+    async def finish_weight_update(self, version: int) -> int:
+        raise WeightUpdateConflict("this backend has no weight transfer")
+
+    async def abort_weight_update(self) -> None:
+        pass
+
+    async def shutdown_weight_transfer(self) -> None:
+        pass
+
+
+class EngineBackend(NoWeightTransfer):
     """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order."""
 
     def __init__(self, engine: Engine) -> None:
@@ -314,7 +386,7 @@ class EngineBackend:
         return await self.engine.abort_samples()
 
 
-class StubBackend:
+class StubBackend(NoWeightTransfer):
     """Precomputed samples, no model. Each group yields its n samples of `output_tokens` tokens (capped by the
     group's max_tokens), interleaved across groups (sample 0 of every group, then sample 1, ...).
 

@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from das.scheduler.length import LengthCurve
 from das.service.engine import known_warnings
-from das.service.engine.config import EngineConfig, budget_settings
+from das.service.engine.config import EngineConfig, budget_settings, transfer_backend
 from das.service.engine.contract import (IDLE_GAP_S, EngineConfigError, EngineInputError, EngineTally, StepPartTotals,
                                          context_error,
                                          validate_rollouts)
@@ -190,6 +190,7 @@ class Engine:
         self._drained = asyncio.Event()
         self._drained.set()
         self._reloading = asyncio.Lock()
+        self._swap: _Swap | None = None  # the open weight transfer's first half (start_weight_update), if any
         self._live: dict[str, _Spans] = {}  # samples in flight by request key
         # Changes to what the worker's drafter stats say (samples started or ended, reloads, imports): an idle
         # engine answers stats polls from `_stats` instead of an RPC, because every RPC wakes the worker into
@@ -220,6 +221,10 @@ class Engine:
                 "`--engine-options '{\"keyed_sampling\": false}'` (vLLM's own sampler; samples then differ across "
                 "speculation methods)")
         v1 = forces_v1(config.model_runner, config.keyed_sampling, cpu)
+        transfer = transfer_backend(config.weight_transfer, gpu=not cpu)
+        if transfer == "nccl" and cpu:
+            raise EngineConfigError("weight_transfer nccl: vLLM's NCCL transfer needs CUDA, and this engine runs on "
+                                    "the CPU; start it with `das serve --weight-transfer gloo` (or auto)")
         args = AsyncEngineArgs(
             model=config.model, dtype=dtype, max_model_len=config.max_model_len, seed=config.seed,
             max_num_seqs=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching,
@@ -234,6 +239,7 @@ class Engine:
             tensor_parallel_size=config.tensor_parallel_size,
             distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
             worker_extension_cls=WORKER_EXTENSION,
+            weight_transfer_config={"backend": transfer} if transfer is not None else None,
             additional_config=({CONFIG_KEY: {"drafter": config.drafter.given(), "budget": budget_settings(config)}}
                                if das else {}))
         tally = EngineTally()
@@ -507,29 +513,123 @@ class Engine:
         path = Path(checkpoint)
         if not path.is_dir() or not any(path.glob("*.safetensors")):
             raise EngineInputError(f"{path}: not a directory with *.safetensors weights")
+        new = self._next_version(version)
+        async with self._reloading:
+            swap = await self._begin_swap()
+            await worker_rpc(self._llm, "reload_weights", kwargs={"weights_path": str(path)})
+            # vLLM's reload leaves a tied output layer on the old weights (weight_transfer.py refresh_tied_head)
+            await worker_rpc(self._llm, "das_refresh_tied_head")
+            await self._end_swap(swap, new)
+        return self.policy_version
+
+    def _next_version(self, version: int | None) -> int:
         new = self.policy_version + 1 if version is None else version
         if new <= self.policy_version:
             raise EngineInputError(f"version: must be newer than the served version {self.policy_version}, "
                                    f"got {new}")
-        async with self._reloading:
-            self._changes += 1
-            paused = await self._llm.is_paused()
-            if paused:
-                # The samples held by the pause (frozen under "keep", or queued) go on under the new weights from
-                # the tokens they have now: the worker's count, since outputs may still be on their way here.
-                produced = await worker_rpc(self._llm, "das_output_counts")
-            else:
-                await self._drained.wait()
-            await worker_rpc(self._llm, "reload_weights", kwargs={"weights_path": str(path)})
-            # Held samples' KV was computed by the old weights: preempted, it is recomputed on resume.
-            await self._llm.reset_prefix_cache(reset_running_requests=paused)
-            self.policy_version = new
-            if paused:
-                for key, live in self._live.items():
-                    live.update(new, produced.get(key))
-            if self.config.speculation == "das":
-                await worker_rpc(self._llm, "das_set_policy_version", args=(new,))
+        return new
+
+    async def _begin_swap(self) -> _Swap:
+        """The first half of every weight change (a checkpoint reload, a transfer), under `_reloading`: unless
+        paused, wait for the running samples to finish; while paused, note how many tokens each held sample has."""
+        self._changes += 1
+        if await self._llm.is_paused():
+            # The samples held by the pause (frozen under "keep", or queued) go on under the new weights from
+            # the tokens they have now: the worker's count, since outputs may still be on their way here.
+            return _Swap(await worker_rpc(self._llm, "das_output_counts"))
+        await self._drained.wait()
+        return _Swap(None)
+
+    async def _end_swap(self, swap: _Swap, new: int) -> None:
+        """The second half, once the new weights are loaded: the prefix cache reset, `new` served, held samples'
+        spans split at their token counts, the drafter's policy window advanced."""
+        paused = swap.produced is not None
+        # Held samples' KV was computed by the old weights: preempted, it is recomputed on resume.
+        await self._llm.reset_prefix_cache(reset_running_requests=paused)
+        self.policy_version = new
+        if swap.produced is not None:
+            for key, live in self._live.items():
+                live.update(new, swap.produced.get(key))
+        if self.config.speculation == "das":
+            await worker_rpc(self._llm, "das_set_policy_version", args=(new,))
+
+    # ---- vLLM's weight transfer (the engines start with a weight_transfer_config: EngineConfig.weight_transfer) ----
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """vLLM's init_weight_transfer_engine on every worker: they join the trainer's group (returns once they
+        have). EngineInputError for init info the backend refuses."""
+        from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+        try:
+            await self._llm.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        except Exception as exc:
+            raise _transfer_error(exc) from None
+
+    async def start_weight_update(self) -> None:
+        """Opens a transfer: what a checkpoint reload does first (unless paused, the running samples finish; new
+        ones wait until the transfer ends), then vLLM's start_weight_update on every worker."""
+        if self._swap is not None:
+            raise EngineInputError("a weight update is already open on this engine: finish it first")
+        await self._reloading.acquire()
+        try:
+            self._swap = await self._begin_swap()
+            await self._llm.start_weight_update()
+        except BaseException:
+            self._swap = None
+            self._reloading.release()
+            raise
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """vLLM's update_weights on every worker: they receive this chunk from the trainer (staged, not loaded).
+        A failure gives the whole transfer up (nothing loaded) and raises: EngineInputError for a refused name,
+        shape or dtype, RuntimeError for a broken group (a peer died, or hung past the timeout)."""
+        from vllm.distributed.weight_transfer.base import WeightTransferUpdateRequest
+
+        if self._swap is None:
+            raise EngineInputError("no weight update is open: call /start_weight_update first")
+        try:
+            await self._llm.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+        except Exception as exc:
+            await self.abort_weight_update()
+            raise _transfer_error(exc) from None
+
+    async def finish_weight_update(self, version: int | None = None) -> int:
+        """Loads what the workers received and serves it as policy `version` (default: served + 1; it must be
+        newer): the second half of a checkpoint reload (prefix cache, spans of held samples, drafter window).
+        Returns the version served. On any failure the transfer is given up and the engine serves what it did."""
+        swap = self._swap
+        if swap is None:
+            raise EngineInputError("no weight update is open: call /start_weight_update first")
+        try:
+            new = self._next_version(version)
+            try:
+                await self._llm.collective_rpc("finish_weight_update")
+            except Exception as exc:
+                raise _transfer_error(exc) from None
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+        try:
+            await self._end_swap(swap, new)
+        finally:
+            self._swap = None
+            self._reloading.release()
         return self.policy_version
+
+    async def abort_weight_update(self) -> None:
+        """Gives up the open transfer, if any: the workers drop what they received and nothing is loaded."""
+        if self._swap is None:
+            return
+        try:
+            await worker_rpc(self._llm, "das_abort_weight_update")
+        finally:
+            self._swap = None
+            self._reloading.release()
+
+    async def shutdown_weight_transfer(self) -> None:
+        """vLLM's shutdown_weight_transfer_engine: the workers leave the trainer's group."""
+        await self.abort_weight_update()
+        await self._llm.shutdown_weight_transfer_engine()
 
     # ---- vLLM's RL control plane ----
 
@@ -616,6 +716,14 @@ class Engine:
 
 
 @dataclass
+class _Swap:
+    """A weight change under way: `produced` holds the held samples' token counts while paused (None: not paused,
+    the running samples drained first)."""
+
+    produced: dict[str, int] | None
+
+
+@dataclass
 class _Spans:
     """One sample in flight: [policy version, index of its first token] pairs (SampleResult.policy_spans), and the
     tokens received so far."""
@@ -638,6 +746,19 @@ class _Spans:
     def of(self, tokens: int) -> list[tuple[int, int]]:
         """The spans of a sample that ended with `tokens` tokens: a span that starts past them holds none."""
         return [span for span in self.spans if span[1] < tokens] or self.spans[:1]
+
+
+_RPC_FAILED = "Call to collective_rpc method failed: "  # vLLM's wording of a worker RPC that raised
+
+
+def _transfer_error(exc: Exception) -> Exception:
+    """A weight-transfer RPC's failure as the service's error: vLLM hands a worker's exception back as a plain
+    Exception with its message, so the message tells a refusal of the caller's init or update info (it names the
+    field: EngineInputError) from a broken transfer (RuntimeError)."""
+    message = str(exc).removeprefix(_RPC_FAILED)
+    if "update_info" in message or "init_info" in message:
+        return EngineInputError(message)
+    return RuntimeError(message or _describe(exc))
 
 
 def _describe(exc: BaseException) -> str:

@@ -14,6 +14,7 @@ from das.scheduler.cost_model import prior_cost_model
 from das.service.engine.cpu_allocator import CpuAllocator
 from das.service.engine.cpu_layout import CpuWorker
 from das.service.engine.runner_choice import ModelRunner
+from das.service.wire.weight_transfer import TransferBackend, TransferChoice
 
 Speculation = Literal["none", "das", "ngram", "suffix"]
 
@@ -29,6 +30,16 @@ def budget_settings(config: EngineConfig) -> dict[str, Any]:
     if not config.budget.names_cost_model():
         settings["prior"] = dataclasses.asdict(prior_cost_model(config.model))
     return settings
+
+
+def transfer_backend(choice: TransferChoice, *, gpu: bool) -> TransferBackend | None:
+    """The weight-transfer backend engines start with (vLLM's `weight_transfer_config`): `choice`, where "auto" is
+    nccl on GPU engines and gloo on CPU engines, and "none" none (vLLM's transfer routes then answer 501)."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return "nccl" if gpu else "gloo"
+    return choice
 
 
 class EngineConfig(BaseModel):
@@ -84,6 +95,10 @@ class EngineConfig(BaseModel):
     oracle_file: str | None = Field(None, description="benchmarks only (`das bench serve --arms none,oracle`): "
                                     "a file of recorded outputs by sample key (drafter/oracle.py) that samples with "
                                     "those keys draft instead of the history bank's drafts; needs speculation das")
+    weight_transfer: TransferChoice = Field("auto", description="vLLM's weight transfer (das serve --weight-transfer): "
+                                            "nccl (vLLM's NCCL engine, GPU engines), gloo (ours, "
+                                            "service/engine/weight_transfer.py), none, or auto: nccl on GPU engines, "
+                                            "gloo on CPU engines (`transfer_backend`)")
     suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
                                            "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
                                            "empty)")

@@ -3,7 +3,8 @@ every engine process of this environment, so every arm (none, ours, `ngram`, `su
 same way. It refuses a vLLM release the service is not tested with (vllm_version.py) and applies the vLLM patches
 declared in patches.py for the engine's platform: on the CPU the CPU fixes (cpu_fixes/plugin.py), then keyed
 sampling (keyed_sampler.py), which builds on them; on a CUDA GPU keyed sampling's CUDA install; everywhere, the
-vLLM warnings our configuration triggers knowingly are dropped from its log (known_warnings.py)."""
+vLLM warnings our configuration triggers knowingly are dropped from its log (known_warnings.py). It also registers
+our gloo weight-transfer backend in vLLM's factories (weight_transfer.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ def register() -> None:
 
     from das.service.engine.patches import apply_patches, platform_name
     from das.service.engine.vllm_version import check_vllm_version
+    from das.service.engine.weight_transfer import register_backends
 
+    register_backends()  # the gloo weight transfer, in vLLM's two factories (weight_transfer.py)
     platform = platform_name(current_platform.is_cpu(), current_platform.device_type, current_platform.is_rocm())
     apply_patches(platform, check_vllm_version())

@@ -15,6 +15,7 @@ from das.drafter.records import RolloutRecord
 from das.service.engine.extra_args import EXTRA_ARGS_KEY
 from das.service.engine.proposer import DasProposer
 from das.service.engine.step_profile import StepProfileExtension
+from das.service.engine.weight_transfer import WeightTransferExtension
 
 
 class DasWorkerExtension:
@@ -63,6 +64,6 @@ class DasWorkerExtension:
         return counts
 
 
-class EngineWorkerExtension(DasWorkerExtension, StepProfileExtension):
-    """The worker extension every engine starts with: the DAS proposer's methods (used only by das engines) and
-    step profiling."""
+class EngineWorkerExtension(DasWorkerExtension, StepProfileExtension, WeightTransferExtension):
+    """The worker extension every engine starts with: the DAS proposer's methods (used only by das engines), step
+    profiling and the service's side of a weight transfer."""

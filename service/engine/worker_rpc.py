@@ -27,6 +27,8 @@ RULES: dict[str, Rule] = {
     "das_add_rollouts": "agree",
     "das_output_counts": "agree",
     "reload_weights": "agree",
+    "das_abort_weight_update": "agree",
+    "das_refresh_tied_head": "agree",
     "das_profile_start": "agree",
     "das_pop_counts": "output_rank",
     "das_stats": "output_rank",

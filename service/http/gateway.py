@@ -107,6 +107,7 @@ from das.service.http.request_guard import OffloopJsonRoute, RequestGuard
 from das.service.http.rl_control import rl_control_router
 from das.service.http.session_journal import SessionJournal, SessionJournalConfig
 from das.service.http.session_routes import session_router
+from das.service.http.weight_updates import PushResult, WeightUpdates
 from das.service.wire.api import (
     INT64_MAX,
     MSGPACK,
@@ -163,6 +164,9 @@ class GatewaySettings(BaseModel):
                                   "many seconds after its headers, else 408 and the connection is closed; at least "
                                   "max_body_bytes over the slowest client link")
     max_history_records: int = Field(1_000_000, ge=1, description="records one history import may carry")
+    weight_update_idle_s: float = Field(300.0, gt=0, description="an open weight push (vLLM's weight transfer, "
+                                        "/start_weight_update) with no call for this long is given up on every "
+                                        "engine and the batches it held run on (the trainer died between calls)")
     retained_batches: int = Field(256, ge=0, description="ended batches whose results are kept for replay")
     retained_bytes: int = Field(1 << 30, ge=0, description="results kept over all retained ended batches, in "
                                                            "bytes of msgpack (about 3 a token, 12 with logprobs)")
@@ -460,6 +464,9 @@ class _Gateway:
         self.metrics.policy_version = backend.policy_version
         self.batches = _BatchRegistry(settings)
         self.gate = _ReloadGate()
+        # vLLM's weight transfer: a push holds the reload gate from its start to its end, as a reload does
+        self.weight_updates = WeightUpdates(backend, lambda: self.gate.reload(drain=not self.paused), self._pushed,
+                                            settings.weight_update_idle_s)
         self._current: _Batch | None = None  # the most recently started batch
         self.paused = False  # by POST /pause, until POST /resume (service/http/rl_control.py)
         self.hold = PauseHold()  # new batches wait here while paused (service/cluster/pause_hold.py says why)
@@ -751,6 +758,12 @@ class _Gateway:
         self.metrics.reload_duration.observe(seconds)
         self.metrics.policy_version = version
         return version, seconds
+
+    def _pushed(self, push: PushResult) -> None:
+        self.metrics.weight_transfers += 1
+        self.metrics.weight_transfer_bytes += push.bytes
+        self.metrics.transfer_duration.observe(push.seconds)
+        self.metrics.policy_version = push.policy_version
 
     def set_paused(self, paused: bool) -> None:
         """Marks the service paused or not; a paused batch's stall timer is off (no sample may finish while the

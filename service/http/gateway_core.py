@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from das.service.cluster.rollout_backend import RolloutBackend
+from das.service.http.weight_updates import WeightUpdates
 from das.service.wire.api import RolloutRequest
 
 
@@ -55,6 +56,11 @@ class GatewayCore(Protocol[Batch]):
 
     @property
     def batches(self) -> LiveBatches[Batch]: ...
+
+    @property
+    def weight_updates(self) -> WeightUpdates:
+        """The weight push that may be open (vLLM's weight transfer)."""
+        ...
 
     async def admit(self, body: RolloutRequest, route: str = "/v1/rollouts",
                     headers: Sequence[Mapping[str, str]] = ()) -> tuple[Batch, int]:

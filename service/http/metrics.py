@@ -103,6 +103,8 @@ class GatewayMetrics:
         self.batches: Tally[str] = Tally()  # ended, by status
         self.batches_in_flight = 0
         self.policy_version = 0
+        self.weight_transfers = 0  # pushes finished (vLLM's weight transfer: /finish_weight_update)
+        self.weight_transfer_bytes = 0  # their tensors' bytes, once per push (the group broadcasts them)
         self.history_imported = 0
         self.previous_run_refusals = 0  # requests for a batch id an earlier run of the service accepted
         self.requests_abandoned: Tally[str] = Tally()  # by route: clients that left before their work was done
@@ -122,6 +124,9 @@ class GatewayMetrics:
         self.reload_duration = _Histogram("das_weight_reload_seconds",
                                           "A weight reload, including the wait for running batches.",
                                           _SECONDS_BUCKETS)
+        self.transfer_duration = _Histogram("das_weight_transfer_seconds", "A weight transfer (push), "
+                                            "/start_weight_update to /finish_weight_update, including the wait for "
+                                            "running batches.", _SECONDS_BUCKETS)
         self.sessions: SessionBook | None = None  # the gateway's
         self.session_journal: SessionJournal | None = None  # the gateway's, when it has a state directory
         self.session_makespan = _Histogram("das_session_makespan_seconds", "An agent trajectory (session) that "
@@ -182,6 +187,10 @@ class GatewayMetrics:
         yield GaugeMetricFamily("das_batches_in_flight", "Batches accepted and not yet ended.",
                                 value=self.batches_in_flight)
         yield GaugeMetricFamily("das_policy_version", "Policy version being served.", value=self.policy_version)
+        yield CounterMetricFamily("das_weight_transfers", "Weight pushes served (vLLM's weight transfer), each "
+                                  "loaded by every engine.", value=self.weight_transfers)
+        yield CounterMetricFamily("das_weight_transfer_bytes", "Bytes of the tensors those pushes carried (once "
+                                  "per push, whatever the number of engines).", value=self.weight_transfer_bytes)
         yield CounterMetricFamily("das_history_records_imported", "Rollout records imported for drafting.",
                                   value=self.history_imported)
         yield GaugeMetricFamily("das_current_batch_longest_tokens", "Longest output among the samples finished "
@@ -206,7 +215,8 @@ class GatewayMetrics:
         yield from self._backend_families()
         yield from self._session_families()
         for histogram in (self.acceptance_length, self.generated_length, self.makespan, self.tail_share,
-                          self.straggler, self.reload_duration, self.session_makespan, self.session_turns):
+                          self.straggler, self.reload_duration, self.transfer_duration, self.session_makespan,
+                          self.session_turns):
             yield histogram.family()
 
     def _backend_families(self) -> Iterator[Metric]:

@@ -21,15 +21,23 @@ plane" has the reasoning.
   by version), except that while paused it does not wait for the running batches: their held samples go on under
   the new weights, and a sample whose tokens span the update lists the versions in `policy_spans`
   ([version, first token index] pairs). `{"message": "Weights updated", "policy_version", "reload_s"}`.
-- vLLM's weight transfer (`/init_weight_transfer_engine`, `/start_weight_update`, `/update_weights` with
-  `update_info`, `/finish_weight_update`, `/shutdown_weight_transfer_engine`): 501. Its NCCL and IPC backends need
-  CUDA (a NCCL communicator, CUDA IPC handles), and our engines are started without vLLM's weight_transfer_config,
-  which every one of these calls needs; send a checkpoint path instead.
+- vLLM's weight transfer, when the engines were started with one (`das serve --weight-transfer`, default nccl on
+  GPU engines and gloo on CPU engines; docs/design.md "vLLM's RL control plane"): `POST /init_weight_transfer_engine`
+  `{"init_info": {...}}` (every serving engine's workers join the trainer's group, ranked trainer 0 then engine by
+  engine: the service adds each engine's offset to the trainer's `rank_offset`), `POST /start_weight_update` (opens
+  a push: holds new batches, waits for running ones unless paused), `POST /update_weights` `{"update_info": {names,
+  dtype_names, shapes}}` (every engine receives the tensors the trainer broadcasts meanwhile), `POST
+  /finish_weight_update` `{"weight_version": "<int>"}` (every engine loads them; the policy version moves once,
+  as a checkpoint reload's), `POST /shutdown_weight_transfer_engine`, `GET /get_world_size` (every serving engine's
+  workers), and ours, `GET /v1/weights/transfer` (backend, world size, version). With `--weight-transfer none` they
+  answer 501 naming the flag; `/start_draft_weight_update` always does (no draft model is served).
 
 Errors in vLLM's (OpenAI's) shape `{"error": {"message", "type", "param", "code"}}`, as vLLM's server answers:
-400 invalid input (a mode vLLM does not know, a body that is not a JSON object), 401 bad or missing token, 403
-weights path outside the root, 409 version not newer, 422 a checkpoint the engines refuse, 500 an engine failed,
-501 weight transfer.
+400 invalid input (a mode vLLM does not know, a body that is not a JSON object, init or update info the engines
+refuse: a tensor name or shape the served checkpoint does not have), 401 bad or missing token, 403 weights path
+outside the root, 409 version not newer, or a transfer call out of turn, 422 a checkpoint the engines refuse, 500 an
+engine failed (a transfer: the push was given up everywhere, every engine serves the version it served), 501 no
+weight transfer.
 """
 
 from __future__ import annotations
@@ -40,6 +48,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query, Request
 from pydantic import ValidationError
 
+from das.service.cluster.rollout_backend import WeightUpdateConflict
+from das.service.engine.contract import EngineInputError
 from das.service.http.gateway_core import GatewayCore
 from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, invalid_request
 from das.service.wire.api import (
@@ -54,13 +64,23 @@ from das.service.wire.api import (
     error_responses,
 )
 from das.service.wire.openai_protocol import ErrorResponse
+from das.service.wire.weight_transfer import (
+    FinishWeightUpdateBody,
+    FinishWeightUpdateResponse,
+    InitWeightTransferBody,
+    TransferMessage,
+    UpdateWeightsBody,
+    WeightTransferInfo,
+    WorldSizeResponse,
+)
 
 
 WEIGHT_TRANSFER_UNAVAILABLE = (
-    "vLLM's weight transfer is not available on this server: its engines are started without a "
-    "weight_transfer_config, and vLLM's NCCL and IPC transfer backends need CUDA. Load a checkpoint instead: "
+    "vLLM's weight transfer is off on this server: its engines were started with `das serve --weight-transfer none`. "
+    "Start it with --weight-transfer nccl (GPU engines), gloo (CPU engines) or auto, or load a checkpoint instead: "
     "POST /update_weights {\"path\": <directory inside the weights root>, \"version\": <int, optional>}")
-
+DRAFT_UPDATE_UNAVAILABLE = ("no draft model is served here (the DAS proposer drafts from the rollout history, not a "
+                            "model): there are no draft weights to update")
 
 async def _json_object(request: Request) -> dict[str, Any]:
     """The body as a JSON object; 400 in vLLM's words otherwise."""
@@ -82,6 +102,18 @@ def _json_body(*schemas: dict[str, Any]) -> dict[str, Any]:
 
 def _transfer_unavailable() -> OpenAIError:
     return OpenAIError(501, WEIGHT_TRANSFER_UNAVAILABLE, code="weight_transfer_unavailable")
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The engine's own exception behind a relayed one (Ray's task error keeps it as `cause`)."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, BaseException) else exc
+
+
+_TRANSFER_ERRORS = error_responses({400: "init or update info the engines refuse (names the field)",
+                                    409: "a transfer call out of turn", 500: "the transfer failed; every engine "
+                                    "serves the version it served", 501: "no weight transfer (--weight-transfer none)"},
+                                   ErrorResponse)
 
 
 def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
@@ -139,17 +171,41 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
                 aborted += 1
         return AbortResponse(aborted=aborted)
 
+    async def transfer(step: Any) -> Any:
+        """Runs one transfer step, its errors in vLLM's shape (step: a coroutine of gateway.weight_updates)."""
+        try:
+            return await step
+        except Exception as exc:
+            cause = _cause(exc)
+            if isinstance(cause, EngineInputError):
+                raise OpenAIError(400, str(cause)) from None
+            if isinstance(cause, WeightUpdateConflict):
+                raise OpenAIError(409, str(cause), code="weight_update_conflict") from None
+            raise OpenAIError(500, f"the weight transfer failed and was given up on every engine, which serve "
+                                   f"policy version {backend.policy_version}: {cause}") from None
+
+    def check_transfer() -> None:
+        if backend.weight_transfer is None:
+            raise _transfer_unavailable()
+
     @router.post("/update_weights", responses=error_responses({
         400: "invalid input", 403: "path outside the weights root, or no weights root configured",
-        409: "version not newer than the served one", 422: "a checkpoint the engines refuse",
-        501: "vLLM's weight transfer body (update_info)"}, ErrorResponse),
-        openapi_extra=_json_body(CheckpointUpdateRequest.model_json_schema(), {
-            "type": "object", "properties": {"update_info": {"type": "object"}}, "required": ["update_info"]}))
-    async def update_weights(request: Request) -> CheckpointUpdateResponse:
-        """Load a checkpoint directory on every engine ({path, version}); vLLM's weight-transfer body is 501."""
+        409: "version not newer than the served one, or a transfer call out of turn",
+        422: "a checkpoint the engines refuse", 500: "the transfer failed; every engine serves the version it served",
+        501: "vLLM's weight transfer body (update_info) without weight transfer"}, ErrorResponse),
+        openapi_extra=_json_body(CheckpointUpdateRequest.model_json_schema(), UpdateWeightsBody.model_json_schema()))
+    async def update_weights(request: Request) -> CheckpointUpdateResponse | TransferMessage:
+        """Load a checkpoint directory on every engine ({path, version}), or receive a transfer's tensors
+        ({update_info}, vLLM's)."""
         body = await _json_object(request)
         if "update_info" in body:
-            raise _transfer_unavailable()
+            check_transfer()
+            try:
+                chunk = UpdateWeightsBody.model_validate(body)
+            except ValidationError as exc:
+                raise invalid_request(exc.errors()) from None
+            await transfer(gateway.weight_updates.update(chunk.update_info))
+            return TransferMessage(message="Weights updated")
         try:
             update = CheckpointUpdateRequest.model_validate(body)
         except ValidationError as exc:
@@ -157,13 +213,62 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
         version, seconds = await gateway.load_weights(update.path, update.version)
         return CheckpointUpdateResponse(policy_version=version, reload_s=seconds)
 
-    async def transfer_unavailable() -> None:
-        raise _transfer_unavailable()
+    @router.post("/init_weight_transfer_engine", responses=_TRANSFER_ERRORS,
+                 openapi_extra=_json_body(InitWeightTransferBody.model_json_schema()))
+    async def init_weight_transfer_engine(request: Request) -> TransferMessage:
+        """Every serving engine's workers join the trainer's group (returns once they have)."""
+        check_transfer()
+        try:
+            body = InitWeightTransferBody.model_validate(await _json_object(request))
+        except ValidationError as exc:
+            raise invalid_request(exc.errors()) from None
+        await transfer(gateway.weight_updates.init(body.init_info))
+        return TransferMessage(message="Weight transfer initialized")
 
-    for path in ("/init_weight_transfer_engine", "/shutdown_weight_transfer_engine", "/start_weight_update",
-                 "/start_draft_weight_update", "/finish_weight_update"):
-        router.add_api_route(path, transfer_unavailable, methods=["POST"], status_code=501,
-                             responses=error_responses({501: "weight transfer is not available"}, ErrorResponse),
-                             summary=f"vLLM's {path[1:]}: 501 here (weight transfer needs CUDA)")
+    @router.post("/start_weight_update", responses=_TRANSFER_ERRORS)
+    async def start_weight_update() -> TransferMessage:
+        """Opens a push (new batches held; running ones finish first unless paused)."""
+        check_transfer()
+        await transfer(gateway.weight_updates.start())
+        return TransferMessage(message="Weight update started")
+
+    @router.post("/finish_weight_update", responses=_TRANSFER_ERRORS,
+                 openapi_extra=_json_body(FinishWeightUpdateBody.model_json_schema()))
+    async def finish_weight_update(request: Request) -> FinishWeightUpdateResponse:
+        """Every engine loads what it received and serves it as `weight_version` (default: served + 1)."""
+        check_transfer()
+        try:
+            body = FinishWeightUpdateBody.model_validate(await _json_object(request))
+        except ValidationError as exc:
+            raise invalid_request(exc.errors()) from None
+        pushed = await transfer(gateway.weight_updates.finish(body.weight_version))
+        return FinishWeightUpdateResponse(policy_version=pushed.policy_version, transfer_s=pushed.seconds,
+                                          transfer_bytes=pushed.bytes)
+
+    @router.post("/shutdown_weight_transfer_engine", responses=_TRANSFER_ERRORS)
+    async def shutdown_weight_transfer_engine() -> TransferMessage:
+        """The engines leave the trainer's group (an open push is given up)."""
+        check_transfer()
+        await transfer(gateway.weight_updates.shutdown())
+        return TransferMessage(message="Weight transfer shut down")
+
+    @router.get("/get_world_size", responses=error_responses({400: "include_dp is not a boolean"}, ErrorResponse))
+    async def get_world_size(include_dp: Annotated[bool, Query()] = True) -> WorldSizeResponse:
+        """Model workers of every serving engine (`include_dp` is vLLM's; engines are the service's data
+        parallelism, so it changes nothing)."""
+        return WorldSizeResponse(world_size=backend.transfer_world_size())
+
+    @router.get("/v1/weights/transfer")
+    async def weight_transfer_info() -> WeightTransferInfo:
+        """What a trainer needs to join the group: the backend, the workers, the version served."""
+        return WeightTransferInfo(backend=backend.weight_transfer, world_size=backend.transfer_world_size(),
+                                  policy_version=backend.policy_version)
+
+    async def draft_update_unavailable() -> None:
+        raise OpenAIError(501, DRAFT_UPDATE_UNAVAILABLE, code="draft_weight_update_unavailable")
+
+    router.add_api_route("/start_draft_weight_update", draft_update_unavailable, methods=["POST"], status_code=501,
+                         responses=error_responses({501: "no draft model is served"}, ErrorResponse),
+                         summary="vLLM's start_draft_weight_update: 501 here (no draft model)")
 
     return router

@@ -36,7 +36,8 @@ EXAMPLE = "values-8xh100.yaml"
 # Every optional feature on (and the alternatives to the defaults: existing claim, no auth), so each template
 # branch is rendered and validated at least once.
 ALL_OPTIONS: dict[str, Any] = {
-    "engine": {"maxModelLen": 4096, "eager": True, "maxGroupDeaths": 2, "extraArgs": ["--history-shards", "4"]},
+    "engine": {"maxModelLen": 4096, "eager": True, "maxGroupDeaths": 2, "weightTransfer": "gloo",
+               "extraArgs": ["--history-shards", "4"]},
     "gateway": {"otlpTracesEndpoint": "http://otel-collector.monitoring:4318",
                 "ingress": {"enabled": True, "className": "nginx",
                             "tls": [{"secretName": "das-tls", "hosts": ["das.example.test"]}],
@@ -116,10 +117,12 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     assert params["budget"] == values["engine"]["budget"]
     # the engine settings das serve validates before it starts anything (typed budget and drafter settings)
     EngineConfig(model=params["model"], speculation=params["speculation"], num_speculative_tokens=params["k"],
-                 tensor_parallel_size=params["tensor_parallel_size"], budget={"policy": params["budget"]})
+                 tensor_parallel_size=params["tensor_parallel_size"], budget={"policy": params["budget"]},
+                 weight_transfer=params["weight_transfer"])
     assert params["max_restarts"] == values["engine"]["maxRestarts"]
     assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
     assert params["max_group_deaths"] == values["engine"]["maxGroupDeaths"]
+    assert params["weight_transfer"] == values["engine"]["weightTransfer"]
     assert params["snapshot_interval"] == values["history"]["snapshotIntervalSeconds"]
     autoscaling = values["autoscaling"]
     assert params["target_engines"] == ((autoscaling["targetEngines"] or None) if autoscaling["enabled"] else None)

@@ -77,6 +77,7 @@ bash (it starts Ray first), so every value from the user is quoted here rather t
 {{- $args = concat $args (list "--max-restarts" (toString (int $v.engine.maxRestarts))) -}}
 {{- $args = concat $args (list "--restart-window" (toString $v.engine.restartWindowSeconds)) -}}
 {{- $args = concat $args (list "--max-group-deaths" (toString (int $v.engine.maxGroupDeaths))) -}}
+{{- $args = concat $args (list "--weight-transfer" (include "das-rollout.shellQuote" $v.engine.weightTransfer)) -}}
 {{- $args = concat $args (list "--state-dir" (include "das-rollout.shellQuote" $v.history.mountPath)) -}}
 {{- $args = concat $args (list "--snapshot-interval" (toString $v.history.snapshotIntervalSeconds)) -}}
 {{- if $v.weights.volume }}

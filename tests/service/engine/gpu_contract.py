@@ -8,6 +8,10 @@ raises ContractBroken, naming the file and what changed, when vLLM no longer doe
 - the pause rules: `pause_generation(mode, clear_cache)`, abort / wait pause new work and keep freezes it, and no
   mode makes the engine reject new requests (the README promises they are held until /resume);
 - the RL routes our gateway mirrors (service/http/rl_control.py), and the worker RPCs and model-runner methods we call;
+- the weight transfer's NCCL path (service/engine/weight_transfer.py, service/client/weights.py): both factories'
+  public `register_engine` and their "nccl" entries, the trainer init info's fields and the round trip of vLLM's
+  NCCL trainer engine, the workers' ranks at `rank_offset` + their rank (the coordinator's layout), the worker's
+  update flag our abort reads, and the tie of a tied output layer (`refresh_tied_head`);
 - the sampler and rejection-sampler functions our patches replace (service/engine/patches.py): every target
   exists, and each replacement takes exactly vLLM's parameters;
 - keyed sampling's CUDA wrappers (service/engine/keyed_cuda.py): the signatures `WRAPPED_SIGNATURES` records (what
@@ -295,6 +299,49 @@ def check_worker_calls(src: Sources) -> None:
            "sampler's inputs) changed")
 
 
+WEIGHT_TRANSFER = "distributed/weight_transfer/"
+
+
+def check_weight_transfer(src: Sources) -> None:
+    factory = src.tree(WEIGHT_TRANSFER + "factory.py")
+    for cls in ("WeightTransferEngineFactory", "WeightTransferTrainerFactory"):
+        register = find_def(factory, f"{cls}.register_engine")
+        names = [n for _, n, _ in parameters(register)] if register is not None else []
+        expect(names == ["cls", "name", "module_path_or_cls", "class_name"],
+               f"vllm/{WEIGHT_TRANSFER}factory.py: {cls}.register_engine(name, module_path_or_cls, class_name) "
+               f"changed (our gloo backend registers through it): {names}")
+    text = src.text(WEIGHT_TRANSFER + "factory.py")
+    expect(text.count('"nccl",\n    "vllm.distributed.weight_transfer.nccl_engine",') == 2,
+           f"vllm/{WEIGHT_TRANSFER}factory.py: nccl is no longer registered on both sides")
+    nccl = src.tree(WEIGHT_TRANSFER + "nccl_engine.py")
+    info = find_class(nccl, "NCCLTrainerInitInfo")
+    fields = [ast.unparse(n.target) for n in info.body if isinstance(n, ast.AnnAssign)] if info else []
+    expect(fields[:4] == ["backend", "master_address", "master_port", "world_size"],
+           f"vllm/{WEIGHT_TRANSFER}nccl_engine.py: NCCLTrainerInitInfo's fields changed (nccl_trainer builds it): "
+           f"{fields}")
+    send = ast.unparse(find_def(nccl, "NCCLTrainerWeightTransferEngine.send_weights") or ast.Pass())
+    expect(all(f"self.client.{m}" in send for m in ("start_weight_update", "update_weights",
+                                                     "finish_weight_update")),
+           f"vllm/{WEIGHT_TRANSFER}nccl_engine.py: the NCCL trainer's round trip no longer calls start, update and "
+           "finish on its client (the service's routes)")
+    init = ast.unparse(find_def(nccl, "NCCLTrainerWeightTransferEngine.trainer_init") or ast.Pass())
+    expect("rank_offset=1" in init, f"vllm/{WEIGHT_TRANSFER}nccl_engine.py: the trainer no longer asks for workers "
+                                    "at rank_offset 1 (the service adds each engine's offset to it)")
+    ranks = ast.unparse(find_def(src.tree(WEIGHT_TRANSFER + "nccl_common.py"), "worker_init_process_group")
+                        or ast.Pass())
+    expect("rank = worker_rank + init_info.rank_offset" in ranks,
+           f"vllm/{WEIGHT_TRANSFER}nccl_common.py: a worker's rank is no longer its rank + rank_offset")
+    worker = src.tree("v1/worker/gpu_worker.py")
+    finish = ast.unparse(find_def(worker, "Worker.finish_weight_update") or ast.Pass())
+    expect("self._weight_update_active = False" in finish,
+           "vllm/v1/worker/gpu_worker.py: Worker._weight_update_active (das_abort_weight_update reads it) changed")
+    tie = ast.unparse(find_def(src.tree("model_executor/layers/vocab_parallel_embedding.py"),
+                               "UnquantizedEmbeddingMethod.tie_weights") or ast.Pass())
+    expect("layer.weight = embed_tokens.weight" in tie,
+           "vllm/model_executor/layers/vocab_parallel_embedding.py: a tied head no longer shares the embedding's "
+           "weight (refresh_tied_head ties them again after a reload)")
+
+
 def our_replacements() -> dict[str, Callable[..., Any]]:
     """vLLM target -> the function our patch puts there (wrappers built around a stand-in original)."""
     from das.service.engine.cpu_fixes.plugin import expand_kernel_impl, sample_plainly_without_drafts
@@ -378,6 +425,7 @@ CHECKS: dict[str, Callable[[Sources], None]] = {
     "pause rules": check_pause_rules,
     "RL routes": check_rl_routes,
     "worker calls": check_worker_calls,
+    "weight transfer": check_weight_transfer,
     "patch targets and signatures": check_patch_targets,
     "keyed CUDA wrappers": check_keyed_cuda_wrappers,
 }

@@ -80,6 +80,30 @@ class StubWorker:
     def reload_weights(self, weights_path: str) -> None:
         self.weights.append(weights_path)
 
+    def das_refresh_tied_head(self) -> bool:
+        self.weights.append("tied head refreshed")
+        return True
+
+    # vLLM's weight-transfer methods of its worker, and ours to give an update up
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.transfer = ["init"]
+
+    def start_weight_update(self) -> None:
+        self.transfer.append("start")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        if update_info.get("names") == ["bad"]:
+            raise Exception("Call to collective_rpc method failed: update_info.names: 'bad' is not a tensor of "
+                            "the served checkpoint")
+        self.transfer.append("update")
+
+    def finish_weight_update(self) -> None:
+        self.transfer.append("finish")
+
+    def das_abort_weight_update(self) -> bool:
+        self.transfer.append("abort")
+        return True
+
     def das_pop_counts(self, keys: list[str]) -> dict[str, dict[str, int]]:
         return {key: {"proposed": 4 + self.rank, "accepted": 2, "steps": 3} for key in keys}
 
@@ -147,12 +171,39 @@ def test_a_tensor_parallel_engine_reloads_pauses_and_reads_every_worker(tmp_path
 
     samples, version, stats, profile, paused = asyncio.run(asyncio.wait_for(scenario(), 60))
     assert paused and llm.pauses == ["keep"] and not llm.paused
-    assert version == 1 and all(w.weights == [str(tmp_path)] and w.version == 1 for w in llm.workers)
+    assert version == 1 and all(w.weights == [str(tmp_path), "tied head refreshed"] and w.version == 1
+                                for w in llm.workers)
     assert all(w.rollouts == 1 and w.profiling for w in llm.workers)
     assert stats == {"history_records": 1, "rank": 0}
     # worker 0's drafts are the ones vLLM schedules: its counts
     assert [(s.draft_tokens, s.accepted_tokens, s.finish_reason) for s in samples] == [(4, 2, "stop")] * 2
     assert profile.forward_ms == pytest.approx(15.0)  # the slower worker's 0.015 s steps
+
+
+def test_a_tensor_parallel_engine_pushes_through_every_worker_and_a_refusal_gives_the_push_up() -> None:
+    from das.service.engine.contract import EngineInputError
+
+    llm = TensorParallelLLM(workers=2)
+    for method in ("init_weight_transfer_engine", "start_weight_update"):  # AsyncLLM's, over collective_rpc
+        setattr(llm, method, lambda *a, _m=method, **k: llm.collective_rpc(_m, args=a, kwargs=k))
+    llm.update_weights = lambda request: llm.collective_rpc("update_weights", args=(request.update_info,))
+    engine = Engine(EngineConfig(model="unused", tensor_parallel_size=2), llm, SimpleNamespace(), VOCAB)
+
+    async def scenario() -> tuple[int, int]:
+        await engine.init_weight_transfer({"world_size": 3})
+        await engine.start_weight_update()
+        await engine.update_weights({"names": ["w"]})
+        pushed = await engine.finish_weight_update()
+        await engine.start_weight_update()
+        with pytest.raises(EngineInputError, match="'bad' is not a tensor"):
+            await engine.update_weights({"names": ["bad"]})
+        with pytest.raises(EngineInputError, match="no weight update is open"):
+            await engine.finish_weight_update()
+        return pushed, engine.policy_version
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == (1, 1)  # the refused push moved nothing
+    assert all(w.transfer == ["init", "start", "update", "finish", "start", "abort"] for w in llm.workers)
+    assert all(w.version == 1 for w in llm.workers)  # the drafter's window moved with the push, once
 
 
 def test_workers_out_of_step_fail_the_call_with_a_clear_error(tmp_path: Path) -> None:
