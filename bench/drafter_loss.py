@@ -180,12 +180,15 @@ def drafter_loss(records: Sequence[RolloutRecord], traces: str = "", max_draft: 
 
 def _add_output_grams(grams: set[tuple[int, ...]], prompt: np.ndarray, out: np.ndarray, start: int, end: int,
                       n: int) -> None:
-    """Adds the n-grams of prompt + out that end at output positions start..end-1 (the tokens just committed)."""
-    text = np.concatenate([prompt[-(n - 1):] if n > 1 else prompt[:0], out[:end]]).tolist()
-    offset = min(len(prompt), n - 1)  # text[offset + j] is out[j]
+    """Adds the n-grams of prompt + out that end at output positions start..end-1 (the tokens just committed).
+    O(end - start + n): only the committed tokens and the n - 1 before them are read."""
+    out_from = max(start - (n - 1), 0)
+    head = prompt[max(len(prompt) - (n - 1 - start), 0):] if start < n - 1 else prompt[:0]
+    text = np.concatenate([head, out[out_from:end]]).tolist()   # text[len(head) + j - out_from] is out[j]
     for j in range(start, end):
-        if offset + j + 1 >= n:
-            grams.add(tuple(text[offset + j + 1 - n:offset + j + 1]))
+        at = len(head) + j - out_from
+        if at + 1 >= n:
+            grams.add(tuple(text[at + 1 - n:at + 1]))
 
 
 def _measure_batch(report: LossReport, bank: HistoryBank, corpus: _Corpus, batch: Sequence[RolloutRecord],
