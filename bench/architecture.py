@@ -2,7 +2,7 @@
 
 Every Python module of the packages that `pyproject.toml` ships (`[tool.scikit-build] wheel.packages`) is parsed
 with `ast` (nothing is imported, so the picture needs no vLLM). A module belongs to a room: its package cut to
-`depth` dotted names (depth 3: `das.service.engine.cpu_fixes.x` is in `das.service.engine`, `das.service.cli` in
+`depth` dotted names (depth 3: `das.service.engine.vllm.cpu_fixes.x` is in `das.service.engine`, `das.service.cli` in
 `das.service`). An edge from room A to room B says that some module of A imports some module of B; its label counts
 those module pairs. Imports inside functions and under `TYPE_CHECKING` count too: they are dependencies all the
 same. The rooms' folders come from the code, so the picture follows any re-housing without edits here."""

@@ -320,7 +320,7 @@ def models_perturb(
 ) -> None:
     """Write a drifted checkpoint: every weight tensor plus Gaussian noise of `scale` x its RMS (for --drift)."""
     from das.bench.checkpoints import perturb_checkpoint
-    from das.service.engine.models import prepare_model
+    from das.service.engine.vllm.models import prepare_model
 
     try:
         report = perturb_checkpoint(prepare_model(src, progress=True), dst, scale, seed)
@@ -397,8 +397,8 @@ def bench_e2e(
     from das.bench.e2e_report import print_tables
     from das.scheduler.cost_model import prior_cost_model
     from das.service.client.prompt_sets import PromptSetError, load_prompt_set
-    from das.service.engine.async_engine import engine_dtype
-    from das.service.engine.models import prepare_model
+    from das.service.engine.vllm.engine import engine_dtype
+    from das.service.engine.vllm.models import prepare_model
 
     arm_names = tuple(a.strip() for a in arms.split(",") if a.strip())
     try:
@@ -514,7 +514,7 @@ def bench_agent(
     import shlex
 
     from das.bench.agent import AgentBenchConfig, run_agent_bench
-    from das.service.engine.models import prepare_model
+    from das.service.engine.vllm.models import prepare_model
 
     try:
         config = AgentBenchConfig(arms=tuple(a.strip() for a in arms.split(",") if a.strip()), model=model,

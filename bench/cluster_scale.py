@@ -2,7 +2,7 @@
 on this machine, and what the coordinator's process pays for them.
 
 The cluster is Ray's own test cluster (`ray.cluster_utils.Cluster`): a head and `nodes - 1` more nodes, each a raylet
-of its own on this machine. The engines are stub engines (service/backends/stub_engine.py), `engines_per_actor` of
+of its own on this machine. The engines are stub engines (service/engine/stub_engine.py), `engines_per_actor` of
 them hosted in one NodeEngine actor (`StubEngineConfig.engines_per_actor`) so that 1,024 engines fit in a few dozen
 processes; the coordinator still sees, places and streams each as an engine of its own. This process is the driver,
 as `das serve` is: the coordinator (`RayBackend`) and the gateway (FastAPI under uvicorn, on loopback) on one event
@@ -167,7 +167,7 @@ async def _measure_engines(config: ScaleConfig, address: str, engines: int, prog
     import psutil
     import uvicorn
 
-    from das.service.backends.stub_engine import StubEngineConfig
+    from das.service.engine.stub_engine import StubEngineConfig
     from das.service.cluster.coordinator import RayBackend, ServiceConfig
     from das.service.cluster.history_store import HistoryConfig
     from das.service.http.gateway import GatewaySettings, create_app
@@ -175,7 +175,7 @@ async def _measure_engines(config: ScaleConfig, address: str, engines: int, prog
 
     per_node = engines // config.nodes
     service = ServiceConfig(
-        stub_engine=StubEngineConfig(tokens=config.tokens, token_s=config.token_s,
+        engine=StubEngineConfig(tokens=config.tokens, token_s=config.token_s,
                                      engines_per_actor=config.engines_per_actor),
         address=address, engines_per_node=per_node, history=HistoryConfig(shards=config.history_shards))
     started = time.perf_counter()

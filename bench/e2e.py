@@ -26,7 +26,7 @@ machine without the memory for every arm's engine: a compiled SmolLM2 engine hol
 1 GiB KV cache); the arms are then measured at different times, so a changing machine load shows up as a
 difference between arms. Drafters keep their
 history from epoch to epoch (the RL setting: the same problems come back). `drift`: before epoch e >= 2 every arm
-reloads checkpoint `drift[e - 2]` as policy version e - 1 (Engine.reload_weights; not timed). `repeats` R: R
+reloads checkpoint `drift[e - 2]` as policy version e - 1 (VllmEngine.reload_weights; not timed). `repeats` R: R
 independent runs, each with fresh engines (fresh drafter histories) and engine seed `seed + r`, so the repeats
 differ in sampling as well as in timing; tables show the median over repeats of every figure, the JSON also
 every repeat's values.
@@ -48,7 +48,7 @@ ratios per token of each epoch's longest sample): das / none, das / the better s
 das-service / das, das-service / none-service; with `ignore_eos` (every sample runs to
 max_tokens: the compute-bound check) das / none tokens per second, which must be >= NEVER_A_LOSS.
 
-With `profile`, every in-process arm's engine times its steps (service/engine/step_profile.py): per epoch, the mean
+With `profile`, every in-process arm's engine times its steps (service/engine/vllm/step_profile.py): per epoch, the mean
 milliseconds per step of the forward pass, sampling or verification, the drafter, the runner's bookkeeping and
 the engine loop between steps, the mean step shape (requests, scheduled tokens, draft tokens) and a line fitted
 through forward + sampling time against scheduled tokens (the engine's own cost model, measured on this run).
@@ -56,7 +56,7 @@ through forward + sampling time against scheduled tokens (the engine's own cost 
 `write_rollouts_file` (`--rollouts-out`) writes every arm's samples as one history file with a sidecar of measured
 makespans and cost fits, which `das bench validate` replays through the simulator (bench/e2e_report.py).
 
-Every arm draws with the same keys (keyed sampling, service/engine/keyed_sampler.py): group g of epoch e in repeat r
+Every arm draws with the same keys (keyed sampling, service/engine/vllm/keyed_sampler.py): group g of epoch e in repeat r
 has seed derive(derive(seed + r, e), g), so at any temperature the arms draw the same samples unless drafting
 changes them, and the epochs draw fresh ones as RL steps do. identical_outputs (all arms token-identical),
 divergence (per arm, the share of samples that differ from the baseline's); at temperature 0, or with
@@ -84,9 +84,9 @@ import numpy as np
 from das.bench.stats import LengthTest, RewardTest, length_test, reward_test
 from das.drafter.records import RolloutRecord, write_rollouts
 from das.service.client.prompt_sets import Problem
-from das.service.engine.async_engine import Engine, EngineConfig
+from das.service.engine.vllm.engine import VllmEngine, EngineConfig
 from das.service.engine.runner_choice import RunnerChoice
-from das.service.engine.step_profile import StepProfile
+from das.service.engine.vllm.step_profile import StepProfile
 from das.service.wire.api import GroupRequest, SamplingSpec, seeded_groups
 from das.service.wire.sample_keys import derive
 
@@ -242,11 +242,11 @@ class Arm(Protocol):
 
 
 class EngineArm:
-    """An arm on an in-process `Engine`. With `predict`, it does what the coordinator does for one engine: each
+    """An arm on an in-process `VllmEngine`. With `predict`, it does what the coordinator does for one engine: each
     group is tagged with its problem's predicted mean length and length curve (`with_length_predictions`), from
     the lengths of this arm's finished samples, and the groups start longest predicted first."""
 
-    def __init__(self, engine: Engine, predict: bool, profile: bool = False) -> None:
+    def __init__(self, engine: VllmEngine, predict: bool, profile: bool = False) -> None:
         from das.scheduler.difficulty import DifficultyBook
         from das.scheduler.length import LengthPredictor
 
@@ -257,7 +257,7 @@ class EngineArm:
 
     @classmethod
     async def create(cls, config: EngineConfig, predict: bool, profile: bool = False) -> EngineArm:
-        engine = await Engine.create(config)
+        engine = await VllmEngine.create(config)
         try:
             if profile:
                 await engine.start_step_profile()
@@ -304,7 +304,7 @@ class EngineArm:
         await self.engine.reload_weights(checkpoint, version)
 
     def set_oracle(self, continuations: dict[int, list[int]]) -> None:
-        """The next epochs' samples draft these recorded outputs, by sample key (Engine.set_oracle)."""
+        """The next epochs' samples draft these recorded outputs, by sample key (VllmEngine.set_oracle)."""
         self.engine.set_oracle(continuations)
 
     async def proposer_stats(self) -> dict[str, Any]:

@@ -351,8 +351,8 @@ def run_gpu_check(config: GpuCheckConfig, problems: list[Problem], log_dir: Path
 
     from das.bench.server_profile import engine_steps
     from das.bench.user_run import ServeProcess, UserRunConfig
-    from das.service.engine.async_engine import engine_dtype
-    from das.service.engine.models import prepare_model
+    from das.service.engine.vllm.engine import engine_dtype
+    from das.service.engine.vllm.models import prepare_model
 
     sampling = SamplingSpec(max_tokens=config.max_tokens, temperature=config.temperature)
     groups = [p.group(config.samples, sampling).model_dump(exclude_none=True) for p in problems]

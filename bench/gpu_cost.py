@@ -1,10 +1,10 @@
 """`das bench gpu-cost`: what a GPU machine with PyTorch and transformers but no vLLM (and no internet) can measure
 for the service in a few minutes, standalone: it imports torch, transformers, the keyed draw
-(service/engine/keyed_draw.py) and the cost model (scheduler/cost_model.py) only.
+(service/engine/vllm/keyed_draw.py) and the cost model (scheduler/cost_model.py) only.
 
 (a) The keyed draw on the device: rows x vocabulary (Qwen2.5's 151,936 entries) of random float32 logits drawn on
     the device, eager and compiled, and, from the same logits and keys, on CPU tensors; the tokens must be identical
-    (the CPU draw is the fused CPU kernel's token, tests/service/engine/test_keyed_draw.py). Median milliseconds per
+    (the CPU draw is the fused CPU kernel's token, tests/service/engine/vllm/test_keyed_draw.py). Median milliseconds per
     draw on the device, for each row count, beside vLLM's unkeyed draw re-stated in torch (`--draw-only` stops
     here).
 (b) A decode step-cost surface: a 7B-shaped Llama (Qwen2.5-7B's shape: 28 layers, hidden 3,584, 28 query / 4 KV
@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from das.scheduler.cost_model import CostModel
-from das.service.engine.keyed_draw import keyed_draw
+from das.service.engine.vllm.keyed_draw import keyed_draw
 
 QWEN25_7B = dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                  num_key_value_heads=4, vocab_size=152064, attention_bias=True, max_position_embeddings=32768)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from das.service.engine.step_profile import StepProfile
+from das.service.engine.vllm.step_profile import StepProfile
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """`das bench verify`: one verification step of vLLM's rejection sampler, vLLM's own CPU path against ours
-(service/engine/cpu_fixes/rejection.py), unkeyed and keyed (service/engine/keyed_sampler.py: the keyed draw per
+(service/engine/vllm/cpu_fixes/rejection.py), unkeyed and keyed (service/engine/vllm/keyed_sampler.py: the keyed draw per
 draft row), side by side in one process, with the plain sampler (what a step without speculation pays) as the
 floor, vLLM's and keyed; and the keyed draw alone over the step's rows, vLLM's fused CPU kernel against the torch
-draw the CUDA path runs (service/engine/keyed_draw.py; here on CPU tensors), with whether their tokens agree.
+draw the CUDA path runs (service/engine/vllm/keyed_draw.py; here on CPU tensors), with whether their tokens agree.
 
 Each case is a batch of `requests` requests, each with `drafts` draft tokens, random logits over `vocab` entries
 (SmolLM2's 49,152 by default), temperature `temperature`, sampled-token logprobs requested (as the service does).
@@ -109,10 +109,10 @@ def run_verify_bench(requests: Sequence[int], drafts: Sequence[int], vocab: int 
     from vllm.v1.sample.sampler import Sampler
     from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
-    from das.service.engine.cpu_fixes.plugin import expand_kernel_impl
-    from das.service.engine.cpu_fixes.rejection import logprobs_of_kept_cells, make_rejection_sample
-    from das.service.engine.keyed_draw import keyed_draw
-    from das.service.engine.keyed_sampler import StepKeys, keyed_forward_cpu, keyed_tokens, keys_of_step
+    from das.service.engine.vllm.cpu_fixes.plugin import expand_kernel_impl
+    from das.service.engine.vllm.cpu_fixes.rejection import logprobs_of_kept_cells, make_rejection_sample
+    from das.service.engine.vllm.keyed_draw import keyed_draw
+    from das.service.engine.vllm.keyed_sampler import StepKeys, keyed_forward_cpu, keyed_tokens, keys_of_step
 
     if not current_platform.is_cpu():
         raise ValueError("das bench verify measures vLLM's CPU rejection sampler; this vLLM is not the CPU build")

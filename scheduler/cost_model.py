@@ -201,9 +201,9 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
 # against plain ones of the same batch size in the same run, less c_tok per draft token
 # (docs/design.md#the-online-cost-model): on Qwen ~7.5 ms at 1-2 requests and 16-17 ms at 33-48, on
 # SmolLM2 +3-6 ms at 9-32 and +9-25 ms at 33-64 (docs/design.md#the-online-cost-model). Every engine's cost
-# warm-up measures the price at batch sizes 16 to 1 before its first batch (service/engine/cost_warmup.py), so a
+# warm-up measures the price at batch sizes 16 to 1 before its first batch (service/engine/vllm/cost_warmup.py), so a
 # prior off by a few ms no longer decides.
-# Keyed by the directory an engine serves (service/engine/models.py): the registry name in the model's stored dtype
+# Keyed by the directory an engine serves (service/engine/vllm/models.py): the registry name in the model's stored dtype
 # (SmolLM2: float32), `<name>-<dtype>` for a cast copy (Qwen2.5-Coder is stored in bfloat16, measured in float32).
 SHIPPED: dict[str, CostModel] = {
     "smollm2": CostModel("cpu-smollm2", 38.4e-3, 2.23e-3, "das calibrate of the served engine on the 2-core AMD "
@@ -235,7 +235,7 @@ def prior_cost_model(model: str, data_dir: Path | None = None) -> CostModel:
     calibration of a named model, else `GENERIC_PRIOR`. A stored file that is corrupt, or that was written for
     another model (its own name is not the file's: a calibration copied or renamed into place), logs a warning and
     is skipped, never raises. A model served in another dtype than its registry's is a copy named `<name>-<dtype>`
-    (service/engine/models.py) and a model of its own here: a calibration describes the dtype it was measured in,
+    (service/engine/vllm/models.py) and a model of its own here: a calibration describes the dtype it was measured in,
     so `SHIPPED` is keyed by the served directory's name, and a dtype nobody calibrated starts from the generic
     prior unless `das calibrate` stored one for it."""
     name = Path(model).name
@@ -279,7 +279,7 @@ class OnlineCostModel:
     common case) moves s at once, and a coefficient the recent steps cannot tell apart (no drafted step seen, one
     batch size only) keeps the prior's proportion to c_base rather than its absolute value, which on a faster
     machine would make drafts look dear for good. The drafted-step price needs drafted steps at several batch sizes
-    to split into c_spec and c_spec_req: the cost warm-up gives it sizes 16 down to 1 (service/engine/cost_warmup.py).
+    to split into c_spec and c_spec_req: the cost warm-up gives it sizes 16 down to 1 (service/engine/vllm/cost_warmup.py).
 
     Robust to outliers: a step whose residual exceeds 4 recent mean absolute residuals counts with a Huber weight
     (less the further out it is), and a step time that is not finite, not positive, or more than `max_ratio`

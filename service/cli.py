@@ -71,8 +71,8 @@ def models_prepare(
                                             "float32, bfloat16 or float16.")] = "auto",
 ) -> None:
     """Build (once) a ready-to-serve model directory in the dtype it will be served in and print its path."""
-    from das.service.engine.async_engine import engine_dtype
-    from das.service.engine.models import prepare_model
+    from das.service.engine.vllm.engine import engine_dtype
+    from das.service.engine.vllm.models import prepare_model
 
     try:
         path = prepare_model(name, progress=True, dtype=engine_dtype(dtype))
@@ -84,7 +84,7 @@ def models_prepare(
 @models_app.command("list")
 def models_list() -> None:
     """Model names `--model` accepts besides a path."""
-    from das.service.engine.models import known_models
+    from das.service.engine.vllm.models import known_models
 
     for name in known_models():
         print(name)
@@ -248,17 +248,17 @@ def serve(
                                    header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                    tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                                    max_body_bytes=max_body_bytes, otlp_traces_endpoint=otlp_traces_endpoint)
-        engine = ({"stub_engine": {"tensor_parallel_size": tensor_parallel_size}} if stub_engine else {"engine": {
-            "tensor_parallel_size": tensor_parallel_size,
+        engine: dict[str, Any] = ({"kind": "stub", "tensor_parallel_size": tensor_parallel_size} if stub_engine else {
+            "kind": "vllm", "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
             "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget},
             "model_runner": model_runner, "profile_steps": profile_steps, "weight_transfer": weight_transfer,
-            **({"oracle_file": str(oracle_file.resolve())} if oracle_file is not None else {})}})
+            **({"oracle_file": str(oracle_file.resolve())} if oracle_file is not None else {})})
         if engine_options is not None:
             if stub_engine:
                 raise ValueError("--engine-options: the stub engine takes none")
-            engine["engine"] = merge_engine_options(engine["engine"], engine_options)
-        config = ServiceConfig.model_validate({**engine, "address": address, "state_dir": state_dir,
+            engine = merge_engine_options(engine, engine_options)
+        config = ServiceConfig.model_validate({"engine": engine, "address": address, "state_dir": state_dir,
                                                "engines_per_node": engines_per_node, "target_engines": target_engines,
                                                "failure": {"max_restarts": max_restarts,
                                                            "restart_window_s": restart_window,
@@ -266,8 +266,8 @@ def serve(
                                                "history": {"shards": history_shards,
                                                            "snapshot_interval_s": snapshot_interval}})
         if not stub_engine:
-            from das.service.engine.async_engine import engine_dtype
-            from das.service.engine.models import prepare_model
+            from das.service.engine.vllm.engine import engine_dtype
+            from das.service.engine.vllm.models import prepare_model
             from das.service.engine.preflight import check_method_packages
             from das.service.engine.vllm_version import check_vllm_version
 
@@ -275,7 +275,7 @@ def serve(
             if address is None:  # this node runs the engines (a joined cluster's engine nodes check their own)
                 check_method_packages(speculation)  # MissingPackage: vLLM imports it only once an engine loads
             if tool_call_parser is not None:
-                from das.service.engine.tool_calls import tool_parser_names
+                from das.service.engine.vllm.tool_calls import tool_parser_names
 
                 if tool_call_parser not in tool_parser_names():
                     raise ValueError(f"--tool-call-parser {tool_call_parser!r} is not a vLLM tool-call parser; "
@@ -410,9 +410,9 @@ def calibrate_cmd(
     """Measure the served engine's step time (speculation off) across tokens per step and the price of a prompt
     token; fit and store c_base + c_tok * n and c_prefill."""
     from das.scheduler.cost_model import prior_name, save_cost_model
-    from das.service.engine.async_engine import engine_dtype
-    from das.service.engine.cost_calibration import ServedEngineTimer, calibrate
-    from das.service.engine.models import prepare_model
+    from das.service.engine.vllm.engine import engine_dtype
+    from das.service.engine.vllm.cost_calibration import ServedEngineTimer, calibrate
+    from das.service.engine.vllm.models import prepare_model
 
     try:
         sizes = [int(x) for x in batch_sizes.split(",") if x.strip()]

@@ -27,23 +27,29 @@ def _lint_imports(cwd: Path, pythonpath: Path | None = None) -> subprocess.Compl
 def test_layers_and_client_contracts_hold() -> None:
     result = _lint_imports(ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Contracts: 6 kept, 0 broken" in result.stdout, result.stdout
+    assert "Contracts: 7 kept, 0 broken" in result.stdout, result.stdout
 
 
 @pytest.mark.parametrize("module, line, broken", [
     ("drafter/records.py", "from das.service.wire import api", "dascopy.drafter.records -> dascopy.service.wire.api"),
     ("service/wire/api.py", "from das.service.http import metrics",
      "dascopy.service.wire.api -> dascopy.service.http.metrics"),
-    ("service/http/gateway.py", "from das.service.engine import sampling",
-     "dascopy.service.http.gateway -> dascopy.service.engine.sampling"),
+    ("service/http/gateway.py", "from das.service.engine.vllm import sampling",
+     "dascopy.service.http.gateway -> dascopy.service.engine.vllm.sampling"),
+    ("service/cluster/node_engine.py", "from das.service.engine.vllm import engine",
+     "dascopy.service.cluster.node_engine -> dascopy.service.engine.vllm.engine"),
+    ("service/engine/config.py", "from das.service.engine.vllm import models",
+     "dascopy.service.engine.config -> dascopy.service.engine.vllm.models"),
+    ("service/engine/stub_engine.py", "import torch", "dascopy.service.engine.stub_engine -> torch"),
     ("service/http/gateway.py", "from opentelemetry import trace", "dascopy.service.http.gateway -> opentelemetry"),
     ("service/client/weights.py", "import vllm", "dascopy.service.client.weights -> vllm"),
-    ("service/engine/gloo_transfer.py", "import ray", "dascopy.service.engine.gloo_transfer -> ray"),
+    ("service/engine/vllm/gloo_transfer.py", "import ray", "dascopy.service.engine.vllm.gloo_transfer -> ray"),
 ])
 def test_an_upward_or_forbidden_import_breaks_a_contract(tmp_path: Path, module: str, line: str, broken: str) -> None:
     """The contracts can fail: the same contracts over a copy of the tree with one import added (the drafter
     importing the service, the wire types the gateway, the gateway vLLM's sampling glue or OpenTelemetry outside
-    service/http/tracing.py, the trainer's weight sender vLLM, or Ray through the gloo data plane it uses). The copy is renamed
+    service/http/tracing.py, an engine actor the vLLM room past the factory, the engine's vLLM-free room the vLLM
+    room or torch, the trainer's weight sender vLLM, or Ray through the gloo data plane it uses). The copy is renamed
     `dascopy` so that the installed `das` cannot shadow it."""
     for folder in ("drafter", "scheduler", "service", "bench"):
         shutil.copytree(ROOT / folder, tmp_path / "dascopy" / folder,
@@ -56,6 +62,18 @@ def test_an_upward_or_forbidden_import_breaks_a_contract(tmp_path: Path, module:
     result = _lint_imports(tmp_path, pythonpath=tmp_path)
     assert result.returncode != 0, result.stdout + result.stderr
     assert broken in result.stdout, result.stdout + result.stderr
+
+
+def test_every_module_of_the_engine_room_outside_vllm_and_the_factory_is_held_to_the_vllm_free_contract() -> None:
+    """A module added to service/engine/ is either vLLM glue (service/engine/vllm/), the factory, or listed in the
+    vLLM-free contract: none escapes it by being new."""
+    import tomllib
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (free,) = [c for c in contracts if c["name"].startswith("the engine's vLLM-free room")]
+    room = {f"das.service.engine.{p.stem}" for p in (ROOT / "service" / "engine").glob("*.py")
+            if p.stem not in ("__init__", "factory")}
+    assert room and set(free["source_modules"]) == room
 
 
 def _loaded_after_import(module: str) -> list[str]:
@@ -74,7 +92,7 @@ def test_the_client_loads_the_wire_contract_and_nothing_of_the_server_numpy_draf
     heavy = [m for m in loaded if m.split(".")[0] in ("vllm", "torch", "numpy", "ray", "fastapi", "uvicorn",
                                                       "transformers")
              or m.startswith(("das.drafter", "das.scheduler", "das.service.engine", "das.service.cluster",
-                              "das.service.http", "das.service.backends"))]
+                              "das.service.http"))]
     assert heavy == []
 
 
@@ -83,8 +101,8 @@ def test_the_weight_sender_loads_torch_and_the_wire_but_no_vllm_ray_or_server() 
     assert "das.service.client.weights" in loaded and "torch" in loaded  # the probe sees imports
     assert [m for m in loaded if m.split(".")[0] in ("vllm", "ray", "fastapi", "uvicorn", "transformers")
             or m.startswith(("das.drafter", "das.scheduler", "das.service.cluster", "das.service.http",
-                             "das.service.backends", "das.service.engine.async_engine",
-                             "das.service.engine.weight_transfer"))] == []
+                             "das.service.engine.vllm.engine",
+                             "das.service.engine.vllm.weight_transfer"))] == []
 
 
 @pytest.mark.parametrize("module", ["das.service.http.gateway", "das.service.cluster.coordinator"])
@@ -92,7 +110,7 @@ def test_the_gateway_and_the_coordinator_load_no_vllm_torch_or_native_index(modu
     loaded = _loaded_after_import(module)
     assert module in loaded
     assert [m for m in loaded if m.split(".")[0] in ("vllm", "torch") or m in (
-        "das.drafter._suffix_index", "das.drafter.history", "das.service.engine.async_engine")] == []
+        "das.drafter._suffix_index", "das.drafter.history", "das.service.engine.vllm.engine")] == []
 
 
 def test_no_import_cycles_among_the_packages_modules() -> None:

@@ -92,7 +92,7 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
 
     from das.drafter.records import RolloutRecord, write_rollouts
     from das.service.client.prompt_sets import reasoning_gym_problems
-    from das.service.engine.models import prepare_model
+    from das.service.engine.vllm.models import prepare_model
 
     arm_dir = out / arm
     weights_root = arm_dir / "weights"

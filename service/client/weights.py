@@ -8,7 +8,7 @@ Ray or the server (pyproject.toml's import contract; tests/test_architecture.py)
 One push sends the whole model to every engine in one transfer and returns the policy version every engine serves
 then (the service moves it once, as a checkpoint reload does: docs/design.md "vLLM's RL control plane"). The
 backend is the one the service reports (GET /v1/weights/transfer): gloo on CPU engines, over our torch-only data
-plane (service/engine/gloo_transfer.py, the same one our gloo engines in vLLM's factories use); nccl on GPU engines,
+plane (service/engine/vllm/gloo_transfer.py, the same one our gloo engines in vLLM's factories use); nccl on GPU engines,
 over vLLM's own trainer engine (loaded only then: the one place this module reaches vLLM).
 
 The sender is rank 0 of the group: it hosts the rendezvous on `master_address` (default: this host's address on
@@ -32,7 +32,7 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
-from das.service.engine.gloo_transfer import DEFAULT_TIMEOUT_S, GlooGroup, join_as_trainer, push
+from das.service.engine.vllm.gloo_transfer import DEFAULT_TIMEOUT_S, GlooGroup, join_as_trainer, push
 from das.service.wire.weight_transfer import FinishWeightUpdateResponse, WeightTransferInfo
 
 Weights = torch.nn.Module | Iterable[tuple[str, torch.Tensor]]
@@ -146,7 +146,7 @@ class WeightSender:
                     self._world = world
                 push(self._control, self._group, pairs, None if version is None else str(version))
             else:
-                from das.service.engine.weight_transfer import nccl_trainer
+                from das.service.engine.vllm.weight_transfer import nccl_trainer
 
                 if self._nccl is None or self._world != world:
                     self._leave()

@@ -62,12 +62,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
-from das.service.backends.stub_engine import StubEngineConfig
 from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
 from das.service.cluster.engine_layout import LayoutError, cpu_engine_error, cpu_node, gpu_engines
 from das.service.cluster.group_aborts import GroupAborts, aborted_sample
@@ -76,7 +75,8 @@ from das.service.cluster.load_failure import LoadFailure, classify
 from das.service.cluster.node_engine import PROGRESS_INTERVAL_S, EngineNotStarted, NodeEngine
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink, WeightUpdateConflict
-from das.service.engine.config import EngineConfig, transfer_backend
+from das.service.engine.config import transfer_backend
+from das.service.engine.factory import EngineSpec
 from das.service.engine.contract import EngineInputError, validate_rollouts
 from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
 from das.service.wire.sample_progress import SampleProgress
@@ -164,13 +164,13 @@ def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRe
 
 
 class ServiceConfig(BaseModel):
-    """Everything that shapes the service. Exactly one of `engine` (vLLM; its `model` may be a known model name,
-    prepared on each node) and `stub_engine` (no model: tests and load tests)."""
+    """Everything that shapes the service. `engine`: every engine's configuration (service/engine/factory.py
+    `EngineSpec`): vLLM's (its `model` may be a known model name, prepared on each node) or, with `kind: stub`, the
+    stub's (no model: tests and load tests)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    engine: EngineConfig | None = None
-    stub_engine: StubEngineConfig | None = None
+    engine: EngineSpec
     address: str | None = Field(None, description="Ray cluster to join ('auto', 'HOST:PORT'); None: embedded")
     state_dir: Path | None = Field(None, description="history snapshots; None: history lives in memory only")
     history: HistoryConfig = HistoryConfig()
@@ -197,12 +197,6 @@ class ServiceConfig(BaseModel):
                                        "up to this many, so nodes beyond them stay idle and an autoscaler removes "
                                        "them. None: no demand, engines on every node (every GPU node where there "
                                        "are any)")
-
-    @model_validator(mode="after")
-    def _one_engine(self) -> ServiceConfig:
-        if (self.engine is None) == (self.stub_engine is None):
-            raise ValueError("give exactly one of engine and stub_engine")
-        return self
 
 
 # The longest interval between an engine's stream items (`RayBackend._stream_interval`): a finished sample waits on its
@@ -238,8 +232,7 @@ def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: lis
 
     gpus = int(node["Resources"].get("GPU", 0))
     name = node["NodeManagerAddress"] if short_name else f"{node['NodeManagerAddress']}:{node['NodeID'][:6]}"
-    engine = config.engine or config.stub_engine
-    assert engine is not None
+    engine = config.engine
     # Restarted by Ray on the same node (the hard affinity holds for every incarnation) as often as it dies: the
     # coordinator applies the cap per window. No task retries: what a dead actor owed is re-dispatched by the
     # coordinator, so nothing runs twice.
@@ -249,7 +242,7 @@ def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: lis
     options = ray.remote(NodeEngine).options(
         num_cpus=0, num_gpus=tp if gpus else 0, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-    per_actor = engine.engines_per_actor if isinstance(engine, StubEngineConfig) else 1
+    per_actor = engine.engines_per_actor
     firsts = range(0, count, per_actor)
     return [(options.remote(name, engine, shard_names, min(per_actor, count - g), first_index=g,
                             history_push=config.history.push),
@@ -356,18 +349,17 @@ class RayBackend:
             # running on this machine.
             ray.init(address=config.address or "local", **kwargs)
             _RayInThisProcess.started_here = True
-        engine = config.engine or config.stub_engine
-        assert engine is not None
+        engine = config.engine
         for node in ray.nodes():  # before any actor exists: LayoutError for a node whose GPUs do not split
             if node["Alive"] and node["Resources"].get("GPU", 0) > 0:
                 gpu_engines(int(node["Resources"]["GPU"]), engine.tensor_parallel_size,
                             f"node {node['NodeManagerAddress']}")
         own_cluster = _RayInThisProcess.started_here
-        if own_cluster and config.engine is not None and not any(
+        if own_cluster and engine.cpu_workers and not any(
                 n["Alive"] and n["Resources"].get("GPU", 0) > 0 for n in ray.nodes()):
             # this node is the engines' node: what its CPUs cannot run is refused here, before anything loads (in a
             # cluster joined, each engine checks its own node and fails alone: `NodeEngine.start`)
-            layout = cpu_engine_error(engine.tensor_parallel_size, *cpu_node(), "this node")
+            layout = cpu_engine_error(engine.cpu_workers, *cpu_node(), "this node")
             if layout is not None:
                 raise layout
         here = ray.get_runtime_context().get_node_id()
@@ -878,12 +870,10 @@ class RayBackend:
 
     @property
     def weight_transfer(self) -> TransferBackend | None:
-        engine = self.config.engine
-        return transfer_backend(engine.weight_transfer, gpu=self._gpu_nodes) if engine is not None else None
+        return transfer_backend(self.config.engine.weight_transfer, gpu=self._gpu_nodes)
 
     def transfer_world_size(self) -> int:
-        engine = self.config.engine or self.config.stub_engine
-        assert engine is not None
+        engine = self.config.engine
         return len(self._serving()) * engine.tensor_parallel_size
 
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
@@ -1223,8 +1213,7 @@ class RayBackend:
             return
         from ray.autoscaler.sdk import request_resources
 
-        engine = self.config.engine or self.config.stub_engine
-        assert engine is not None
+        engine = self.config.engine
         request_resources(bundles=[{"GPU": float(engine.tensor_parallel_size)}] * engines)
 
     def _forget_departed(self, alive: set[str]) -> None:

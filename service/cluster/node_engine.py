@@ -22,9 +22,8 @@ from collections import OrderedDict, defaultdict
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.history_client import HistoryClient
 from das.service.cluster.engine_layout import cpu_engine_error, cpu_node
 from das.service.cluster.history_store import HistoryPushConfig, resident_bytes, shard_of
@@ -32,15 +31,12 @@ from das.service.cluster.load_failure import EngineLoadError, Stage, classify
 from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
-from das.service.engine.config import EngineConfig
 from das.service.engine.contract import EngineInputError
-from das.service.engine.preflight import check_method_packages
+from das.service.engine.factory import EngineSpec, create_engine, prepare
+from das.service.engine.protocol import Engine
 from das.service.engine.spawn_env import restored_environ
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult
 from das.service.wire.sample_progress import ProgressBatcher, SampleProgress
-
-if TYPE_CHECKING:
-    from das.service.engine.async_engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +108,7 @@ class NodeEngine:
     node name their engines apart). `shards`: the HistoryStore shard actors in shard order, as Ray actor names
     (looked up here, in every incarnation) or as handles (in-process use). With several
     engines, the GPUs Ray gave this actor (CUDA_VISIBLE_DEVICES) are dealt out evenly, one slice per engine.
-    A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/models.py).
+    A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/vllm/models.py).
 
     A vLLM engine core that dies (EngineDeadError) ends this actor's process: Ray restarts the actor and the
     coordinator recovers it like any actor that died (service/cluster/coordinator.py), re-dispatching what it owed.
@@ -121,7 +117,7 @@ class NodeEngine:
     cost is that an actor's other engines restart with it, which is why on a node without a GPU each engine has an
     actor of its own."""
 
-    def __init__(self, node: str, config: EngineConfig | StubEngineConfig, shards: Sequence[Any],
+    def __init__(self, node: str, config: EngineSpec, shards: Sequence[Any],
                  engines: int = 1, history_push: HistoryPushConfig | None = None, first_index: int = 0
                  ) -> None:
         if engines < 1:
@@ -129,7 +125,7 @@ class NodeEngine:
         self.node = node
         self.config = config
         self.shards = [_shard_actor(s) for s in shards]
-        self.engines: list[Engine | StubEngine] = []
+        self.engines: list[Engine] = []
         self.names = [f"{node}/{first_index + i}" for i in range(engines)]
         # What this actor pushes is tagged with a name of this incarnation: after a restart the same engine name
         # must still pull the rollouts its predecessor pushed (its fresh drafter never saw them).
@@ -162,23 +158,15 @@ class NodeEngine:
             return self.names
         stage: Stage = "engine"
         try:
-            config = self.config
-            if isinstance(config, EngineConfig):
-                # What fails at once, before minutes of loading: the method's package, the node's CPUs.
-                check_method_packages(config.speculation)
-                if not _visible_gpus():  # a CPU engine: its workers need CPUs (NUMA nodes) of their own
-                    layout = cpu_engine_error(config.tensor_parallel_size, *cpu_node(), f"node {self.node}")
-                    if layout is not None:
-                        raise layout
-                # vLLM is loaded here, in the actor's process, never where the module is imported (the coordinator)
-                from das.service.engine.async_engine import engine_dtype
-                from das.service.engine.models import prepare_model
-
-                dtype = engine_dtype(config.dtype)
-                stage = "model"
-                model = prepare_model(config.model, progress=False, dtype=dtype)
-                stage = "engine"
-                config = config.model_copy(update={"model": str(model)})
+            # What the node's CPUs cannot run fails at once, before minutes of loading (a GPU engine's GPUs are
+            # Ray's to fit)
+            if self.config.cpu_workers and not _visible_gpus():
+                layout = cpu_engine_error(self.config.cpu_workers, *cpu_node(), f"node {self.node}")
+                if layout is not None:
+                    raise layout
+            stage = "model"
+            config = prepare(self.config)
+            stage = "engine"
             await self._load(config)
         except Exception as exc:
             failure = classify(exc, stage)
@@ -189,16 +177,11 @@ class NodeEngine:
             raise EngineLoadError(failure) from None
         return self.names
 
-    async def _load(self, config: EngineConfig | StubEngineConfig) -> None:
+    async def _load(self, config: EngineSpec) -> None:
         for env in self._engine_envs():
             with restored_environ(env):
                 os.environ.update(env)  # the engine core process is spawned now and inherits it
-                if isinstance(config, StubEngineConfig):
-                    engine: Engine | StubEngine = await StubEngine.create(config)
-                else:
-                    from das.service.engine.async_engine import Engine
-
-                    engine = await Engine.create(config)
+                engine = await create_engine(config)
             self.engines.append(engine)
 
     def _started(self) -> None:
@@ -381,9 +364,9 @@ class NodeEngine:
     async def stats(self) -> NodeStats:
         loads = []
         for name, engine in zip(self.names, self.engines):
-            drafter = await engine.drafter_stats() if getattr(engine.config, "speculation", None) == "das" else {}
+            drafter = await engine.drafter_stats()
             parts = await engine.read_step_parts()
-            loads.append(EngineLoad.of(name, engine.tally, drafter, getattr(engine, "runner", None), parts))
+            loads.append(EngineLoad.of(name, engine.tally, drafter, engine.runner, parts))
         return NodeStats(tuple(loads), resident_bytes(), self._history.pending(), self._history.given_up)
 
     async def close(self) -> None:

@@ -1,6 +1,6 @@
 """What the HTTP gateway talks to: `RolloutBackend`, with two implementations here.
 
-- `EngineBackend`: one in-process `Engine`, no Ray and no history store (embedding in a single process).
+- `EngineBackend`: one in-process `Engine` (service/engine/protocol.py), no Ray and no history store (embedding in a single process).
 - `StubBackend`: precomputed samples and no model, for tests and load tests of the gateway.
 
 The Ray service (service/cluster/coordinator.py `RayBackend`) implements the same protocol.
@@ -14,19 +14,17 @@ import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from das.service.backends.pause_gate import PauseGate
+from das.service.engine.pause_gate import PauseGate
 from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, StepPartTotals, validate_rollouts
+from das.service.engine.protocol import Engine
 from das.service.engine.runner_choice import RunnerChoice
 from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult, ToolCall
 from das.service.wire.sample_progress import SampleProgress
 from das.service.wire.weight_transfer import TransferBackend
-
-if TYPE_CHECKING:
-    from das.service.engine.async_engine import Engine
 
 
 ProgressSink = Callable[[int, SampleProgress], None]
@@ -332,7 +330,7 @@ class EngineBackend(NoWeightTransfer):
         return self.engine.policy_version
 
     async def ready(self) -> bool:
-        # An Engine exists only once `Engine.create` has loaded the model.
+        # An engine exists only once it has loaded (service/engine/factory.py `create_engine`).
         return True
 
     async def live(self) -> bool:
@@ -402,7 +400,7 @@ class StubBackend(NoWeightTransfer):
     in `progress_reports` pieces just before it is emitted.
 
     `text`: every sample's text (None: no tokenizer ran, as the stub engine); `tool_parsing`, given a text, is
-    what an engine applies to it for a group naming a tool_parser (service/engine/tool_calls.py's
+    what an engine applies to it for a group naming a tool_parser (service/engine/vllm/tool_calls.py's
     `ToolCallParsing.parse`, which tests pass in: this layer loads no vLLM), so the route's tool-call path runs on a
     text the test chose.
 

@@ -18,7 +18,7 @@ from das.service.wire.weight_transfer import TransferBackend, TransferChoice
 
 Speculation = Literal["none", "das", "ngram", "suffix"]
 
-PROPOSER_CLASS = "das.service.engine.proposer.DasProposer"
+PROPOSER_CLASS = "das.service.engine.vllm.proposer.DasProposer"
 
 
 def budget_settings(config: EngineConfig) -> dict[str, Any]:
@@ -43,10 +43,11 @@ def transfer_backend(choice: TransferChoice, *, gpu: bool) -> TransferBackend | 
 
 
 class EngineConfig(BaseModel):
-    """Everything that shapes one engine. `model` is a prepared model directory (service/engine/models.py)."""
+    """Everything that shapes one engine. `model` is a prepared model directory (service/engine/vllm/models.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    kind: Literal["vllm"] = "vllm"
     model: str
     speculation: Speculation = "das"
     num_speculative_tokens: int = Field(8, ge=1, le=64)
@@ -56,7 +57,7 @@ class EngineConfig(BaseModel):
                                      "(drafter/config.py)")
     cost_warmup_requests: int = Field(16, ge=0, le=256, description="the das budget only: requests of the start-up "
                                       "decode that shows the online cost fit every batch size from this many down to 1 "
-                                      "(service/engine/cost_warmup.py); 0: none")
+                                      "(service/engine/vllm/cost_warmup.py); 0: none")
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
         "auto", description="auto: bfloat16 on a GPU or a CPU with native bfloat16 (avx512_bf16 / amx_bf16), else "
                             "float32 (`serving_dtype`)")
@@ -69,7 +70,7 @@ class EngineConfig(BaseModel):
     seed: int = Field(0, ge=0, le=2**32 - 1, description="vLLM's engine seed (32-bit: numpy's legacy seeding "
                       "refuses more); keyed sampling draws with the groups' own int64 seeds")
     keyed_sampling: bool = Field(True, description="draw every sampled token with a key of (group seed, sample "
-                                 "index, position) (service/engine/keyed_sampler.py): the same tokens with or "
+                                 "index, position) (service/engine/vllm/keyed_sampler.py): the same tokens with or "
                                  "without speculation; False: vLLM's own sampler (the distribution tests' reference)")
     kv_cache_gib: int = Field(2, ge=1, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE), GiB")
     enable_prefix_caching: bool = True
@@ -81,7 +82,7 @@ class EngineConfig(BaseModel):
                                       "v1: V1 without async scheduling everywhere; auto: vLLM's choice (on a GPU "
                                       "without speculation V2 with async scheduling, samples not keyed) "
                                       "(runner_choice.py)")
-    profile_steps: bool = Field(False, description="time every engine step by part (service/engine/step_profile.py:"
+    profile_steps: bool = Field(False, description="time every engine step by part (service/engine/vllm/step_profile.py:"
                                 " the forward pass against the host's work) and export the sums as "
                                 "das_engine_step_part_seconds_total; costs a device synchronisation per part on a GPU")
     cpu_worker: CpuWorker = Field("auto", description="a CPU engine's model worker: in_process (in the engine core "
@@ -97,7 +98,7 @@ class EngineConfig(BaseModel):
                                     "those keys draft instead of the history bank's drafts; needs speculation das")
     weight_transfer: TransferChoice = Field("auto", description="vLLM's weight transfer (das serve --weight-transfer): "
                                             "nccl (vLLM's NCCL engine, GPU engines), gloo (ours, "
-                                            "service/engine/weight_transfer.py), none, or auto: nccl on GPU engines, "
+                                            "service/engine/vllm/weight_transfer.py), none, or auto: nccl on GPU engines, "
                                             "gloo on CPU engines (`transfer_backend`)")
     suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
                                            "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
@@ -118,6 +119,16 @@ class EngineConfig(BaseModel):
         if path is not None and info.data.get("speculation") != "das":
             raise ValueError("oracle_file drafts through the das proposer: it needs speculation das")
         return path
+
+    @property
+    def engines_per_actor(self) -> int:
+        """A vLLM engine has a Ray actor of its own: one engine core dying takes no other engine with it."""
+        return 1
+
+    @property
+    def cpu_workers(self) -> int:
+        """Model workers the engine runs on a node without a GPU (service/cluster/engine_layout.py checks they fit)."""
+        return self.tensor_parallel_size
 
     def speculative_config(self) -> dict[str, Any] | None:
         k = self.num_speculative_tokens

@@ -43,7 +43,7 @@ class EngineTally:
 
 
 IDLE_GAP_S = 1.0  # a gap between two engine steps longer than this is the engine waiting for work, not a step's time
-# the parts of a step that add up to its time (service/engine/step_profile.py); model_s lies inside forward_s and
+# the parts of a step that add up to its time (service/engine/vllm/step_profile.py); model_s lies inside forward_s and
 # budget_s inside propose_s
 STEP_PARTS = ("forward_s", "sample_s", "propose_s", "rest_s", "gap_s")
 

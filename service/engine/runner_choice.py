@@ -2,7 +2,7 @@
 
 vLLM 0.32 picks model runner V2 unless the configuration needs V1: `custom_class` (ours) and `suffix` speculation
 are on V2's unsupported list, and async scheduling is off for them, while an engine without speculation runs V2
-with async scheduling on a GPU (tests/service/engine/test_gpu_contract.py checks these rules in the GPU wheel).
+with async scheduling on a GPU (tests/service/engine/vllm/test_gpu_contract.py checks these rules in the GPU wheel).
 Our keyed draw wraps V1's sampler and rejection sampler only (keyed_cuda.py): on V2 a step samples with V2's own
 Gumbel draw, so a seed would no longer give the same sample with and without speculation.
 

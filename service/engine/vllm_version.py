@@ -1,7 +1,7 @@
 """The vLLM releases this service is tested with, and the startup check that refuses any other.
 
 The service reaches into vLLM beyond its public API (the proposer's `custom_class`, the sampler and
-rejection-sampler functions the patches in service/engine/patches.py replace, the model runner's `_sample`, the RL
+rejection-sampler functions the patches in service/engine/vllm/patches.py replace, the model runner's `_sample`, the RL
 routes and worker RPCs), and vLLM changes those between releases without notice (0.33 changed `pause_generation`
 and the rejection sampler's arguments). So a version outside TESTED_VLLM is refused at `das serve` and at engine
 start, before it can serve wrong samples quietly; the contract tests (tests/service/engine/test_gpu_*.py) check the

@@ -266,7 +266,7 @@ class GatewayMetrics:
         parts = CounterMetricFamily("das_engine_step_part_seconds", "With das serve --profile-steps: seconds of the "
                                     "engine's steps by part: forward_s (of which model_s, the forward pass: device "
                                     "work), sample_s, propose_s (of which budget_s), rest_s, gap_s "
-                                    "(service/engine/step_profile.py).", labels=["engine", "part"])
+                                    "(service/engine/vllm/step_profile.py).", labels=["engine", "part"])
         profiled = CounterMetricFamily("das_engine_profiled_steps", "With das serve --profile-steps: the steps "
                                        "timed by part.", labels=["engine"])
         for load in stats.engines:

@@ -1,5 +1,5 @@
 """The keys of keyed sampling: which random numbers a sampled token is drawn with, as a pure function of (seed,
-sample index, position) instead of a generator's running state (service/engine/keyed_sampler.py draws with them).
+sample index, position) instead of a generator's running state (service/engine/vllm/keyed_sampler.py draws with them).
 
 A batch's seed names its groups' seeds (`derive(batch seed, group index)`) unless a group gives its own
 (`sampling.seed`); a group's seed names its samples' keys (`derive(group seed, sample index)`); a sample's key and
@@ -9,7 +9,7 @@ batch shape, with or without drafts, before or after a re-dispatch; a different 
 
 Mixing is SplitMix64's finaliser (a bijection of 64-bit words with full avalanche), here on Python ints: the wire
 contract, which a trainer imports, loads no numpy. The engine applies the same function to a whole batch of rows
-on numpy arrays (service/engine/row_keys.py)."""
+on numpy arrays (service/engine/vllm/row_keys.py)."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 TransferBackend = Literal["nccl", "gloo"]
-"""The transfer's backend: vLLM's NCCL engine on GPU engines, our gloo twin (service/engine/weight_transfer.py) on
+"""The transfer's backend: vLLM's NCCL engine on GPU engines, our gloo twin (service/engine/vllm/weight_transfer.py) on
 CPU engines."""
 
 TransferChoice = Literal["auto", "nccl", "gloo", "none"]

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from das.bench.checkpoints import perturb_checkpoint
 from das.bench.cli import app
-from das.service.engine.models import prepare_model
+from das.service.engine.vllm.models import prepare_model
 from tests.tiny_models import build_tiny_model
 
 

@@ -30,10 +30,10 @@ from das.scheduler.budget_hook import BudgetSettings
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.client.prompt_sets import reasoning_gym_problems
 from das.service.engine.config import EngineConfig
-from das.service.engine.models import prepare_model
+from das.service.engine.vllm.models import prepare_model
 from das.service.wire.api import GroupRequest
 from tests.tiny_models import build_tiny_model
 
@@ -134,7 +134,7 @@ class RecordingStub(StubEngine):
 
     async def generate(self, group: GroupRequest, on_progress=None):  # type: ignore[override]
         self.started.append((group.problem_id, group.predicted_tokens))
-        curve = group.length_curve  # read as the engine reads it (Engine._sampling_params)
+        curve = group.length_curve  # read as the engine reads it (VllmEngine._sampling_params)
         self.curves.append(None if curve is None else LengthCurve.from_dict(curve.model_dump()))
         self.config = StubEngineConfig(tokens=self.lengths[group.problem_id])
         async for sample in super().generate(group, on_progress):
@@ -304,7 +304,7 @@ def test_an_arm_that_dies_stops_the_run_and_keeps_what_finished(monkeypatch) -> 
         raise E2EFailed("epoch 2/3 das", RuntimeError("every sample failed"), failed.value.completed)
 
     monkeypatch.setattr("das.bench.e2e.run_e2e", stops)
-    monkeypatch.setattr("das.service.engine.models.prepare_model", lambda model, progress, dtype=None: Path(model))
+    monkeypatch.setattr("das.service.engine.vllm.models.prepare_model", lambda model, progress, dtype=None: Path(model))
     result = CliRunner().invoke(app, ["bench", "e2e", "--model", "m", "--prompts", "reasoning-gym:2",
                                       "--arms", "none,das", "--budget", "uniform", "--json"])
     assert result.exit_code == 1, result.output

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from das.bench.oracle_bound import Bound, StepPrice, batch_bound, engine_bound
-from das.service.engine.step_profile import StepProfile
+from das.service.engine.vllm.step_profile import StepProfile
 
 PRICE = StepPrice(base_s=0.010, per_token_s=0.001, source="test", spec_s=0.002, spec_req_s=0.0005)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.engine_failure import Share
 from das.service.wire.api import GroupRequest, SampleResult
 from das.service.wire.sample_progress import ProgressBatcher, SampleProgress

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from das.service.client import RolloutClient
-from das.service.engine.known_warnings import KNOWN_WARNINGS
-from das.service.engine.models import prepare_model
+from das.service.engine.vllm.known_warnings import KNOWN_WARNINGS
+from das.service.engine.vllm.models import prepare_model
 from tests.tiny_models import build_tiny_model
 
 TOKEN = "serve-test-token"

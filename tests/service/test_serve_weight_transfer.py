@@ -18,7 +18,7 @@ import pytest
 
 from das.service.client import RolloutClient
 from das.service.wire.sample_progress import ProgressRecord
-from das.service.engine.models import prepare_model
+from das.service.engine.vllm.models import prepare_model
 from tests.service.test_serve import TOKEN, Server, metric
 
 # Seeded sampling at temperature 1: the keyed draw makes the same seed give the same tokens under the same weights.
@@ -51,7 +51,7 @@ DYING_TRAINER = textwrap.dedent("""
     import httpx
     from safetensors.torch import load_file
     from das.service.client.weights import TransferControl
-    from das.service.engine.gloo_transfer import GlooUpdateInfo, join_as_trainer
+    from das.service.engine.vllm.gloo_transfer import GlooUpdateInfo, join_as_trainer
     url, token, checkpoint = sys.argv[1:4]
     pairs = sorted(load_file(checkpoint).items())
     control = TransferControl(httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=None))

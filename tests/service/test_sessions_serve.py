@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 
-from das.service.engine.models import prepare_model
+from das.service.engine.vllm.models import prepare_model
 from tests.service.test_serve import TOKEN, Server, metric
 from tests.tiny_models import build_tiny_model
 

@@ -15,7 +15,7 @@ import msgpack
 import openai
 import pytest
 
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.client import RolloutClient, RolloutError
 from das.service.client.history_chunks import history_bodies
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.client import AsyncRolloutClient, RolloutClient, RolloutError
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.http.gateway import create_app

@@ -16,7 +16,7 @@ from ray.cluster_utils import Cluster
 
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
-from das.service.backends.stub_engine import StubEngineConfig
+from das.service.engine.stub_engine import StubEngineConfig
 from das.service.cluster.coordinator import (
     RayBackend,
     ServiceConfig,
@@ -29,7 +29,7 @@ from das.service.cluster.history_store import HistoryPushConfig
 from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
 from das.service.cluster.rollout_backend import GroupInputError
 from das.service.engine.contract import EngineInputError
-from das.service.engine.models import prepare_model
+from das.service.engine.vllm.models import prepare_model
 from das.service.http.gateway import GatewaySettings, create_app
 from das.service.wire.api import GroupRequest, LengthCurveSpec, SampleResult
 from tests.tiny_models import build_tiny_model
@@ -120,14 +120,14 @@ def test_the_placed_work_ledger_holds_each_sample_once_and_names_a_problems_engi
 @pytest.mark.parametrize("engines, interval", [(1, 0.05), (12, 0.05), (64, 0.256), (1024, 4.096), (5000, 5.0)])
 def test_the_stream_interval_keeps_the_objects_per_second_bounded(engines: int, interval: float) -> None:
     # 250 objects a second over all engines by default: 50 ms for a few engines, longer with many, 5 s at most
-    backend = RayBackend(ServiceConfig(stub_engine={}), [], [], [], gpu_nodes=False)
+    backend = RayBackend(ServiceConfig(engine={"kind": "stub"}), [], [], [], gpu_nodes=False)
     backend._engines = [(None, i, f"e{i}") for i in range(engines)]  # type: ignore[misc]
     assert backend._stream_interval() == pytest.approx(interval)
 
 
 def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEventLoop, tmp_path: Path,
                                    capfd: pytest.CaptureFixture[str]) -> None:
-    backend = start(loop, ServiceConfig(stub_engine={"tokens": 6, "token_s": 0.005}, state_dir=tmp_path,
+    backend = start(loop, ServiceConfig(engine={"kind": "stub", "tokens": 6, "token_s": 0.005}, state_dir=tmp_path,
                                         stats_interval_s=0.2))
     # engine actors find the shards by name: no constructor argument Ray must keep for their restarts (its core
     # worker logs an error line for those, in this driver process)
@@ -196,7 +196,7 @@ def test_batches_running_at_once_are_placed_by_the_load_already_placed(cluster: 
     """One group per batch, as an OpenAI-style trainer sends them (a request per prompt): each batch is placed
     onto the engine with the least predicted work outstanding, not onto the first engine every time; a problem's
     groups running at once share an engine."""
-    backend = start(loop, ServiceConfig(stub_engine={"tokens": 6, "token_s": 0.02}))
+    backend = start(loop, ServiceConfig(engine={"kind": "stub", "tokens": 6, "token_s": 0.02}))
     try:
         async def one_group_each(count: int) -> list[list]:
             async def collect(i: int) -> list:
@@ -306,7 +306,7 @@ def test_an_engine_whose_node_cannot_load_is_named_in_readyz_while_the_other_ser
     das_engine_load_failures_total counts it by reason; the first node's engine serves a batch; the service is ready
     and live (no reason to stop: an engine serves)."""
     failing = second_node(cluster)
-    backend = loop.run_until_complete(RayBackend.start(ServiceConfig(stub_engine={
+    backend = loop.run_until_complete(RayBackend.start(ServiceConfig(engine={"kind": "stub",
         "tokens": 4, "load_error": {"kind": "ImportError", "message": ARCTIC_MISSING, "nodes": [failing]}})))
     try:
         with pytest.raises(RuntimeError, match="cannot load: ImportError: Arctic Inference is required"):
@@ -335,7 +335,7 @@ def test_when_no_engine_can_ever_load_healthz_fails_with_the_cause_and_the_servi
     """Issue 59: every engine of the joined cluster cannot load (a model directory missing on both nodes):
     `unrecoverable()` (what `das serve` waits on to stop) returns the causes, /healthz answers 503 naming them and
     /readyz names both engines."""
-    backend = loop.run_until_complete(RayBackend.start(ServiceConfig(stub_engine={
+    backend = loop.run_until_complete(RayBackend.start(ServiceConfig(engine={"kind": "stub",
         "tokens": 4, "load_error": {"kind": "FileNotFoundError", "message": "/models/policy/config.json"}})))
     try:
         cause = loop.run_until_complete(asyncio.wait_for(backend.unrecoverable(), 60))
@@ -356,7 +356,7 @@ def test_a_load_failure_of_no_known_kind_restarts_the_engine_under_the_cap(
     process, counted against max_restarts; past the cap it stays down, and with every engine down so the service
     says no engine can load."""
     backend = loop.run_until_complete(RayBackend.start(ServiceConfig(
-        stub_engine={"tokens": 4, "load_error": {"kind": "RuntimeError", "message": "Engine core initialization "
+        engine={"kind": "stub", "tokens": 4, "load_error": {"kind": "RuntimeError", "message": "Engine core initialization "
                                                  "failed. See root cause above. Failed core proc(s): {}"}},
         failure={"max_restarts": 1})))
     try:

@@ -14,7 +14,7 @@ from das.service.wire.api import GroupRequest
 
 def test_ray_stops_with_the_last_backend_not_the_one_that_started_it() -> None:
     assert not ray.is_initialized(), "another test left Ray running in this process"
-    config = ServiceConfig(stub_engine={"tokens": 4, "token_s": 0.001}, address="local")
+    config = ServiceConfig(engine={"kind": "stub", "tokens": 4, "token_s": 0.001}, address="local")
     batch = [GroupRequest(problem_id="p", prompt_token_ids=[5, 6, 7], n=2, sampling={"max_tokens": 4})]
 
     async def scenario() -> tuple[int, bool]:

@@ -55,7 +55,7 @@ def test_engines_wanted_are_demand_until_they_run_and_nodes_beyond_them_stay_idl
     def gpu_node():  # noqa: ANN202 - a test helper
         return cluster.add_node(num_cpus=1, num_gpus=1, object_store_memory=100 << 20)
 
-    backend = run(RayBackend.start(ServiceConfig(stub_engine={"tokens": 4}, target_engines=2,
+    backend = run(RayBackend.start(ServiceConfig(engine={"kind": "stub", "tokens": 4}, target_engines=2,
                                                  adopt_nodes_interval_s=0.3)))
     try:
         # No GPU node yet: no engine on the head, two engines' GPUs asked for and pending; alive, not ready.

@@ -24,9 +24,9 @@ import openai
 import psutil
 import pytest
 
-from das.service.backends.stub_engine import StubEngineConfig
+from das.service.engine.stub_engine import StubEngineConfig
 from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
-from das.service.engine.models import prepare_model
+from das.service.engine.vllm.models import prepare_model
 from das.service.wire.api import GroupRequest, SampleResult
 from das.service.wire.sample_keys import derive
 from tests.service.test_serve import TOKEN, Server, free_port, metric
@@ -212,7 +212,7 @@ def stub_groups(count: int, n: int) -> list[dict[str, Any]]:
 
 
 def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(tmp_path: Path) -> None:
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.05}, "engines_per_node": 2,
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "token_s": 0.05}, "engines_per_node": 2,
                                      # healthy engines killed at random: no group is given up
                                      "failure": {"max_restarts": 100, "max_group_deaths": 100}})
     groups = stub_groups(6, 4)
@@ -300,7 +300,7 @@ def test_a_sample_whose_engine_dies_resumes_from_its_delivered_tokens_and_stream
     had delivered (the restarted engine makes only the rest, plus the last report interval's tokens), the batch is
     token-identical to an undisturbed one with the same seed, and the OpenAI client's stream gets a chunk about every
     50 ms of generation (the engines' report interval)."""
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 100, "token_s": 0.03}})
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 100, "token_s": 0.03}})
     groups = [{"problem_id": f"p{i}", "prompt_token_ids": [5, 6, 7 + i], "n": 1, "sampling": {"max_tokens": 100}}
               for i in range(2)]
     body = {"groups": groups, "seed": 11}
@@ -354,7 +354,7 @@ def test_a_sample_whose_engine_dies_resumes_from_its_delivered_tokens_and_stream
 
 
 def test_an_engine_past_its_restart_cap_fails_its_batch_and_liveness(tmp_path: Path) -> None:
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.25},
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "token_s": 0.25},
                                      "failure": {"max_restarts": 1, "restart_window_s": 3600}})
 
     def kill_after_first(count: int) -> None:
@@ -384,7 +384,7 @@ def test_an_engine_actor_killed_while_it_loads_is_restarted_and_serves(tmp_path:
     """Issue 59: a transient load failure keeps the restart behaviour. The engine actor's process SIGKILLed while its
     engine loads (as the OOM killer would) is restarted by Ray, loads again and serves; it counts as a restart and
     as a failed load with reason "died", and nothing stops the service."""
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "load_s": 20.0}})
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "load_s": 20.0}})
 
     def loading() -> bool:
         assert service.proc.poll() is None, service.log.read_text()
@@ -417,7 +417,7 @@ def test_an_engine_actor_killed_while_it_loads_is_restarted_and_serves(tmp_path:
 def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path, behaviour: str) -> None:
     """Under either vLLM pause behaviour (service/cluster/pause_hold.py): a batch sent to the re-paused engine is held
     by the service, not failed by a rejecting engine (an abort pause: a rejecting engine queues nothing then)."""
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02, "pause_behavior": behaviour}})
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "token_s": 0.02, "pause_behavior": behaviour}})
     try:
         service.wait_ready(engines=1)
         assert httpx.post(f"{service.url}/pause", params={"mode": "abort"}, timeout=30).status_code == 200
@@ -444,7 +444,7 @@ def test_a_group_that_kills_every_engine_it_reaches_is_given_up_and_nothing_else
     samples end with an error instead of running again; the groups that ran beside it (the first time on its
     engine, the second time on the other one) all arrive, and both engines serve again. Without the limit the
     restart caps run out and the batch fails; without the last try alone, the groups beside it are given up too."""
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.05, "exit_on_problem": "p0"},
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "token_s": 0.05, "exit_on_problem": "p0"},
                                      "engines_per_node": 2,
                                      "failure": {"max_restarts": 2, "max_group_deaths": 2}})
     try:
@@ -479,7 +479,7 @@ def test_a_group_that_kills_every_engine_it_reaches_is_given_up_and_nothing_else
 def test_the_official_openai_client_retrying_a_given_up_prompt_crashes_no_more_engines(tmp_path: Path) -> None:
     """The OpenAI route answers a given-up sample with a 500, which the official client retries (twice by default):
     the retry is refused at admission (400, which it does not retry) instead of crashing two more engines."""
-    service = StubService(tmp_path, {"stub_engine": {"tokens": 8, "token_s": 0.02, "exit_on_problem": "poison"},
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "token_s": 0.02, "exit_on_problem": "poison"},
                                      "engines_per_node": 2, "failure": {"max_group_deaths": 2}})
     try:
         service.wait_ready(engines=2)

@@ -30,8 +30,8 @@ def test_a_gpu_node_runs_one_actor_per_tensor_parallel_engine_holding_its_gpus()
 
     async def scenario() -> tuple[list[str], float, int]:
         with pytest.raises(LayoutError, match="4 GPU.*--tensor-parallel-size 3 does not divide"):
-            await RayBackend.start(ServiceConfig(stub_engine={"tensor_parallel_size": 3}))
-        backend = await RayBackend.start(ServiceConfig(stub_engine={"tokens": 4, "tensor_parallel_size": 2}))
+            await RayBackend.start(ServiceConfig(engine={"kind": "stub", "tensor_parallel_size": 3}))
+        backend = await RayBackend.start(ServiceConfig(engine={"kind": "stub", "tokens": 4, "tensor_parallel_size": 2}))
         try:
             await backend.wait_ready()
             free_gpus = ray.available_resources().get("GPU", 0.0)

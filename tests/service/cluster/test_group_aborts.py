@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.node_engine import NodeEngine
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend

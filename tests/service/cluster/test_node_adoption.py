@@ -51,7 +51,7 @@ def test_a_node_that_joins_later_gets_an_engine_and_a_replaced_one_too(cluster: 
             assert time.monotonic() < deadline, what
             run(asyncio.sleep(0.2))
 
-    backend = run(RayBackend.start(ServiceConfig(stub_engine={"tokens": 4, "token_s": 0.1},
+    backend = run(RayBackend.start(ServiceConfig(engine={"kind": "stub", "tokens": 4, "token_s": 0.1},
                                                  adopt_nodes_interval_s=0.5)))
     try:
         run(backend.wait_ready())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from das.service.backends.stub_engine import StubEngineConfig
+from das.service.engine.stub_engine import StubEngineConfig
 from das.service.cluster.history_store import HistoryPushConfig
 from das.service.cluster.node_engine import NodeEngine, NodeStats
 from das.service.wire.api import GroupRequest, SampleResult

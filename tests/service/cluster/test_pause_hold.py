@@ -11,7 +11,7 @@ from typing import Any, Literal
 import httpx
 import pytest
 
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.coordinator import RayBackend, ServiceConfig
 from das.service.cluster.node_engine import NodeEngine
 from das.service.cluster.pause_hold import PauseHold
@@ -123,7 +123,7 @@ def test_the_ray_coordinator_holds_a_batch_sent_while_paused_on_rejecting_engine
     generated while paused reaches no engine before resume and then completes whole."""
     async def main() -> dict[str, tuple[bool, list[SampleResult]]]:
         backend = await RayBackend.start(ServiceConfig(
-            stub_engine=StubEngineConfig(tokens=6, token_s=0.01, pause_behavior="reject"), engines_per_node=2))
+            engine=StubEngineConfig(tokens=6, token_s=0.01, pause_behavior="reject"), engines_per_node=2))
         outcome = {}
         try:
             await backend.wait_ready()

@@ -11,7 +11,7 @@ import pytest
 from das.service.wire.api import GroupRequest, LengthCurveSpec
 from das.service.cluster.coordinator import RayBackend, ServiceConfig, with_length_predictions
 from das.service.cluster.sessions import Session, SessionBook, SessionConfig, SessionConflict
-from das.service.backends.stub_engine import StubEngineConfig
+from das.service.engine.stub_engine import StubEngineConfig
 
 
 class Clock:
@@ -159,7 +159,7 @@ def test_idle_sessions_reserve_their_predicted_remaining_work_on_their_engine() 
 
 def backend(book: SessionBook) -> RayBackend:
     """A RayBackend that only places (no Ray, no actors): `_place` over engine names."""
-    coordinator = RayBackend(ServiceConfig(stub_engine=StubEngineConfig()), [], [], [], False)
+    coordinator = RayBackend(ServiceConfig(engine=StubEngineConfig()), [], [], [], False)
     coordinator.attach_sessions(book)
     return coordinator
 

@@ -33,7 +33,7 @@ def session(service: StubService, session_id: str) -> dict[str, Any]:
 
 
 def test_a_session_survives_its_engines_death_and_an_abort_frees_its_engines_work(tmp_path: Path) -> None:
-    service = StubService(tmp_path, {"stub_engine": {"tokens": TOKENS, "token_s": 0.05}, "engines_per_node": 2,
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": TOKENS, "token_s": 0.05}, "engines_per_node": 2,
                                      "failure": {"max_restarts": 10}})
     try:
         service.wait_ready(engines=2)

@@ -1,5 +1,5 @@
 """The engine core's allocator environment (service/engine/cpu_allocator.py); the engine test checks that a real
-engine core maps jemalloc (tests/service/engine/test_async_engine.py)."""
+engine core maps jemalloc (tests/service/engine/vllm/test_engine.py)."""
 
 from __future__ import annotations
 

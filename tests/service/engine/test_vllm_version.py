@@ -59,7 +59,7 @@ def test_das_serve_refuses_an_untested_vllm_before_starting_anything(monkeypatch
     monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
     monkeypatch.setattr("das.service.engine.vllm_version.installed_vllm", lambda: ("vllm", "0.33.0"))
     prepared: list[str] = []
-    monkeypatch.setattr("das.service.engine.models.prepare_model", lambda *a, **k: prepared.append("model"))
+    monkeypatch.setattr("das.service.engine.vllm.models.prepare_model", lambda *a, **k: prepared.append("model"))
     result = CliRunner().invoke(app, ["serve", "--port", "8999"])
     assert result.exit_code != 0 and prepared == []
     assert "vllm 0.33.0 is not a vLLM release this service is tested with" in " ".join(result.output.split())

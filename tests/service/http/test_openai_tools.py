@@ -1,6 +1,6 @@
 """Tool calling on `/v1/chat/completions` with the official `openai` client over real HTTP against the gateway on
 a StubBackend whose samples carry a text the test chose (a Qwen2.5-style hermes `<tool_call>` block) and are parsed
-by the engine's own path (service/engine/tool_calls.py: vLLM's `hermes` parser) over SmolLM2's tokenizer: the
+by the engine's own path (service/engine/vllm/tool_calls.py: vLLM's `hermes` parser) over SmolLM2's tokenizer: the
 reply's tool_calls and finish_reason, streaming, multi-turn history with tool turns, sessions and token ids, and the
 400s for bad tool input."""
 
@@ -16,8 +16,8 @@ from pydantic import ValidationError
 from transformers import AutoTokenizer
 
 from das.service.cluster.rollout_backend import StubBackend
-from das.service.engine.models import prepare_model
-from das.service.engine.tool_calls import ToolCallParsing
+from das.service.engine.vllm.models import prepare_model
+from das.service.engine.vllm.tool_calls import ToolCallParsing
 from das.service.http.gateway import GatewaySettings
 from tests.service.http.test_openai_api import STUB_TOKENS, TOKEN, serve  # noqa: F401 (serve: a fixture)
 

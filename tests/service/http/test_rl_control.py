@@ -13,11 +13,11 @@ from typing import Any
 
 import httpx
 
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.coordinator import RayBackend, ServiceConfig
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
-from das.service.engine.async_engine import Engine, EngineConfig
-from das.service.engine.models import prepare_model
+from das.service.engine.vllm.engine import VllmEngine, EngineConfig
+from das.service.engine.vllm.models import prepare_model
 from das.service.http.gateway import GatewaySettings, create_app
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
 from das.service.wire.api import GroupRequest
@@ -48,7 +48,7 @@ def run(scenario: Callable[[httpx.AsyncClient], Awaitable[Any]], backend: Any, w
 
 def stub(tokens: int = 20, token_s: float = 0.02) -> tuple[EngineBackend, StubEngine]:
     engine = StubEngine(StubEngineConfig(tokens=tokens, token_s=token_s))
-    return EngineBackend(engine), engine  # type: ignore[arg-type]  # the stub has the Engine interface it needs
+    return EngineBackend(engine), engine  # type: ignore[arg-type]  # the stub has the VllmEngine interface it needs
 
 
 async def batch(http: httpx.AsyncClient, batch_id: str, groups: list[dict[str, Any]]
@@ -306,7 +306,7 @@ def test_the_ray_service_fans_pause_update_and_resume_out_to_its_engines(tmp_pat
     """RayBackend -> NodeEngine -> StubEngine: a keep pause, a reload while paused, resume; then abort without
     pausing."""
     async def main() -> tuple[list[Any], list[Any], bool, bool, int]:
-        backend = await RayBackend.start(ServiceConfig(stub_engine=StubEngineConfig(tokens=20, token_s=0.1)))
+        backend = await RayBackend.start(ServiceConfig(engine=StubEngineConfig(tokens=20, token_s=0.1)))
         try:
             await backend.wait_ready()
 
@@ -371,7 +371,7 @@ def test_keep_pause_across_a_weight_update_on_the_real_engine(tmp_path):
 
     async def main() -> tuple[list[dict[str, Any]], dict[str, Any], int, bool, int]:
         nonlocal engine
-        engine = await Engine.create(EngineConfig(model=str(first), speculation="das", dtype="float32",
+        engine = await VllmEngine.create(EngineConfig(model=str(first), speculation="das", dtype="float32",
                                                   max_model_len=256, enforce_eager=True))
         try:
             records, end, version, continued = await against(scenario, EngineBackend(engine), root, timeout_s=300)
@@ -379,7 +379,7 @@ def test_keep_pause_across_a_weight_update_on_the_real_engine(tmp_path):
         finally:
             await engine.close()
 
-    engine: Engine
+    engine: VllmEngine
     records, end, version, continued, failures = asyncio.run(main())
     assert end["status"] == "done" and end["samples"] == 4 and version == 1 == engine.policy_version
     assert Counter((r["problem_id"], r["sample_index"]) for r in records) == Counter(

@@ -15,7 +15,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from das.service.backends.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.http.gateway import create_app
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.cluster.sessions import SessionConfig

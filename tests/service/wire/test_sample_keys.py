@@ -1,4 +1,4 @@
-"""The keys of keyed sampling (service/wire/sample_keys.py; the rows' keys: tests/service/engine/test_row_keys.py)
+"""The keys of keyed sampling (service/wire/sample_keys.py; the rows' keys: tests/service/engine/vllm/test_row_keys.py)
 and the batch seed's way to its groups (api.seeded_groups): deterministic, distinct where they must be, the whole
 int64 range."""
 

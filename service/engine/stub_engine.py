@@ -1,0 +1,275 @@
+"""`StubEngine`: an `Engine` (service/engine/protocol.py) without a model, for tests and load tests of the Ray service.
+
+Each sample is `tokens` tokens long (capped by max_tokens) of a fixed pattern, produced at `token_s` seconds a
+token. It drafts nothing: `draft_tokens` and `accepted_tokens` are 0, so no figure from it can pass for a
+speedup. It counts the history it was given (`history_records`), which is what service tests check. It refuses
+what the engine refuses without needing vLLM: the API's bounds (service/wire/api.py, vLLM's own sampling limits) and the
+model's (prompt and stop token ids within the vocabulary, the prompt and max_tokens within the context). It reports
+progress and resumes samples from a prefix as `Engine.generate` does.
+
+Pause and resume as vLLM's engine does them (`pause`, docs/design.md "vLLM's RL control plane"): a group's n
+samples are all in flight from the moment `generate` is called (they are produced one after another, as if the
+engine's steps served them in that order). Groups that arrive while paused are held until `resume` (vLLM 0.32's
+queue), or under `pause_behavior="reject"` ended at once, every sample with finish_reason "error", unless the pause is
+"keep" (a vLLM that rejects new requests while paused, as the audit of issue 45 read vLLM 0.33: the service must never
+send work to a paused engine, service/cluster/pause_hold.py). "keep" freezes
+the samples in flight between two tokens; each token carries the policy version served when its step began, so a
+sample spanning a weight update says so (`SampleResult.policy_spans`). "abort" ends every sample in flight, held
+groups included, with finish_reason "abort" and the tokens it had. "wait" returns once the groups in flight ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from das.service.engine.pause_gate import PauseGate
+from das.service.engine.runner_choice import RunnerChoice
+from das.service.engine.contract import (EngineConfigError, EngineInputError, EngineTally, StepPartTotals,
+                                         context_error, validate_rollouts)
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.service.wire.sample_progress import SampleProgress
+
+
+# The errors a stub engine's load can be told to raise (`StubLoadError`): the kinds a real engine's load raises.
+_LOAD_ERRORS: dict[str, type[Exception]] = {
+    "ImportError": ImportError, "ModuleNotFoundError": ModuleNotFoundError, "FileNotFoundError": FileNotFoundError,
+    "EngineConfigError": EngineConfigError, "ValueError": ValueError, "RuntimeError": RuntimeError,
+    "MemoryError": MemoryError}
+
+
+class StubLoadError(BaseModel):
+    """A load that fails, for tests: `create` raises `kind(message)` on the Ray nodes `nodes` (node ids in hex;
+    None: everywhere)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["ImportError", "ModuleNotFoundError", "FileNotFoundError", "EngineConfigError", "ValueError",
+                  "RuntimeError", "MemoryError"]
+    message: str
+    nodes: tuple[str, ...] | None = None
+
+    def applies_here(self) -> bool:
+        if self.nodes is None:
+            return True
+        import ray
+
+        return ray.is_initialized() and ray.get_runtime_context().get_node_id() in self.nodes
+
+
+class StubEngineConfig(BaseModel):
+    """A stub engine's shape (`kind: stub` in the service's engine configuration, service/engine/factory.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["stub"] = "stub"
+    tokens: int = Field(16, ge=0, description="output tokens per sample (before max_tokens)")
+    token_s: float = Field(0.0, ge=0, description="seconds per output token of a sample")
+    max_model_len: int = Field(2048, ge=2)
+    vocab_size: int = Field(32000, ge=2)
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs an engine takes on a GPU node (placement "
+                                      "only: the stub has no model workers), as EngineConfig's")
+    pause_behavior: Literal["queue", "reject"] = Field(
+        "queue", description="what a group that arrives while paused meets: queue (held until resume, as vLLM 0.32 "
+        "does), reject (under abort and wait pauses its samples end at once with finish_reason error, as a vLLM "
+        "with reject_new_requests does)")
+    exit_on_problem: str | None = Field(None, description="a problem_id whose group, once started, ends the "
+                                        "engine's process at once: a prompt that crashes the engine, for tests")
+    load_s: float = Field(0.0, ge=0, description="seconds a load takes (a model's load, for tests)")
+    load_error: StubLoadError | None = Field(None, description="a load that fails (after load_s), for tests")
+    engines_per_actor: int = Field(1, ge=1, description="engines one NodeEngine actor hosts (load tests of the "
+                                   "coordinator at hundreds of engines: each is still an engine of its own to the "
+                                   "coordinator, placed and streamed apart, but they share a process, so a death "
+                                   "takes all of them; a vLLM engine always has an actor of its own)")
+
+
+    @property
+    def cpu_workers(self) -> int:
+        """No model workers: a stub engine fits any node."""
+        return 0
+
+    @property
+    def weight_transfer(self) -> Literal["none"]:
+        """No weight transfer: vLLM's transfer routes answer 501 over stub engines."""
+        return "none"
+
+
+class StubEngine:
+    """An `Engine` without a model (the module's docstring says what it plays)."""
+
+    def __init__(self, config: StubEngineConfig) -> None:
+        self.config = config
+        self.policy_version = 0
+        self.tally = EngineTally()
+        self.history_records = 0
+        self._gate = PauseGate()
+        self._groups = 0  # groups in flight (held ones excluded)
+        self._unfinished = 0  # samples of the groups in flight not yet yielded
+        self.dead = False  # no engine core that could die
+        self.runner: RunnerChoice | None = None  # no model runner
+        self.tokens_made: Counter[str] = Counter()  # per problem_id, tokens generated (tests see a sample stop)
+
+    @classmethod
+    async def create(cls, config: StubEngineConfig) -> StubEngine:
+        if config.load_s:
+            await asyncio.sleep(config.load_s)
+        failure = config.load_error
+        if failure is not None and failure.applies_here():
+            raise _LOAD_ERRORS[failure.kind](failure.message)
+        return cls(config)
+
+    def prompt_token_ids(self, group: GroupRequest) -> list[int]:
+        if group.prompt_token_ids is not None:
+            ids = list(group.prompt_token_ids)
+            bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+            if bad:
+                raise EngineInputError(f"prompt_token_ids: {len(bad)} token id(s) outside the vocabulary "
+                                       f"[0, {self.config.vocab_size}), first {bad[0]}")
+        else:
+            text = group.prompt if group.prompt is not None else " ".join(m.content or "" for m in group.messages or ())
+            ids = [1 + len(word) % (self.config.vocab_size - 1) for word in text.split()] or [1]
+        if len(ids) >= self.config.max_model_len:
+            raise EngineInputError(f"prompt is {len(ids)} tokens; the context holds {self.config.max_model_len} "
+                                   f"and at least one output token must fit")
+        outside = [t for t in group.sampling.stop_token_ids if not 0 <= t < self.config.vocab_size]
+        if outside:
+            raise EngineInputError(f"sampling.stop_token_ids: {outside[0]} is outside the vocabulary "
+                                   f"[0, {self.config.vocab_size})")
+        if len(ids) + group.sampling.max_tokens > self.config.max_model_len:
+            raise EngineInputError(context_error(len(ids), group.sampling.max_tokens, self.config.max_model_len))
+        return ids
+
+    async def generate(self, group: GroupRequest,
+                       on_progress: Callable[[SampleProgress], None] | None = None) -> AsyncIterator[SampleResult]:
+        """As `Engine.generate`: `on_progress` hears of every token but each sample's last; a resumed sample
+        (group.prefix_token_ids) continues from its prefix, at the positions after it."""
+        prompt = self.prompt_token_ids(group)
+        if group.sampling.seed is None:  # as Engine.generate, with a fixed seed: the stub is deterministic
+            (group,) = seeded_groups([group], 0)
+        length = min(self.config.tokens, group.sampling.max_tokens)
+        if self._gate.mode in ("abort", "wait") and self.config.pause_behavior == "reject":
+            for index in range(group.n):
+                yield SampleResult(problem_id=group.problem_id, sample_index=index, token_ids=[], logprobs=[],
+                                   finish_reason="error", policy_version=self.policy_version, prompt_token_ids=prompt,
+                                   error=f"the engine is paused ({self._gate.mode}) and rejects new requests")
+            return
+        epoch = await self._gate.admit()
+        if group.problem_id == self.config.exit_on_problem:
+            os._exit(1)
+        start = time.perf_counter()
+        pace = self.config.token_s / group.n  # the group's samples share the engine's steps
+        self.tally.running += group.n  # the group's samples, until the group ends
+        self._groups += 1
+        self._unfinished += group.n
+        yielded = 0
+        try:
+            for index in range(group.n):
+                # the sample's tokens are a function of its key, as under keyed sampling: a re-drawn sample repeats
+                key = group.sample_key(index)
+                tokens = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
+                resumed = len(tokens)
+                first: float | None = None  # seconds from the group's start to this sample's first new token
+                spans: list[tuple[int, int]] = []
+                while len(tokens) < length and self._gate.abort_epoch == epoch:
+                    await self._gate.unfrozen(epoch)
+                    version = self.policy_version  # the weights of this token's step
+                    if pace:
+                        await asyncio.sleep(pace)
+                    if self._gate.abort_epoch != epoch:
+                        break
+                    if not spans or spans[-1][0] != version:
+                        spans.append((version, len(tokens)))
+                    tokens.append((7 * len(tokens) + key) % self.config.vocab_size)
+                    if first is None:
+                        first = time.perf_counter() - start
+                    self.tokens_made[group.problem_id] += 1
+                    if on_progress is not None and len(tokens) < length:
+                        on_progress(SampleProgress(index, len(tokens) - 1, tokens[-1:], [-1.0], "", version))
+                if len(tokens) < length:
+                    finish = "abort"
+                else:
+                    finish = "length" if length == group.sampling.max_tokens else "stop"
+                self._unfinished -= 1
+                yielded += 1
+                yield SampleResult(
+                    problem_id=group.problem_id, sample_index=index, token_ids=tokens,
+                    logprobs=[-1.0] * (len(tokens) - resumed), finish_reason=finish,
+                    policy_version=spans[0][0] if spans else self.policy_version,
+                    policy_spans=spans if len(spans) > 1 or (resumed and spans) else None,
+                    decode_steps=len(tokens) - resumed, first_token_s=first,
+                    total_s=time.perf_counter() - start, prompt_token_ids=prompt)
+        finally:
+            self.tally.running -= group.n
+            self._groups -= 1
+            self._unfinished -= group.n - yielded
+            self._gate.notify()
+
+    # ---- pause (vLLM's RL control plane) ----
+
+    async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
+        """As `Engine.pause`; `clear_cache` has nothing to clear here."""
+        self._gate.pause(mode)
+        if mode == "wait":
+            await self._gate.until(lambda: not self._groups)
+
+    async def resume(self) -> None:
+        self._gate.resume()
+
+    async def is_paused(self) -> bool:
+        return self._gate.mode is not None
+
+    async def abort_samples(self) -> int:
+        """Ends the samples in flight (held groups included) with finish_reason "abort"; returns how many of the
+        groups in flight were unfinished (held groups' samples are not counted)."""
+        aborted = self._unfinished
+        self._gate.abort()
+        return aborted
+
+    async def reload_weights(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int:
+        new = self.policy_version + 1 if version is None else version
+        if new <= self.policy_version:
+            raise EngineInputError(f"version: must be newer than the served version {self.policy_version}, "
+                                   f"got {new}")
+        self.policy_version = new
+        return new
+
+    # ---- no weight transfer (the service answers vLLM's transfer routes with 501 over stub engines) ----
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        raise EngineInputError("a stub engine has no weight transfer")
+
+    async def start_weight_update(self) -> None:
+        raise EngineInputError("a stub engine has no weight transfer")
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        raise EngineInputError("a stub engine has no weight transfer")
+
+    async def finish_weight_update(self, version: int | None = None) -> int:
+        raise EngineInputError("a stub engine has no weight transfer")
+
+    async def abort_weight_update(self) -> None:
+        return None
+
+    async def shutdown_weight_transfer(self) -> None:
+        return None
+
+    async def add_history(self, rollouts: list[dict[str, Any]]) -> int:
+        validate_rollouts(rollouts)
+        self.history_records += len(rollouts)
+        return len(rollouts)
+
+    async def drafter_stats(self) -> dict[str, Any]:
+        return {"history_records": self.history_records}
+
+    async def read_step_parts(self) -> StepPartTotals:
+        """No model runner to time: always the empty totals."""
+        return StepPartTotals()
+
+    async def close(self) -> None:
+        return None

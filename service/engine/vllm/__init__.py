@@ -1,0 +1,1 @@
+"""vLLM's room: every module of the engine that imports vLLM or torch, or runs inside vLLM's engine core."""

@@ -1,0 +1,107 @@
+"""The gloo transfer's data plane (service/engine/vllm/gloo_transfer.py), torch only: a trainer rank and two worker ranks
+in threads of this process, each with its own group over loopback."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from das.service.engine.vllm.gloo_transfer import (
+    GlooGroup,
+    GlooInitInfo,
+    GlooUpdateInfo,
+    TransferRefused,
+    checkpoint_manifest,
+    receive,
+    refusal,
+    send,
+)
+
+PAIRS = [("a.weight", torch.arange(12, dtype=torch.float32).reshape(3, 4)),
+         ("b.bias", torch.tensor([1.5, -2.0], dtype=torch.bfloat16))]
+MANIFEST = {"a.weight": (3, 4), "b.bias": (2,)}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def exchange(pairs, worker_refusals: list[str | None]):
+    """Rank 0 sends `pairs`; worker w receives with its refusal; returns (trainer outcome, worker outcomes)."""
+    port, world = free_port(), 1 + len(worker_refusals)
+    info = GlooUpdateInfo.of(pairs)
+    outcomes: dict[int, object] = {}
+
+    def worker(rank: int, why_not: str | None) -> None:
+        group = GlooGroup("127.0.0.1", port, rank, world, timeout_s=20)
+        try:
+            outcomes[rank] = receive(group, info, why_not)
+        except TransferRefused as exc:
+            outcomes[rank] = exc
+
+    threads = [threading.Thread(target=worker, args=(r + 1, w)) for r, w in enumerate(worker_refusals)]
+    for t in threads:
+        t.start()
+    group = GlooGroup("127.0.0.1", port, 0, world, timeout_s=20)
+    try:
+        trainer: object = send(group, pairs, info)
+    except TransferRefused as exc:
+        trainer = exc
+    for t in threads:
+        t.join(30)
+    return trainer, [outcomes[r + 1] for r in range(len(worker_refusals))]
+
+
+def test_every_worker_receives_every_tensor_in_its_dtype():
+    sent, (first, second) = exchange(PAIRS, [None, None])
+    assert sent == 12 * 4 + 2 * 2
+    for received in (first, second):
+        assert [n for n, _ in received] == ["a.weight", "b.bias"]
+        assert all(torch.equal(r, p) and r.dtype == p.dtype for (_, r), (_, p) in zip(received, PAIRS))
+
+
+def test_one_refusal_stops_every_rank_before_any_tensor_moves():
+    sent, (refused, other) = exchange(PAIRS, ["update_info.names: 'x' is not a tensor", None])
+    assert isinstance(sent, TransferRefused) and "1 model worker(s) refused" in str(sent)
+    assert isinstance(refused, TransferRefused) and "'x' is not a tensor" in str(refused)
+    assert isinstance(other, TransferRefused) and "1 other model worker(s) refused" in str(other)
+
+
+def test_refusal_names_the_first_unknown_name_or_wrong_shape():
+    assert refusal(GlooUpdateInfo.of(PAIRS), MANIFEST) is None
+    assert "'c' is not a tensor of the served checkpoint" in refusal(
+        GlooUpdateInfo.of([("c", torch.zeros(1))]), MANIFEST)
+    assert "'a.weight' is [4, 3], the served checkpoint's is [3, 4]" in refusal(
+        GlooUpdateInfo.of([("a.weight", torch.zeros(4, 3))]), MANIFEST)
+
+
+def test_the_manifest_is_read_from_the_checkpoint_headers(tmp_path: Path):
+    save_file({name: tensor for name, tensor in PAIRS}, str(tmp_path / "model.safetensors"))
+    assert checkpoint_manifest(tmp_path) == MANIFEST
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"names": ["a"], "dtype_names": ["float32"], "shapes": []}, "as long as each other"),
+    ({"names": ["a"], "dtype_names": ["int8"], "shapes": [[1]]}, "'int8' is not one of"),
+    ({"names": ["a", "a"], "dtype_names": ["float32"] * 2, "shapes": [[1], [1]]}, "appears twice"),
+])
+def test_malformed_update_info_is_refused_naming_the_field(fields, says):
+    with pytest.raises(ValueError, match=says):
+        GlooUpdateInfo(**fields)
+
+
+@pytest.mark.parametrize("fields, says", [
+    ({"master_port": 0}, "init_info.master_port"), ({"rank_offset": 0}, "init_info.rank_offset"),
+    ({"rank_offset": 2, "world_size": 2}, "init_info.rank_offset"), ({"timeout_s": 0}, "init_info.timeout_s"),
+])
+def test_init_info_outside_the_group_is_refused(fields, says):
+    with pytest.raises(ValueError, match=says):
+        GlooInitInfo(**{"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
+                        **fields})

@@ -1,0 +1,24 @@
+"""`dtype="auto"`: bfloat16 only where the hardware computes in it natively."""
+
+from __future__ import annotations
+
+import pytest
+
+from das.service.engine.vllm.engine import EngineConfig, serving_dtype
+
+
+@pytest.mark.parametrize("cpu, flags, expected", [
+    (False, frozenset(), "bfloat16"),                             # a GPU
+    (True, frozenset({"avx2", "fma"}), "float32"),                # AVX2 only: vLLM would emulate bfloat16
+    (True, frozenset({"avx512f", "avx512_bf16"}), "bfloat16"),
+    (True, frozenset({"amx_tile", "amx_bf16"}), "bfloat16"),
+    (True, frozenset(), "float32"),                               # flags unreadable: the safe choice
+])
+def test_auto_picks_bfloat16_only_with_native_support(cpu, flags, expected):
+    assert serving_dtype("auto", cpu=cpu, cpu_flags=flags) == expected
+
+
+def test_an_explicit_dtype_wins_and_auto_is_the_default():
+    assert serving_dtype("bfloat16", cpu=True, cpu_flags=frozenset()) == "bfloat16"
+    assert serving_dtype("float16", cpu=False) == "float16"
+    assert EngineConfig(model="m").dtype == "auto"
