@@ -75,7 +75,6 @@ import gc
 import hashlib
 import json
 import logging
-import math
 import time
 import uuid
 from collections import OrderedDict
@@ -88,7 +87,7 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Respons
 from fastapi.encoders import jsonable_encoder
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from fastapi.security import HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -96,14 +95,17 @@ from starlette.routing import BaseRoute, Match
 
 from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.pause_hold import PauseHold
-from das.service.cluster.rollout_backend import GroupInputError, HistoryUnavailable, RolloutBackend
+from das.service.cluster.rollout_backend import GroupInputError, RolloutBackend
 from das.service.cluster.sessions import CloseReason, Session, SessionBook, SessionConfig, SessionConflict
 from das.service.engine.contract import EngineInputError
 from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
 from das.service.http.batch_progress import ProgressLog
-from das.service.http.metrics import CONTENT_TYPE, GatewayMetrics
+from das.service.http.metrics import GatewayMetrics
+from das.service.http.batch_routes import batch_router
+from das.service.http.gateway_core import input_error, json_safe
+from das.service.http.health_routes import health_router
 from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
-from das.service.http.request_guard import OffloopJsonRoute, RequestGuard
+from das.service.http.request_guard import RequestGuard, open_paths
 from das.service.http.rl_control import rl_control_router
 from das.service.http.session_journal import SessionJournal, SessionJournalConfig
 from das.service.http.session_routes import session_router
@@ -116,9 +118,6 @@ from das.service.wire.api import (
     BatchSummary,
     EndStatus,
     GroupRequest,
-    HistoryRequest,
-    HistoryResponse,
-    ProblemSummary,
     RolloutRequest,
     SampleRecord,
     SampleResult,
@@ -407,20 +406,6 @@ def _encoder(wire: str) -> Callable[[list[bytes]], bytes]:
     return lambda frames: "".join(_json(msgpack.unpackb(f)) + "\n" for f in frames).encode()
 
 
-def _json_safe(value: Any) -> Any:
-    """`value` with what JSON cannot carry (NaN and infinite floats, lone UTF-16 surrogates) turned into text, so
-    an error that echoes a refused input is still a JSON body and not a 500."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, str):
-        return value.encode("utf-8", "backslashreplace").decode()
-    if isinstance(value, dict):
-        return {_json_safe(k): _json_safe(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 _INTEGER_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 
 
@@ -447,11 +432,6 @@ def _exact_integer_bounds(app: FastAPI) -> dict[str, Any]:
     if not app.openapi_schema:
         _exact_integers(FastAPI.openapi(app))
     return app.openapi_schema
-
-
-def _engine_error(exc: EngineInputError, loc: list[str | int]) -> HTTPException:
-    """A backend refusal in the shape of FastAPI's own validation errors, so clients parse one format."""
-    return HTTPException(422, [{"loc": loc, "msg": _json_safe(str(exc)), "type": "value_error"}])
 
 
 class _Gateway:
@@ -544,9 +524,9 @@ class _Gateway:
             try:
                 await self.backend.check(body.groups)
             except GroupInputError as exc:
-                raise _engine_error(exc, ["body", "groups", exc.group_index]) from None
+                raise input_error(exc, ["body", "groups", exc.group_index]) from None
             except EngineInputError as exc:
-                raise _engine_error(exc, ["body", "groups"]) from None
+                raise input_error(exc, ["body", "groups"]) from None
             # A concurrent request with the same id may have started the batch while the checks awaited.
             batch = self._existing(body, fingerprint)
             if batch is not None:
@@ -563,7 +543,7 @@ class _Gateway:
                     if exc.status != 422:
                         raise HTTPException(exc.status, str(exc)) from None
                     index = next(i for i, g in enumerate(body.groups) if g.session_id == exc.session_id)
-                    raise _engine_error(EngineInputError(str(exc)), ["body", "groups", index, "session_id"]) from None
+                    raise input_error(EngineInputError(str(exc)), ["body", "groups", index, "session_id"]) from None
             self.batches.add(batch)
             if self.journal is not None and body.batch_id is not None:  # unnamed batches cannot be retried by id
                 self.journal.accepted(batch.batch_id, fingerprint, batch.expected)
@@ -698,6 +678,9 @@ class _Gateway:
                 self._aborts.add(task)
                 task.add_done_callback(self._aborts.discard)
 
+    def tie(self, batch: _Batch) -> None:
+        batch.tied = True
+
     async def abort(self, batch: _Batch) -> None:
         if batch.task is not None and not batch.ended:
             batch.task.cancel()
@@ -753,7 +736,7 @@ class _Gateway:
             try:
                 version = await self.backend.reload_weights(path, version)
             except EngineInputError as exc:
-                raise _engine_error(exc, ["body"]) from None
+                raise input_error(exc, ["body"]) from None
         seconds = time.perf_counter() - start
         self.metrics.reload_duration.observe(seconds)
         self.metrics.policy_version = version
@@ -805,7 +788,7 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         """FastAPI's own 422, with the echoed input made JSON-safe."""
-        return JSONResponse({"detail": _json_safe(jsonable_encoder(exc.errors()))}, 422)
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, 422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -824,122 +807,15 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
 
     token = gateway.settings.token
     # HTTPBearer documents the scheme in the OpenAPI schema; RequestGuard enforces it, before any body is read.
-    api = APIRouter(route_class=OffloopJsonRoute,
-                    dependencies=[Depends(HTTPBearer(auto_error=False))] if token is not None else [],
+    api = APIRouter(dependencies=[Depends(HTTPBearer(auto_error=False))] if token is not None else [],
                     responses=error_responses({401: "missing or wrong bearer token"}) if token is not None else None)
 
-    def known(batch_id: str) -> _Batch:
-        batch = gateway.batches.get(batch_id)
-        if batch is None:
-            if gateway.batches.evicted(batch_id):
-                raise HTTPException(410, f"batch {batch_id} ended and its results are no longer retained")
-            raise HTTPException(404, f"batch {batch_id} is unknown")
-        return batch
-
-    @api.post("/v1/rollouts", response_class=StreamingResponse, responses={200: {
-        "model": SampleRecord,
-        "description": "a stream of SampleRecord objects, then {\"summary\": BatchSummary}: NDJSON, or a msgpack "
-                       "stream (concatenated maps, no length prefix) with Accept: application/msgpack",
-        "content": {NDJSON: {}, MSGPACK: {}}}, **error_responses({
-            409: "batch_id already used by a different batch (or accepted by an earlier run), or a group's session "
-                 "is running a turn",
-            410: "the batch with this batch_id ended and its results are no longer retained",
-            413: "the body is over max_body_bytes, or the batch asks for more than max_batch_samples samples",
-            429: "max_batches_in_flight batches are queued or running (Retry-After)",
-            503: "the backend is not ready (Retry-After)"})})
-    async def post_rollouts(body: RolloutRequest, request: Request) -> StreamingResponse:
-        """Run a batch (or attach to the batch with this batch_id) and stream its samples as they finish."""
-        batch, start = await gateway.admit(body, headers=[request.headers])
-        if body.batch_id is None:
-            batch.tied = True  # a new batch (an unnamed request never attaches): its client alone can read it
-        wire = MSGPACK if MSGPACK in request.headers.get("accept", "") else NDJSON
-        return StreamingResponse(gateway.follow(batch, start, wire, body.progress), media_type=wire,
-                                 headers={"X-Batch-Id": batch.batch_id, "X-Stream-Offset": str(start)})
-
-    unknown_batch = error_responses({404: "no batch has this id",
-                                     410: "the batch ended and its results are no longer retained"})
-
-    @api.get("/v1/rollouts/{batch_id}", responses=unknown_batch)
-    async def get_rollout(batch_id: str) -> BatchSummary:
-        """Status and progress of a batch."""
-        return known(batch_id).summary()
-
-    @api.delete("/v1/rollouts/{batch_id}", responses=unknown_batch)
-    async def delete_rollout(batch_id: str) -> BatchSummary:
-        """Abort a batch (its samples so far stay replayable); an ended batch is left as it is."""
-        batch = known(batch_id)
-        await gateway.abort(batch)
-        return batch.summary()
-
-    @api.post("/v1/weights", responses=error_responses({
-        403: "path outside the weights root, or no weights root configured",
-        409: "version not newer than the served one"}))
-    async def post_weights(body: WeightsRequest) -> WeightsResponse:
-        """Reload the policy; waits for running batches, holds new ones until done."""
-        return await gateway.reload(body)
-
-    @api.post("/v1/history", responses=error_responses({
-        413: "the body is over max_body_bytes, or it carries more than max_history_records records"}))
-    async def post_history(body: HistoryRequest) -> HistoryResponse:
-        """Import finished rollouts for drafting; all are validated first, so a bad one imports nothing."""
-        limit = gateway.settings.max_history_records
-        if len(body.records) > limit:
-            raise HTTPException(413, f"{len(body.records)} records; the limit is {limit} (max_history_records)")
-        try:
-            added = await backend.add_history(body.records)
-        except EngineInputError as exc:
-            raise _engine_error(exc, ["body", "records"]) from None
-        gateway.metrics.history_imported += added
-        return HistoryResponse(added=added)
-
-    @api.get("/v1/history/{problem_id}", responses=error_responses({404: "no rollouts of this problem are held",
-                                                                     501: "the backend keeps no history store"}))
-    async def get_history(problem_id: str) -> ProblemSummary:
-        """What the history store holds for a problem: rollouts, tokens, policy versions, lengths."""
-        try:
-            summary = await backend.history(problem_id)
-        except HistoryUnavailable as exc:
-            raise HTTPException(501, str(exc)) from None
-        if summary is None:
-            raise HTTPException(404, f"no rollouts of problem {problem_id!r} are held")
-        return summary
-
-    @api.get("/metrics", response_class=Response)
-    async def metrics() -> Response:
-        """Prometheus text exposition."""
-        return Response(gateway.metrics.render(), media_type=CONTENT_TYPE)
-
-    api.include_router(openai_router(gateway))  # under the same auth
+    api.include_router(batch_router(gateway))
+    api.include_router(openai_router(gateway))
     api.include_router(rl_control_router(gateway))
     api.include_router(session_router(gateway))
     app.include_router(api)
-
-    @app.get("/healthz", responses=error_responses({503: "the backend cannot serve again without a restart, or "
-                                                          "makes no progress"}))
-    async def healthz(response: Response) -> dict[str, str]:
-        """200 while the process answers and the backend can serve or is recovering; 503 once it cannot recover
-        (every engine past its restart cap) or makes no progress (`stalls_until_unlive` batches in a row failed by
-        the stall timeout), so an orchestrator restarts the process."""
-        if not await backend.live():
-            response.status_code = 503
-            failed = backend.stats().engines_failed
-            return {"status": "failed", "reason": "no engine can serve again: " + "; ".join(
-                dict.fromkeys(failed.values())) if failed else "no engine can serve again (restart cap)"}
-        stalls = gateway.stalls_in_a_row
-        if stalls >= gateway.settings.stalls_until_unlive:
-            response.status_code = 503
-            return {"status": "failed", "reason": f"{stalls} batches in a row finished no sample within "
-                                                  f"batch_stall_timeout_s"}
-        return {"status": "ok"}
-
-    @app.get("/readyz", responses=error_responses({503: "the backend is not ready"}))
-    async def readyz(response: Response) -> dict[str, Any]:
-        """200 once the backend can run batches, 503 before. `engines_failed`: each engine that stays down (one that
-        cannot load, or past its restart cap) with why, whether or not the others serve."""
-        ready = await backend.ready()
-        if not ready:
-            response.status_code = 503
-        return {"ready": ready, "engines_failed": backend.stats().engines_failed}
+    app.include_router(health_router(gateway))  # open routes: no token
 
     # Routes answering in OpenAI's (and vLLM's) error shape get their refusals before any route in that shape too.
     openai_paths = frozenset(route.path for route in app.routes if isinstance(route, OpenAIErrorRoute))
@@ -951,7 +827,6 @@ def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None)
 
     app.add_middleware(RequestGuard, token=token, max_body_bytes=gateway.settings.max_body_bytes,
                        body_timeout_s=gateway.settings.body_timeout_s, error_body=error_body,
-                       open_paths=frozenset({"/healthz", "/readyz", app.openapi_url, app.docs_url, app.redoc_url,
-                                             app.swagger_ui_oauth2_redirect_url}) - {None},
+                       open_paths=open_paths(app),
                        on_body_timeout=gateway.metrics.body_timed_out)
     return app

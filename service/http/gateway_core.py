@@ -1,15 +1,22 @@
-"""What the routers beside the batch API (openai_api.py, rl_control.py) use of the gateway, as a Protocol: they
-depend on it, not on the gateway's own class, so gateway.py imports the routers to mount them and nothing imports
-gateway.py back. `_Gateway` in gateway.py is the one implementation."""
+"""What the gateway's routers (batch_routes.py, openai_api.py, rl_control.py, session_routes.py, health_routes.py) use
+of the gateway, as a Protocol: they depend on it, not on the gateway's own class, so gateway.py imports the routers
+to mount them and nothing imports gateway.py back. `_Gateway` in gateway.py is the one implementation."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
+from fastapi import HTTPException
+
+from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.rollout_backend import RolloutBackend
+from das.service.cluster.sessions import SessionBook
+from das.service.engine.contract import EngineInputError
+from das.service.http.metrics import GatewayMetrics
 from das.service.http.weight_updates import WeightUpdates
-from das.service.wire.api import RolloutRequest
+from das.service.wire.api import BatchSummary, GroupRequest, RolloutRequest, WeightsRequest, WeightsResponse
 
 
 class RouterSettings(Protocol):
@@ -24,6 +31,12 @@ class RouterSettings(Protocol):
     @property
     def served_model_name(self) -> str | None: ...
 
+    @property
+    def max_history_records(self) -> int: ...
+
+    @property
+    def stalls_until_unlive(self) -> int: ...
+
 
 class BatchHandle(Protocol):
     """A batch the gateway admitted: its id, and whether it ended (done, aborted or failed)."""
@@ -34,6 +47,16 @@ class BatchHandle(Protocol):
     @property
     def ended(self) -> bool: ...
 
+    @property
+    def groups(self) -> Sequence[GroupRequest]: ...
+
+    @property
+    def aborts(self) -> GroupAborts:
+        """Its groups aborted alone (a session's turn inside a batch of many)."""
+        ...
+
+    def summary(self) -> BatchSummary: ...
+
 
 Batch = TypeVar("Batch", bound=BatchHandle)
 
@@ -42,6 +65,14 @@ class LiveBatches(Protocol[Batch]):
     @property
     def live(self) -> Mapping[str, Batch]:
         """The batches not ended yet, by batch id."""
+        ...
+
+    def get(self, batch_id: str) -> Batch | None:
+        """A batch running or retained, by id."""
+        ...
+
+    def evicted(self, batch_id: str) -> bool:
+        """Whether this id's batch ended and its results are no longer retained."""
         ...
 
 
@@ -56,6 +87,17 @@ class GatewayCore(Protocol[Batch]):
 
     @property
     def batches(self) -> LiveBatches[Batch]: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def sessions(self) -> SessionBook: ...
+
+    @property
+    def stalls_in_a_row(self) -> int:
+        """Batches failed by the stall timeout since a sample last finished."""
+        ...
 
     @property
     def weight_updates(self) -> WeightUpdates:
@@ -73,7 +115,20 @@ class GatewayCore(Protocol[Batch]):
         """The batch's records from position `start` as they come, then its summary, in `wire` (a media type)."""
         ...
 
+    def follow(self, batch: Batch, start: int, wire: str, progress: bool) -> AsyncIterator[bytes]:
+        """As `stream`, with progress records when asked, for the request that started or attached to the batch:
+        an unnamed batch whose last such reader leaves before it ended is aborted."""
+        ...
+
+    def tie(self, batch: Batch) -> None:
+        """Marks a new, unnamed batch as its request's alone (aborted when that request's readers leave)."""
+        ...
+
     async def abort(self, batch: Batch) -> None: ...
+
+    async def reload(self, body: WeightsRequest) -> WeightsResponse:
+        """POST /v1/weights: reloads a checkpoint directory once the running batches have finished."""
+        ...
 
     def set_paused(self, paused: bool) -> None:
         """What /pause and /resume set: while paused, stall timeouts are off and reloads do not wait."""
@@ -82,3 +137,23 @@ class GatewayCore(Protocol[Batch]):
     async def load_weights(self, given: str, version: int | None) -> tuple[int, float]:
         """Loads a checkpoint directory (inside the weights root); (policy version, seconds)."""
         ...
+
+
+def json_safe(value: Any) -> Any:
+    """`value` with what JSON cannot carry (NaN and infinite floats, lone UTF-16 surrogates) turned into text, so
+    an error that echoes a refused input is still a JSON body and not a 500."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode()
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def input_error(exc: EngineInputError, loc: list[str | int]) -> HTTPException:
+    """A backend refusal in the shape of FastAPI's own validation errors (422, `[{loc, msg, type}]`), so clients
+    parse one format."""
+    return HTTPException(422, [{"loc": loc, "msg": json_safe(str(exc)), "type": "value_error"}])

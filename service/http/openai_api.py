@@ -155,7 +155,7 @@ def _from_http(exc: StarletteHTTPException, status: int | None = None, param: st
     if isinstance(exc.__cause__, UnicodeDecodeError):  # FastAPI's words for it: "There was an error parsing the body"
         return OpenAIError(400, "the body is not valid JSON: it is not UTF-8")
     detail = exc.detail
-    # A backend refusal comes in FastAPI's validation shape (gateway._engine_error): a list of {loc, msg, type}.
+    # A backend refusal comes in FastAPI's validation shape (gateway_core.input_error): a list of {loc, msg, type}.
     message = "; ".join(str(d["msg"]) for d in detail) if isinstance(detail, list) else str(detail)
     status = status or exc.status_code
     code = {401: "invalid_api_key", 429: "rate_limit_exceeded"}.get(status)

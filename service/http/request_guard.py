@@ -23,7 +23,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 import uvicorn
-from fastapi import HTTPException, Request, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.datastructures import DefaultPlaceholder
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
@@ -207,6 +207,18 @@ def _short_errors(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
     record list's own validator reports on the list), which would be encoded and sent back on the event loop. The
     location and message say what was wrong."""
     return [{"type": e["type"], "loc": e["loc"], "msg": e["msg"]} for e in errors]
+
+
+class OpenRoute(APIRoute):
+    """A route that needs no token (the probes): the gateway passes every such route's path to `RequestGuard` as
+    open, so being open is a property of the route, not a list kept elsewhere."""
+
+
+def open_paths(app: FastAPI) -> frozenset[str]:
+    """The paths `RequestGuard` lets through without a token: every `OpenRoute`'s, and FastAPI's schema and docs."""
+    routes = {route.path for route in app.routes if isinstance(route, OpenRoute)}
+    docs = {app.openapi_url, app.docs_url, app.redoc_url, app.swagger_ui_oauth2_redirect_url}
+    return frozenset(routes | {path for path in docs if path is not None})
 
 
 class OffloopJsonRoute(APIRoute):

@@ -16,18 +16,16 @@ A trajectory that simply stops needs no DELETE: it expires after `SessionConfig.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from fastapi import APIRouter, HTTPException
 
+from das.service.http.gateway_core import GatewayCore
 from das.service.wire.api import error_responses
 from das.service.wire.sessions import SessionSummary
 
-if TYPE_CHECKING:
-    from das.service.http.gateway import _Gateway
 
-
-def session_router(gateway: _Gateway) -> APIRouter:
+def session_router(gateway: GatewayCore[Any]) -> APIRouter:
     """GET and DELETE /v1/sessions/{session_id} over `gateway`'s session book (include it where auth applies)."""
     router = APIRouter(tags=["sessions"])
     not_open = error_responses({404: "no session open by this id (never opened, or ended: closed, aborted, "
