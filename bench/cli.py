@@ -333,7 +333,8 @@ def bench_e2e(
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
     budget: Annotated[str, typer.Option(
-        callback=check_budget_name, help="das and das-service's draft budget, a name: das (the default, on each engine's online cost fit from "
+        callback=check_budget_name,
+        help="das and das-service's draft budget, a name: das (the default, on each engine's online cost fit from "
              "the model's prior), das-lengths (das's K_i from acceptance counts), either as NAME:COST_MODEL (from "
              "that prior), uniform, classes, ... (scheduler/policies.py GRAMMAR).")] = "das",
     drift: Annotated[Optional[str], typer.Option(

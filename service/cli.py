@@ -144,9 +144,10 @@ def serve(
                                                       "(continued after a restart).")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
-    budget: Annotated[str, typer.Option(callback=check_budget_name, help="Draft budget of --speculation das, a name: das "
-                                        "(length-aware, on each engine's online step-cost fit), uniform (K every "
-                                        f"step), classes (16/8/4 by predicted length), ...: {GRAMMAR}.")] = "das",
+    budget: Annotated[str, typer.Option(callback=check_budget_name,
+                                        help="Draft budget of --speculation das, a name: das (length-aware, on each "
+                                             "engine's online step-cost fit), uniform (K every step), classes "
+                                             f"(16/8/4 by predicted length), ...: {GRAMMAR}.")] = "das",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
                                             "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
