@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from das.service.cli import app, console, emit, fail, models_app
+from das.service.cli import app, check_budget_name, console, emit, fail, models_app
 
 if TYPE_CHECKING:
     from das.scheduler.cost_model import CostModel
@@ -270,27 +270,6 @@ def bench_validate(
     emit(result, as_json)
 
 
-def _budget_settings(spec: str, model: str) -> tuple[dict[str, Any], CostModel | None]:
-    """`das` (the default budget on the engine's online cost fit, from the model's prior), `das-lengths` (das with
-    its K_i planned from acceptance counts), either with `:COST_MODEL` (the same, from that cost model as prior),
-    `uniform` or `classes` as budget-hook settings, with the cost
-    model das starts from (None for uniform and classes)."""
-    import dataclasses
-
-    from das.scheduler.cost_model import load_cost_model, prior_cost_model
-
-    policy, _, cost_name = spec.partition(":")
-    if policy in ("uniform", "classes") and not cost_name:
-        return {"policy": policy}, None
-    if policy not in ("das", "das-lengths"):
-        raise ValueError(f"--budget {spec!r}: expected das, das-lengths, das:COST_MODEL, uniform or classes")
-    settings: dict[str, Any] = {"policy": "das"} if policy == "das" else {"policy": "das", "confidence": False}
-    if not cost_name:
-        return settings, prior_cost_model(model)
-    cost = load_cost_model(cost_name)
-    return {**settings, "prior": dataclasses.asdict(cost)}, cost
-
-
 def _command_line(ctx: typer.Context) -> str:
     """The running command as a shell line: its path and every option that differs from its default (so a report
     says how to rerun it, whether it came from a shell or from a test runner)."""
@@ -353,10 +332,11 @@ def bench_e2e(
                                             "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
     eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
-    budget: Annotated[Optional[str], typer.Option(
-        help="das and das-service's draft budget: das (the default, on each engine's online cost fit from the "
-             "model's prior), das-lengths (das's K_i from acceptance counts), either as NAME:COST_MODEL (from that "
-             "prior), uniform or classes.")] = None,
+    budget: Annotated[str, typer.Option(
+        callback=check_budget_name,
+        help="das and das-service's draft budget, a name: das (the default, on each engine's online cost fit from "
+             "the model's prior), das-lengths (das's K_i from acceptance counts), either as NAME:COST_MODEL (from "
+             "that prior), uniform, classes, ... (scheduler/policies.py GRAMMAR).")] = "das",
     drift: Annotated[Optional[str], typer.Option(
         help="Comma-separated checkpoint directories, one loaded before each epoch after the first, in every arm "
              "(make them with `das models perturb`).")] = None,
@@ -396,6 +376,7 @@ def bench_e2e(
     from das.bench.e2e_report import plot as render_plot
     from das.bench.e2e_report import print_tables
     from das.scheduler.cost_model import prior_cost_model
+    from das.scheduler.policies import parse_budget
     from das.service.client.prompt_sets import PromptSetError, load_prompt_set
     from das.service.engine.vllm.engine import engine_dtype
     from das.service.engine.vllm.models import prepare_model
@@ -403,23 +384,23 @@ def bench_e2e(
     arm_names = tuple(a.strip() for a in arms.split(",") if a.strip())
     try:
         problems = load_prompt_set(prompts)
-        spec = budget or "das"
+        das_budget = parse_budget(budget)
         model_dir = prepare_model(model, progress=True, dtype=engine_dtype(dtype))
-        # the prior of the directory the engines serve: a cast copy (`<name>-<dtype>`) has its own
-        budget_settings, cost = _budget_settings(spec, str(model_dir))
-        cost = cost or prior_cost_model(str(model_dir))  # suffix-t is tuned from a cost model whichever budget das uses
+        # the budget's own cost model, else the prior of the directory the engines serve (a cast copy,
+        # `<name>-<dtype>`, has its own): suffix-t is tuned from a cost model whichever budget das uses
+        cost = das_budget.cost_prior() if das_budget.names_cost_model() else prior_cost_model(str(model_dir))
         suffix_tuned = suffix_tuned_options(cost, len(problems) * samples)
         config = E2EConfig(model=str(model_dir), prompts=prompts, samples=samples, epochs=epochs,
                            max_tokens=max_tokens, temperature=temperature, arms=arm_names, num_speculative_tokens=k,
                            dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=eager,
                            ignore_eos=ignore_eos, repeats=repeats,
                            drift=tuple(d.strip() for d in drift.split(",") if d.strip()) if drift else (),
-                           budget=budget_settings, suffix_tuned=suffix_tuned if "suffix-t" in arm_names else {},
+                           budget=das_budget.fields(), suffix_tuned=suffix_tuned if "suffix-t" in arm_names else {},
                            kv_cache_gib=kv_cache_gib, sequential=sequential, profile=profile,
                            same_seeds=same_seeds)
     except (PromptSetError, OSError, ValueError) as exc:
         fail(str(exc))
-    console.print(f"[cyan]das budget {escape(spec)} (prior {escape(cost.name)}); suffix-t {suffix_tuned}[/cyan]")
+    console.print(f"[cyan]das budget {escape(budget)} (prior {escape(cost.name)}); suffix-t {suffix_tuned}[/cyan]")
     try:
         result = asyncio.run(run_e2e(config, problems,
                                      progress=lambda m: console.print(f"[cyan]{escape(m)}[/cyan]")))

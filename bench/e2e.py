@@ -105,6 +105,9 @@ log = logging.getLogger(__name__)
 ARM_SPECULATION = {"none": "none", "ngram": "ngram", "suffix": "suffix", "suffix-t": "suffix", "das-uniform": "das",
                    "das": "das", "das-service": "das", "none-service": "none", "oracle": "das", "oracle-k": "das"}
 ARMS = tuple(ARM_SPECULATION)
+# The arms that run das's proposer under a budget of their own, by name (scheduler/policies.py); the other das arms
+# run `E2EConfig.budget`. bench/user_run.py's oracle-k serves with the same `--budget`.
+ARM_BUDGETS = {"das-uniform": "uniform", "oracle-k": "uniform"}
 SERVICE_ARMS = ("das-service", "none-service")
 ORACLE_ARMS = ("oracle", "oracle-k")  # draft the baseline's recorded tokens (drafter/oracle.py)
 BASELINE = "none"
@@ -115,10 +118,10 @@ NEVER_A_LOSS = 0.97  # with ignore_eos, das tokens/s must be at least this share
 
 @dataclass(frozen=True)
 class E2EConfig:
-    """One benchmark. `budget`: the budget hook settings of `das` and `das-service` (scheduler/budget_hook.py);
-    `suffix_tuned`: suffix-t's vLLM suffix_decoding_* settings; `drift`: checkpoint directories, one per epoch
-    after the first; `kv_cache_gib`: each engine's CPU KV cache; `sequential`: one engine alive at a time;
-    `same_seeds`: every epoch draws with epoch 1's seeds (a noise floor at any temperature)."""
+    """One benchmark. `budget`: the budget of `das` and `das-service` as plain data (a budget's `fields()`,
+    scheduler/policies.py); `suffix_tuned`: suffix-t's vLLM suffix_decoding_* settings; `drift`: checkpoint
+    directories, one per epoch after the first; `kv_cache_gib`: each engine's CPU KV cache; `sequential`: one engine
+    alive at a time; `same_seeds`: every epoch draws with epoch 1's seeds (a noise floor at any temperature)."""
 
     model: str
     prompts: str
@@ -172,8 +175,7 @@ class E2EConfig:
     def engine_config(self, arm: str, repeat: int) -> EngineConfig:
         """The engine of `arm` in repeat `repeat` (0-based): the same settings for every arm but speculation."""
         speculation = ARM_SPECULATION[arm]
-        uniform = arm in ("das-uniform", "oracle-k")
-        budget = {"policy": "uniform"} if uniform else self.budget if speculation == "das" else {}
+        budget = ARM_BUDGETS.get(arm) or (self.budget if speculation == "das" else {})
         return EngineConfig(
             model=self.model, speculation=speculation,  # type: ignore[arg-type]
             num_speculative_tokens=self.num_speculative_tokens,

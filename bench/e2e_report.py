@@ -19,6 +19,7 @@ import numpy as np
 
 from das.bench.e2e import (
     ALPHA,
+    ARM_BUDGETS,
     ARM_SPECULATION,
     BASELINE,
     E2EResult,
@@ -28,6 +29,7 @@ from das.bench.e2e import (
     rollout_tag,
     sum_by_source,
 )
+from das.scheduler.policies import parse_budget
 
 # A makespan ratio against the baseline: arm / none, below 1 is faster.
 _RATIO = "x{:.2f}"
@@ -316,12 +318,13 @@ def plot(result: E2EResult, path: Path) -> None:
 
 
 def simulated_arm(arm: str, k: int) -> str | None:
-    """The simulator's policy for an e2e arm (scheduler/simulator.py ARMS), None for an arm it cannot model
-    (vLLM's own drafters)."""
-    if arm == "das-uniform":
-        return f"uniform-{k}"
+    """The simulator's arm for an e2e arm at K = `k` (scheduler/simulator.py `arm_settings`): its own budget
+    (`ARM_BUDGETS`, resolved at K), das or none; None for an arm it cannot model (vLLM's own drafters, the
+    oracles)."""
     if arm in ORACLE_ARMS:  # drafts no simulated drafter can make
         return None
+    if arm in ARM_BUDGETS:
+        return parse_budget(ARM_BUDGETS[arm]).budget_policy(k).name
     return {"none": "none", "das": "das"}.get(ARM_SPECULATION.get(arm, ""))
 
 

@@ -21,7 +21,6 @@ from typing import Any
 
 from das.drafter.records import RolloutRecord
 from das.scheduler.cost_model import CostModel
-from das.scheduler.policies import POLICIES  # noqa: F401 - the registry make_policy reads
 from das.scheduler.simulator import BatchSimulation, EngineLimits, make_policy
 
 
@@ -65,7 +64,8 @@ def proposer_cost(records: Sequence[RolloutRecord], cost: CostModel, requests: i
     history = [r for u in by_version if v - window <= u < v for r in by_version[u]]
     from das.drafter.history import DrafterConfig
 
-    sim = BatchSimulation(batch, history, cost, 1, make_policy(policy), k_max, DrafterConfig.for_drafts(k_max, window=window),
+    sim = BatchSimulation(batch, history, cost, 1, make_policy(policy, k_max), k_max,
+                          DrafterConfig.for_drafts(k_max, window=window),
                           limits=EngineLimits(max_num_seqs=requests, step_tokens=max(8192, 2 * requests * (k_max + 1))))
     step = sim.engines[0].step
     assert step is not None

@@ -42,6 +42,7 @@ from das.service.client.rollout_run import EpochFigures, run_rollouts
 from das.service.wire.api import SamplingSpec
 from das.service.wire.sample_keys import derive
 
+# `das serve` flags of the oracle arms; oracle-k's --budget is the budget name bench/e2e.py ARM_BUDGETS gives it
 ORACLE_ARMS = {"oracle": ("--speculation", "das"), "oracle-k": ("--speculation", "das", "--budget", "uniform")}
 BASELINE = "none"
 

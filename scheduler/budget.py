@@ -36,7 +36,7 @@ or all l_i = 0, nobody drafts.
 Per step: K_i is the draft length of the optimum; re-solving every step with the updated l_i (receding horizon) is
 what moves drafts to everyone when few requests remain.
 
-Cost of `OptimalPolicy(confidence=False).draft_lengths` on the 2-core development VM (idle):
+Cost of `OptimalPolicy("lengths").draft_lengths` on the 2-core development VM (idle):
 120 us for 8 requests, 120 us for 64 equal ones, 130 us for 256 long-tailed ones (most cannot draft: l_i <= N_min),
 200 us for 256 within 10% of each other at K_max = 8 (2,048 thresholds sorted). It is ~40 numpy calls of 2-3 us
 each plus the sort, not arithmetic: 0.1-0.2% of a CPU step here, ~0.5% of a 30 ms step of 256 requests on a GPU.
@@ -47,9 +47,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from operator import index
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from das.scheduler.policies import DasPlan
 
 
 @dataclass(frozen=True)
@@ -264,34 +267,37 @@ class BudgetSolution:
 
 
 class OptimalPolicy:
-    """The length-aware budget (`das`); see the module docstring for the model and the solver. With
-    `exact_tokens=True` the token term charges a request only the draft tokens it is expected to have rejected,
-    T_iK (K - q_i1 - ... - q_iK), instead of every one it proposes (`solve_budget`).
+    """The length-aware budget (`das`); see the module docstring for the model and the solver. Its `plan`
+    (scheduler/policies.py `DasPlan`):
 
-    `draft_lengths` and, by default, `plan` are the optimum's K_i. With `per_token=True` (`das-token`) `plan` uses
-    the same optimum per draft token instead: a request with K_i > 0 may verify up to K_max tokens, each only while
-    the drafter's own estimate of its acceptance stays at least the request's marginal (BudgetSolution.marginal):
-    the model decides who drafts and how likely a token must be, the drafter's per-token estimate which tokens
-    clear that bar. It depends on those estimates being calibrated; on the bundled traces they run low and the
-    floor cuts good drafts (docs/design.md#from-the-optimum-to-a-step), so it is not the default.
+    - "lengths" (`das-lengths`): `draft_lengths` and `plan` are the optimum's K_i, from acceptance counts.
+    - "token" (`das-token`): `plan` uses the same optimum per draft token instead: a request with K_i > 0 may
+      verify up to K_max tokens, each only while the drafter's own estimate of its acceptance stays at least the
+      request's marginal (BudgetSolution.marginal): the model decides who drafts and how likely a token must be,
+      the drafter's per-token estimate which tokens clear that bar. It depends on those estimates being
+      calibrated; on the bundled traces they run low and the floor cuts good drafts
+      (docs/design.md#from-the-optimum-to-a-step), so it is not the default.
+    - "confidence" (`das`, the default): the plan prices each draft token by the drafter's own estimate instead of
+      planning K_i from counts (`confidence_plan`): every request may verify up to K_max tokens, each only while
+      its estimated acceptance pays for its verification; it reads no acceptance counts (`reads_acceptance`).
 
-    With `confidence=True` (`das`: the default unless `per_token` or `exact_tokens` is set) the plan prices each
-    draft token by the drafter's own estimate instead of planning K_i from counts (`confidence_plan`): every request
-    may verify up to K_max tokens, each only while its estimated acceptance pays for its verification; it reads no
-    acceptance counts (`reads_acceptance`). `confidence=False` keeps the counts-based optimum (`das-lengths`).
+    With `exact_tokens=True` (lengths and token only: `-exact`) the optimum's token term charges a request only the
+    draft tokens it is expected to have rejected, T_iK (K - q_i1 - ... - q_iK), instead of every one it proposes
+    (`solve_budget`).
     """
 
-    def __init__(self, per_token: bool = False, exact_tokens: bool = False, confidence: bool | None = None) -> None:
-        if confidence is None:
-            confidence = not (per_token or exact_tokens)
-        if confidence and (per_token or exact_tokens):
-            raise ValueError("the das budget's confidence floor replaces the optimum's K_i: it takes neither "
-                             "per_token nor exact_tokens")
-        self.per_token = per_token
+    PLANS = ("confidence", "lengths", "token")  # the plans it implements: scheduler/policies.py DasPlan
+
+    def __init__(self, plan: DasPlan = "confidence", exact_tokens: bool = False) -> None:
+        if plan not in self.PLANS:
+            raise ValueError(f"OptimalPolicy: plan must be one of {self.PLANS}, got {plan!r}")
+        if plan == "confidence" and exact_tokens:
+            raise ValueError("the das budget's confidence plan takes no exact_tokens")
+        self.variant = plan  # not `plan`: that is the method
         self.exact_tokens = exact_tokens
-        self.confidence = confidence
-        self.name = ("das" if confidence else "das-token" if per_token else "das-lengths") + (
-            "-exact" if exact_tokens else "")
+        self.confidence = plan == "confidence"
+        self.per_token = plan == "token"
+        self.name = ("das" if self.confidence else f"das-{plan}") + ("-exact" if exact_tokens else "")
 
     @property
     def reads_acceptance(self) -> bool:

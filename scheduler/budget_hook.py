@@ -3,10 +3,10 @@
 The policies themselves live in `das.scheduler.budget` (uniform K, the three length classes, the length-aware
 optimum); this module turns the proposer's view of its batch into their `BatchState` and back, with the engine's
 step costs as it measures them (`observe`: an online fit, scheduler/cost_model.py) and a guard that backs off
-when drafted steps lose (`SpeculationGuard`). The scheduler tunes a hook by its configuration (`{"policy": ...,
-...}` in `additional_config["das"]["budget"]`) and informs it per request through `RequestTags.length_curve` (the
-scheduler's forecast, re-read every step as the sample grows) or `RequestTags.predicted_tokens` (one number,
-fixed at submission).
+when drafted steps lose (`SpeculationGuard`). The scheduler tunes a hook by its configuration (a budget of the
+one grammar, scheduler/policies.py, as plain data in `additional_config["das"]["budget"]`) and informs it per
+request through `RequestTags.length_curve` (the scheduler's forecast, re-read every step as the sample grows) or
+`RequestTags.predicted_tokens` (one number, fixed at submission).
 """
 
 from __future__ import annotations
@@ -17,21 +17,17 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from das.scheduler.budget import (
     BatchState,
     BudgetPolicy,
-    ClassPolicy,
     DrafterParams,
     DraftPlan,
-    OptimalPolicy,
-    UniformPolicy,
     geometric_acceptance,
 )
-from das.scheduler.cost_model import GENERIC_PRIOR, CostModel, OnlineCostModel
+from das.scheduler.cost_model import CostModel, OnlineCostModel
 from das.scheduler.exploration import Exploration
-from das.scheduler.policies import PolicyName
+from das.scheduler.policies import BudgetBase, budget_from_config
 
 
 @dataclass(frozen=True)
@@ -239,97 +235,10 @@ class PolicyBudget:
         return out
 
 
-_POLICY_OPTIONS = {"das": {"per_token", "exact_tokens", "confidence"}, "uniform": {"k"},
-                   "classes": {"long", "medium", "short"}}
-_COEFFICIENTS = ("c_base_s", "c_tok_s", "c_spec_s", "c_spec_req_s")
-
-
-class BudgetSettings(BaseModel):
-    """One engine's draft budget, validated where the service starts (`das serve`, `EngineConfig`) and read by the
-    proposer inside vLLM's engine core (`budget_hook_from_config`), where it travels as plain data.
-
-    `policy` (scheduler/policies.py POLICIES); for uniform `k` (tokens per request per step; default K_max); for
-    classes `long`, `medium`, `short` (tokens by predicted length class; scheduler/budget.py `ClassPolicy`
-    defaults); for das `confidence` (up to K_max tokens while the drafter's estimate pays for each:
-    scheduler/budget.py `confidence_plan`; the default, unless `per_token` or `exact_tokens` is set; False: the
-    optimum's K_i from acceptance counts, `das-lengths`), `per_token` (up to K_max tokens above the K_i's marginal
-    as a per-token floor) and `exact_tokens` (that optimum's token term charges only the draft tokens expected to
-    be rejected). For every
-    policy the step cost model the budget starts from: `prior` (CostModel fields; default `GENERIC_PRIOR`) or its
-    coefficients alone (`c_base_s`, `c_tok_s`, `c_spec_s`, `c_spec_req_s`, seconds); `online` (fit it from the
-    engine's own steps; False: keep the prior), `guard` (the never-a-loss guard; default: on for das only, the
-    uniform and classes baselines are never adjusted) and `acceptance` (the geometric ratio assumed for requests
-    without measured acceptance)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    policy: PolicyName = "das"
-    k: int | None = Field(None, ge=0)
-    long: int | None = Field(None, ge=0)
-    medium: int | None = Field(None, ge=0)
-    short: int | None = Field(None, ge=0)
-    per_token: bool | None = None
-    exact_tokens: bool | None = None
-    confidence: bool | None = None
-    prior: dict[str, Any] | None = None
-    c_base_s: float | None = Field(None, ge=0, allow_inf_nan=False)
-    c_tok_s: float | None = Field(None, ge=0, allow_inf_nan=False)
-    c_spec_s: float | None = Field(None, ge=0, allow_inf_nan=False)
-    c_spec_req_s: float | None = Field(None, ge=0, allow_inf_nan=False)
-    online: bool = True
-    guard: bool | None = None
-    acceptance: float = Field(0.6, ge=0.0, le=1.0)
-
-    @model_validator(mode="after")
-    def _consistent(self) -> BudgetSettings:
-        options = {"k", "long", "medium", "short", "per_token", "exact_tokens", "confidence"}
-        foreign = sorted(name for name in options - _POLICY_OPTIONS[self.policy] if getattr(self, name) is not None)
-        if foreign:
-            raise ValueError(f"unknown budget settings for policy {self.policy!r}: {foreign}")
-        self.budget_policy(1)  # combinations a policy refuses fail here, where the service starts
-        if self.prior is not None and self.coefficients():
-            raise ValueError("give the budget's cost model as prior or as its coefficients, not both")
-        self.cost_prior()  # a prior that is not a cost model fails here, not in the engine
-        return self
-
-    def coefficients(self) -> dict[str, float]:
-        """The cost coefficients given one by one."""
-        return {key: value for key in _COEFFICIENTS if (value := getattr(self, key)) is not None}
-
-    def names_cost_model(self) -> bool:
-        """Whether these settings give the budget's cost model (else the engine supplies its prior)."""
-        return self.prior is not None or bool(self.coefficients())
-
-    def cost_prior(self) -> CostModel:
-        """The cost model the budget starts from. ValueError where `prior` is not a valid cost model."""
-        if self.prior is not None:
-            try:
-                return CostModel(**self.prior)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"budget prior {self.prior!r} is not a cost model: {exc}") from None
-        fixed = self.coefficients()
-        if fixed:  # shorthand: the prior's coefficients given one by one (e.g. a bench arm's fixed cost model)
-            try:
-                return CostModel("configured", **{"c_base_s": 0.0, "c_tok_s": 0.0, **fixed}, source="budget settings")
-            except ValueError as exc:
-                raise ValueError(f"budget cost settings {fixed!r}: {exc}") from None
-        return GENERIC_PRIOR
-
-    def budget_policy(self, k_max: int) -> BudgetPolicy:
-        """The scheduler.budget policy these settings name, for drafts of at most `k_max` tokens."""
-        if self.policy == "uniform":
-            return UniformPolicy(k_max if self.k is None else self.k)
-        if self.policy == "classes":
-            return ClassPolicy(**{key: value for key in ("long", "medium", "short")
-                                  if (value := getattr(self, key)) is not None})
-        return OptimalPolicy(per_token=bool(self.per_token), exact_tokens=bool(self.exact_tokens),
-                             confidence=self.confidence)
-
-
-def budget_hook_from_config(config: BudgetSettings | Mapping[str, Any], k_max: int) -> BudgetHook:
-    """The budget hook `config` (BudgetSettings, or its fields as plain data: what crosses into vLLM's engine core)
-    describes, for drafts of at most `k_max` tokens. Bad settings raise ValueError (pydantic's ValidationError)."""
-    settings = config if isinstance(config, BudgetSettings) else BudgetSettings.model_validate(config)
-    guard = settings.guard if settings.guard is not None else settings.policy == "das"
-    return PolicyBudget(settings.budget_policy(k_max), k_max, settings.cost_prior(), online=settings.online,
-                        guard=guard, acceptance=settings.acceptance)
+def budget_hook_from_config(config: BudgetBase | Mapping[str, Any] | str, k_max: int) -> BudgetHook:
+    """The budget hook `config` describes (a scheduler/policies.py budget, its fields as plain data: what crosses
+    into vLLM's engine core, or its name), for drafts of at most `k_max` tokens. Bad settings raise ValueError
+    (pydantic's ValidationError)."""
+    budget = budget_from_config(config)
+    return PolicyBudget(budget.budget_policy(k_max), k_max, budget.cost_prior(), online=budget.online,
+                        guard=budget.guard, acceptance=budget.acceptance)

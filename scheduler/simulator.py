@@ -54,15 +54,16 @@ from das.drafter.history import DrafterConfig, HistoryBank, StepDrafts
 from das.drafter.records import RolloutRecord
 from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget import BudgetPolicy
-from das.scheduler.budget_hook import BatchView, BudgetSettings, PolicyBudget, StepSample
+from das.scheduler.budget_hook import BatchView, PolicyBudget, StepSample
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.draft_step import DraftStep
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import Placement, place_groups, round_robin
-from das.scheduler.policies import POLICIES
+from das.scheduler.policies import BudgetBase, parse_budget
 
-ARMS = ("none", "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das-lengths", "das")
+NO_SPECULATION = "none"  # the arm without speculation; every other arm is a budget name (scheduler/policies.py)
+ARMS = (NO_SPECULATION, "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das-lengths", "das")
 PLACEMENTS = ("round-robin", "length-aware")
 # Every fixed policy the default must beat (issue 55): uniform K for each K up to K_max, the classes, and das's
 # counts-based variants. `arm_list("fixed", k_max)` names them.
@@ -70,9 +71,9 @@ FIXED = "fixed"
 
 
 def arm_list(spec: str, k_max: int) -> list[str]:
-    """Arm names from a comma-separated list (`das bench simulate --arms`): names of `arm_settings`, `uniform-A..B`
-    for uniform-A to uniform-B, `fixed` for every fixed policy (uniform-1..k_max, classes, das-token, das-lengths).
-    Duplicates dropped, order kept; an unknown name raises ValueError."""
+    """Arm names from a comma-separated list (`das bench simulate --arms`): `none` or a budget name
+    (`arm_settings`), `uniform-A..B` for uniform-A to uniform-B, `fixed` for every fixed policy (uniform-1..k_max,
+    classes, das-token, das-lengths). Duplicates dropped, order kept; an unknown name raises ValueError."""
     out: list[str] = []
     for item in (part.strip() for part in spec.split(",")):
         if not item:
@@ -93,28 +94,27 @@ def arm_list(spec: str, k_max: int) -> list[str]:
     return out
 
 
-def arm_settings(name: str) -> BudgetSettings | None:
-    """An arm's budget as the engine's settings (one list of policies: scheduler/policies.py): none (None: no
-    speculation at all, the drafter is not consulted), uniform-K, classes, das (its default: per-token confidence),
-    das-lengths (das's K_i from acceptance counts) and das-token (those K_i's marginal as a per-token floor)."""
-    if name == "none":
+def arm_settings(name: str) -> BudgetBase | None:
+    """An arm's budget (scheduler/policies.py: `parse_budget`, e.g. uniform-8, classes, das, das-lengths,
+    das-token), or None for `none`: no speculation at all, the drafter is not consulted. The simulator prices
+    steps by its own cost model, so an arm naming one (das:COST_MODEL) is refused."""
+    if name == NO_SPECULATION:
         return None
-    if name == "das-token":
-        return BudgetSettings(policy="das", per_token=True)
-    if name == "das-lengths":
-        return BudgetSettings(policy="das", confidence=False)
-    policy, _, k = name.partition("-")
-    if policy == "uniform" and k.isdigit():
-        return BudgetSettings(policy="uniform", k=int(k))
-    if name in POLICIES and name != "uniform":
-        return BudgetSettings(policy=name)
-    raise ValueError(f"unknown policy {name!r}; known: {list(ARMS)}")
+    try:
+        budget = parse_budget(name)
+    except ValueError as exc:
+        raise ValueError(f"arm {name!r}: an arm is {NO_SPECULATION} (no speculation) or a budget; {exc}") from None
+    if budget.names_cost_model():
+        raise ValueError(f"arm {name!r}: the simulator prices every arm by its --cost-model; name the budget "
+                         f"without :COST_MODEL")
+    return budget
 
 
-def make_policy(name: str) -> BudgetPolicy | None:
-    """The scheduler.budget policy of arm `name` (`arm_settings`); None means no speculation at all."""
-    settings = arm_settings(name)
-    return None if settings is None else settings.budget_policy(k_max=settings.k or 1)
+def make_policy(name: str, k_max: int) -> BudgetPolicy | None:
+    """The scheduler.budget policy of arm `name` (`arm_settings`) for drafts of at most `k_max` tokens; None means
+    no speculation at all."""
+    budget = arm_settings(name)
+    return None if budget is None else budget.budget_policy(k_max)
 
 
 @dataclass
@@ -446,7 +446,7 @@ def simulate(records: Sequence[RolloutRecord], cost: CostModel, engines: int, po
         raise ValueError("engines must be >= 1")
     if placement not in PLACEMENTS:
         raise ValueError(f"unknown placement {placement!r}; known: {list(PLACEMENTS)}")
-    policy = make_policy(policy_name)
+    policy = make_policy(policy_name, k_max)
     by_version: dict[int, list[RolloutRecord]] = {}
     for r in records:
         by_version.setdefault(r.policy_version, []).append(r)
@@ -494,7 +494,7 @@ def replay_versions(records: Sequence[RolloutRecord], cost: CostModel, policy_na
     `simulate` per batch for comparing with a measured run batch by batch (`das bench validate`)."""
     if engines < 1:
         raise ValueError("engines must be >= 1")
-    policy = make_policy(policy_name)
+    policy = make_policy(policy_name, k_max)
     by_version: dict[int, list[RolloutRecord]] = {}
     for r in records:
         by_version.setdefault(r.policy_version, []).append(r)
@@ -603,7 +603,7 @@ def run_simulation_bench(records: Sequence[RolloutRecord], traces: str, cost: Co
     from rich.progress import Progress
 
     for a in [*arms, placement_policy]:
-        make_policy(a)  # reject unknown names before any work
+        make_policy(a, k_max)  # reject unknown names before any work
     unknown = sorted(set(references) - set(REFERENCES))
     if unknown:
         raise ValueError(f"unknown references {unknown}; known: {list(REFERENCES)}")

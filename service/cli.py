@@ -13,7 +13,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from das.scheduler.policies import PolicyName
+from das.scheduler.policies import GRAMMAR, parse_budget
 
 # Results (tables, --json) go to stdout; vLLM logs to stdout unless told otherwise, and at INFO it logs every
 # engine start in detail. Its processes inherit the environment, so this covers the engine core too.
@@ -114,6 +114,16 @@ def merge_engine_options(flags: dict[str, Any], options: str) -> dict[str, Any]:
     return merged
 
 
+def check_budget_name(name: str) -> str:
+    """A `--budget` option's callback: a name of the budget grammar (scheduler/policies.py), refused as the command
+    line is read, before anything starts."""
+    try:
+        parse_budget(name)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    return name
+
+
 @app.command("serve")
 def serve(
     model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory on every "
@@ -134,9 +144,10 @@ def serve(
                                                       "(continued after a restart).")] = None,
     speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
     k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
-    budget: Annotated[PolicyName, typer.Option(help="Draft budget of --speculation das: das (length-aware, on "
-                                                    "each engine's online step-cost fit), uniform (K every step) or "
-                                                    "classes (16/8/4 by predicted length).")] = "das",
+    budget: Annotated[str, typer.Option(callback=check_budget_name,
+                                        help="Draft budget of --speculation das, a name: das (length-aware, on each "
+                                             "engine's online step-cost fit), uniform (K every step), classes "
+                                             f"(16/8/4 by predicted length), ...: {GRAMMAR}.")] = "das",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
                                             "float32), bfloat16, float32 or float16.")] = "auto",
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
@@ -251,7 +262,7 @@ def serve(
         engine: dict[str, Any] = ({"kind": "stub", "tensor_parallel_size": tensor_parallel_size} if stub_engine else {
             "kind": "vllm", "tensor_parallel_size": tensor_parallel_size,
             "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
-            "max_model_len": max_model_len, "enforce_eager": eager, "budget": {"policy": budget},
+            "max_model_len": max_model_len, "enforce_eager": eager, "budget": parse_budget(budget).fields(),
             "model_runner": model_runner, "profile_steps": profile_steps, "weight_transfer": weight_transfer,
             **({"oracle_file": str(oracle_file.resolve())} if oracle_file is not None else {})})
         if engine_options is not None:

@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from das.drafter.config import DrafterSettings
-from das.scheduler.budget_hook import BudgetSettings
 from das.scheduler.cost_model import prior_cost_model
+from das.scheduler.policies import Budget, DasBudget
 from das.service.engine.cpu_allocator import CpuAllocator
 from das.service.engine.cpu_layout import CpuWorker
 from das.service.engine.runner_choice import ModelRunner
@@ -51,8 +51,8 @@ class EngineConfig(BaseModel):
     model: str
     speculation: Speculation = "das"
     num_speculative_tokens: int = Field(8, ge=1, le=64)
-    budget: BudgetSettings = Field(BudgetSettings(), description="the draft budget (scheduler/budget_hook.py); "
-                                   "default: the length-aware budget (das) on an online cost model")
+    budget: Budget = Field(DasBudget(), description="the draft budget: a name or the fields of a budget "
+                           "(scheduler/policies.py); default: the length-aware budget (das) on an online cost model")
     drafter: DrafterSettings = Field(DrafterSettings(), description="DrafterConfig fields to set "
                                      "(drafter/config.py)")
     cost_warmup_requests: int = Field(16, ge=0, le=256, description="the das budget only: requests of the start-up "

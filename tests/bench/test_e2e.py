@@ -26,7 +26,7 @@ from das.bench.e2e import (
     suffix_tuned_options,
 )
 from das.bench.e2e_report import markdown, plot
-from das.scheduler.budget_hook import BudgetSettings
+from das.scheduler.policies import DasBudget, UniformBudget, budget_from_config
 from das.scheduler.cost_model import CostModel
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
@@ -115,9 +115,9 @@ def test_arms_differ_only_in_speculation() -> None:
     assert engines["none"].speculative_config() is None and engines["none-service"].speculative_config() is None
     assert engines["suffix"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8}
     assert engines["suffix-t"].speculative_config() == {"method": "suffix", "num_speculative_tokens": 8, **tuned}
-    assert engines["das-uniform"].budget == BudgetSettings(policy="uniform")
-    assert engines["das"].budget == engines["das-service"].budget == BudgetSettings.model_validate(budget)
-    assert engines["ngram"].budget == BudgetSettings() and engines["ngram"].speculative_config()["method"] == "ngram"
+    assert engines["das-uniform"].budget == UniformBudget()
+    assert engines["das"].budget == engines["das-service"].budget == budget_from_config(budget)
+    assert engines["ngram"].budget == DasBudget() and engines["ngram"].speculative_config()["method"] == "ngram"
     with pytest.raises(ValueError, match="suffix_decoding_"):
         EngineConfig(model="m", suffix_options={"num_speculative_tokens": 3})
 

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 from rich.console import Console
 
-from das.bench.e2e import E2EConfig, EpochOutput, Outcome, oracle_ratios, run_e2e
+from das.bench.e2e import ARM_BUDGETS, E2EConfig, EpochOutput, Outcome, oracle_ratios, run_e2e
 from das.bench.e2e_report import markdown, print_tables
 from das.bench.oracle_bound import StepPrice, engine_bound
 from das.service.client.prompt_sets import reasoning_gym_problems
@@ -106,3 +106,13 @@ def test_oracle_ratios_and_config_errors() -> None:
         E2EConfig(model="m", prompts="p", arms=("das", "oracle-k"))
     assert E2EConfig(model="m", prompts="p", arms=("none", "oracle-k")).engine_config("oracle-k", 0).budget.policy \
         == "uniform"
+
+
+def test_the_user_runs_oracle_k_serves_the_budget_of_the_e2e_arm() -> None:
+    """`das bench serve`'s oracle-k is `das serve --budget NAME` with the name e2e's oracle-k runs (one grammar)."""
+    from das.bench.user_run import ORACLE_ARMS
+    from das.scheduler.policies import UniformBudget, parse_budget
+
+    flags = ORACLE_ARMS["oracle-k"]
+    assert flags[flags.index("--budget") + 1] == ARM_BUDGETS["oracle-k"]
+    assert parse_budget(ARM_BUDGETS["oracle-k"]) == UniformBudget()

@@ -37,7 +37,7 @@ EXAMPLE = "values-8xh100.yaml"
 # branch is rendered and validated at least once.
 ALL_OPTIONS: dict[str, Any] = {
     "engine": {"maxModelLen": 4096, "eager": True, "maxGroupDeaths": 2, "weightTransfer": "gloo",
-               "extraArgs": ["--history-shards", "4"]},
+               "budget": "das-lengths", "extraArgs": ["--history-shards", "4"]},
     "gateway": {"otlpTracesEndpoint": "http://otel-collector.monitoring:4318",
                 "ingress": {"enabled": True, "className": "nginx",
                             "tls": [{"secretName": "das-tls", "hosts": ["das.example.test"]}],
@@ -117,7 +117,7 @@ def test_gateway_command_line_is_accepted_by_das_serve(case: str) -> None:
     assert params["budget"] == values["engine"]["budget"]
     # the engine settings das serve validates before it starts anything (typed budget and drafter settings)
     EngineConfig(model=params["model"], speculation=params["speculation"], num_speculative_tokens=params["k"],
-                 tensor_parallel_size=params["tensor_parallel_size"], budget={"policy": params["budget"]},
+                 tensor_parallel_size=params["tensor_parallel_size"], budget=params["budget"],
                  weight_transfer=params["weight_transfer"])
     assert params["max_restarts"] == values["engine"]["maxRestarts"]
     assert params["restart_window"] == values["engine"]["restartWindowSeconds"]
@@ -255,13 +255,28 @@ def test_a_tensor_parallel_size_reaches_das_serve_and_must_divide_the_gpus_per_n
         render({"engine": {"tensorParallelSize": 3}, "workers": {"gpusPerNode": 8}})
 
 
-@pytest.mark.parametrize("engine, message", [({"budget": "fastest"}, "'fastest' is not one of 'das', 'uniform'"),
+@pytest.mark.parametrize("engine, message", [({"budget": "fastest"}, r"a budget is one of: das \| das-lengths"),
+                                             ({"budget": "uniform:h100-7b"}, "only a das name takes :COST_MODEL"),
                                              ({"k": 99}, "less than or equal to 64")])
 def test_a_bad_engine_value_is_refused_by_das_serve_not_by_the_engine(engine: dict[str, Any], message: str) -> None:
     serve = typer.main.get_command(cli_app).commands["serve"]  # type: ignore[attr-defined]
     argv = serve_argv(objects(render({"engine": engine})))
     with pytest.raises(typer.BadParameter, match=message):
         serve.make_context("serve", argv)
+
+
+def test_engine_budget_takes_the_names_its_values_comment_lists() -> None:
+    """values.yaml documents the budget grammar (scheduler/policies.py); every name it lists reaches das serve and
+    the engine's settings."""
+    text = (CHART / "values.yaml").read_text()
+    comment = text[text.index("# -- --budget"):text.index("  budget: ")]
+    names = ["das", "das-lengths", "das-token", "uniform", "uniform-8", "classes", "classes-16-8-0", "das:h200-7b"]
+    for name in names:
+        assert re.sub(r"-8$|-16-8-0$|:h200-7b$", "", name) in comment, name
+        serve = typer.main.get_command(cli_app).commands["serve"]  # type: ignore[attr-defined]
+        params = serve.make_context("serve", serve_argv(objects(render({"engine": {"budget": name}})))).params
+        assert params["budget"] == name
+        EngineConfig(model="m", budget=params["budget"])
 
 
 @pytest.mark.parametrize("replicas,low,high", [(5, 1, 2), (1, 2, 4)])

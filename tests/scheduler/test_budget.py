@@ -167,8 +167,8 @@ def test_the_exact_token_term_drafts_where_the_charged_one_calls_it_a_loss():
     assert not solve_budget(b).draft_lengths.any()
     exact = solve_budget(b, exact_tokens=True).draft_lengths
     assert (exact >= 2).all()
-    assert OptimalPolicy(exact_tokens=True).draft_lengths(b).tolist() == exact.tolist()
-    assert OptimalPolicy(per_token=True, exact_tokens=True).name == "das-token-exact"
+    assert OptimalPolicy("lengths", exact_tokens=True).draft_lengths(b).tolist() == exact.tolist()
+    assert OptimalPolicy("token", exact_tokens=True).name == "das-token-exact"
 
 
 def test_a_drafted_step_price_keeps_marginal_drafts_out():
@@ -192,12 +192,12 @@ def test_marginal_is_the_last_tokens_modeled_acceptance():
 def test_plan_per_token_and_by_lengths():
     b = batch([20.0] * 15 + [900.0], ratio=0.6, c_base_s=6e-3, c_tok_s=3e-5, k_max=16)
     s = solve_budget(b)
-    per_token = OptimalPolicy(per_token=True).plan(b)
+    per_token = OptimalPolicy("token").plan(b)
     assert per_token.lengths.tolist() == [16 if k > 0 else 0 for k in s.draft_lengths]
     np.testing.assert_array_equal(per_token.min_prob, s.marginal)
-    by_lengths = OptimalPolicy(confidence=False).plan(b)
+    by_lengths = OptimalPolicy("lengths").plan(b)
     np.testing.assert_array_equal(by_lengths.lengths, s.draft_lengths)
-    assert by_lengths.min_prob.tolist() == [0.0] * 16 and OptimalPolicy(per_token=True).name == "das-token"
+    assert by_lengths.min_prob.tolist() == [0.0] * 16 and OptimalPolicy("token").name == "das-token"
     for policy in (UniformPolicy(4), ClassPolicy()):
         plan = policy.plan(b)
         np.testing.assert_array_equal(plan.lengths, policy.draft_lengths(b))
@@ -206,7 +206,7 @@ def test_plan_per_token_and_by_lengths():
 
 def test_confidence_prices_each_draft_token_by_the_requests_that_must_advance_with_it():
     b = batch([400.0, 190.0, 190.0, 0.0], ratio=0.6, c_base_s=30e-3, c_tok_s=2e-3, k_max=8, c_spec_s=4e-3)
-    plan = OptimalPolicy(confidence=True).plan(b)
+    plan = OptimalPolicy("confidence").plan(b)
     c_draft, saved = 2e-3 + 4e-3 / 8, 30e-3  # a pass saved saves its fixed part: the others' tokens are computed anyway
     assert plan.lengths.tolist() == [8, 8, 8, 0]  # a request with nothing left drafts nothing
     # the longest alone decides the batch's end (the others are predicted under half its length): its tokens are
@@ -215,43 +215,45 @@ def test_confidence_prices_each_draft_token_by_the_requests_that_must_advance_wi
     np.testing.assert_allclose(plan.min_prob[:3], [c_draft / (c_draft + saved)] + [c_draft / (c_draft + saved / 5)] * 2)
     np.testing.assert_allclose(plan.value[:3], [saved, saved / 5, saved / 5])
     assert plan.min_prob[3] == np.inf and plan.explored is None
-    many = OptimalPolicy(confidence=True).plan(batch([300.0] * 64, c_base_s=30e-3, c_tok_s=2e-3, k_max=8))
+    many = OptimalPolicy("confidence").plan(batch([300.0] * 64, c_base_s=30e-3, c_tok_s=2e-3, k_max=8))
     assert np.all(many.min_prob > 0.8)  # 64 equally long on a per-token-bound step: only near-certain drafts pay
     # the regime: the same batch where a pass is mostly fixed cost (a GPU's 7B step) drafts far less likely tokens
-    gpu = OptimalPolicy(confidence=True).plan(batch([300.0] * 64, c_base_s=7.6e-3, c_tok_s=31.5e-6, k_max=8))
+    gpu = OptimalPolicy("confidence").plan(batch([300.0] * 64, c_base_s=7.6e-3, c_tok_s=31.5e-6, k_max=8))
     assert np.all(gpu.min_prob < 0.4)
     # a step's per-token work is no part of the value: twenty more short requests (a dearer step) leave the longest
     # one's floor where it was
-    wide = OptimalPolicy(confidence=True).plan(batch([400.0, 190.0, 190.0] + [50.0] * 20, ratio=0.6, c_base_s=30e-3,
+    wide = OptimalPolicy("confidence").plan(batch([400.0, 190.0, 190.0] + [50.0] * 20, ratio=0.6, c_base_s=30e-3,
                                                      c_tok_s=2e-3, k_max=8, c_spec_s=4e-3))
     assert wide.min_prob[0] == pytest.approx(plan.min_prob[0])
-    near = OptimalPolicy(confidence=True).plan(batch([400.0, 210.0], c_base_s=30e-3, c_tok_s=2e-3, k_max=8))
+    near = OptimalPolicy("confidence").plan(batch([400.0, 210.0], c_base_s=30e-3, c_tok_s=2e-3, k_max=8))
     assert near.min_prob[0] == near.min_prob[1]  # within a factor of two: either may end last
     # the counts play no part: a request whose measured acceptance is nil is priced the same
     cold = BatchState(b.remaining, np.zeros((4, 8)), b.c_base_s, b.c_tok_s, 8, b.c_spec_s)
-    np.testing.assert_array_equal(OptimalPolicy(confidence=True).plan(cold).min_prob, plan.min_prob)
+    np.testing.assert_array_equal(OptimalPolicy("confidence").plan(cold).min_prob, plan.min_prob)
     # a dearer drafted step (the guard's price rides on c_spec) raises every floor
     dear = BatchState(b.remaining, b.acceptance, b.c_base_s, b.c_tok_s, 8, c_spec_s=0.1)
-    assert np.all(OptimalPolicy(confidence=True).plan(dear).min_prob[:3] > plan.min_prob[:3])
-    assert OptimalPolicy(confidence=True).draft_lengths(b).tolist() == [8, 8, 8, 0]
-    assert OptimalPolicy(confidence=True).name == "das"
-    assert OptimalPolicy(confidence=True).plan(batch([10.0], k_max=0)).lengths.tolist() == [0]
-    with pytest.raises(ValueError, match="neither per_token nor exact_tokens"):
-        OptimalPolicy(per_token=True, confidence=True)
+    assert np.all(OptimalPolicy("confidence").plan(dear).min_prob[:3] > plan.min_prob[:3])
+    assert OptimalPolicy("confidence").draft_lengths(b).tolist() == [8, 8, 8, 0]
+    assert OptimalPolicy("confidence").name == "das"
+    assert OptimalPolicy("confidence").plan(batch([10.0], k_max=0)).lengths.tolist() == [0]
+    with pytest.raises(ValueError, match="confidence plan takes no exact_tokens"):
+        OptimalPolicy("confidence", exact_tokens=True)
+    with pytest.raises(ValueError, match="plan must be one of"):
+        OptimalPolicy("fastest")
 
 
 # --- the baselines --------------------------------------------------------------------------------------------
 
 def test_policies_share_the_interface():
     b = batch([100.0, 5000.0, 900.0], k_max=16)
-    policies = (UniformPolicy(8), ClassPolicy(), ClassPolicy(short=0), OptimalPolicy(), OptimalPolicy(confidence=False))
+    policies = (UniformPolicy(8), ClassPolicy(), ClassPolicy(short=0), OptimalPolicy(), OptimalPolicy("lengths"))
     for policy in policies:
         assert isinstance(policy, BudgetPolicy)
         k = policy.draft_lengths(b)
         assert k.dtype == np.int32 and k.shape == (3,) and np.all((k >= 0) & (k <= 16))
     assert [UniformPolicy(4).name, ClassPolicy().name, ClassPolicy(short=0).name, OptimalPolicy().name,
-            OptimalPolicy(confidence=False).name] == ["uniform-4", "classes", "classes-16-8-0", "das", "das-lengths"]
-    np.testing.assert_array_equal(OptimalPolicy(confidence=False).draft_lengths(b), solve_budget(b).draft_lengths)
+            OptimalPolicy("lengths").name] == ["uniform-4", "classes", "classes-16-8-0", "das", "das-lengths"]
+    np.testing.assert_array_equal(OptimalPolicy("lengths").draft_lengths(b), solve_budget(b).draft_lengths)
 
 
 def test_uniform_policy():

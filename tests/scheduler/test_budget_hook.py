@@ -7,13 +7,12 @@ from das.scheduler.budget import DrafterParams, geometric_acceptance
 from das.scheduler.budget_hook import (
     GUARD_PRICES,
     BatchView,
-    BudgetSettings,
     StepSample,
     budget_hook_from_config,
 )
 from das.scheduler.cost_model import GENERIC_PRIOR
 from das.scheduler.length import LengthCurve
-from das.scheduler.policies import POLICIES
+from das.scheduler.policies import BUDGETS, budget_from_config, parse_budget
 
 
 def batch_view(generated: list[int], predicted: list[float | None], max_tokens: list[int],
@@ -39,11 +38,11 @@ def test_default_is_the_confidence_budget_on_an_online_fit_from_the_generic_prio
 
 
 def test_das_lengths_plans_k_from_acceptance_counts():
-    hook = budget_hook_from_config({"confidence": False}, k_max=6)
+    hook = budget_hook_from_config({"plan": "lengths"}, k_max=6)
     assert hook.name == "das-lengths"
     plan = hook.plan(views(*([10] * 31), 500))
     assert plan.lengths[-1] > 0 and plan.lengths[:-1].max() == 0  # the long one drafts, the short ones not
-    assert budget_hook_from_config({"per_token": True}, k_max=6).name == "das-token"
+    assert budget_hook_from_config({"plan": "token"}, k_max=6).name == "das-token"
     assert budget_hook_from_config({"exact_tokens": True}, k_max=6).name == "das-lengths-exact"
 
 
@@ -60,7 +59,7 @@ def test_the_budget_reads_the_live_fit_each_step():
     rng = np.random.default_rng(0)
     plans = {}
     for label, (c_base, c_tok) in {"memory-bound": (20e-3, 2e-6), "compute-bound": (20e-3, 2e-3)}.items():
-        hook = budget_hook_from_config({"confidence": False, "prior": {"name": "p", "c_base_s": 20e-3, "c_tok_s": 0.2e-3,
+        hook = budget_hook_from_config({"plan": "lengths", "prior": {"name": "p", "c_base_s": 20e-3, "c_tok_s": 0.2e-3,
                                                   "source": "test"}}, k_max=8)
         for _ in range(400):
             n = int(rng.integers(8, 200))
@@ -73,8 +72,8 @@ def test_the_budget_reads_the_live_fit_each_step():
 def test_a_dear_drafted_step_switches_drafting_off_where_it_would_pay_per_token():
     batch = views(*([200] * 16))
     drafter = DrafterParams(geometric_acceptance(0.5, 16, 8))
-    cheap = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
-    dear = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 200e-3, "online": False},
+    cheap = budget_hook_from_config({"plan": "lengths", "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    dear = budget_hook_from_config({"plan": "lengths", "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 200e-3, "online": False},
                                    k_max=8)
     assert cheap.plan(batch, drafter).lengths.min() > 0
     assert dear.plan(batch, drafter).lengths.max() == 0
@@ -82,7 +81,7 @@ def test_a_dear_drafted_step_switches_drafting_off_where_it_would_pay_per_token(
 
 def test_the_drafted_step_price_is_read_at_the_batch_size():
     """A price per running request: the same requests drafting pay it in a batch of 2, not in one of 64."""
-    hook = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 2e-3, "c_spec_req_s": 4e-3,
+    hook = budget_hook_from_config({"plan": "lengths", "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "c_spec_s": 2e-3, "c_spec_req_s": 4e-3,
                                     "online": False}, k_max=8)
     tail = hook.plan(views(200, 180), DrafterParams(geometric_acceptance(0.5, 2, 8)))
     full = hook.plan(views(*([200] * 64)), DrafterParams(geometric_acceptance(0.5, 64, 8)))
@@ -96,7 +95,7 @@ def losing(hook, steps: int = 200) -> None:
 
 def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win():
     """At the top price a batch whose drafts pay modestly drafts nothing; winning drafted steps bring it back."""
-    hook = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    hook = budget_hook_from_config({"plan": "lengths", "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
     modest = (views(*([300] * 16)), DrafterParams(geometric_acceptance(0.6, 16, 8)))
     assert hook.plan(*modest).lengths.min() > 0
     losing(hook)
@@ -111,7 +110,7 @@ def test_the_guard_backs_off_while_drafted_steps_lose_and_recovers_when_they_win
 def test_a_raised_guard_leaves_drafts_that_always_hold_at_k_max_and_unfiltered():
     """The guard prices drafted steps; it does not filter draft tokens by the drafter's own probabilities (a
     continuation seen once is rated 1/3): drafts measured to hold ~100% still pay at the top price."""
-    hook = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    hook = budget_hook_from_config({"plan": "lengths", "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
     losing(hook)
     plan = hook.plan(views(*([200] * 8)), DrafterParams(geometric_acceptance(0.99, 8, 8)))
     assert plan.lengths.tolist() == [8] * 8 and plan.min_prob.tolist() == [0.0] * 8
@@ -141,7 +140,7 @@ def test_exploration_tokens_go_out_under_a_raised_guard_so_it_can_come_down():
     """With the guard at its top price the optimum leaves new requests of poor prior acceptance without drafts:
     exploration still gives each one token at the step's real price (floor 0), or nothing is verified, no request
     gets measured and the guard (which moves on drafted steps) only comes down by relaxing."""
-    hook = budget_hook_from_config({"confidence": False, "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
+    hook = budget_hook_from_config({"plan": "lengths", "c_base_s": 40e-3, "c_tok_s": 0.5e-3, "online": False}, k_max=8)
     losing(hook)
     assert hook.guard.price == GUARD_PRICES[-1]
     plan = hook.plan(views(*([200] * 8)), DrafterParams(geometric_acceptance(0.05, 8, 8), np.ones(8, bool), 0.0))
@@ -203,7 +202,7 @@ def test_das_policy_drafts_the_long_tail():
     lengths = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5},
                                       k_max=16).plan(views(*([20] * 15), 900)).lengths
     assert lengths[-1] > 0 and lengths[-1] >= lengths[:-1].max()
-    plan = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5, "per_token": True},
+    plan = budget_hook_from_config({"policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5, "plan": "token"},
                                    k_max=16).plan(views(*([20] * 15), 900))
     assert plan.lengths[-1] == 16 and 0 < plan.min_prob[-1] < 1  # per token: up to K_max above a floor
     assert np.all(plan.min_prob[plan.lengths == 0] == np.inf)
@@ -213,7 +212,7 @@ def test_measured_acceptance_decides_who_drafts():
     """Per-request drafter parameters replace the hook's constants. On the CPU cost model with 48 similar
     requests, a drafter measured to be rarely right is not worth a draft token; one measured to be usually right
     is, above the same per-token floor for every request; the last request alone drafts even at 0.2."""
-    hook = budget_hook_from_config({"policy": "das", "c_base_s": 44e-3, "c_tok_s": 0.49e-3, "per_token": True},
+    hook = budget_hook_from_config({"policy": "das", "c_base_s": 44e-3, "c_tok_s": 0.49e-3, "plan": "token"},
                                    k_max=8)
     batch = views(*([300] * 48))
     weak = hook.plan(batch, DrafterParams(geometric_acceptance(0.2, 48, 8)))
@@ -231,12 +230,16 @@ def test_remaining_uses_the_prediction_capped_by_max_tokens_and_at_least_one():
 
 
 @pytest.mark.parametrize("config, message", [
-    ({"policy": "fastest"}, "policy\n  Input should be 'das', 'uniform' or 'classes'"),
+    ({"policy": "fastest"}, "Input tag 'fastest' found using 'policy' does not match any of the expected tags: "
+                            "'das', 'uniform', 'classes'"),
     ({"policy": "uniform", "K": 3}, "K\n  Extra inputs are not permitted"),
     ({"policy": "uniform", "k": -1}, "k\n  Input should be greater than or equal to 0"),
-    ({"policy": "uniform", "long": 8}, r"unknown budget settings for policy 'uniform': \['long'\]"),
-    ({"policy": "classes", "exact_tokens": True}, r"unknown budget settings for policy 'classes': \['exact_tokens'\]"),
-    ({"policy": "uniform", "confidence": True}, r"unknown budget settings for policy 'uniform': \['confidence'\]"),
+    ({"policy": "uniform", "long": 8}, "uniform.long\n  Extra inputs are not permitted"),
+    ({"policy": "classes", "exact_tokens": True}, "classes.exact_tokens\n  Extra inputs are not permitted"),
+    ({"policy": "uniform", "confidence": True}, "uniform.confidence\n  Extra inputs are not permitted"),
+    ({"policy": "das", "k": 4}, "das.k\n  Extra inputs are not permitted"),
+    ({"policy": "das", "plan": "fast"}, "Input should be 'confidence', 'lengths' or 'token'"),
+    ({"policy": "das", "plan": "confidence", "exact_tokens": True}, "confidence plan takes no exact_tokens"),
     ({"policy": "das", "confidence": True, "per_token": True}, "takes neither per_token nor exact_tokens"),
     ({"prior": {"name": "p"}, "c_base_s": 1.0}, "not both"),
     ({"c_base_s": 0.0, "c_tok_s": 0.0}, "not both 0"),
@@ -245,11 +248,22 @@ def test_bad_settings_are_named(config, message):
     with pytest.raises(ValueError, match=message):
         budget_hook_from_config(config, k_max=8)
     with pytest.raises(ValueError, match=message):  # the same check where the service starts
-        BudgetSettings.model_validate(config)
+        budget_from_config(config)
 
 
 def test_the_policy_names_are_one_list():
-    assert [BudgetSettings(policy=name).budget_policy(8).name for name in POLICIES] == ["das", "uniform-8", "classes"]
+    assert [parse_budget(name).budget_policy(8).name for name in BUDGETS] == ["das", "uniform-8", "classes"]
+    assert budget_hook_from_config("uniform-3", k_max=8).name == "uniform-3"  # a name is a configuration too
+
+
+def test_the_guard_default_is_the_budgets_own():
+    """das is guarded unless told otherwise; the fixed baselines are never adjusted unless told to be."""
+    guarded = {name: budget_hook_from_config(name, k_max=8).guard is not None
+               for name in ("das", "das-lengths", "das-token", "uniform", "uniform-4", "classes")}
+    assert guarded == {"das": True, "das-lengths": True, "das-token": True, "uniform": False, "uniform-4": False,
+                       "classes": False}
+    assert budget_hook_from_config({"guard": False}, k_max=8).guard is None
+    assert budget_hook_from_config({"policy": "uniform", "guard": True}, k_max=8).guard is not None
 
 
 def test_empty_batch():
@@ -265,7 +279,7 @@ def test_a_length_curve_keeps_a_sample_that_outlives_its_prediction_in_the_budge
                         [None, curve, curve, curve])
     # fixed, curved, curved under a cap, and the tail model: 700 * (1 + 1)
     assert both.remaining().tolist() == [1.0, 400.0, 150.0, 700.0]
-    hook = budget_hook_from_config({"confidence": False, "policy": "das", "c_base_s": 6e-3, "c_tok_s": 3e-5}, k_max=16)
+    hook = budget_hook_from_config({"policy": "das", "plan": "lengths", "c_base_s": 6e-3, "c_tok_s": 3e-5}, k_max=16)
     generated, predicted, caps = [20] * 15 + [150], [40.0] * 15 + [100.0], [1000] * 16
     curved = batch_view(generated, predicted, caps, [None] * 15 + [curve])
     fixed = batch_view(generated, predicted, caps)
@@ -275,6 +289,6 @@ def test_a_length_curve_keeps_a_sample_that_outlives_its_prediction_in_the_budge
 def test_only_the_counts_based_plans_read_acceptance():
     """The proposer estimates per-request acceptance every step only for a hook that reads it."""
     reads = {name: budget_hook_from_config(config, k_max=8).reads_acceptance for name, config in {
-        "das": {}, "das-lengths": {"confidence": False}, "das-token": {"per_token": True},
+        "das": {}, "das-lengths": {"plan": "lengths"}, "das-token": {"plan": "token"},
         "uniform": {"policy": "uniform"}, "classes": {"policy": "classes"}}.items()}
     assert reads == {"das": False, "das-lengths": True, "das-token": True, "uniform": False, "classes": False}

@@ -16,7 +16,7 @@ def _state(remaining, c_base=44e-3, c_tok=0.49e-3, c_spec=0.0, k_max=8):
 def test_unmeasured_requests_get_a_k_max_draft_with_no_floor_the_others_keep_their_plan():
     state = _state(np.full(4, 300.0))
     for per_token in (False, True):
-        plain = OptimalPolicy(per_token=per_token, confidence=False).plan(state)
+        plain = OptimalPolicy("token" if per_token else "lengths").plan(state)
         assert plain.lengths.tolist() == [0, 0, 0, 0]
         unmeasured = np.array([True, False, True, False])
         exploration = Exploration(share=0.5)  # credit for everyone at once

@@ -91,7 +91,7 @@ def test_bad_arguments():
     recs = records({0: [3], 1: [3]})
     with pytest.raises(ValueError, match="engines"):
         simulate(recs, FLAT, engines=0, policy_name="none")
-    with pytest.raises(ValueError, match="unknown policy"):
+    with pytest.raises(ValueError, match="an arm is none \\(no speculation\\) or a budget; unknown budget 'magic'"):
         simulate(recs, FLAT, engines=1, policy_name="magic")
     with pytest.raises(ValueError, match="placement"):
         simulate(recs, FLAT, engines=1, policy_name="none", placement="random")
@@ -192,9 +192,21 @@ def test_arm_list_expands_ranges_and_the_fixed_policies():
     fixed = arm_list("fixed", 3)
     assert fixed == ["uniform-1", "uniform-2", "uniform-3", "classes", "das-token", "das-lengths"]
     assert arm_list("das,fixed,das", 1) == ["das", "uniform-1", "classes", "das-token", "das-lengths"]
-    for bad in ("uniform-4..2", "uniform-a..3", "oracle", ",,"):
+    for bad in ("uniform-4..2", "uniform-a..3", "oracle", ",,", "das:h100-7b"):
         with pytest.raises(ValueError):
             arm_list(bad, 16)
+
+
+def test_an_arm_is_none_or_a_name_of_the_budget_grammar():
+    from das.scheduler.policies import parse_budget
+    from das.scheduler.simulator import ARMS, arm_settings, make_policy
+
+    assert arm_settings("none") is None and make_policy("none", 16) is None
+    for arm in ARMS[1:]:
+        assert arm_settings(arm) == parse_budget(arm) and make_policy(arm, 16).name == arm
+    assert make_policy("uniform", 6).name == "uniform-6"  # the grammar's uniform: K_max
+    with pytest.raises(ValueError, match="prices every arm by its --cost-model"):
+        arm_settings("das:h100-7b")
 
 
 def test_cli_runs_the_arms_given_and_compares_das_with_the_best_fixed_one(tmp_path):

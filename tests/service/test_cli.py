@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+import typer.main
 from typer.testing import CliRunner
 
+from das.scheduler.policies import budget_from_config, parse_budget
 from das.service.cli import app, merge_engine_options
 from das.service.cluster.engine_layout import cpu_node
 from tests.service.test_serve import free_port
@@ -48,6 +50,27 @@ def test_das_serve_refuses_bad_engine_options_before_starting(args, message):
     result = CliRunner().invoke(app, ["serve", "--port", "1", *args])
     assert result.exit_code != 0
     assert message in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize("name", ["das", "uniform", "classes", "das-lengths", "das-token", "uniform-4",
+                                  "classes-16-8-0", "das:h100-7b"])
+def test_das_serve_budget_takes_a_name_of_the_budget_grammar(name):
+    """--budget is a name of scheduler/policies.py's grammar (das, uniform and classes as before); it sets its
+    fields, and --engine-options the others."""
+    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    assert serve.make_context("serve", ["--budget", name]).params["budget"] == name
+    merged = merge_engine_options({"budget": parse_budget(name).fields()}, '{"budget": {"acceptance": 0.5}}')
+    assert budget_from_config(merged["budget"]) == parse_budget(name).model_copy(update={"acceptance": 0.5})
+
+
+def test_das_serve_refuses_a_budget_outside_the_grammar_and_options_its_name_sets():
+    result = CliRunner().invoke(app, ["serve", "--port", "1", "--budget", "fastest"])
+    assert result.exit_code == 2 and "--budget" in result.output
+    serve = typer.main.get_command(app).commands["serve"]  # type: ignore[attr-defined]
+    with pytest.raises(typer.BadParameter, match=r"unknown budget 'fastest'; a budget is one of: das \| das-lengths"):
+        serve.make_context("serve", ["--budget", "fastest"])
+    with pytest.raises(ValueError, match="budget.k is set by a flag"):
+        merge_engine_options({"budget": parse_budget("uniform-8").fields()}, '{"budget": {"k": 4}}')
 
 
 # ---- issue 59: a configuration no engine can load ends das serve with its cause ----

@@ -61,7 +61,7 @@ _STATS_WINDOW = 10000  # decode steps the cost figures of stats() cover
 IDLE_GAP_S = 1.0  # a gap between two proposals longer than this is the engine idle between batches, not a step
 
 CONFIG_KEY = "das"
-"""`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterSettings}, "budget": {...BudgetSettings}}`
+"""`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterSettings}, "budget": {...a budget of scheduler/policies.py}}`
 as plain data (validated where the service started: service/engine/config.py `EngineConfig`)."""
 
 

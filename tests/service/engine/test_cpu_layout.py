@@ -1,4 +1,4 @@
-"""Where a CPU engine's model worker runs (a real engine's process tree: test_async_engine)."""
+"""Where a CPU engine's model worker runs (a real engine's process tree: vllm/test_engine.py)."""
 
 from __future__ import annotations
 

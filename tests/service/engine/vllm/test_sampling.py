@@ -1,6 +1,6 @@
 """What vLLM would refuse is refused before anything is scheduled, and a sample's task that fails anyway ends its
 group (and the gateway's batch) instead of leaving it waiting forever. vLLM's real `SamplingParams`, with an
-`VllmEngine` over a stand-in for AsyncLLM (no engine process); test_async_engine.py runs the real engine."""
+`VllmEngine` over a stand-in for AsyncLLM (no engine process); test_engine.py runs the real engine."""
 
 from __future__ import annotations
 

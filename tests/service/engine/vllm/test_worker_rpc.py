@@ -45,7 +45,7 @@ def test_an_rpc_without_a_rule_or_without_replies_is_refused() -> None:
 
 def test_every_worker_method_the_engine_calls_has_a_rule() -> None:
     """A new worker RPC cannot slip in without deciding how its per-worker replies become one."""
-    source = (Path(__file__).resolve().parents[3] / "service" / "engine" / "async_engine.py").read_text()
+    source = (Path(__file__).resolve().parents[4] / "service" / "engine" / "vllm" / "engine.py").read_text()
     import re
 
     called = set(re.findall(r'worker_rpc\([^,]+, "(\w+)"', source))
