@@ -78,7 +78,8 @@ from das.service.cluster.rollout_backend import BackendStats, GroupInputError, P
 from das.service.engine.config import transfer_backend
 from das.service.engine.factory import EngineSpec
 from das.service.engine.contract import EngineInputError, validate_rollouts
-from das.service.wire.api import GroupRequest, LengthCurveSpec, PauseMode, ProblemSummary, SampleResult
+from das.service.wire.api import GroupRequest, LengthCurveSpec, ProblemSummary, SampleResult
+from das.service.wire.engine_control import EngineControl, Pause, Resume
 from das.service.wire.sample_progress import SampleProgress
 from das.service.wire.weight_transfer import TransferBackend
 from das.service.cluster.sessions import SessionBook
@@ -302,7 +303,7 @@ class RayBackend:
         self._version = 0
         self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
         self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
-        self._paused: tuple[PauseMode, bool] | None = None  # the last /pause (mode, clear_cache) until /resume
+        self._paused: Pause | None = None  # the last /pause until /resume
         # the engines in the trainer's weight-transfer group (actor, incarnation), in rank order: set by
         # /init_weight_transfer_engine; a push needs the same ones serving
         self._transfer_group: list[tuple[_Actor, int]] = []
@@ -991,23 +992,18 @@ class RayBackend:
 
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
 
-    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+    async def control(self, message: EngineControl) -> Any:
+        # A Pause is remembered until the Resume: an engine actor restarted meanwhile is paused alike
+        # (`_catch_up`), and new work waits in the coordinator's hold.
         async with self._control_lock:
-            self._paused = (mode, clear_cache)
-            self._hold.pause()
-            await self._on_serving(lambda node: node.pause.remote(mode, clear_cache))
-
-    async def resume(self) -> None:
-        async with self._control_lock:
-            await self._on_serving(lambda node: node.resume.remote())
-            self._paused = None
-            self._hold.release()
-
-    async def is_paused(self) -> bool:
-        return any(await self._on_serving(lambda node: node.is_paused.remote()))
-
-    async def abort_samples(self) -> int:
-        return int(sum(await self._on_serving(lambda node: node.abort_samples.remote())))
+            if isinstance(message, Pause):
+                self._paused = message
+                self._hold.pause()
+            replies = await self._on_serving(lambda node: node.control.remote(message))
+            if isinstance(message, Resume):
+                self._paused = None
+                self._hold.release()
+        return message.combine(replies)
 
     async def _on_serving(self, call: Callable[[Any], Any]) -> list[Any]:
         """`call(actor handle)` on every serving NodeEngine at once; their replies. An actor lost meanwhile is
@@ -1152,7 +1148,7 @@ class RayBackend:
                         "trainer pushes again (the push after a restart re-forms the group with it)",
                         ", ".join(actor.names), checkpointed, self._version)
         if self._paused is not None:  # it holds new work until /resume, as the others do
-            await actor.handle.pause.remote(*self._paused)
+            await actor.handle.control.remote(self._paused)
 
     async def _adopt_nodes(self) -> None:
         """Gives engine actors to the nodes that joined after the start (a worker pod replaced, which Ray sees as a

@@ -32,10 +32,12 @@ from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
 from das.service.engine.contract import EngineInputError
+from das.service.engine.control import apply_control
 from das.service.engine.factory import EngineSpec, create_engine, prepare
 from das.service.engine.protocol import Engine
 from das.service.engine.spawn_env import restored_environ
-from das.service.wire.api import GroupRequest, PauseMode, SampleResult
+from das.service.wire.api import GroupRequest, SampleResult
+from das.service.wire.engine_control import EngineControl, Pause, Resume
 from das.service.wire.sample_progress import ProgressBatcher, SampleProgress
 
 log = logging.getLogger(__name__)
@@ -347,19 +349,15 @@ class NodeEngine:
 
     # ---- vLLM's RL control plane: every engine of the node at once (rollout_backend.RolloutBackend says what) ----
 
-    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        self._hold.pause()
-        await asyncio.gather(*(e.pause(mode, clear_cache) for e in self.engines))
-
-    async def resume(self) -> None:
-        await asyncio.gather(*(e.resume() for e in self.engines))
-        self._hold.release()
-
-    async def is_paused(self) -> bool:
-        return any(await asyncio.gather(*(e.is_paused() for e in self.engines)))
-
-    async def abort_samples(self) -> int:
-        return sum(await asyncio.gather(*(e.abort_samples() for e in self.engines)))
+    async def control(self, message: EngineControl) -> Any:
+        """vLLM's RL control verb on every engine of the node, the replies combined (service/wire/engine_control.py).
+        From a Pause until the Resume, groups that reach this actor wait here, not in vLLM's queue."""
+        if isinstance(message, Pause):
+            self._hold.pause()
+        reply = await apply_control(self.engines, message)
+        if isinstance(message, Resume):
+            self._hold.release()
+        return reply
 
     async def stats(self) -> NodeStats:
         loads = []

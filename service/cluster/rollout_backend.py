@@ -20,9 +20,11 @@ from das.service.engine.pause_gate import PauseGate
 from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, StepPartTotals, validate_rollouts
+from das.service.engine.control import apply_control
 from das.service.engine.protocol import Engine
 from das.service.engine.runner_choice import RunnerChoice
 from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult, ToolCall
+from das.service.wire.engine_control import EngineControl
 from das.service.wire.sample_progress import SampleProgress
 from das.service.wire.weight_transfer import TransferBackend
 
@@ -167,24 +169,12 @@ class RolloutBackend(Protocol):
         """The latest engine and history figures; cheap (no I/O), called at every scrape."""
         ...
 
-    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        """Pauses every engine (vLLM's `pause_generation`): "abort" ends the samples in flight with finish_reason
-        "abort" (delivered with the tokens they had), "wait" returns once they have finished, "keep" freezes them
-        until `resume`. In every mode samples that start meanwhile are held until `resume`. `clear_cache`: vLLM's
-        (reset the prefix cache once drained)."""
-        ...
-
-    async def resume(self) -> None:
-        """Resumes every engine; held and frozen samples go on."""
-        ...
-
-    async def is_paused(self) -> bool:
-        """True while any engine is paused."""
-        ...
-
-    async def abort_samples(self) -> int:
-        """Ends every sample in flight on every engine with finish_reason "abort" (delivered with the tokens it
-        had; its batch goes on), without pausing; returns how many."""
+    async def control(self, message: EngineControl) -> Any:
+        """vLLM's RL control verb (service/wire/engine_control.py) on every engine, its replies combined. Pause:
+        "abort" ends the samples in flight with finish_reason "abort" (delivered with the tokens they had), "wait"
+        returns once they have finished, "keep" freezes them until Resume; in every mode samples that start
+        meanwhile are held until Resume. AbortSamples ends every sample in flight without pausing (its batch goes
+        on). ValueError for what an engine refuses."""
         ...
 
     # vLLM's weight transfer (docs/design.md "vLLM's RL control plane"): a push is start, update(s), finish.
@@ -371,17 +361,8 @@ class EngineBackend(NoWeightTransfer):
         # the proposer's figures need an await on the engine (a scrape is synchronous): queues and prefix cache only
         return BackendStats(engines=(EngineLoad.of("local", self.engine.tally),), engines_ready=1)
 
-    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
-        await self.engine.pause(mode, clear_cache)
-
-    async def resume(self) -> None:
-        await self.engine.resume()
-
-    async def is_paused(self) -> bool:
-        return await self.engine.is_paused()
-
-    async def abort_samples(self) -> int:
-        return await self.engine.abort_samples()
+    async def control(self, message: EngineControl) -> Any:
+        return await apply_control([self.engine], message)
 
 
 class StubBackend(NoWeightTransfer):
@@ -554,7 +535,11 @@ class StubBackend(NoWeightTransfer):
                             engines_ready=1 if self._ready else 0, resident_bytes={"node_engine": 0},
                             engine_placed_tokens={"stub-0": float(self._unemitted * self.output_tokens)})
 
-    async def pause(self, mode: PauseMode, clear_cache: bool) -> None:
+    async def control(self, message: EngineControl) -> Any:
+        """As one engine: the verb on this backend's own pause, resume, is_paused and abort_samples."""
+        return await apply_control([self], message)
+
+    async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         self._gate.pause(mode)
         if mode == "wait":
             await self._gate.until(lambda: not self._running)

@@ -63,6 +63,7 @@ from das.service.wire.api import (
     ResumeResponse,
     error_responses,
 )
+from das.service.wire.engine_control import AbortSamples, IsPaused, Pause, Resume
 from das.service.wire.openai_protocol import ErrorResponse
 from das.service.wire.weight_transfer import (
     FinishWeightUpdateBody,
@@ -128,12 +129,12 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
         """Pause generation (vLLM's pause_generation on every engine); new work is held until /resume."""
         gateway.set_paused(True)  # first: no stall timer may fire between the engines pausing and this
         try:
-            await backend.pause(mode, clear_cache)
+            await backend.control(Pause(mode=mode, clear_cache=clear_cache))
         except ValueError as exc:
-            gateway.set_paused(await backend.is_paused())
+            gateway.set_paused(await backend.control(IsPaused()))
             raise OpenAIError(400, str(exc)) from None
         except Exception as exc:
-            gateway.set_paused(await backend.is_paused())
+            gateway.set_paused(await backend.control(IsPaused()))
             raise OpenAIError(500, f"Failed to pause generation: {exc}") from None
         return PauseResponse()
 
@@ -141,7 +142,7 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
     async def resume() -> ResumeResponse:
         """Resume generation on every engine: held and frozen samples go on."""
         try:
-            await backend.resume()
+            await backend.control(Resume())
         except Exception as exc:
             raise OpenAIError(500, f"Failed to resume generation: {exc}") from None
         gateway.set_paused(False)
@@ -150,7 +151,7 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
     @router.get("/is_paused")
     async def is_paused() -> IsPausedResponse:
         """Whether generation is paused (on any engine)."""
-        return IsPausedResponse(is_paused=await backend.is_paused())
+        return IsPausedResponse(is_paused=await backend.control(IsPaused()))
 
     @router.post("/abort_requests", responses=error_responses({400: "the body is not a JSON object, or request_ids "
                                                                     "is not a list of strings"}, ErrorResponse),
@@ -162,7 +163,7 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
         except ValidationError as exc:
             raise invalid_request(exc.errors()) from None
         if not body.request_ids:
-            return AbortResponse(aborted=await backend.abort_samples())
+            return AbortResponse(aborted=await backend.control(AbortSamples()))
         aborted = 0
         for batch_id in dict.fromkeys(body.request_ids):
             batch = gateway.batches.live.get(batch_id)

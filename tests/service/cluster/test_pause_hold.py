@@ -17,6 +17,7 @@ from das.service.cluster.node_engine import NodeEngine
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineBackend
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult
+from das.service.wire.engine_control import Pause, Resume
 from tests.service.cluster.test_history_client import FlakyShard
 from tests.service.http.test_rl_control import against, batch, group, summary
 
@@ -105,11 +106,11 @@ def test_a_group_that_reaches_a_node_engine_after_its_pause_is_held_there(tmp_pa
         await node.start()
         results = []
         for mode in MODES:
-            await node.pause(mode, True)
+            await node.control(Pause(mode=mode))
             task = asyncio.create_task(run_group())
             await asyncio.sleep(0.2)
             assert not task.done(), mode
-            await node.resume()
+            await node.control(Resume())
             results.append(await asyncio.wait_for(task, 10))
         await node.close()
         return results
@@ -133,11 +134,11 @@ def test_the_ray_coordinator_holds_a_batch_sent_while_paused_on_rejecting_engine
                 return [sample async for _, sample in backend.generate(requests)]
 
             for mode in MODES:
-                await backend.pause(mode, True)
+                await backend.control(Pause(mode=mode))
                 held = asyncio.create_task(collect())
                 await asyncio.sleep(1.0)
                 ended_while_paused = held.done()
-                await backend.resume()
+                await backend.control(Resume())
                 outcome[mode] = (ended_while_paused, await asyncio.wait_for(held, 60))
         finally:
             await backend.close()

@@ -21,6 +21,7 @@ from das.service.engine.vllm.models import prepare_model
 from das.service.http.gateway import GatewaySettings, create_app
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
 from das.service.wire.api import GroupRequest
+from das.service.wire.engine_control import AbortSamples, IsPaused, Pause, Resume
 from tests.tiny_models import build_tiny_model
 
 TOKEN = "rl-token"
@@ -315,15 +316,15 @@ def test_the_ray_service_fans_pause_update_and_resume_out_to_its_engines(tmp_pat
 
             first = asyncio.create_task(collect())
             await asyncio.sleep(1.0)  # the Ray round trips, then some of the sample's 2 s
-            await backend.pause("keep", True)
-            paused = await backend.is_paused()
+            await backend.control(Pause(mode="keep"))
+            paused = await backend.control(IsPaused())
             assert await backend.reload_weights(tmp_path, 1) == 1
-            await backend.resume()
+            await backend.control(Resume())
             spanning = await first
             second = asyncio.create_task(collect())
             await asyncio.sleep(1.0)
-            aborted = await backend.abort_samples()
-            return spanning, await second, paused, await backend.is_paused(), aborted
+            aborted = await backend.control(AbortSamples())
+            return spanning, await second, paused, await backend.control(IsPaused()), aborted
         finally:
             await backend.close()
 
