@@ -12,13 +12,19 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from das.service.cli import app, check_budget_name, console, emit, fail, models_app
+from das.service.cli import check_budget_name, console, emit, fail, models_app
 
 if TYPE_CHECKING:
     from das.scheduler.cost_model import CostModel
 
 bench_app = typer.Typer(help="Benchmarks that print their figures.", no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
+
+
+def register(program: typer.Typer) -> None:
+    """Adds `das bench ...` and `das models perturb` to the `das` program (entry point `bench` of the group
+    `das.commands`: service/cli.py `program`)."""
+    program.add_typer(bench_app, name="bench")
+    models_app.command("perturb")(models_perturb)
 
 
 @bench_app.command("drafter")
@@ -290,7 +296,6 @@ def _command_line(ctx: typer.Context) -> str:
     return shlex.join(words)
 
 
-@models_app.command("perturb")
 def models_perturb(
     src: Annotated[str, typer.Argument(help="A known model name or a model directory.")],
     dst: Annotated[Path, typer.Argument(help="Directory to write (must not exist, or be empty).")],

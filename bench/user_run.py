@@ -260,7 +260,7 @@ def step_price_from_metrics(text: str) -> tuple[StepPrice | None, int]:
 def _das_program() -> list[str]:
     """The installed `das` next to this interpreter, as a user runs it."""
     exe = Path(sys.executable).parent / "das"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "das.bench.cli"]
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "das.service.cli"]
 
 
 class ServeProcess:

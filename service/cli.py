@@ -1,9 +1,10 @@
-"""The `das` command line of the service: `serve`, `rollout`, `calibrate`, `history`, `models`. Each subcommand
-is a thin shell over a library function. The `das` program itself is assembled in `das.bench.cli`, which adds
-the `bench` group on top (benchmarks are the layer above the service)."""
+"""The `das` program: the service's commands (`serve`, `rollout`, `calibrate`, `history`, `models`), each a thin
+shell over a library function, plus the command groups installed packages register under the entry-point group
+`das.commands` (the benchmarks, the layer above the service: `das bench`, `das models perturb`; `program`)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,24 @@ app.add_typer(history_app, name="history")
 app.add_typer(models_app, name="models")
 
 console = Console(stderr=True)
+
+# Entry-point group of command groups other packages add to `das` (each entry: a function taking the program).
+COMMANDS_GROUP = "das.commands"
+_registered: list[str] = []
+
+
+def program() -> typer.Typer:
+    """The whole `das` program: `app` with every command group registered under `COMMANDS_GROUP` (once)."""
+    if not _registered:
+        for entry in importlib.metadata.entry_points(group=COMMANDS_GROUP):
+            entry.load()(app)
+            _registered.append(entry.name)
+    return app
+
+
+def main() -> None:
+    """The `das` console script."""
+    program()()
 
 
 def fail(message: str) -> NoReturn:
@@ -447,3 +466,7 @@ def calibrate_cmd(
                         f"c_prefill = {m.prefill_token_s * 1e3:.3f} ms per prompt token, "
                         f"fit error {m.fit_error:.1%} (relative RMS); crossover {m.crossover_tokens:.0f} tokens; "
                         f"saved to {path}")
+
+
+if __name__ == "__main__":
+    main()

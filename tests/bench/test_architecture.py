@@ -9,7 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from das.bench.architecture import ArchitectureError, import_graph, render_dot, write_architecture
-from das.bench.cli import app
+from das.service.cli import program
+
+app = program()
 
 ROOT = Path(__file__).resolve().parents[2]
 

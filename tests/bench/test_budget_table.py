@@ -8,9 +8,11 @@ import pytest
 from typer.testing import CliRunner
 
 from das.bench.budget_table import Cell, budget_table, run_cell
-from das.bench.cli import app
+from das.service.cli import program
 from das.drafter.records import RolloutRecord, write_rollouts
 from das.scheduler.cost_model import load_cost_model
+
+app = program()
 
 
 def _traces(tmp_path):

@@ -11,9 +11,11 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from das.bench.checkpoints import perturb_checkpoint
-from das.bench.cli import app
+from das.service.cli import program
 from das.service.engine.vllm.models import prepare_model
 from tests.tiny_models import build_tiny_model
+
+app = program()
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,12 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from das.bench.cli import app
+from das.service.cli import program
 from das.bench.coupled_epochs import SameKeyDrafter, agreement, common_prefix, coupled_bench, revisits
 from das.bench.drafter_replay import replay_arm
 from das.drafter.records import RolloutRecord, write_rollouts
+
+app = program()
 
 PROMPT = (1, 2, 3)
 

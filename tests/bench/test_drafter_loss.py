@@ -7,9 +7,11 @@ import json
 import numpy as np
 from typer.testing import CliRunner
 
-from das.bench.cli import app
+from das.service.cli import program
 from das.bench.drafter_loss import _add_output_grams, _Corpus, drafter_loss
 from das.drafter.records import RolloutRecord
+
+app = program()
 
 PROMPT = (1, 2, 3, 4, 5)
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from das.bench.cli import app
+from das.service.cli import program
 from das.bench.drafter_replay import (
     DasDrafter,
     FrontierPoint,
@@ -20,6 +20,8 @@ from das.bench.drafter_replay import (
 )
 from das.drafter.history import DrafterConfig
 from das.drafter.records import RolloutRecord, write_rollouts
+
+app = program()
 
 
 def synthetic_traces(versions: int = 3, problems: int = 4, samples: int = 4, seed: int = 0) -> list[RolloutRecord]:

@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from das.bench.checkpoints import perturb_checkpoint
-from das.bench.cli import app
+from das.service.cli import program
 from das.bench.e2e import ARMS as ALL_ARMS
 from das.bench.e2e import (
     ORACLE_ARMS,
@@ -36,6 +36,8 @@ from das.service.engine.config import EngineConfig
 from das.service.engine.vllm.models import prepare_model
 from das.service.wire.api import GroupRequest
 from tests.tiny_models import build_tiny_model
+
+app = program()
 
 # Scripted makespans per arm (seconds); repeat r multiplies them by REPEAT_SCALE[r], so the median is the script.
 MAKESPAN = {"none": 10.0, "ngram": 3.0, "suffix": 5.0, "suffix-t": 6.0, "das-uniform": 8.0, "das": 4.0,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from das.bench.cli import app
+from das.service.cli import program
 from das.bench.e2e import (
     E2EConfig,
     EpochOutput,
@@ -25,6 +25,8 @@ from das.bench.e2e_report import EpochCheck, Validation, profile_cost, validate_
 from das.drafter.records import load_rollouts
 from das.service.client.prompt_sets import Problem
 from das.service.wire.api import GroupRequest
+
+app = program()
 
 PROBLEMS = [Problem("p0", prompt="a"), Problem("p1", prompt="b")]
 PROMPT = (5, 6, 7)

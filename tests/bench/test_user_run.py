@@ -9,9 +9,11 @@ import socket
 import pytest
 from typer.testing import CliRunner
 
-from das.bench.cli import app
+from das.service.cli import program
 from das.bench.user_run import UserRunConfig, UserRunResult
 from das.service.client.rollout_run import EpochFigures
+
+app = program()
 
 
 def figures(makespans: list[float], tokens: int = 1000, longest: int = 100, critical: int = 100) -> list[EpochFigures]:

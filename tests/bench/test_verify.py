@@ -10,7 +10,9 @@ from pathlib import Path
 
 from typer.testing import CliRunner
 
-from das.bench.cli import app
+from das.service.cli import program
+
+app = program()
 
 DAS = str(Path(sys.executable).with_name("das"))
 

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from das.bench.cli import app
+from das.service.cli import program
 from das.drafter.history import StepDrafts, accepted_prefix
 from das.drafter.records import RolloutRecord, write_rollouts
 from das.scheduler.cost_model import CostModel
 from das.scheduler.simulator import _accepted_prefixes, simulate
+
+app = program()
 
 FLAT = CostModel(name="flat", c_base_s=1.0, c_tok_s=0.0, source="test")
 

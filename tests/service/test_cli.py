@@ -81,7 +81,9 @@ SERVE_WITHOUT_GATEWAY_CHECK = """
 import sys
 import das.service.engine.preflight as preflight
 preflight.check_method_packages = lambda speculation: None
-from das.bench.cli import app
+from das.service.cli import program
+
+app = program()
 sys.argv = ["das", *sys.argv[1:]]
 app()
 """
@@ -148,3 +150,14 @@ def test_das_serve_with_more_tensor_parallel_workers_than_the_node_can_bind_is_r
     status, seconds, lines = serve_until_it_ends([str(DAS), "serve", "--tensor-parallel-size", "3", "--eager"])
     assert status != 0 and seconds < 60
     assert lines[-1].startswith("error: this node has no GPU and ") and "--tensor-parallel-size 3" in lines[-1]
+
+
+def test_the_das_program_takes_its_bench_group_from_the_entry_point_once() -> None:
+    """The service assembles `das`; the benchmarks (the layer above) register `das bench` and `das models perturb`
+    through the `das.commands` entry point, not by importing the service's app and extending it."""
+    from das.service.cli import program
+
+    groups = [group.name for group in program().registered_groups]
+    assert "bench" in groups and [group.name for group in program().registered_groups] == groups
+    models = next(group.typer_instance for group in program().registered_groups if group.name == "models")
+    assert [command.name for command in models.registered_commands].count("perturb") == 1

@@ -54,7 +54,8 @@ def test_both_extras_pin_the_tested_release() -> None:
 def test_das_serve_refuses_an_untested_vllm_before_starting_anything(monkeypatch: pytest.MonkeyPatch) -> None:
     from typer.testing import CliRunner
 
-    from das.bench.cli import app
+    from das.service.cli import program
+    app = program()
 
     monkeypatch.delenv(ALLOW_UNTESTED, raising=False)
     monkeypatch.setattr("das.service.engine.vllm_version.installed_vllm", lambda: ("vllm", "0.33.0"))

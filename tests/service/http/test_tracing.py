@@ -63,7 +63,8 @@ def test_a_bad_endpoint_is_refused_naming_why_and_never_echoing_credentials(give
 def test_das_serve_refuses_a_bad_endpoint_with_exit_status_2_before_starting_anything() -> None:
     from typer.testing import CliRunner
 
-    from das.bench.cli import app
+    from das.service.cli import program
+    app = program()
 
     result = CliRunner().invoke(app, ["serve", "--stub-engine", "--port", "1", "--otlp-traces-endpoint",
                                       "http://user:hunter2@collector:4318"])
