@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -14,8 +14,6 @@ from rich.markup import escape
 
 from das.service.cli import check_budget_name, console, emit, fail, models_app
 
-if TYPE_CHECKING:
-    from das.scheduler.cost_model import CostModel
 
 bench_app = typer.Typer(help="Benchmarks that print their figures.", no_args_is_help=True)
 

@@ -168,9 +168,11 @@ async def _measure_engines(config: ScaleConfig, address: str, engines: int, prog
     import uvicorn
 
     from das.service.engine.stub_engine import StubEngineConfig
-    from das.service.cluster.coordinator import RayBackend, ServiceConfig
-    from das.service.cluster.history_store import HistoryConfig
-    from das.service.http.gateway import GatewaySettings, create_app
+    from das.service.cluster.coordinator import RayBackend
+    from das.service.config import ServiceConfig
+    from das.service.config import HistoryConfig
+    from das.service.http.gateway import create_app
+    from das.service.config import GatewayConfig
     from das.service.http.request_guard import server_config
 
     per_node = engines // config.nodes
@@ -189,7 +191,7 @@ async def _measure_engines(config: ScaleConfig, address: str, engines: int, prog
         actors = config.nodes * -(-per_node // config.engines_per_actor)
         progress(f"{engines} engines in {actors} actors ready after {time.perf_counter() - started:.1f} s")
         port = _free_port()
-        settings = GatewaySettings(freeze_gc=True)
+        settings = GatewayConfig(freeze_gc=True)
         app = create_app(backend, settings)
         server = uvicorn.Server(server_config(app, settings.header_timeout_s, host="127.0.0.1", port=port,
                                               log_level="warning"))

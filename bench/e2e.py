@@ -332,8 +332,10 @@ class ServiceArm:
         import uvicorn
 
         from das.service.client import AsyncRolloutClient
-        from das.service.cluster.coordinator import RayBackend, ServiceConfig
-        from das.service.http.gateway import GatewaySettings, create_app
+        from das.service.cluster.coordinator import RayBackend
+        from das.service.config import ServiceConfig
+        from das.service.http.gateway import create_app
+        from das.service.config import GatewayConfig
 
         # "local": always a new single-node cluster of our own. With no address Ray joins a cluster another
         # process started on this machine (found through /tmp/ray), and the benchmark would share its nodes.
@@ -342,7 +344,7 @@ class ServiceArm:
             await backend.wait_ready()
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.bind(("127.0.0.1", 0))  # a free loopback port, held from here on (no race with another process)
-            app = create_app(backend, GatewaySettings(weights_root=weights_root))
+            app = create_app(backend, GatewayConfig(weights_root=weights_root))
             server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
             serving = asyncio.create_task(server.serve(sockets=[sock]))
             while not server.started:

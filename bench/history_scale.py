@@ -156,7 +156,8 @@ async def _run(config: HistoryScaleConfig, state_dir: str, progress: Callable[[s
                result: HistoryScaleResult) -> None:
     import ray
 
-    from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
+    from das.service.cluster.history_store import HistoryShardActor, shard_of
+    from das.service.config import HistoryConfig
 
     history = HistoryConfig(shards=config.shards, max_tokens=max(50_000_000, 2 * config.tokens // config.shards))
     actor = ray.remote(HistoryShardActor).options(num_cpus=0, max_restarts=0)

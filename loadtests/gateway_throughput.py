@@ -15,7 +15,7 @@ each sample's tokens in 4 pieces before the sample, and the client decodes those
 and without it (the stub reports progress to the gateway in both: engines always do, for resume and stall
 detection; what --progress adds is the per-sample progress frames stored and streamed).
 
-With `--traces` the gateway traces every batch (GatewaySettings.otlp_traces_endpoint, service/http/tracing.py) to a
+With `--traces` the gateway traces every batch (GatewayConfig.otlp_traces_endpoint, service/http/tracing.py) to a
 collector stand-in in this process (loadtests/otlp_collector.py), each batch under a traceparent as a trainer's
 would be: compare samples/s with and without it. A span the exporter's queue had no room for is dropped, not
 waited for; `spans_received` says how many reached the collector.
@@ -53,10 +53,11 @@ def _serve(sock: socket.socket, stub: dict[str, Any], traces: str | None, conn: 
     import uvicorn
 
     from das.service.cluster.rollout_backend import StubBackend
-    from das.service.http.gateway import GatewaySettings, create_app
+    from das.service.http.gateway import create_app
+    from das.service.config import GatewayConfig
 
     backend = StubBackend(log_emissions=True, **stub)
-    settings = GatewaySettings(max_batch_samples=10**6, freeze_gc=True, otlp_traces_endpoint=traces)
+    settings = GatewayConfig(max_batch_samples=10**6, freeze_gc=True, otlp_traces_endpoint=traces)
     server = uvicorn.Server(uvicorn.Config(create_app(backend, settings), log_level="warning", access_log=False))
 
     def commands() -> None:

@@ -48,7 +48,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from das.service.cluster.history_store import HistoryConfig, HistoryShard, HistoryShardActor, PushReply, ShardStats
+from das.service.cluster.history_store import HistoryShard, HistoryShardActor, PushReply, ShardStats
+from das.service.config import HistoryConfig
 
 Mode = Literal["actor", "in-process"]
 

@@ -111,10 +111,11 @@ def _serve(sock: socket.socket, token: str, header_timeout_s: float, body_timeou
     import uvicorn
 
     from das.service.cluster.rollout_backend import StubBackend
-    from das.service.http.gateway import GatewaySettings, create_app
+    from das.service.http.gateway import create_app
+    from das.service.config import GatewayConfig
     from das.service.http.request_guard import server_config
 
-    settings = GatewaySettings(token=token, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
+    settings = GatewayConfig(token=token, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                                openai_coalesce_s=0, freeze_gc=True)
     config = server_config(create_app(StubBackend(first_delay_s=60.0), settings), header_timeout_s,
                            log_level="warning", access_log=False)

@@ -102,10 +102,11 @@ def _serve(sock: socket.socket, token: str, tokens: int, interval_s: float) -> N
     import uvicorn
 
     from das.service.cluster.rollout_backend import StubBackend
-    from das.service.http.gateway import GatewaySettings, create_app
+    from das.service.http.gateway import create_app
+    from das.service.config import GatewayConfig
 
     backend = StubBackend(output_tokens=tokens, interval_s=interval_s)
-    settings = GatewaySettings(token=token, max_batch_samples=10**6, freeze_gc=True)
+    settings = GatewayConfig(token=token, max_batch_samples=10**6, freeze_gc=True)
     uvicorn.Server(uvicorn.Config(create_app(backend, settings), log_level="warning",
                                   access_log=False)).run(sockets=[sock])
 

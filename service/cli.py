@@ -256,12 +256,14 @@ def serve(
     import uvicorn
     from pydantic import ValidationError
 
-    from das.service.cluster.coordinator import RayBackend, ServiceConfig
+    from das.service.cluster.coordinator import RayBackend
+    from das.service.config import ServiceConfig
     from das.service.cluster.engine_layout import LayoutError
     from das.service.cluster.load_failure import classify
     from das.service.engine.preflight import MissingPackage
-    from das.service.http.batch_journal import BatchJournalConfig
-    from das.service.http.gateway import GatewaySettings, create_app
+    from das.service.config import BatchJournalConfig
+    from das.service.http.gateway import create_app
+    from das.service.config import GatewayConfig
     from das.service.http.request_guard import server_config
     from das.service.state_dir_lock import StateDirInUse, lock_state_dir
 
@@ -270,11 +272,11 @@ def serve(
         state_lock = lock_state_dir(state_dir) if state_dir is not None else None
         journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
         if otlp_traces_endpoint is not None:
-            from das.service.http.tracing import traces_url
+            from das.service.config import traces_url
 
             # checked here for its own message: pydantic's would echo the URL, credentials and all
             otlp_traces_endpoint = traces_url(otlp_traces_endpoint)
-        settings = GatewaySettings(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
+        settings = GatewayConfig(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
                                    header_timeout_s=header_timeout, body_timeout_s=body_timeout,
                                    tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
                                    max_body_bytes=max_body_bytes, otlp_traces_endpoint=otlp_traces_endpoint)

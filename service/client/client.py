@@ -221,7 +221,7 @@ _JSON_HEADERS = {"Content-Type": "application/json"}
 
 
 class _ClientBase:
-    # A history import is cut into requests within the server's limits (GatewaySettings.max_body_bytes and
+    # A history import is cut into requests within the server's limits (GatewayConfig.max_body_bytes and
     # max_history_records, at their defaults here): set these to a server's own if it was started with others.
     max_body_bytes: int = 64 << 20
     max_history_records: int = 1_000_000

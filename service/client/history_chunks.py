@@ -1,4 +1,4 @@
-"""`history_bodies`: a history import cut into request bodies the gateway accepts (GatewaySettings.max_body_bytes,
+"""`history_bodies`: a history import cut into request bodies the gateway accepts (GatewayConfig.max_body_bytes,
 max_history_records), for `RolloutClient.add_history`: a trainer hands over any number of records in one call, and
 each request stays under the limits instead of being refused whole with 413."""
 

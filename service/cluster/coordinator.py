@@ -58,25 +58,23 @@ import uuid
 from collections import Counter
 from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
-from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
+from das.service.cluster.engine_failure import GivenUpPrompts, RestartWindow, Share
+from das.service.config import ServiceConfig
 from das.service.cluster.engine_layout import LayoutError, cpu_engine_error, cpu_node, gpu_engines
 from das.service.cluster.group_aborts import GroupAborts, aborted_sample
-from das.service.cluster.history_store import HistoryConfig, HistoryShardActor, shard_of
+from das.service.cluster.history_store import HistoryShardActor, shard_of
 from das.service.cluster.load_failure import LoadFailure, classify
 from das.service.cluster.node_engine import PROGRESS_INTERVAL_S, EngineNotStarted, NodeEngine
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink, WeightUpdateConflict
 from das.service.engine.config import transfer_backend
-from das.service.engine.factory import EngineSpec
 from das.service.engine.contract import EngineInputError, validate_rollouts
 from das.service.wire.api import GroupRequest, LengthCurveSpec, ProblemSummary, SampleResult
 from das.service.wire.engine_control import EngineControl, Pause, Resume
@@ -162,42 +160,6 @@ def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRe
             g.model_copy(update={"predicted_tokens": float(m),
                                  "length_curve": g.length_curve or LengthCurveSpec.model_validate(c.to_dict())})
             for g, m, c in zip(groups, forecast.mean, curves)]
-
-
-class ServiceConfig(BaseModel):
-    """Everything that shapes the service. `engine`: every engine's configuration (service/engine/factory.py
-    `EngineSpec`): vLLM's (its `model` may be a known model name, prepared on each node) or, with `kind: stub`, the
-    stub's (no model: tests and load tests)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    engine: EngineSpec
-    address: str | None = Field(None, description="Ray cluster to join ('auto', 'HOST:PORT'); None: embedded")
-    state_dir: Path | None = Field(None, description="history snapshots; None: history lives in memory only")
-    history: HistoryConfig = HistoryConfig()
-    stats_interval_s: float = Field(2.0, gt=0, description="seconds between engine and store figure refreshes")
-    object_store_mib: int = Field(256, ge=64, description="object store of an embedded cluster, MiB")
-    engines_per_node: int = Field(1, ge=1, description="engines on each node without a GPU, each in a NodeEngine "
-                                  "actor of its own so that one dying leaves the others serving (a GPU node runs "
-                                  "its GPUs / the engine's tensor_parallel_size, an actor each)")
-    failure: FailureConfig = FailureConfig()
-    adopt_nodes_interval_s: float = Field(10.0, gt=0, description="seconds between looks for Ray nodes that joined "
-                                          "after the start (a replaced or added worker pod) and have no engine yet; "
-                                          "each gets its engine actors")
-    stream_items_per_s: float = Field(250.0, gt=0, description="Ray objects per second the coordinator aims to "
-                                      "receive from all engines' streams together: each engine sends its finished "
-                                      "samples and progress together, an object every max(50 ms, engines / this) "
-                                      "at most often, the interval capped at 5 s (the coordinator's CPU goes per "
-                                      "object, ~1.2-2.9 ms each with "
-                                      "the gateway's share on a busy 2-core host: docs/design.md \"The coordinator "
-                                      "at scale\")")
-    target_engines: int | None = Field(None, ge=1, description="engines the service wants, on GPU nodes: asked of "
-                                       "Ray as that many bundles of an engine's GPUs (tensor_parallel_size each; "
-                                       "ray.autoscaler.sdk.request_resources), which an autoscaler (KubeRay's) adds "
-                                       "worker nodes for while they do not fit; engines start on GPU nodes only, "
-                                       "up to this many, so nodes beyond them stay idle and an autoscaler removes "
-                                       "them. None: no demand, engines on every node (every GPU node where there "
-                                       "are any)")
 
 
 # The longest interval between an engine's stream items (`RayBackend._stream_interval`): a finished sample waits on its

@@ -22,30 +22,10 @@ import json
 from collections import deque
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
 
+from das.service.config import FailureConfig
 from das.service.wire.api import GroupRequest, SampleResult
 from das.service.wire.sample_progress import SampleProgress
-
-
-class FailureConfig(BaseModel):
-    """How the service treats an engine actor that dies (its process, or the vLLM engine core inside it)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_restarts: int = Field(5, ge=0, description="restarts an engine actor may have within restart_window_s; "
-                              "the death after that fails the batches running on it, and it stays down")
-    restart_window_s: float = Field(600.0, gt=0, description="seconds over which max_restarts counts")
-    recovery_timeout_s: float = Field(1800.0, gt=0, description="seconds a restarted engine may take to load the "
-                                      "model and the served weights; longer fails it like an exhausted cap")
-    max_group_deaths: int = Field(3, ge=1, description="engine deaths a group's unfinished samples may run "
-                                      "through: at this many they end with finish_reason 'error' instead of running "
-                                      "again, so a prompt that crashes the engine takes down this many engines, not "
-                                      "every one in turn; a group's last try runs alone, so what only ran beside it "
-                                      "is not given up with it")
-    given_up_hold_s: float = Field(3600.0, ge=0, description="seconds a given-up group's prompt (with its sampling "
-                                   "settings) is refused at admission, so a client retrying the error does not "
-                                   "crash the engines again; 0: not refused")
 
 
 class RestartWindow:

@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from das.service.cluster.history_store import HistoryPushConfig, PushReply, shard_of
+from das.service.cluster.history_store import PushReply, shard_of
+from das.service.config import HistoryPushConfig
 
 log = logging.getLogger(__name__)
 

@@ -47,10 +47,10 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field
 
 from das.drafter.records import RecordError, RolloutRecord
 from das.scheduler.difficulty import DifficultyBook, dump_difficulty, load_difficulty
+from das.service.config import HistoryConfig
 from das.service.engine.contract import unstorable
 from das.service.wire.api import ProblemSummary
 
@@ -72,34 +72,6 @@ class SnapshotError(ValueError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
-
-
-class HistoryPushConfig(BaseModel):
-    """How engines push finished rollouts to a shard that is unavailable (restarting, dead)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    retry_s: float = Field(10.0, ge=0, description="seconds a push retries before keeping its records for the next "
-                                                   "push (the group's stream ends only after its push)")
-    backoff_s: float = Field(0.2, gt=0, description="first wait between retries, seconds; doubles each retry")
-    max_backoff_s: float = Field(2.0, gt=0, description="longest wait between retries, seconds")
-    max_pending_tokens: int = Field(8_000_000, ge=0, description="output tokens an engine keeps per node until a "
-                                                                 "snapshot covers them (oldest given up first)")
-
-
-class HistoryConfig(BaseModel):
-    """Bounds and placement of the history store."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    shards: int = Field(2, ge=1, le=1024, description="HistoryStore actors; problems are spread by hash")
-    window_versions: int = Field(2, ge=1, le=64, description="policy versions of rollouts kept per problem")
-    max_records_per_problem: int = Field(64, ge=1, description="rollouts kept per problem (newest)")
-    max_tokens: int = Field(50_000_000, ge=1, description="output tokens kept per shard (~4 bytes each)")
-    snapshot_interval_s: float = Field(60.0, gt=0, description="seconds between snapshots of changed shards")
-    max_restarts: int = Field(-1, ge=-1, description="Ray restarts of a dead shard actor (it restores its "
-                                                     "snapshot); -1: no limit")
-    push: HistoryPushConfig = HistoryPushConfig()
 
 
 def shard_of(problem_id: str, shards: int) -> int:

@@ -26,7 +26,8 @@ from typing import Any
 
 from das.service.cluster.history_client import HistoryClient
 from das.service.cluster.engine_layout import cpu_engine_error, cpu_node
-from das.service.cluster.history_store import HistoryPushConfig, resident_bytes, shard_of
+from das.service.cluster.history_store import resident_bytes, shard_of
+from das.service.config import HistoryPushConfig
 from das.service.cluster.load_failure import EngineLoadError, Stage, classify
 from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.pause_hold import PauseHold

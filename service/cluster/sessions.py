@@ -37,8 +37,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
 
+from das.service.config import SessionConfig
 from das.service.wire.api import LengthCurveSpec
 from das.service.wire.sessions import SessionState, SessionSummary, TurnSummary
 
@@ -46,23 +46,6 @@ MoveReason = Literal["not_serving", "overload"]
 MOVE_REASONS: tuple[MoveReason, ...] = ("not_serving", "overload")
 CloseReason = Literal["closed", "aborted", "expired", "evicted"]
 CLOSE_REASONS: tuple[CloseReason, ...] = ("closed", "aborted", "expired", "evicted")
-
-
-class SessionConfig(BaseModel):
-    """Bounds and placement thresholds of the sessions (GatewaySettings.sessions)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    idle_expiry_s: float = Field(900.0, gt=0, description="seconds without a turn after which a session expires")
-    max_open_sessions: int = Field(100_000, ge=1, description="open sessions at most; beyond, the least recently "
-                                                              "active idle ones are evicted")
-    max_context_tokens: int = Field(200_000_000, ge=1, description="summed context tokens (latest prompt + output) "
-                                    "of the open sessions at most; beyond, the least recently active idle ones are "
-                                    "evicted")
-    overload_ratio: float = Field(2.0, ge=1.0, description="a session's engine is overloaded when its placed work "
-                                  "exceeds this times the serving engines' mean plus overload_slack_tokens")
-    overload_slack_tokens: float = Field(8192.0, ge=0, description="tokens of placed work an engine may hold above "
-                                         "the ratio before it counts as overloaded (so idle clusters never move)")
 
 
 class SessionConflict(Exception):

@@ -30,11 +30,10 @@ import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
 
+from das.service.config import BatchJournalConfig
 from das.service.http.checksummed_lines import decode_line, encode_line, replace_file
 from das.service.wire.api import BatchFromPreviousRun, EndStatus
 
@@ -45,17 +44,6 @@ _FORMAT = "das-batch-journal"
 _VERSION = 1
 
 _END_STATUSES = frozenset({"done", "failed", "aborted", "interrupted"})
-
-
-class BatchJournalConfig(BaseModel):
-    """Where the batch journal lives and how large it may grow."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    state_dir: Path = Field(description="the service's state directory (das serve --state-dir)")
-    max_bytes: int = Field(4 << 20, ge=4096, description="the file is compacted when an append takes it past "
-                                                         "this; compaction keeps the newest batches in half of it")
-    fsync: bool = Field(True, description="fsync every record before going on (off: tests only)")
 
 
 @dataclass(slots=True)

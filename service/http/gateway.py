@@ -89,16 +89,15 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.security import HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import GroupInputError, RolloutBackend
-from das.service.cluster.sessions import CloseReason, Session, SessionBook, SessionConfig, SessionConflict
+from das.service.cluster.sessions import CloseReason, Session, SessionBook, SessionConflict
 from das.service.engine.contract import EngineInputError
-from das.service.http.batch_journal import BatchJournal, BatchJournalConfig
+from das.service.http.batch_journal import BatchJournal
 from das.service.http.batch_progress import ProgressLog
 from das.service.http.metrics import GatewayMetrics
 from das.service.http.batch_routes import batch_router
@@ -107,19 +106,18 @@ from das.service.http.health_routes import health_router
 from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
 from das.service.http.request_guard import RequestGuard, open_paths
 from das.service.http.rl_control import rl_control_router
-from das.service.http.session_journal import SessionJournal, SessionJournalConfig
+from das.service.http.session_journal import SessionJournal
+from das.service.config import GatewayConfig, SessionJournalConfig
 from das.service.http.session_routes import session_router
 from das.service.http.weight_updates import PushResult, WeightUpdates
 from das.service.wire.api import (
     INT64_MAX,
     MSGPACK,
-    NDJSON,
     BatchStatus,
     BatchSummary,
     EndStatus,
     GroupRequest,
     RolloutRequest,
-    SampleRecord,
     SampleResult,
     WeightsRequest,
     WeightsResponse,
@@ -136,78 +134,6 @@ log = logging.getLogger(__name__)
 
 # Records a stream chunk carries at most: a replay of a large batch goes out in pieces, not one huge buffer.
 _CHUNK_RECORDS = 1024
-
-
-class GatewaySettings(BaseModel):
-    """Everything that configures the gateway. `token` is a SecretStr so it never shows in a repr or log."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    token: SecretStr | None = Field(None, description="bearer token required on every API call; None: no auth")
-    weights_root: Path | None = Field(None, description="weights paths must lie under it; None: reloads refused")
-    max_batch_samples: int = Field(65536, ge=1, description="samples (sum of n) one batch may ask for")
-    max_batches_in_flight: int = Field(64, ge=1, description="batches queued or running at once")
-    batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample made a "
-                                         "token for this long is failed and its running samples aborted (a sample "
-                                         "generating steadily for longer is no stall)")
-    stalls_until_unlive: int = Field(2, ge=1, description="batches failed in a row by batch_stall_timeout_s, no "
-                                     "sample finishing anywhere in between, after which /healthz answers 503: the "
-                                     "engines make no progress and only a restart of the process can help")
-    max_body_bytes: int = Field(64 << 20, ge=1, description="request bodies over this are refused (413) before "
-                                                            "they are parsed; split larger history imports")
-    header_timeout_s: float = Field(10.0, gt=0, le=3600, description="a request's line and headers must arrive "
-                                    "within this many seconds of the connection opening (or of the first byte of "
-                                    "its next request), else 408 and the connection is closed (slowloris); applied "
-                                    "by the server (das serve: request_guard.server_config), not the ASGI app")
-    body_timeout_s: float = Field(60.0, gt=0, le=3600, description="a request body must have fully arrived this "
-                                  "many seconds after its headers, else 408 and the connection is closed; at least "
-                                  "max_body_bytes over the slowest client link")
-    max_history_records: int = Field(1_000_000, ge=1, description="records one history import may carry")
-    weight_update_idle_s: float = Field(300.0, gt=0, description="an open weight push (vLLM's weight transfer, "
-                                        "/start_weight_update) with no call for this long is given up on every "
-                                        "engine and the batches it held run on (the trainer died between calls)")
-    retained_batches: int = Field(256, ge=0, description="ended batches whose results are kept for replay")
-    retained_bytes: int = Field(1 << 30, ge=0, description="results kept over all retained ended batches, in "
-                                                           "bytes of msgpack (about 3 a token, 12 with logprobs)")
-    served_model_name: str | None = Field(None, min_length=1, description="the model name of the OpenAI-compatible "
-                                          "routes; None: the backend's served_model_name if it has one, else 'das'")
-    tool_call_parser: str | None = Field(None, min_length=1, description="vLLM's --tool-call-parser: the "
-                                         "ToolParserManager name (e.g. hermes, for Qwen2.5) the engines parse chat "
-                                         "replies' tool calls with")
-    enable_auto_tool_choice: bool = Field(False, description="vLLM's --enable-auto-tool-choice: chat requests with "
-                                          "tools and tool_choice auto get the calls parsed out of their replies; "
-                                          "without it they are refused (400), as vLLM refuses them")
-    openai_coalesce_s: float = Field(0.02, ge=0, le=10, description="OpenAI-compatible requests for one problem "
-                                     "with equal prompt and sampling arriving within this many seconds run as one "
-                                     "group (their n summed); 0: every request its own group")
-    batch_journal: BatchJournalConfig | None = Field(None, description="where accepted batches are journaled, so "
-                                                     "a batch id an earlier run accepted is refused (409), not "
-                                                     "run again; None (no --state-dir): in memory only")
-    sessions: SessionConfig = Field(SessionConfig(), description="bounds and placement thresholds of agent "
-                                    "sessions (groups with a session_id; service/cluster/sessions.py)")
-    freeze_gc: bool = Field(False, description="at startup, move every object alive to the garbage collector's "
-                                               "permanent generation (gc.freeze); process-wide, so for the "
-                                               "process that serves (das serve, the load test), not a library "
-                                               "user's process")
-    otlp_traces_endpoint: str | None = Field(None, description="the OTLP/HTTP collector that gets a trace per "
-                                             "batch (service/http/tracing.py): its base URL (/v1/traces is added) "
-                                             "or the traces URL itself; None: nothing traced, nothing exported")
-
-    @field_validator("otlp_traces_endpoint")
-    @classmethod
-    def _traces_url(cls, endpoint: str | None) -> str | None:
-        if endpoint is None:
-            return None
-        from das.service.http.tracing import traces_url
-
-        return traces_url(endpoint)
-
-    @model_validator(mode="after")
-    def _auto_tools_need_a_parser(self) -> GatewaySettings:
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice requires tool_call_parser (vLLM: --enable-auto-tool-choice "
-                             "requires --tool-call-parser)")
-        return self
 
 
 class _Batch:
@@ -319,7 +245,7 @@ class _BatchRegistry:
     """Live batches, plus ended ones for replay up to `retained_batches` and `retained_bytes` (oldest ended
     first out). Evicted ids are remembered (ids only, bounded) so a late retry is refused, not run again."""
 
-    def __init__(self, settings: GatewaySettings) -> None:
+    def __init__(self, settings: GatewayConfig) -> None:
         self._settings = settings
         self.live: dict[str, _Batch] = {}
         self._ended: OrderedDict[str, _Batch] = OrderedDict()
@@ -437,7 +363,7 @@ def _exact_integer_bounds(app: FastAPI) -> dict[str, Any]:
 class _Gateway:
     """The app's state and the logic behind its routes."""
 
-    def __init__(self, backend: RolloutBackend, settings: GatewaySettings) -> None:
+    def __init__(self, backend: RolloutBackend, settings: GatewayConfig) -> None:
         self.backend = backend
         self.settings = settings
         self.metrics = GatewayMetrics(backend.stats)
@@ -763,9 +689,9 @@ class _Gateway:
                     batch.stall.reschedule(deadline)
 
 
-def create_app(backend: RolloutBackend, settings: GatewaySettings | None = None) -> FastAPI:
+def create_app(backend: RolloutBackend, settings: GatewayConfig | None = None) -> FastAPI:
     """The gateway over `backend`. Batches still running at shutdown are aborted."""
-    gateway = _Gateway(backend, settings or GatewaySettings())
+    gateway = _Gateway(backend, settings or GatewayConfig())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -20,7 +20,7 @@ from das.service.wire.api import BatchSummary, GroupRequest, RolloutRequest, Wei
 
 
 class RouterSettings(Protocol):
-    """The gateway settings the routers read (`GatewaySettings`)."""
+    """The gateway settings the routers read (`GatewayConfig`)."""
 
     @property
     def openai_coalesce_s(self) -> float: ...

@@ -26,31 +26,18 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
 from das.service.cluster.sessions import Session
+from das.service.config import SessionJournalConfig
 from das.service.http.checksummed_lines import decode_line, encode_line, replace_file
 from das.service.wire.sessions import TurnSummary
 
 log = logging.getLogger(__name__)
 
 SESSION_FILE = "session-journal.jsonl"
-
-
-class SessionJournalConfig(BaseModel):
-    """Where the session journal lives, how large it may grow and how often it is written."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    state_dir: Path = Field(description="the service's state directory (das serve --state-dir)")
-    max_bytes: int = Field(16 << 20, ge=4096, description="the file is rewritten as the open sessions' records "
-                                                          "when an append takes it past this")
-    flush_s: float = Field(0.5, ge=0, description="seconds records wait on the event loop before the writer thread "
-                                                  "appends them (one write and fsync for all)")
-    fsync: bool = Field(True, description="fsync every write (off: tests only)")
 
 
 def _turn_record(session: Session, turn: TurnSummary, opened_s: float, last_s: float) -> bytes:

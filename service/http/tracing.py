@@ -1,5 +1,5 @@
 """A trace per rollout: OpenTelemetry spans of each batch and each of its samples, exported over OTLP/HTTP
-(protobuf) when the gateway is given a collector (`GatewaySettings.otlp_traces_endpoint`, `das serve
+(protobuf) when the gateway is given a collector (`GatewayConfig.otlp_traces_endpoint`, `das serve
 --otlp-traces-endpoint URL`). Without one the gateway never imports this module: no tracer provider, no exporter
 thread, and its work per sample is one `is None` check.
 
@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping, Sequence
-from urllib.parse import urlsplit
 
 from opentelemetry import trace
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -46,35 +45,16 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from das.service.config import traces_url
 from das.service.wire.api import BatchStatus, GroupRequest, SampleResult
 
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = "das-rollout"
-TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for traces, added to a base URL
+
 EXPORT_TIMEOUT_S = 5.0  # one export's sends and retries together; then its spans are dropped
 
 _propagator = TraceContextTextMapPropagator()
-
-
-def traces_url(endpoint: str) -> str:
-    """The URL spans are posted to: `endpoint` as given when it names a path, else with /v1/traces added (a
-    collector's base URL, as OTEL_EXPORTER_OTLP_ENDPOINT takes it). ValueError, naming what is wrong, for anything but
-    http(s)://host[:port][/path]: credentials in the URL are refused, since export errors are logged with it."""
-    parts = urlsplit(endpoint)
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: not an http(s) URL with a host (e.g. "
-                         f"http://127.0.0.1:4318)")
-    if parts.username is not None or parts.password is not None or parts.query or parts.fragment:
-        raise ValueError("--otlp-traces-endpoint: give http(s)://host[:port][/path] only, without credentials, "
-                         "query or fragment (a collector's credentials go in $OTEL_EXPORTER_OTLP_TRACES_HEADERS)")
-    try:
-        port = parts.port
-    except ValueError as exc:  # a port out of range, or not a number
-        raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: {exc}") from None
-    if port == 0:
-        raise ValueError(f"--otlp-traces-endpoint {endpoint!r}: port 0")
-    return endpoint if parts.path not in ("", "/") else endpoint.rstrip("/") + TRACES_PATH
 
 
 class _ExportFailures(logging.Filter):

@@ -21,7 +21,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from das.service.cluster.rollout_backend import StubBackend
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 from tests.deploy.manifests import ROOT
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "das-stragglers.json"
@@ -171,7 +172,7 @@ def problems(queries: list[Query], exported: dict[str, set[str]]) -> list[str]:
 def exported() -> dict[str, set[str]]:
     """The series /metrics exports after one batch through the gateway (stub engine, one synthetic engine), one of
     its groups a session's turn."""
-    with TestClient(create_app(StubBackend(output_tokens=24), GatewaySettings())) as client:
+    with TestClient(create_app(StubBackend(output_tokens=24), GatewayConfig())) as client:
         body = {"groups": [{"problem_id": "p0", "n": 4, "prompt_token_ids": [1, 2, 3],
                             "sampling": {"max_tokens": 32}},
                            {"problem_id": "p1", "n": 2, "prompt_token_ids": [4, 5], "sampling": {"max_tokens": 16}},

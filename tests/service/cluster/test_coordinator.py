@@ -17,20 +17,16 @@ from ray.cluster_utils import Cluster
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
 from das.service.engine.stub_engine import StubEngineConfig
-from das.service.cluster.coordinator import (
-    RayBackend,
-    ServiceConfig,
-    _lost_errors,
-    _PlacedWork,
-    with_length_predictions,
-)
+from das.service.cluster.coordinator import RayBackend, _lost_errors, _PlacedWork, with_length_predictions
+from das.service.config import ServiceConfig
 from das.service.cluster.engine_failure import Share
-from das.service.cluster.history_store import HistoryPushConfig
+from das.service.config import HistoryPushConfig
 from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
 from das.service.cluster.rollout_backend import GroupInputError
 from das.service.engine.contract import EngineInputError
 from das.service.engine.vllm.models import prepare_model
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 from das.service.wire.api import GroupRequest, LengthCurveSpec, SampleResult
 from tests.tiny_models import build_tiny_model
 
@@ -288,7 +284,7 @@ def second_node(cluster: Cluster) -> str:
 async def gateway_view(backend: RayBackend, batch: list[dict] | None = None
                        ) -> tuple[httpx.Response, httpx.Response, str, list[dict]]:
     """/readyz, /healthz and /metrics of the gateway over `backend`, and the records of `batch` run through it."""
-    app = create_app(backend, GatewaySettings())
+    app = create_app(backend, GatewayConfig())
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
                                  timeout=60) as http:
         records = []

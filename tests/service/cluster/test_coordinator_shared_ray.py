@@ -8,7 +8,8 @@ import asyncio
 
 import ray
 
-from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.cluster.coordinator import RayBackend
+from das.service.config import ServiceConfig
 from das.service.wire.api import GroupRequest
 
 

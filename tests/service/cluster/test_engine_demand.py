@@ -19,7 +19,8 @@ from ray.autoscaler._private.resource_demand_scheduler import get_bin_pack_resid
 from ray.cluster_utils import Cluster
 from ray.experimental.internal_kv import _internal_kv_get
 
-from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.cluster.coordinator import RayBackend
+from das.service.config import ServiceConfig
 
 
 def requested() -> list[dict[str, float]]:

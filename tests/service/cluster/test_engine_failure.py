@@ -25,7 +25,8 @@ import psutil
 import pytest
 
 from das.service.engine.stub_engine import StubEngineConfig
-from das.service.cluster.engine_failure import FailureConfig, GivenUpPrompts, RestartWindow, Share
+from das.service.cluster.engine_failure import GivenUpPrompts, RestartWindow, Share
+from das.service.config import FailureConfig
 from das.service.engine.vllm.models import prepare_model
 from das.service.wire.api import GroupRequest, SampleResult
 from das.service.wire.sample_keys import derive
@@ -101,13 +102,15 @@ def test_the_restart_window_allows_max_restarts_then_refuses_until_old_ones_age_
 SERVE = """
 import asyncio, signal, sys
 import uvicorn
-from das.service.cluster.coordinator import RayBackend, ServiceConfig
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.cluster.coordinator import RayBackend
+from das.service.config import ServiceConfig
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 
 async def main() -> None:
     backend = await RayBackend.start(ServiceConfig.model_validate_json(sys.argv[1]))
     try:
-        app = create_app(backend, GatewaySettings(batch_stall_timeout_s=120))
+        app = create_app(backend, GatewayConfig(batch_stall_timeout_s=120))
         # uvicorn raises the signal that stopped it again once it is done: without this, that would interrupt the
         # backend's close.
         signal.signal(signal.SIGINT, lambda *args: None)

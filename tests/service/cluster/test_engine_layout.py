@@ -9,7 +9,8 @@ import asyncio
 import pytest
 import ray
 
-from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.cluster.coordinator import RayBackend
+from das.service.config import ServiceConfig
 from das.service.cluster.engine_layout import LayoutError, gpu_engines
 from das.service.wire.api import GroupRequest
 

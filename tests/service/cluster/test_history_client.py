@@ -21,7 +21,8 @@ import ray
 
 from das.service.client import RolloutClient
 from das.service.cluster.history_client import HistoryClient
-from das.service.cluster.history_store import HistoryConfig, HistoryPushConfig, HistoryShard, HistoryShardActor
+from das.service.cluster.history_store import HistoryShard, HistoryShardActor
+from das.service.config import HistoryConfig, HistoryPushConfig
 from tests.service.test_serve import free_port
 
 

@@ -11,7 +11,8 @@ import msgpack
 import pytest
 
 from das.drafter.records import RecordError
-from das.service.cluster.history_store import HistoryConfig, HistoryShard, shard_of
+from das.service.cluster.history_store import HistoryShard, shard_of
+from das.service.config import HistoryConfig
 
 
 def record(pid: str = "p", version: int = 0, index: int = 0, tokens: list[int] | None = None,

@@ -12,7 +12,8 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.cluster.coordinator import RayBackend
+from das.service.config import ServiceConfig
 from das.service.wire.api import GroupRequest
 
 

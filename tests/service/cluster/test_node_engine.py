@@ -6,7 +6,7 @@ import asyncio
 from pathlib import Path
 
 from das.service.engine.stub_engine import StubEngineConfig
-from das.service.cluster.history_store import HistoryPushConfig
+from das.service.config import HistoryPushConfig
 from das.service.cluster.node_engine import NodeEngine, NodeStats
 from das.service.wire.api import GroupRequest, SampleResult
 from tests.service.cluster.test_history_client import FlakyShard

@@ -12,7 +12,8 @@ import httpx
 import pytest
 
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
-from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.cluster.coordinator import RayBackend
+from das.service.config import ServiceConfig
 from das.service.cluster.node_engine import NodeEngine
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineBackend

@@ -9,8 +9,10 @@ from collections import Counter
 import pytest
 
 from das.service.wire.api import GroupRequest, LengthCurveSpec
-from das.service.cluster.coordinator import RayBackend, ServiceConfig, with_length_predictions
-from das.service.cluster.sessions import Session, SessionBook, SessionConfig, SessionConflict
+from das.service.cluster.coordinator import RayBackend, with_length_predictions
+from das.service.config import ServiceConfig
+from das.service.cluster.sessions import Session, SessionBook, SessionConflict
+from das.service.config import SessionConfig
 from das.service.engine.stub_engine import StubEngineConfig
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from das.service.client import BatchFromPreviousRunError, RolloutClient
 from das.service.cluster.rollout_backend import StubBackend
-from das.service.http.batch_journal import JOURNAL_FILE, BatchJournal, BatchJournalConfig
+from das.service.http.batch_journal import JOURNAL_FILE, BatchJournal
+from das.service.config import BatchJournalConfig
 from das.service.http.gateway import create_app
 from das.service.wire.api import BatchFromPreviousRun
 from tests.service.client.test_client import ALL_12, keys

@@ -21,7 +21,8 @@ import uvicorn
 
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.engine.contract import EngineInputError, EngineTally
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 from das.service.http.request_guard import server_config
 from das.service.wire.api import GroupRequest, SampleRecord, SampleResult
 from das.service.wire.sample_keys import derive
@@ -57,9 +58,9 @@ class LiveServer:
         self._socket.close()
 
 
-def gateway_settings(**settings: Any) -> GatewaySettings:
+def gateway_settings(**settings: Any) -> GatewayConfig:
     # No gc.freeze in a shared pytest process: it would pin whatever other tests hold at that moment.
-    return GatewaySettings(**settings)
+    return GatewayConfig(**settings)
 
 
 def groups(count: int = 3, n: int = 4, **extra: Any) -> list[dict[str, Any]]:

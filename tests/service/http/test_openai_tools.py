@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from das.service.cluster.rollout_backend import StubBackend
 from das.service.engine.vllm.models import prepare_model
 from das.service.engine.vllm.tool_calls import ToolCallParsing
-from das.service.http.gateway import GatewaySettings
+from das.service.config import GatewayConfig
 from tests.service.http.test_openai_api import STUB_TOKENS, TOKEN, serve  # noqa: F401 (serve: a fixture)
 
 WEATHER = {"type": "function", "function": {
@@ -140,8 +140,8 @@ def test_bad_tool_input_gets_400s_naming_the_field(serve, parsing):
 
 def test_auto_tool_choice_needs_a_parser_in_the_settings():
     with pytest.raises(ValidationError, match="requires tool_call_parser"):
-        GatewaySettings(enable_auto_tool_choice=True)
-    assert GatewaySettings(**TOOLS_ON).tool_call_parser == "hermes"
+        GatewayConfig(enable_auto_tool_choice=True)
+    assert GatewayConfig(**TOOLS_ON).tool_call_parser == "hermes"
 
 
 def test_openapi_schema_lists_the_tool_fields(serve):

@@ -18,7 +18,8 @@ import pytest
 
 from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.batch_journal import JournalEntry
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 from das.service.http.request_guard import parse_json_yielding
 from das.service.wire.api import INT64_MAX
 from tests.service.http.test_gateway import LiveServer
@@ -34,7 +35,7 @@ class GuardedServer(LiveServer):
     """The gateway served by uvicorn with the header deadline, on a free loopback port, in a daemon thread."""
 
     def __init__(self, backend: StubBackend, **settings: Any) -> None:
-        self.settings = GatewaySettings(token=TOKEN, **settings)
+        self.settings = GatewayConfig(token=TOKEN, **settings)
         super().__init__(create_app(backend, self.settings), self.settings.header_timeout_s)
 
     def connect(self) -> socket.socket:

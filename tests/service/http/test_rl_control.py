@@ -14,11 +14,13 @@ from typing import Any
 import httpx
 
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
-from das.service.cluster.coordinator import RayBackend, ServiceConfig
+from das.service.cluster.coordinator import RayBackend
+from das.service.config import ServiceConfig
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.engine.vllm.engine import VllmEngine, EngineConfig
 from das.service.engine.vllm.models import prepare_model
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
 from das.service.wire.api import GroupRequest
 from das.service.wire.engine_control import AbortSamples, IsPaused, Pause, Resume
@@ -36,7 +38,7 @@ def group(problem: str, n: int, max_tokens: int = 256) -> dict[str, Any]:
 async def against(scenario: Callable[[httpx.AsyncClient], Awaitable[Any]], backend: Any,
                   weights_root: Path | None = None, timeout_s: float = 60) -> Any:
     """`scenario(http)` against the gateway over `backend` (token auth on, `weights_root` for reloads)."""
-    app = create_app(backend, GatewaySettings(token=TOKEN, weights_root=weights_root))
+    app = create_app(backend, GatewayConfig(token=TOKEN, weights_root=weights_root))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", headers=AUTH,
                                  timeout=timeout_s) as http:
         return await asyncio.wait_for(scenario(http), timeout_s)

@@ -27,7 +27,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from das.service.cluster.rollout_backend import StubBackend
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 from das.service.wire.api import MSGPACK, ProblemSummary
 
 TOKEN = "fuzz-token"
@@ -95,7 +96,7 @@ def test_the_gateway_answers_every_fuzzed_request_as_its_schema_says(tmp_path: P
     (tmp_path / "ckpt").mkdir()  # a checkpoint the weights routes can load
     # Small limits keep every batch short; no coalescing window, so no request waits for siblings.
     app = create_app(HistoryStub(output_tokens=4, max_prompt_tokens=64),
-                     GatewaySettings(token=TOKEN, weights_root=tmp_path, max_batch_samples=64, openai_coalesce_s=0))
+                     GatewayConfig(token=TOKEN, weights_root=tmp_path, max_batch_samples=64, openai_coalesce_s=0))
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     document = app.openapi()
     resume = schema["/resume"]["POST"]

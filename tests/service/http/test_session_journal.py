@@ -12,9 +12,10 @@ import httpx
 import openai
 
 from das.service.cluster.rollout_backend import StubBackend
-from das.service.http.batch_journal import BatchJournalConfig
+from das.service.config import BatchJournalConfig
 from das.service.http.gateway import create_app
-from das.service.http.session_journal import SESSION_FILE, SessionJournal, SessionJournalConfig
+from das.service.http.session_journal import SESSION_FILE, SessionJournal
+from das.service.config import SessionJournalConfig
 from tests.service.http.test_gateway import LiveServer, gateway_settings
 
 TOKEN = "journal-token"

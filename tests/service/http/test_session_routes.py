@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.http.gateway import create_app
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
-from das.service.cluster.sessions import SessionConfig
+from das.service.config import SessionConfig
 from tests.service.http.test_gateway import LiveServer, gateway_settings, read_ndjson
 
 TOKEN = "session-test-token"

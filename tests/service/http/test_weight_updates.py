@@ -14,7 +14,8 @@ import pytest
 
 from das.service.cluster.rollout_backend import StubBackend, WeightUpdateConflict
 from das.service.engine.contract import EngineInputError
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
 from tests.service.test_serve import metric
 
@@ -57,7 +58,7 @@ class PushBackend(StubBackend):
 
 
 async def against(scenario: Callable[[httpx.AsyncClient], Awaitable[Any]], backend: Any, **settings: Any) -> Any:
-    app = create_app(backend, GatewaySettings(token=TOKEN, **settings))
+    app = create_app(backend, GatewayConfig(token=TOKEN, **settings))
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway",
                                  headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30) as http:
         return await asyncio.wait_for(scenario(http), 30)

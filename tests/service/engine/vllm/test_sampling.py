@@ -16,7 +16,8 @@ import pytest
 from das.service.cluster.rollout_backend import EngineBackend
 from das.service.engine.vllm.engine import VllmEngine, EngineConfig, EngineInputError
 from das.service.engine.vllm.sampling import sampling_params
-from das.service.http.gateway import GatewaySettings, create_app
+from das.service.http.gateway import create_app
+from das.service.config import GatewayConfig
 from das.service.wire.api import GroupRequest, SampleResult, SamplingSpec
 from tests.service.engine.vllm.vllm_frontend import PassThroughFrontend
 
@@ -125,7 +126,7 @@ def test_through_the_gateway_the_batch_fails_and_a_reload_follows(engine, monkey
 
     monkeypatch.setattr(engine, "_draft_counts", broken)
     (tmp_path / "model.safetensors").write_bytes(b"")
-    app = create_app(EngineBackend(engine), GatewaySettings(weights_root=tmp_path))
+    app = create_app(EngineBackend(engine), GatewayConfig(weights_root=tmp_path))
 
     async def scenario() -> tuple[list[str], httpx.Response]:
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway") as http:
