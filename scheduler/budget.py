@@ -135,7 +135,7 @@ class DraftPlan:
     """What a request may verify this step. lengths: int32 K_i in [0, K_max], the most draft tokens; min_prob:
     float64, the least probability (the drafter's estimate that every draft token up to this one is accepted) a
     draft token must have to be verified: 0 verifies whatever the drafter proposes, inf nothing. explored: None, or
-    a bool per request: its length is exploration's token (scheduler/exploration.py), whose accepted tokens are
+    a bool per request: its length is exploration's token (`Exploration`), whose accepted tokens are
     refunded to the exploration credit.
 
     The step's price, where the plan prices its drafts (`confidence_plan`; None elsewhere): `value`, float64 per
@@ -396,9 +396,8 @@ def confidence_plan(batch: BatchState) -> DraftPlan:
     hold. This asks the drafter's probabilities to be calibrated and spends nothing from the request's acceptance
     counts: a new request whose context repeats itself drafts at its first step. The length forecast acts through
     the ranks alone. Per token the price shares the drafted step's fixed price as if a full draft did; the step as a
-    whole pays it only where its drafts' expected saving covers it (`DraftPlan.pays`, applied by the draft step),
-    so a step with a few middling drafts verifies none. Vectorised: a sort and a few numpy
-    calls over n."""
+    whole pays it only where its drafts' expected saving covers it (`DraftPlan.pays`, applied by the draft step), so a
+    step with a few middling drafts verifies none. Vectorised: a sort and a few numpy calls over n."""
     n = len(batch)
     rem = batch.remaining
     if n == 0 or batch.k_max == 0 or batch.c_base_s == 0.0:
