@@ -1,13 +1,13 @@
 """`das bench agent`: a multi-turn code-repair agent as the workload, per speculation arm.
 
 The agent (one trajectory per bundled code task, all running at once): the model writes the function; a tool runs
-the task's tests in a fresh interpreter with a timeout (`service/client/code_checks.py`) and, if they fail, the failures
+the task's tests in a fresh interpreter with a timeout (the client's code checks) and, if they fail, the failures
 go back to the model as the next user turn; up to `turns` turns; reward 1 when the tests pass. Every turn is a
 session turn on `/v1/completions`: the whole context as token ids (`session_id`, `problem_id`, `return_token_ids`
 in the body), extended by exactly the tokens returned and the tool turn's tokens, so nothing is re-tokenized and
 the engine holding the session's prefix prefills only the new tokens.
 
-Arms: a fresh `das serve --speculation ARM` each (bench/user_run.py's `ServeProcess`), epochs run back to back on
+Arms: a fresh `das serve --speculation ARM` each (`user_run.ServeProcess`), epochs run back to back on
 it, so epoch e+1 drafts from epoch e's trajectories. Turn k of task i in epoch e has the seed
 derive(derive(derive(seed, e), i), k) in every arm: under keyed sampling in float32 (`--serve-args "--dtype
 float32"`) the arms produce identical trajectories (checked: `trajectories_identical`) and differ in speed alone;

@@ -18,7 +18,7 @@ from typing import Any
 from das.bench.drafter_replay import default_trace_path
 
 # The bundled trace sets (tests/fixtures/traces-NAME.jsonl.gz) and the shipped CPU calibration of the model that
-# recorded each (scheduler/cost_model.py SHIPPED): what cost model "cpu" means for that set.
+# recorded each (`cost_model.SHIPPED`): what cost model "cpu" means for that set.
 TRACE_SETS: dict[str, str] = {
     "smollm2": "cpu-smollm2",
     "qwen2.5-coder-0.5b": "cpu-qwen2.5-coder-0.5b",
@@ -76,7 +76,7 @@ class Row:
 
 
 def run_cell(cell: Cell, engines: int = 8, k_max: int = 16) -> Row:
-    """Simulates none, every fixed policy and das on one cell (scheduler/simulator.py `run_simulation_bench`)."""
+    """Simulates none, every fixed policy and das on one cell (`simulator.run_simulation_bench`)."""
     from das.drafter.records import load_rollouts
     from das.scheduler.cost_model import load_cost_model
     from das.scheduler.simulator import arm_list, run_simulation_bench

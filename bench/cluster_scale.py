@@ -2,7 +2,7 @@
 on this machine, and what the coordinator's process pays for them.
 
 The cluster is Ray's own test cluster (`ray.cluster_utils.Cluster`): a head and `nodes - 1` more nodes, each a raylet
-of its own on this machine. The engines are stub engines (service/engine/stub_engine.py), `engines_per_actor` of
+of its own on this machine. The engines are stub engines (model-less), `engines_per_actor` of
 them hosted in one NodeEngine actor (`StubEngineConfig.engines_per_actor`) so that 1,024 engines fit in a few dozen
 processes; the coordinator still sees, places and streams each as an engine of its own. This process is the driver,
 as `das serve` is: the coordinator (`RayBackend`) and the gateway (FastAPI under uvicorn, on loopback) on one event

@@ -1,7 +1,7 @@
 """`das bench coupled`: how much of a sample its same-key sample of the problem's previous visit predicts exactly.
 
-Under keyed sampling a token's draw is a function of its sample's key and its position only (docs/design.md, keyed
-sampling). A trainer that gives a problem the same seed every time it comes back (the GRPO example's `-coupled`
+Under keyed sampling a token's draw is a function of its sample's key and its position only (docs/design "Keyed
+sampling"). A trainer that gives a problem the same seed every time it comes back (the GRPO example's `-coupled`
 arms) draws sample i of each visit from the same noise, so it repeats the previous visit's sample i token for token
 until the first position where the policy's updates flip the draw; after that the contexts differ. Each visit's
 samples are still exact draws from the current policy: only their correlation across visits changes.
@@ -11,7 +11,7 @@ Two measurements on a trace file (the trace format, e.g. the GRPO example's OUT/
 - **agreement**: for every sample with an earlier visit (the same problem and sample index at an earlier policy
   version, the latest one), the common prefix of the two outputs, by visit (2nd, 3rd, ...) and by the number of
   policy versions between them. Token-weighted shares: sum of prefixes / sum of the samples' tokens.
-- **replay** (bench/drafter_replay.py, K draft tokens a step, every draft verified): tokens a step of today's
+- **replay** (`das bench drafter`'s, K draft tokens a step, every draft verified): tokens a step of today's
   drafter (`das`), of the same-key sample alone (`same-key`: the previous visit's sample i from the current
   position while the output so far equals its prefix, nothing after), and of both (`das+same-key`: the same-key
   draft while it is aligned, today's drafter after). On traces with independent seeds the same-key arm finds
@@ -109,10 +109,10 @@ def agreement(visits: Sequence[Revisit], by: str) -> list[AgreementRow]:
 
 
 class SameKeyDrafter:
-    """The previous visit's same-key sample as a drafter (replay protocol, bench/peers.py `ReplayDrafter`): while a
+    """The previous visit's same-key sample as a drafter (replay protocol, `peers.ReplayDrafter`): while a
     request's output equals that sample's first tokens, it proposes the sample's next ones; after the first
     difference, nothing. With `fallback`, that drafter's proposal wherever this one has none. The sample index is
-    the last `/`-separated field of the replay's request id (bench/drafter_replay.py `replay_arm`)."""
+    the last `/`-separated field of the replay's request id (`drafter_replay.replay_arm`)."""
 
     def __init__(self, fallback: DasDrafter | None = None) -> None:
         self.name = "same-key" if fallback is None else f"{fallback.name}+same-key"

@@ -1,7 +1,7 @@
 """`das bench drafter-loss`: where the drafter loses to the exact future, and what would have predicted the tokens it
 missed.
 
-The replay is `das bench drafter`'s (bench/drafter_replay.py: the versions before v as history, the rollouts of v
+The replay is `das bench drafter`'s (`drafter_replay`: the versions before v as history, the rollouts of v
 decoded together in lockstep, K draft tokens a step, every draft verified). At every step the exact future would
 have had min(K, tokens left - 1) accepted (the step samples one itself); ours had `a`. Where a is less, the step **missed** the token at draft
 position a, and lost the difference. Each miss is classified
@@ -15,8 +15,8 @@ position a, and lost the difference. Each miss is classified
   rollouts of policy age 1, 2, ... (`sealed-age-a`), other problems' rollouts (`global`), or `nowhere`. Shares are
   non-exclusive (a gram may be in several places) except `nowhere`.
 
-Our own accepted tokens are counted by the source that drafted them. Pure Python over the replay's steps (set
-lookups per miss): ~10-30 s for a bundled trace set.
+Our own accepted tokens are counted by the source that drafted them. Pure Python over the replay's steps: a few set
+lookups per miss.
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ Arms (one engine each, the same engine settings: model, dtype, context, K, seed)
   `none-service`: `none` through the service the same way (with `das-service`, the quick start's das against
   none on the same samples in one run).
 - `oracle`: the das engine and budget drafting each sample's own future (the tokens `none` generated for its key,
-  drafter/oracle.py; needs `none` listed before it); `oracle-k`: the same under the uniform budget (K every step).
-  Their outputs must equal none's (`oracle_identical`); with the computed bound (`bound_s`, bench/oracle_bound.py:
+  `OracleDrafts`; needs `none` listed before it); `oracle-k`: the same under the uniform budget (K every step).
+  Their outputs must equal none's (`oracle_identical`); with the computed bound (`bound_s`, `oracle_bound`:
   the critical path's steps at K + 1 tokens a step, priced by the engine's measured step cost) they say where the
   time goes: the drafter (das against oracle) or the machinery (oracle against the bound).
 
@@ -19,17 +19,15 @@ The two in-process das arms get the coordinator's length predictions (scheduler.
 own finished samples, the same call as `RayBackend.place`), so `das-service / das` measures the service path, not
 a difference in policy.
 
-A run: all arms' engines start, then every epoch runs every arm in turn on the same groups (so the arms of an
-epoch are measured minutes apart under the same machine load), then the engines stop. With `sequential` one
-engine is alive at a time: an arm starts, runs all its epochs and stops before the next arm starts (for a
-machine without the memory for every arm's engine: a compiled SmolLM2 engine holds ~3.3 GB on the CPU with a
-1 GiB KV cache); the arms are then measured at different times, so a changing machine load shows up as a
-difference between arms. Drafters keep their
-history from epoch to epoch (the RL setting: the same problems come back). `drift`: before epoch e >= 2 every arm
-reloads checkpoint `drift[e - 2]` as policy version e - 1 (VllmEngine.reload_weights; not timed). `repeats` R: R
-independent runs, each with fresh engines (fresh drafter histories) and engine seed `seed + r`, so the repeats
-differ in sampling as well as in timing; tables show the median over repeats of every figure, the JSON also
-every repeat's values.
+A run: all arms' engines start, then every epoch runs every arm in turn on the same groups (so the arms of an epoch are
+measured minutes apart under the same machine load), then the engines stop. With `sequential` one engine is alive at a
+time: an arm starts, runs all its epochs and stops before the next arm starts (for a machine without the memory for
+every arm's engine); the arms are then measured at different times, so a changing machine load shows up as a difference
+between arms. Drafters keep their history from epoch to epoch (the RL setting: the same problems come back). `drift`:
+before epoch e >= 2 every arm reloads checkpoint `drift[e - 2]` as policy version e - 1 (VllmEngine.reload_weights; not
+timed). `repeats` R: R independent runs, each with fresh engines (fresh drafter histories) and engine seed `seed + r`,
+so the repeats differ in sampling as well as in timing; tables show the median over repeats of every figure, the JSON
+also every repeat's values.
 
 Per repeat, epoch and arm: makespan_s (first submit to last sample), tokens (output), tokens_per_s, draft_tokens
 and accepted_tokens (vLLM's own counters for the in-process arms, whatever the method; through the service, the
@@ -39,7 +37,7 @@ after the median sample finished), longest_tokens (the longest sample's length),
 checker on each sample's text; None for prompt files without answers), errors, and every sample's length and reward.
 
 Does an arm change the output? Pooled over repeats and epochs, each arm's rewards and output lengths are compared
-with `none`'s by stratified permutation tests (bench/stats.py): reward difference with a 95% bootstrap
+with `none`'s by stratified permutation tests (`das.bench.stats`): reward difference with a 95% bootstrap
 interval and p-value; Kolmogorov-Smirnov distance of the length distributions with p-value. p < ALPHA flags the
 arm (`changes_rewards`, `changes_lengths`), and a flagged arm's speed-up is reported but not counted as a win.
 
@@ -48,15 +46,15 @@ ratios per token of each epoch's longest sample): das / none, das / the better s
 das-service / das, das-service / none-service; with `ignore_eos` (every sample runs to
 max_tokens: the compute-bound check) das / none tokens per second, which must be >= NEVER_A_LOSS.
 
-With `profile`, every in-process arm's engine times its steps (service/engine/vllm/step_profile.py): per epoch, the mean
+With `profile`, every in-process arm's engine times its steps (its step profile): per epoch, the mean
 milliseconds per step of the forward pass, sampling or verification, the drafter, the runner's bookkeeping and
 the engine loop between steps, the mean step shape (requests, scheduled tokens, draft tokens) and a line fitted
 through forward + sampling time against scheduled tokens (the engine's own cost model, measured on this run).
 
 `write_rollouts_file` (`--rollouts-out`) writes every arm's samples as one history file with a sidecar of measured
-makespans and cost fits, which `das bench validate` replays through the simulator (bench/e2e_report.py).
+makespans and cost fits, which `das bench validate` replays through the simulator (`e2e_report`).
 
-Every arm draws with the same keys (keyed sampling, service/engine/vllm/keyed_sampler.py): group g of epoch e in repeat r
+Every arm draws with the same keys (keyed sampling, docs/design "Keyed sampling"): group g of epoch e in repeat r
 has seed derive(derive(seed + r, e), g), so at any temperature the arms draw the same samples unless drafting
 changes them, and the epochs draw fresh ones as RL steps do. identical_outputs (all arms token-identical),
 divergence (per arm, the share of samples that differ from the baseline's); at temperature 0, or with
@@ -105,11 +103,11 @@ log = logging.getLogger(__name__)
 ARM_SPECULATION = {"none": "none", "ngram": "ngram", "suffix": "suffix", "suffix-t": "suffix", "das-uniform": "das",
                    "das": "das", "das-service": "das", "none-service": "none", "oracle": "das", "oracle-k": "das"}
 ARMS = tuple(ARM_SPECULATION)
-# The arms that run das's proposer under a budget of their own, by name (scheduler/policies.py); the other das arms
-# run `E2EConfig.budget`. bench/user_run.py's oracle-k serves with the same `--budget`.
+# The arms that run das's proposer under a budget of their own, by name (the budget grammar); the other das
+# arms run `E2EConfig.budget`. `das bench serve`'s oracle-k serves with the same `--budget`.
 ARM_BUDGETS = {"das-uniform": "uniform", "oracle-k": "uniform"}
 SERVICE_ARMS = ("das-service", "none-service")
-ORACLE_ARMS = ("oracle", "oracle-k")  # draft the baseline's recorded tokens (drafter/oracle.py)
+ORACLE_ARMS = ("oracle", "oracle-k")  # draft the baseline's recorded tokens (`OracleDrafts`)
 BASELINE = "none"
 SUFFIX_ARMS = ("suffix", "suffix-t")
 ALPHA = 0.01  # per test: an arm whose rewards or lengths differ from the baseline's at p < ALPHA is flagged
@@ -119,7 +117,7 @@ NEVER_A_LOSS = 0.97  # with ignore_eos, das tokens/s must be at least this share
 @dataclass(frozen=True)
 class E2EConfig:
     """One benchmark. `budget`: the budget of `das` and `das-service` as plain data (a budget's `fields()`,
-    scheduler/policies.py); `suffix_tuned`: suffix-t's vLLM suffix_decoding_* settings; `drift`: checkpoint
+    the budget grammar's); `suffix_tuned`: suffix-t's vLLM suffix_decoding_* settings; `drift`: checkpoint
     directories, one per epoch after the first; `kv_cache_gib`: each engine's CPU KV cache; `sequential`: one engine
     alive at a time; `same_seeds`: every epoch draws with epoch 1's seeds (a noise floor at any temperature)."""
 
@@ -183,7 +181,7 @@ class E2EConfig:
             dtype=self.dtype, max_model_len=self.max_model_len, seed=(self.seed + repeat) % 2**32,  # type: ignore[arg-type]
             enforce_eager=self.enforce_eager, kv_cache_gib=self.kv_cache_gib, budget=budget,
             # model_runner "keyed" (the default): on a GPU every arm runs V1 without async scheduling, as das and
-            # suffix must, and samples with the keyed draw (service/engine/runner_choice.py)
+            # suffix must, and samples with the keyed draw (the engine's runner choice)
             suffix_options=self.suffix_tuned if arm == "suffix-t" else {})
 
 
@@ -194,7 +192,7 @@ def suffix_tuned_options(cost: CostModel, running: int) -> dict[str, Any]:
     accepted, saves one token's share of a step, c_tok + c_base / running; so it pays when its acceptance
     probability exceeds c_tok / (c_tok + c_base / running). Suffix decoding's min_token_prob is that estimated
     probability (the frequency of the drafted path in its suffix tree; vLLM's default 0.1), so the threshold is
-    set there. On this CPU (cpu-smollm2: c_base 38 ms, c_tok 2.2 ms) at 48 requests it is 0.74; for the h100-7b
+    set there. Compute-bound (the shipped cpu-smollm2 prior at 48 requests) it is 0.74; under the h100-7b
     estimate 0.20, falling towards 0 as fewer requests run (memory-bound: drafts are nearly free)."""
     if running < 1:
         raise ValueError(f"running must be >= 1, got {running}")
@@ -461,7 +459,7 @@ class ArmEpoch:
 
 @dataclass(frozen=True)
 class ArmTests:
-    """An arm against the baseline, pooled over repeats and epochs (bench/stats.py)."""
+    """An arm against the baseline, pooled over repeats and epochs (`das.bench.stats`)."""
 
     reward: RewardTest | None
     length: LengthTest
@@ -638,7 +636,7 @@ def oracle_ratios(none: float | None, das: float | None, oracle: float | None,
 
 def bound_figures(lengths: Sequence[int], k: int, profile: StepProfile | None,
                   fit: dict[str, Any] | None) -> dict[str, Any]:
-    """One epoch's bound (bench/oracle_bound.py) for one engine running samples of `lengths` tokens at K = `k`,
+    """One epoch's bound (`oracle_bound`) for one engine running samples of `lengths` tokens at K = `k`,
     priced by `fit` (the oracle engine's live cost fit: its warm-up steps at batch sizes 16 to 1 separate the base
     from the per-token price) where there is one, else by the oracle arm's step profile of the epoch (a fit to its
     own steps, which cannot separate them where every step has the same batch); no price: bound_s None."""

@@ -1,6 +1,6 @@
 """How `das bench e2e` shows its result: rich tables on the console, a markdown report, a PNG plot.
 
-All three read an `E2EResult` (bench/e2e.py) and show the same figures: per epoch and arm the medians
+All three read an `E2EResult` (`das.bench.e2e`) and show the same figures: per epoch and arm the medians
 over repeats (with every repeat's makespan when there are several), each arm's output tests against the baseline,
 and the goals.
 
@@ -318,7 +318,7 @@ def plot(result: E2EResult, path: Path) -> None:
 
 
 def simulated_arm(arm: str, k: int) -> str | None:
-    """The simulator's arm for an e2e arm at K = `k` (scheduler/simulator.py `arm_settings`): its own budget
+    """The simulator's arm for an e2e arm at K = `k` (`simulator.arm_settings`): its own budget
     (`ARM_BUDGETS`, resolved at K), das or none; None for an arm it cannot model (vLLM's own drafters, the
     oracles)."""
     if arm in ORACLE_ARMS:  # drafts no simulated drafter can make

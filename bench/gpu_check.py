@@ -19,7 +19,7 @@ runner V2 with async scheduling), compared with das on speed alone (its samples 
 - engine kill: SIGKILL to a vLLM engine-core process of the server; the next batch completes without an error
   sample (the service restarts the engine and re-dispatches).
 
-Each arm's report names its runner, async scheduling and host time a step (bench/server_profile.py, from the
+Each arm's report names its runner, async scheduling and host time a step (`server_profile`, from the
 server's /metrics). Prints rich tables and writes the report as JSON. The figures of a run on a shared CPU are not
 speeds.
 """
@@ -49,7 +49,7 @@ ENGINE_CORE = "EngineCore"  # vLLM's engine-core process title (VLLM::EngineCore
 
 
 def suffix_unavailable() -> str | None:
-    """Why vLLM's suffix arm cannot run here (arctic-inference does not import; service/engine/preflight.py, the
+    """Why vLLM's suffix arm cannot run here (arctic-inference does not import; the preflight
     check `das serve` makes), or None."""
     from das.service.engine.preflight import MissingPackage, check_method_packages
 

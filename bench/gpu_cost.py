@@ -1,10 +1,10 @@
 """`das bench gpu-cost`: what a GPU machine with PyTorch and transformers but no vLLM (and no internet) can measure
 for the service in a few minutes, standalone: it imports torch, transformers, the keyed draw
-(service/engine/vllm/keyed_draw.py) and the cost model (scheduler/cost_model.py) only.
+and the cost model (`das.scheduler.cost_model`) only.
 
 (a) The keyed draw on the device: rows x vocabulary (Qwen2.5's 151,936 entries) of random float32 logits drawn on
     the device, eager and compiled, and, from the same logits and keys, on CPU tensors; the tokens must be identical
-    (the CPU draw is the fused CPU kernel's token, tests/service/engine/vllm/test_keyed_draw.py). Median milliseconds per
+    (the CPU draw is the fused CPU kernel's token, as the keyed draw's tests check). Median milliseconds per
     draw on the device, for each row count, beside vLLM's unkeyed draw re-stated in torch (`--draw-only` stops
     here).
 (b) A decode step-cost surface: a 7B-shaped Llama (Qwen2.5-7B's shape: 28 layers, hidden 3,584, 28 query / 4 KV
@@ -14,7 +14,7 @@ for the service in a few minutes, standalone: it imports torch, transformers, th
     shape is captured as a CUDA graph and replayed, as vLLM replays its decode steps (eager if capture fails; the
     output says which). The KV cache's contents are zeros: attention's cost does not depend on them.
 (c) The host's share: our proposer's draft step (history bank and budget) at `proposer_batches` running requests
-    over the bundled 66 x 16 trace set, on this machine's CPU (bench/proposer_cost.py; it needs our native drafter,
+    over the bundled 66 x 16 trace set, on this machine's CPU (`proposer_cost`; it needs our native drafter,
     built by `pip install`: without it the part is skipped and says why). With (a), the host work a step that das
     adds to a 7B decode step's forward pass on a GPU without async scheduling (`das bench simulate --host-ms`).
 
@@ -214,7 +214,7 @@ def fit_step_terms(points: Sequence[dict[str, object]]) -> dict[str, float]:
 
 
 def proposer_figures(batches: Sequence[int]) -> dict[str, object]:
-    """(c): the draft step's host time at each batch size (bench/proposer_cost.py), or why it could not run."""
+    """(c): the draft step's host time at each batch size (`proposer_cost`), or why it could not run."""
     if not batches:
         return {"skipped": "no --proposer-batches"}
     try:

@@ -1,7 +1,7 @@
-"""`das bench history`: the history store at a dataset's scale (docs/design.md "The history store").
+"""`das bench history`: the history store at a dataset's scale (docs/design "The history store").
 
 `problems` problems with `rollouts_per_problem` rollouts each, `tokens` output tokens in all, imported into
-`shards` HistoryShard actors (service/cluster/history_store.py) in an embedded Ray cluster, as `POST /v1/history`
+`shards` HistoryShard actors (the cluster's history store) in an embedded Ray cluster, as `POST /v1/history`
 does it (`RayBackend.add_history`: records cut by shard, one `put` per shard per chunk, chunks one after another).
 While the import runs, a reader looks problems up one at a time (`summary`, what `GET /v1/history/{id}` calls, and
 `pull`, what an engine calls before it runs a group), and the latencies are kept apart from the same lookups on the

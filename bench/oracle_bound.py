@@ -1,6 +1,6 @@
 """The limit of speculation for one batch: the decode steps its critical path needs when every step commits K + 1
 tokens per request (K draft tokens, all accepted, plus the verifier's own), priced by the engine's measured step
-cost. The oracle arm (bench/e2e.py) drafts the exact future through the real proposer and budget; this bound is
+cost. The oracle arm (`das bench e2e`) drafts the exact future through the real proposer and budget; this bound is
 what it would take with no machinery in the way (no budget caution, no scheduling gaps, no prefill: prompt
 tokens are not priced, so the bound is a lower bound of the decode time).
 
@@ -24,7 +24,7 @@ from das.service.engine.vllm.step_profile import StepProfile
 @dataclass(frozen=True)
 class StepPrice:
     """An engine step's cost, seconds: base_s + per_token_s * scheduled tokens, plus spec_s + spec_req_s * requests
-    when it verifies draft tokens (scheduler/cost_model.py's shape). `source`: where it was measured."""
+    when it verifies draft tokens (`CostModel`'s shape). `source`: where it was measured."""
 
     base_s: float
     per_token_s: float

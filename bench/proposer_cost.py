@@ -1,11 +1,11 @@
 """The host time our proposer adds to an engine step, at the batch sizes of a 7B model on a GPU (64-512 running
 requests): what an engine without async scheduling pays between its forward passes for drafting.
 
-Measured on the simulator's engine (scheduler/simulator.py), which runs the proposer's own draft step
-(scheduler/draft_step.py `DraftStep`: the native history bank's commit and draft calls and the budget's plan) over a
+Measured on the simulator's engine (`BatchSimulation`), which runs the proposer's own draft step
+(`DraftStep`: the native history bank's commit and draft calls and the budget's plan) over a
 recorded batch, on one engine admitting `requests` at a time. Each step's `settle` (score the committed tokens,
 feed the live segments) and `draft` (plan K_i, draft) are timed, and inside `draft` the budget's `plan`. Left out:
-DasProposer's glue around the step inside vLLM (reading the runner's batch, ~10 us at an unchanged batch) and the
+DasProposer's glue around the step inside vLLM (reading the runner's batch: O(changed requests)) and the
 keyed draw (`das bench gpu-cost` times it on the device). Figures are medians over the steps that ran with the
 batch full (at least 90% of `requests` decoding), in milliseconds, on this machine's CPU: the host of a GPU node
 is faster or slower by its own single-core speed.

@@ -1,6 +1,6 @@
 """What a running `das serve` says about its engines' steps, read from its /metrics text: the runner each engine
 runs (das_engine_runner_info) and, with `das serve --profile-steps`, where its steps' time went
-(das_engine_step_part_seconds_total, das_engine_profiled_steps_total; parts as in service/engine/vllm/step_profile.py).
+(das_engine_step_part_seconds_total, das_engine_profiled_steps_total; parts as the engine's step profile names them).
 
 `host_ms_per_step` is a step's time less its forward pass: what an engine without async scheduling adds to the
 device's work every step, and the price `das bench simulate --host-ms` charges for it."""

@@ -11,8 +11,8 @@ while the repeats draw different ones.
 
 `oracle` / `oracle-k` arms (after `none`, which every repeat then runs first): `das serve --speculation das
 --oracle-file F` (with `--budget uniform` for oracle-k), F holding every sample's output from that repeat's `none`
-run by sample key, so each sample drafts its own exact future (drafter/oracle.py). Their outputs must equal
-none's (`oracle_identical`); `bound_s` per epoch (bench/oracle_bound.py): the critical path at K + 1 tokens a step
+run by sample key, so each sample drafts its own exact future (`OracleDrafts`). Their outputs must equal
+none's (`oracle_identical`); `bound_s` per epoch (`oracle_bound`): the critical path at K + 1 tokens a step
 for none's lengths on one engine, priced by the oracle server's live step-cost fit (its /metrics).
 """
 
@@ -42,7 +42,7 @@ from das.service.client.rollout_run import EpochFigures, run_rollouts
 from das.service.wire.api import SamplingSpec
 from das.service.wire.sample_keys import derive
 
-# `das serve` flags of the oracle arms; oracle-k's --budget is the budget name bench/e2e.py ARM_BUDGETS gives it
+# `das serve` flags of the oracle arms; oracle-k's --budget is the budget name `e2e.ARM_BUDGETS` gives it
 ORACLE_ARMS = {"oracle": ("--speculation", "das"), "oracle-k": ("--speculation", "das", "--budget", "uniform")}
 BASELINE = "none"
 
@@ -96,7 +96,7 @@ class UserRunResult:
 
     def step_profiles(self) -> list[dict[str, Any]]:
         """Per profiled arm, the medians over repeats of its ms a step: host (all but the forward pass), forward
-        pass, and each part (bench/server_profile.py), with its runner."""
+        pass, and each part (`server_profile`), with its runner."""
         rows = []
         for arm, runs in self.profiles.items():
             measured = [r for r in runs if r.get("host_ms_per_step") is not None]
@@ -114,7 +114,7 @@ class UserRunResult:
 
     def oracle_table(self) -> list[dict[str, Any]]:
         """Per epoch (medians over repeats, seconds): none, das, oracle, oracle-k and bound_s (the arms run), das's
-        saving as a share of the oracle's and oracle / bound (bench/e2e.py `oracle_ratios`)."""
+        saving as a share of the oracle's and oracle / bound (`e2e.oracle_ratios`)."""
         from das.bench.e2e import oracle_ratios
 
         rows = []

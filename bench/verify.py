@@ -1,8 +1,8 @@
-"""`das bench verify`: one verification step of vLLM's rejection sampler, vLLM's own CPU path against ours
-(service/engine/vllm/cpu_fixes/rejection.py), unkeyed and keyed (service/engine/vllm/keyed_sampler.py: the keyed draw per
-draft row), side by side in one process, with the plain sampler (what a step without speculation pays) as the
-floor, vLLM's and keyed; and the keyed draw alone over the step's rows, vLLM's fused CPU kernel against the torch
-draw the CUDA path runs (service/engine/vllm/keyed_draw.py; here on CPU tensors), with whether their tokens agree.
+"""`das bench verify`: one verification step of vLLM's rejection sampler, vLLM's own CPU path against ours (our CPU fix
+of it), unkeyed and keyed (the keyed sampler: the keyed draw per draft row), side by side in one process, with the plain
+sampler (what a step without speculation pays) as the floor, vLLM's and keyed; and the keyed draw alone over the step's
+rows, vLLM's fused CPU kernel against the torch draw the CUDA path runs (here on CPU tensors), with whether their tokens
+agree.
 
 Each case is a batch of `requests` requests, each with `drafts` draft tokens, random logits over `vocab` entries
 (SmolLM2's 49,152 by default), temperature `temperature`, sampled-token logprobs requested (as the service does).

@@ -9,8 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-# Matched context a draft is chosen on beyond its own tokens: an index of depth K + 8 drafted as far as depth 32 on
-# every bundled trace set at K = 8 and 16 (K + 4 lost 1% on one set; docs/design.md#the-drafter).
+# Matched context a draft is chosen on beyond its own tokens: an index of depth K + 8 drafts as far as a deeper one
+# on every bundled trace set, while its cost is O(depth) per stored token (docs/design "The drafter").
 MATCH_CONTEXT = 8
 
 

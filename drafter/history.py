@@ -15,7 +15,7 @@ A proposal drafts from every source of the request's problem in one native call;
 online from the tokens that were really committed, picks the candidate expected to get the most tokens accepted.
 
 The per-step work for a whole batch (feeding committed tokens, scoring the last drafts, drafting) is one native
-call each (`HistoryBank.commit_step`, `HistoryBank.draft_step`; drafter/native/request_table.h); `extend`, `propose`
+call each (`HistoryBank.commit_step`, `HistoryBank.draft_step`; the native `RequestTable`); `extend`, `propose`
 and `shadow` are the same calls for one request.
 
 A shadow draft (`HistoryBank.shadow`) is a proposal nobody verifies, followed over the next steps' committed tokens
@@ -98,7 +98,7 @@ class Proposal:
     """A draft for one request: token ids, cumulative acceptance probabilities, and where it came from."""
 
     tokens: np.ndarray      # int32
-    probs: np.ndarray       # float32, probs[i] = P(tokens[:i+1] all accepted), calibrated (source_choice.py)
+    probs: np.ndarray       # float32, probs[i] = P(tokens[:i+1] all accepted), calibrated (`SourceChooser`)
     source: str             # "live", "prompt", "sealed-age-<a>", "global", or "" when nothing matched
     match_len: int
 
@@ -348,9 +348,8 @@ class HistoryBank:
         `config.shadow_gap` tokens since it settled, or when no source has a draft. Returns whether one was
         started. O(a proposal) when it drafts, O(1) otherwise; the source chooser does not learn from it.
 
-        The gap bounds the cost: without it a batch of 60 requests whose drafts mostly fail at once started ~33
-        shadow drafts a step, +0.5 ms of the proposer's ~1.3 ms a step on the 2-core CPU; with 8 tokens the
-        simulated makespans kept most of the gain (docs/design.md#from-the-optimum-to-a-step)."""
+        The gap bounds the cost: without it a batch whose drafts mostly fail at once starts a shadow draft for most
+        of its requests every step (measured: docs/design "From the optimum to a step")."""
         return self._draft_one(request_id, context, 0, 0.0, max(0, max_tokens))[4]
 
     def _draft_one(self, request_id: str, context: np.ndarray, k: int, min_prob: float, shadow_room: int

@@ -3,10 +3,10 @@
 Under keyed sampling the tokens a sample draws depend only on its key, not on what was drafted, so the output the
 `none` arm recorded for a key is exactly the output every arm generates for it. A request given that continuation
 (`RequestTags.oracle`) drafts, at each step, the next K_i tokens of it (K_i: the budget's plan, as for any other
-draft), never past the recorded end. The proposer (service/engine/vllm/proposer.py) consults this source instead of the
-history bank for such requests; requests without a continuation never touch it.
+draft), never past the recorded end. The proposer consults this source instead of the history bank for such
+requests; requests without a continuation never touch it.
 
-Slot-indexed like scheduler/request_columns.py (slots are the proposer's request slots).
+Slot-indexed like `das.scheduler.request_columns` (slots are the proposer's request slots).
 """
 
 from __future__ import annotations

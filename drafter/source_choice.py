@@ -10,9 +10,9 @@ segment age is measured: an age that stops paying loses the choice on its own.
 
 A second table calibrates every draft token (P(accepted | the tokens before it were)); a draft stops before its
 first token whose calibrated cumulative probability is under the request's floor, and the candidate with the most
-expected accepted tokens net of that floor is proposed (drafter/native/calibrator.h explains the cells).
+expected accepted tokens net of that floor is proposed (the native `Calibrator`'s header explains the cells).
 
-The tables and the per-step choice are native (drafter/native/calibrator.h): O(sources^2 * K) beyond the drafts.
+The tables and the per-step choice are native (`Calibrator`): O(sources^2 * K) beyond the drafts.
 """
 
 from __future__ import annotations

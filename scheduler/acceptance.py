@@ -2,15 +2,15 @@
 
 Every verification step tells, for each request that carried a draft of d tokens, how many (a) were accepted:
 positions 1..d were proposed, positions 1..a accepted. A request the budget gave no draft reports the same for its
-shadow drafts (drafter/history.py `HistoryBank.shadow`: never verified, settled by the tokens it commits), which
+shadow drafts (`HistoryBank.shadow`: never verified, settled by the tokens it commits), which
 have the outcome distribution of verified ones, so acceptance is measured where nothing is drafted.
 `AcceptanceCounts` keeps those counts per draft position for every running request (a slot each) and pooled over
 the engine's recent steps; `params` gives each request's per-position acceptance q_ij (`estimate_drafter_params`),
 its own counts shrunk towards the pooled per-position acceptance, so a new request starts from what this engine's
 drafts have recently achieved rather than from a constant.
 
-Cost: `record` and `params` are a few numpy calls on (requests x K_max) arrays, about 10-20 us per step for 256
-requests (no per-request Python work); `start`/`finish` are dict operations per request.
+Cost: `record` and `params` are O(requests x K_max) per step, a few numpy calls on (requests x K_max) arrays (no
+per-request Python work); `start`/`finish` are dict operations per request.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from das.scheduler.budget import DrafterParams, estimate_drafter_params
 
 POOL_WINDOW = 4096.0  # pooled counts are halved when more first-position drafts than this were counted
 # A request is "unmeasured" (DrafterParams.unmeasured) until this many of its drafts were verified. At most this many
-# draft tokens per request, and it keeps every request measuring: on the recorded Qwen2.5-Coder traces under
-# h100-7b (simulated), a batch's pooled first-position acceptance stuck at 0.045 (0.54 over all verified drafts):
-# every new request inherited it and drafted nothing, so nothing could correct it.
+# draft tokens per request, and it keeps every request measuring: a batch's pooled first-position acceptance can
+# collapse, and without it every new request would inherit the collapse and draft nothing, so nothing could correct
+# it (docs/results "Simulated makespan").
 EXPLORE_DRAFTS = 8
 
 
@@ -83,12 +83,11 @@ class AcceptanceCounts:
         """q_j, the pooled probability that draft position j is accepted, shrunk towards a geometric prior a^j whose
         ratio a is the pooled first-position acceptance where that is above prior_ratio, else prior_ratio.
 
-        Positions the budget has not drafted yet are expected to hold up at least as the first one does. A fixed
-        prior (prior_ratio^j) on them capped what high measured acceptance could buy: with q_1 near 1, positions
-        never tried still counted 0.5^j, so long drafts looked worthless and the long positions were never
-        tried (a repeated greedy epoch stopped at 0.90x no drafts where the step costs allowed ~0.42x). Below
-        prior_ratio the first position is no guide: a suffix draft that survives its first token is likelier
-        to go on (the ratio a = q_1 cost 4% simulated makespan on the SmolLM2 traces under cpu-smollm2)."""
+        Positions the budget has not drafted yet are expected to hold up at least as the first one does: a fixed
+        prior (prior_ratio^j) caps what high measured acceptance can buy (with q_1 near 1, undrafted positions
+        would still count 0.5^j, so long drafts look worthless and are never measured). Below prior_ratio the first
+        position is no guide: a suffix draft that survives its first token is likelier to go on. Measured effects
+        of both choices: docs/results "The repeated greedy epoch"."""
         first = (self.pool_accepted[0] + prior_steps * prior_ratio) / (self.pool_proposed[0] + prior_steps)
         prior = max(first, prior_ratio) ** (self._positions + 1.0)
         return (self.pool_accepted + prior_steps * prior) / (self.pool_proposed + prior_steps)
@@ -100,10 +99,9 @@ class AcceptanceCounts:
         The prior is the pool's, scaled to the request's own first position: q_ij = min(1, q_j (a_i / q_1)^j), a_i
         its first-position acceptance shrunk towards the pool's q_1. Where the pool is geometric (q_j = q_1^j)
         that is a_i^j: a request whose first tokens hold better than the pool's is expected to hold better
-        further out, until its own longer drafts say otherwise. With the pool's q_j as they were, a request
-        whose every explored token was accepted kept the previous batch's long-position acceptance and drafted
-        short: a repeated greedy epoch then ramped up over most of the epoch. A request with no drafts of its own
-        has a_i = q_1: the pool's prior unchanged."""
+        further out, until its own longer drafts say otherwise (the pool's q_j unscaled would keep it drafting as
+        short as the previous batch's requests did). A request with no drafts of its own has a_i = q_1: the pool's
+        prior unchanged."""
         proposed, accepted = self._proposed[slots], self._accepted[slots]
         pooled = self.pooled_acceptance()
         first = (accepted[:, :1] + prior_steps * pooled[0]) / (proposed[:, :1] + prior_steps)

@@ -1,11 +1,11 @@
 """Draft budget policies: every decode step, a draft length K_i in [0, K_max] for every running request.
 
-The model (docs/design.md, "The length-aware budget")
------------------------------------------------
+The model (docs/design "The length-aware budget")
+-------------------------------------------------
 A forward pass costs t = c_base + c_tok * n_tokens seconds (n_tokens: tokens verified in the pass, drafts
 included), plus c_spec when it verifies drafts. Request i has l_i predicted remaining tokens and measured
 per-position acceptance q_ij: the probability that draft positions 1..j are all accepted when at least j are
-proposed (scheduler/acceptance.py), nonincreasing in j. Drafting K tokens a step, a step commits on average
+proposed (`das.scheduler.acceptance`), nonincreasing in j. Drafting K tokens a step, a step commits on average
 
     f_i(K) = 1 + q_i1 + ... + q_iK        tokens (the accepted prefix plus the token the pass samples itself),
 
@@ -15,11 +15,10 @@ K T_iK draft tokens. With K_i per request (re-planned every step) the batch need
     F = (c_base + c_spec [some K_i > 0]) N + c_tok sum_i (l_i + K_i T_iK_i)       seconds.
 
 The token term charges every proposed draft token in full, though an accepted one replaces a token its request would
-have fed in a later pass: it errs towards drafting less (docs/design.md). This is the usual speculative-decoding
-expectation with each request's own measured acceptance per position: drafts that always hold give f(K) = K + 1,
-and nothing in the model bends them down (the exponential saturation A = k l (1 - exp(-a p / l)) this replaced
-predicted 0.56 l accepted where K_max = 8 drafts that always hold accept 0.89 l, and bought K = 3 where K_max
-paid: docs/design.md#the-exact-optimum).
+have fed in a later pass: it errs towards drafting less. This is the usual speculative-decoding expectation with
+each request's own measured acceptance per position: drafts that always hold give f(K) = K + 1, and nothing in the
+model bends them down (a saturating curve under-predicts drafts that hold and buys too short ones: docs/design
+"The exact optimum").
 
 The exact optimum over K in {0, ..., K_max}^n. For a given N, request i's cheapest draft length is the smallest K
 with T_iK <= N: its drafts over the rest of its life, K l_i / f_i(K), grow with K (f_i(K + 1) / (K + 1) <=
@@ -36,11 +35,9 @@ or all l_i = 0, nobody drafts.
 Per step: K_i is the draft length of the optimum; re-solving every step with the updated l_i (receding horizon) is
 what moves drafts to everyone when few requests remain.
 
-Cost of `OptimalPolicy("lengths").draft_lengths` on the 2-core development VM (idle):
-120 us for 8 requests, 120 us for 64 equal ones, 130 us for 256 long-tailed ones (most cannot draft: l_i <= N_min),
-200 us for 256 within 10% of each other at K_max = 8 (2,048 thresholds sorted). It is ~40 numpy calls of 2-3 us
-each plus the sort, not arithmetic: 0.1-0.2% of a CPU step here, ~0.5% of a 30 ms step of 256 requests on a GPU.
-A native solver is the lever if that ever shows in a step's profile.
+Cost of `OptimalPolicy("lengths").draft_lengths`: O(m log m) for the m = n K_max thresholds of the requests that
+can draft (l_i > N_min), in ~40 vectorised numpy calls whose call overhead, not arithmetic, dominates (timings:
+docs/design "The exact optimum"). A native solver is the lever if that ever shows in a step's profile.
 """
 
 from __future__ import annotations
@@ -138,7 +135,7 @@ class DraftPlan:
     """What a request may verify this step. lengths: int32 K_i in [0, K_max], the most draft tokens; min_prob:
     float64, the least probability (the drafter's estimate that every draft token up to this one is accepted) a
     draft token must have to be verified: 0 verifies whatever the drafter proposes, inf nothing. explored: None, or
-    a bool per request: its length is exploration's token (scheduler/exploration.py), whose accepted tokens are
+    a bool per request: its length is exploration's token (`Exploration`), whose accepted tokens are
     refunded to the exploration credit.
 
     The step's price, where the plan prices its drafts (`confidence_plan`; None elsewhere): `value`, float64 per
@@ -268,15 +265,15 @@ class BudgetSolution:
 
 class OptimalPolicy:
     """The length-aware budget (`das`); see the module docstring for the model and the solver. Its `plan`
-    (scheduler/policies.py `DasPlan`):
+    (`das.scheduler.policies.DasPlan`):
 
     - "lengths" (`das-lengths`): `draft_lengths` and `plan` are the optimum's K_i, from acceptance counts.
     - "token" (`das-token`): `plan` uses the same optimum per draft token instead: a request with K_i > 0 may
       verify up to K_max tokens, each only while the drafter's own estimate of its acceptance stays at least the
       request's marginal (BudgetSolution.marginal): the model decides who drafts and how likely a token must be,
       the drafter's per-token estimate which tokens clear that bar. It depends on those estimates being
-      calibrated; on the bundled traces they run low and the floor cuts good drafts
-      (docs/design.md#from-the-optimum-to-a-step), so it is not the default.
+      calibrated; on the bundled traces they run low and the floor cuts good drafts (docs/design "From the
+      optimum to a step"), so it is not the default.
     - "confidence" (`das`, the default): the plan prices each draft token by the drafter's own estimate instead of
       planning K_i from counts (`confidence_plan`): every request may verify up to K_max tokens, each only while
       its estimated acceptance pays for its verification; it reads no acceptance counts (`reads_acceptance`).
@@ -286,7 +283,7 @@ class OptimalPolicy:
     (`solve_budget`).
     """
 
-    PLANS = ("confidence", "lengths", "token")  # the plans it implements: scheduler/policies.py DasPlan
+    PLANS = ("confidence", "lengths", "token")  # the plans it implements: policies.DasPlan
 
     def __init__(self, plan: DasPlan = "confidence", exact_tokens: bool = False) -> None:
         if plan not in self.PLANS:
@@ -390,18 +387,17 @@ def confidence_plan(batch: BatchState) -> DraftPlan:
     tied ones each would end last with chance 1/m if they advanced alike, but the last is the one whose drafts held
     least, and a request whose draft token is accepted is by that token pulling ahead of its peers, so its chance
     is lower: 1 / (2m - 1) halves the tied value and keeps the lone straggler's whole. That factor is measured, not
-    derived (docs/results/2026-11-28-budget-regimes.md, "The tied requests' value"). Only the fixed part of a pass
+    derived (docs/results "One budget for both regimes", "The tied requests' value"). Only the fixed part of a pass
     is saved: the other requests' tokens are computed all the same, in whichever pass, so a step's per-token work
     (c_tok n) is no part of the value. That is what reads the regime: where a step is mostly fixed cost (a GPU: c_tok
-    ~1/250 of c_base) nearly every draft pays; where it is mostly per-token work (this CPU at 30+ requests) only
+    ~1/250 of c_base) nearly every draft pays; where it is mostly per-token work (a CPU at tens of requests) only
     likely ones do. The draft pays where p (c_draft + value_i) >= c_draft, i.e. p >= floor_i: the batch's longest
     request drafts down to c_draft / (c_draft + c_base), a batch of many equally long ones only what is likely to
     hold. This asks the drafter's probabilities to be calibrated and spends nothing from the request's acceptance
     counts: a new request whose context repeats itself drafts at its first step. The length forecast acts through
     the ranks alone. Per token the price shares the drafted step's fixed price as if a full draft did; the step as a
-    whole pays it only where its drafts' expected saving covers it (`DraftPlan.pays`, applied by
-    scheduler/draft_step.py), so a step with a few middling drafts verifies none. Vectorised: a sort and a few numpy
-    calls over n."""
+    whole pays it only where its drafts' expected saving covers it (`DraftPlan.pays`, applied by the draft step), so a
+    step with a few middling drafts verifies none. Vectorised: a sort and a few numpy calls over n."""
     n = len(batch)
     rem = batch.remaining
     if n == 0 or batch.k_max == 0 or batch.c_base_s == 0.0:
@@ -425,7 +421,7 @@ class DrafterParams:
     """Per-request drafter parameters for the budget model: `acceptance` q_ij (BatchState.acceptance, one row per
     request, or one row of J for a single request); `unmeasured` (None, or a bool each): requests whose estimate
     rests on too few drafts of their own, which bounded exploration may give a draft token the optimum did not
-    (scheduler/exploration.py); `measured`: first-position drafts the engine has verified (pooled; inf: not
+    (`das.scheduler.exploration`); `measured`: first-position drafts the engine has verified (pooled; inf: not
     tracked)."""
 
     acceptance: np.ndarray

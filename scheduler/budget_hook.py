@@ -2,9 +2,9 @@
 
 The policies themselves live in `das.scheduler.budget` (uniform K, the three length classes, the length-aware
 optimum); this module turns the proposer's view of its batch into their `BatchState` and back, with the engine's
-step costs as it measures them (`observe`: an online fit, scheduler/cost_model.py) and a guard that backs off
-when drafted steps lose (`SpeculationGuard`). The scheduler tunes a hook by its configuration (a budget of the
-one grammar, scheduler/policies.py, as plain data in `additional_config["das"]["budget"]`) and informs it per
+step costs as it measures them (`observe`: an online fit, `OnlineCostModel`) and a guard that backs off when
+drafted steps lose (`SpeculationGuard`). The scheduler tunes a hook by its configuration (a budget of the one
+grammar, `das.scheduler.policies`, as plain data in `additional_config["das"]["budget"]`) and informs it per
 request through `RequestTags.length_curve` (the scheduler's forecast, re-read every step as the sample grows) or
 `RequestTags.predicted_tokens` (one number, fixed at submission).
 """
@@ -59,12 +59,12 @@ class BatchView:
 
 @dataclass(frozen=True, slots=True)
 class StepSample:
-    """One engine step as the proposer measured it: `step_s` seconds from the previous step's proposal to this
-    one's (the whole step: forward pass, sampling, the engine core's bookkeeping, the proposer); `tokens` scheduled
-    (running requests plus the draft tokens they verified); `requests` running; `accepted` draft tokens accepted;
-    `probe`: the drafts include the cost warm-up's junk ones (`RequestTags.cost_probe`, service/engine/
-    extra_args.py), which price a drafted step for the cost fit but say nothing about what drafts buy;
-    `explored_accepted`: accepted tokens of exploration's drafts (`DraftPlan.explored`)."""
+    """One engine step as the proposer measured it: `step_s` seconds from the previous step's proposal to this one's
+    (the whole step: forward pass, sampling, the engine core's bookkeeping, the proposer); `tokens` scheduled (running
+    requests plus the draft tokens they verified); `requests` running; `accepted` draft tokens accepted; `probe`: the
+    drafts include the cost warm-up's junk ones (`RequestTags.cost_probe`), which price a drafted step for the cost fit
+    but say nothing about what drafts buy; `explored_accepted`: accepted tokens of exploration's drafts
+    (`DraftPlan.explored`)."""
 
     step_s: float
     tokens: int
@@ -78,7 +78,7 @@ class StepSample:
 class BudgetHook(Protocol):
     name: str
     # whether `plan` reads the drafter's measured acceptance; where it does not, the caller passes None and need
-    # not estimate it (a per-step cost: ~30 us at 64 requests)
+    # not estimate it (a per-step cost, O(requests x K_max))
     reads_acceptance: bool
 
     def plan(self, batch: BatchView, drafter: DrafterParams | None = None) -> DraftPlan:
@@ -108,16 +108,15 @@ GUARD_PRICES = (0.0, 0.1, 0.25, 0.5, 1.0)
 class SpeculationGuard:
     """Never a loss: watches what drafted steps buy and raises the price the budget sees on them while they lose.
 
-    A drafted step of r requests that got `accepted` draft tokens in `step_s` produced (r + accepted) / step_s
-    tokens per second; without drafts the same requests would have produced r / (c_base + c_tok r) by the live
-    cost fit. Their ratio, averaged over recent drafted steps (weight 1/16 each), is what speculation buys. Below
-    `lose` (after `patience` drafted steps at this level) the price goes one level up, above `win` (after `recover`
-    drafted steps) one level down. The price acts inside the budget model (an extra c_spec): the optimum then
-    drafts only where it predicts a gain that pays the price too, i.e. fewer drafted steps, for the requests and
-    draft lengths whose measured acceptance promises most. An earlier guard raised a floor on the drafter's own
-    per-token probabilities instead, which are counts, not calibrated: a continuation seen once is rated 1/3, under
-    every floor from 0.5 up, so a guard raised on one batch kept the next batch, whose drafts held ~100% (a repeated
-    greedy epoch), from drafting at all. A raised price may still leave nothing worth drafting, and then nothing
+    A drafted step of r requests that got `accepted` draft tokens in `step_s` produced (r + accepted) / step_s tokens
+    per second; without drafts the same requests would have produced r / (c_base + c_tok r) by the live cost fit. Their
+    ratio, averaged over recent drafted steps (weight 1/16 each), is what speculation buys. Below `lose` (after
+    `patience` drafted steps at this level) the price goes one level up, above `win` (after `recover` drafted steps) one
+    level down. The price acts inside the budget model (an extra c_spec): the optimum then drafts only where it predicts
+    a gain that pays the price too, i.e. fewer drafted steps, for the requests and draft lengths whose measured
+    acceptance promises most. It prices drafted steps rather than flooring the drafter's per-token probabilities: those
+    are counts, not calibrated, so a floor raised on one batch can keep the next, whose drafts hold, from drafting at
+    all (docs/design "The online cost model"). A raised price may still leave nothing worth drafting, and then nothing
     is measured: so after `relax` steps in a row without a drafted one the price also goes one level down.
     """
 
@@ -164,14 +163,14 @@ class PolicyBudget:
     """A `scheduler.budget` policy fed from the proposer's batch and the engine's live step costs.
 
     acceptance: the ratio of the geometric per-position acceptance (q_j = acceptance^j) assumed for requests
-    without measured acceptance (the proposer passes measured ones, scheduler/acceptance.py). The step cost model is
+    without measured acceptance (the proposer passes measured ones, `das.scheduler.acceptance`). The step cost model is
     `cost`, fitted online from the engine's own steps (`observe`) unless `online` is False, and read every step.
     `guard`: the never-a-loss guard (`SpeculationGuard`), which only ever raises the price of a drafted step the
     policy sees.
     Requests with unmeasured acceptance get exploration tokens on a credit of ~0.5% of the engine's time
-    (scheduler/exploration.py; the fixed baselines draft everyone anyway).
-    Cost per step: one BatchState (two small numpy arrays) plus the policy, about 120-200 us for 8-256 requests
-    (scheduler/budget.py), plus the fit's ~50 us (scheduler/cost_model.py) and exploration's ~10 us.
+    (`Exploration`; the fixed baselines draft everyone anyway).
+    Cost per step: one BatchState (two small numpy arrays), the policy's solve (`OptimalPolicy`: O(m log m) in its
+    thresholds), the fit's O(1) update and exploration's vectorised pass over the requests.
     """
 
     def __init__(self, policy: BudgetPolicy, k_max: int, cost: CostModel, *, online: bool = True,
@@ -236,7 +235,7 @@ class PolicyBudget:
 
 
 def budget_hook_from_config(config: BudgetBase | Mapping[str, Any] | str, k_max: int) -> BudgetHook:
-    """The budget hook `config` describes (a scheduler/policies.py budget, its fields as plain data: what crosses
+    """The budget hook `config` describes (a `das.scheduler.policies` budget, its fields as plain data: what crosses
     into vLLM's engine core, or its name), for drafts of at most `k_max` tokens. Bad settings raise ValueError
     (pydantic's ValidationError)."""
     budget = budget_from_config(config)

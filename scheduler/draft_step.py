@@ -1,6 +1,6 @@
 """One engine step's drafting, as one piece of code for the engine and for the simulator: the DAS proposer runs it
-inside vLLM (service/engine/vllm/proposer.py) and `das bench simulate` runs it per simulated engine
-(scheduler/simulator.py), so what the simulator measures is the engine's own step, not a copy of it.
+inside vLLM and `das bench simulate` runs it per simulated engine (`das.scheduler.simulator`), so what the
+simulator measures is the engine's own step, not a copy of it.
 
 A step is two calls around the forward pass that verifies the drafts:
   * `settle`: the tokens the requests committed since their last drafts are fed into the history bank, which

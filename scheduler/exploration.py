@@ -1,33 +1,27 @@
 """Bounded exploration: draft tokens the budget would not give, spent to keep measuring acceptance.
 
-The length-aware optimum (scheduler/budget.py) trusts each request's measured acceptance, and a budget that stops
+The length-aware optimum (`das.scheduler.budget`) trusts each request's measured acceptance, and a budget that stops
 drafting stops measuring: an estimate that collapsed early (a batch's first drafts all rejected, say) would keep
 drafting off for good. So requests whose acceptance rests on too few drafts of their own
 (`DrafterParams.unmeasured`) get a draft the plan left them without, verified whatever its estimate: K_max tokens,
 so that one measurement covers every draft position the optimum's choice of K turns on.
 
-Exploring is not free, and where a verified token costs a real share of a step (a compute-bound CPU engine: one
-token ~1/13 of a step) one token for every unmeasured request made every new batch's first steps slower. So
+Exploring is not free where a verified token costs a real share of a step (a compute-bound CPU engine), so
 exploration runs on a credit: every step adds `share` of the step's estimated time; a grant costs K_max c_tok, and
 a step the plan left plain also the drafted-step price c_spec; unspent credit is capped at `burst` steps' worth (but
 always enough for one grant on a plain step, so exploration never stops for good; with refunds, for a grant for
 every unmeasured request). An explored token that is accepted did the work of a token decoded plainly, and that
 work's price (a plain step of the batch's size over its requests) is refunded (`refund`): the share bounds what
-exploration loses on rejected tokens, not how fast it measures requests whose drafts hold. Without the refund a
-repeated greedy epoch (every continuation in the drafter's history, drafts accepted ~100%) explored ~1 token per
-10-20 steps, and its new requests kept the previous epoch's pooled acceptance most of the epoch
-(docs/design.md#from-the-optimum-to-a-step). At the default 0.5% share exploration loses at most ~0.5% of the
-engine's time: where drafting cannot win (no sample repeats its text) that share is a pure loss, and at 2% it was
-a large part of what das lost against plain decoding on the quick start's workload
-(docs/design.md#from-the-optimum-to-a-step). The longest-remaining unmeasured requests go first: their acceptance is
-what the makespan turns on, and once measured they leave the pool, so the others follow. Only an engine's first 64
-measured drafts are explored unrationed (`EXPLORE_UNRATIONED_DRAFTS`), one token each: a cheap first measurement
-of the engine's pooled acceptance. One-token grants throughout measured the first position only; a request whose
-drafts held then ramped its draft length up over tens of steps on the prior for the others, most of a 256-token
-greedy sample (docs/design.md#from-the-optimum-to-a-step).
+exploration loses on rejected tokens, not how fast it measures requests whose drafts hold. Invariant: exploration
+loses at most `share` of the engine's time, a pure loss where drafting cannot win (no sample repeats its text), hence
+the small default. The longest-remaining unmeasured requests go first: their acceptance is what the makespan turns
+on, and once measured they leave the pool, so the others follow. Only an engine's first 64 measured drafts are
+explored unrationed (`EXPLORE_UNRATIONED_DRAFTS`), one token each: a cheap first measurement of the engine's pooled
+acceptance. What each of these choices fixed (one-token grants, no refund, a larger share): docs/design "From the
+optimum to a step".
 
-Cost per step: a few numpy calls on the batch's arrays (~10 us for 256 requests); a partial sort only on steps
-with credit for some but not all of the unmeasured requests.
+Cost per step: O(requests), a few vectorised numpy calls on the batch's arrays; a partial sort only on steps with
+credit for some but not all of the unmeasured requests.
 """
 
 from __future__ import annotations
@@ -44,7 +38,7 @@ EXPLORE_BURST = 4.0
 # Until the engine has verified this many first-position drafts (pooled), exploration is not rationed: with
 # nothing measured, the optimum's prior (acceptance 0.5^j) keeps short or cheap samples from ever drafting, and a
 # rationed credit would take a whole short batch to buy one token (a tiny model's greedy repeats then drafted nothing).
-# Once per engine: ~64 draft tokens, under half a step of the 2-core CPU at 64 requests.
+# Once per engine: ~64 draft tokens.
 EXPLORE_UNRATIONED_DRAFTS = 64
 
 
@@ -78,9 +72,8 @@ class Exploration:
         entry = 0.0 if drafting else batch.c_spec_s  # a plain step that explores becomes a drafted one
         step_s = batch.c_base_s + c_tok * (len(batch) + float(lengths.sum())) + (batch.c_spec_s if drafting else 0.0)
         idle = np.flatnonzero(np.asarray(unmeasured, dtype=bool) & (lengths < 1))
-        # a draft as long as a step allows: it measures every position the optimum's choice turns on at once
-        # (one token measured the first only, and a request whose drafts held then ramped up over tens of steps on
-        # the prior for the rest); charged in full, refunded per accepted token
+        # a draft as long as a step allows: it measures every position the optimum's choice turns on at once (one
+        # token would measure the first only); charged in full, refunded per accepted token
         grant = c_tok * batch.k_max
         # the share alone never holds more than one grant's price (it is spent as soon as it can pay one); refunds
         # may hold up to a grant for every request waiting to be measured

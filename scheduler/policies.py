@@ -3,15 +3,15 @@
 short name to it (`parse_budget`). Every budget a user or a benchmark names goes through here: the engine's
 setting (`EngineConfig.budget`, which crosses into vLLM's engine core as plain data: `model_dump`), `das serve
 --budget`, the chart's `engine.budget`, `das bench e2e --budget`, the simulator's arms and the e2e arms that run a
-budget. Free of numpy (a class builds its scheduler/budget.py policy only when asked), so the command line reads
+budget. Free of numpy (a class builds its `das.scheduler.budget` policy only when asked), so the command line reads
 it cheaply.
 
 The names (`GRAMMAR`):
   das | das-lengths | das-token | das-lengths-exact | das-token-exact   the length-aware optimum
-      (scheduler/budget.py `OptimalPolicy`): das prices each draft token by the drafter's own estimate, das-lengths
+      (`budget.OptimalPolicy`): das prices each draft token by the drafter's own estimate, das-lengths
       plans K_i from acceptance counts, das-token uses those K_i's marginal as a per-token floor; -exact charges
       only the draft tokens expected to be rejected. Each takes `:COST_MODEL` (a named or calibrated cost model,
-      scheduler/cost_model.py `load_cost_model`): the prior of its step cost fit.
+      `cost_model.load_cost_model`): the prior of its step cost fit.
   uniform | uniform-K      K draft tokens per request every step (uniform: K_max).
   classes | classes-L-M-S  by predicted length class: long / medium / short (default 16 / 8 / 4).
 A name is the class's `name`, so `parse_budget(b.name)` gives `b` back (cost model aside).
@@ -39,12 +39,11 @@ _COUNT = re.compile(r"0|[1-9][0-9]*")
 
 
 class BudgetBase(BaseModel):
-    """What every budget shares: the step cost model it starts from, `prior` (CostModel fields; default
-    `GENERIC_PRIOR`, or the engine's prior for its model: service/engine/config.py `budget_settings`) or its
-    coefficients alone (`c_base_s`, `c_tok_s`, `c_spec_s`, `c_spec_req_s`, seconds); `online` (fit it from the
-    engine's own steps; False: keep the prior); `guard` (the never-a-loss guard, scheduler/budget_hook.py
-    `SpeculationGuard`: each class sets its default) and `acceptance` (the geometric ratio assumed for requests
-    without measured acceptance)."""
+    """What every budget shares: the step cost model it starts from, `prior` (CostModel fields; default `GENERIC_PRIOR`,
+    or the engine's prior for its model: the engine configuration's `budget_settings`) or its coefficients alone
+    (`c_base_s`, `c_tok_s`, `c_spec_s`, `c_spec_req_s`, seconds); `online` (fit it from the engine's own steps; False:
+    keep the prior); `guard` (the never-a-loss guard, `budget_hook.SpeculationGuard`: each class sets its default) and
+    `acceptance` (the geometric ratio assumed for requests without measured acceptance)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -115,7 +114,7 @@ class BudgetBase(BaseModel):
 
 
 class DasBudget(BudgetBase):
-    """The length-aware optimum (scheduler/budget.py `OptimalPolicy`), guarded by default. `plan`: confidence (up
+    """The length-aware optimum (`budget.OptimalPolicy`), guarded by default. `plan`: confidence (up
     to K_max tokens while the drafter's estimate pays for each: `confidence_plan`), lengths (the optimum's K_i
     from acceptance counts) or token (up to K_max tokens above the K_i's marginal as a per-token floor);
     `exact_tokens` (lengths and token only): the optimum's token term charges only the draft tokens expected to be
@@ -199,7 +198,7 @@ class UniformBudget(BudgetBase):
 
 
 class ClassesBudget(BudgetBase):
-    """Draft tokens by predicted length class (scheduler/budget.py `ClassPolicy`): `long`, `medium`, `short`,
+    """Draft tokens by predicted length class (`budget.ClassPolicy`): `long`, `medium`, `short`,
     unguarded."""
 
     grammar: ClassVar[str] = "classes | classes-L-M-S"
@@ -242,7 +241,7 @@ GRAMMAR = " | ".join(kind.grammar for kind in BUDGETS.values()) + f" (a {_PRICED
 
 def parse_budget(text: str) -> BudgetBase:
     """The budget a name of the grammar (module docstring, `GRAMMAR`) names, e.g. `uniform-8`, `das-lengths` or
-    `das:h100-7b` (whose cost model is loaded here: scheduler/cost_model.py `load_cost_model`). ValueError naming
+    `das:h100-7b` (whose cost model is loaded here: `cost_model.load_cost_model`). ValueError naming
     the grammar where `text` is none of its names."""
     name, colon, cost = text.strip().partition(":")
     policy, dash, rest = name.partition("-")

@@ -5,7 +5,7 @@ each engine runs vLLM's schedule over its requests (`EngineLimits`: admission up
 then prompt chunks up to the step's token budget), one forward pass after another, each pass costing
 c_base + c_tok * (decode tokens, drafts included) + c_prefill * (prompt tokens) (+ c_spec + c_spec_req *
 requests if it verifies drafts).
-Drafts come from the engine's own draft step (scheduler/draft_step.py, what the proposer runs inside vLLM: the
+Drafts come from the engine's own draft step (`draft_step.DraftStep`, what the proposer runs inside vLLM: the
 real drafter, a HistoryBank holding the earlier versions and fed with the batch's own tokens as they are generated,
 planned by the engine's budget hook with the cost model fixed and no guard), cut by the policy's per-token
 probability floor where it has one; the verifier is simulated: accepted = longest prefix
@@ -24,8 +24,7 @@ Four references run beside the arms, to show where a policy's time goes (`Simula
   * drafts free: every request drafts K_max every step and its draft tokens cost nothing (a step costs what a
     plain step of its requests costs: c_base + c_tok * requests, no drafted-step price): about the fewest passes
     this drafter allows at the plain steps' price, so no budget policy gets far below it. Not a strict bound: a
-    shorter draft can land the next step on a position where the drafter does better. (Before 2026-11-28 this
-    reference also priced the requests' own tokens at 0, which a plain step pays too: it lay below any policy.)
+    shorter draft can land the next step on a position where the drafter does better.
   * exact drafts: every request drafts its own recorded future, K_max tokens every step, all accepted, each step
     priced in full: the limit of speculation at K_max under this cost model whatever the drafter (the engine
     bench's `oracle-k` arm, simulated), against which das's saving is a share.
@@ -62,7 +61,7 @@ from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import Placement, place_groups, round_robin
 from das.scheduler.policies import BudgetBase, parse_budget
 
-NO_SPECULATION = "none"  # the arm without speculation; every other arm is a budget name (scheduler/policies.py)
+NO_SPECULATION = "none"  # the arm without speculation; every other arm is a budget name (`policies.GRAMMAR`)
 ARMS = (NO_SPECULATION, "uniform-4", "uniform-8", "uniform-16", "classes", "das-token", "das-lengths", "das")
 PLACEMENTS = ("round-robin", "length-aware")
 # Every fixed policy the default must beat (issue 55): uniform K for each K up to K_max, the classes, and das's
@@ -95,7 +94,7 @@ def arm_list(spec: str, k_max: int) -> list[str]:
 
 
 def arm_settings(name: str) -> BudgetBase | None:
-    """An arm's budget (scheduler/policies.py: `parse_budget`, e.g. uniform-8, classes, das, das-lengths,
+    """An arm's budget (`policies.parse_budget`, e.g. uniform-8, classes, das, das-lengths,
     das-token), or None for `none`: no speculation at all, the drafter is not consulted. The simulator prices
     steps by its own cost model, so an arm naming one (das:COST_MODEL) is refused."""
     if name == NO_SPECULATION:
@@ -148,7 +147,7 @@ PlaceGroups = Callable[[np.ndarray, int], Placement]
 
 
 def placement_by_name(kind: str) -> PlaceGroups:
-    """"length-aware" (scheduler/placement.py `place_groups`) or "round-robin"."""
+    """"length-aware" (`placement.place_groups`) or "round-robin"."""
     if kind not in PLACEMENTS:
         raise ValueError(f"unknown placement {kind!r}; known: {list(PLACEMENTS)}")
     return place_groups if kind == "length-aware" else round_robin
@@ -241,8 +240,8 @@ class BatchSimulation:
     prompts in chunks up to `limits.step_tokens` tokens in all; the step that computes a prompt's last chunk samples
     its first output token. A step costs `cost.step_time(decode tokens, drafted, prompt tokens, decoding requests)`.
 
-    Drafting is the engine's own step (scheduler/draft_step.py `DraftStep`) over the engine's budget hook
-    (scheduler/budget_hook.py `PolicyBudget` with `policy`, the cost model fixed at `cost` and no guard); the
+    Drafting is the engine's own step (`draft_step.DraftStep`) over the engine's budget hook
+    (`budget_hook.PolicyBudget` with `policy`, the cost model fixed at `cost` and no guard); the
     verifier is simulated: a draft's accepted tokens are its longest prefix equal to the recorded continuation.
     Seams: `signal` (the lengths placement and budget read; default `PredictedLengths`) and `place` (where groups
     run; default length-aware). `free_drafts`: draft tokens are not priced (the drafts-free reference)."""
