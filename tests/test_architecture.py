@@ -122,3 +122,10 @@ def test_no_import_cycles_among_the_packages_modules() -> None:
     edges = [(a, b) for a in graph.modules for b in graph.find_modules_directly_imported_by(a) if a != b]
     assert len(edges) > 100  # the graph is the package's
     assert [(a, b) for a, b in edges if graph.chain_exists(importer=b, imported=a)] == []
+
+
+def test_the_readme_stays_a_short_users_document() -> None:
+    """README.md is the user's document (at most 250 lines, its results one line a row); the design and the dated
+    results live in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 250, f"README.md has {len(lines)} lines"
