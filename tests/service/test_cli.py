@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from das.scheduler.policies import budget_from_config, parse_budget
 from das.service.cli import app, merge_engine_options
 from das.service.cluster.engine_layout import cpu_node
-from tests.service.test_serve import free_port
+from tests.service.serve_process import free_port
 
 FLAGS = {"model": "smollm2", "num_speculative_tokens": 8, "budget": {"policy": "das"}}
 

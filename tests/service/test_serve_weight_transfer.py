@@ -19,9 +19,7 @@ import pytest
 from das.service.client import RolloutClient
 from das.service.wire.sample_progress import ProgressRecord
 from das.service.engine.vllm.models import prepare_model
-from tests.service.test_serve import TOKEN, Server, metric
-
-# Seeded sampling at temperature 1: the keyed draw makes the same seed give the same tokens under the same weights.
+from tests.service.serve_process import TOKEN, Server, metric
 GROUPS = [{"problem_id": f"w{i}", "prompt": prompt, "n": 2,
            "sampling": {"max_tokens": 16, "temperature": 1.0, "seed": 1234 + i, "ignore_eos": True}}
           for i, prompt in enumerate(["The capital of France is", "def fibonacci(n):"])]

@@ -12,7 +12,7 @@ import httpx
 import openai
 
 from das.service.engine.vllm.models import prepare_model
-from tests.service.test_serve import TOKEN, Server, metric
+from tests.service.serve_process import TOKEN, Server, metric
 from tests.tiny_models import build_tiny_model
 
 PROMPT = [5 + (7 * i) % 50 for i in range(320)]  # ten 32-token KV blocks (vLLM's CPU block size here)

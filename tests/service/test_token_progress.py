@@ -21,7 +21,7 @@ from das.service.client.history_chunks import history_bodies
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.http.gateway import create_app
 from das.service.wire.sample_progress import ProgressRecord
-from tests.service.http.test_gateway import LiveServer, gateway_settings
+from tests.service.live_gateway import LiveServer, gateway_settings
 
 
 def stub(**config: Any) -> EngineBackend:

@@ -21,8 +21,7 @@ from examples.grpo.rollout import (
     problem_key,
     prompt_runs,
 )
-from tests.service.http.test_gateway import LiveServer, gateway_settings
-from tests.service.http.test_openai_api import STUB_TOKENS
+from tests.service.live_gateway import STUB_TOKENS, LiveServer, gateway_settings
 
 TOKEN = "grpo-test-token"
 CHAT_A = [{"role": "user", "content": "What is 2 + 2?"}]

@@ -18,7 +18,8 @@ from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.client import AsyncRolloutClient, RolloutClient, RolloutError
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.http.gateway import create_app
-from tests.service.http.test_gateway import TOKEN, LiveServer, gateway_settings, groups
+from tests.service.live_gateway import TOKEN, LiveServer, gateway_settings, groups
+from tests.service.client.batch_keys import ALL_12, keys
 
 
 @pytest.fixture
@@ -33,13 +34,6 @@ def live() -> Iterator[Any]:
     yield start
     for server in servers:
         server.__exit__()
-
-
-def keys(records: list[Any]) -> list[tuple[int, int]]:
-    return sorted((r.group_index, r.sample_index) for r in records)
-
-
-ALL_12 = [(g, s) for g in range(3) for s in range(4)]
 
 
 class _CutStream(httpx.SyncByteStream):

@@ -16,7 +16,7 @@ from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.gateway import create_app
 from das.service.wire.api import SampleRecord, SamplingSpec, seeded_groups
 from das.service.wire.sample_keys import derive
-from tests.service.http.test_gateway import TOKEN, LiveServer, gateway_settings
+from tests.service.live_gateway import TOKEN, LiveServer, gateway_settings
 
 
 def test_das_rollout_runs_epochs_and_writes_a_history_file(tmp_path: Path) -> None:

@@ -11,12 +11,12 @@ from das.service.wire.api import SamplingSpec
 from das.service.client import AsyncRolloutClient, RolloutClient, RolloutError
 from das.service.cluster.rollout_backend import StubBackend
 from das.service.client.session_client import AsyncClientSession, run_turns, run_turns_async
-from tests.service.http.test_session_routes import STUB_TOKENS, TOKEN, serve  # noqa: F401 -- the fixture
+from tests.service.live_gateway import STUB_TOKENS, TOKEN
 
 
-def test_the_rollout_client_runs_sessions_one_at_a_time_and_many_at_once(serve):
+def test_the_rollout_client_runs_sessions_one_at_a_time_and_many_at_once(session_serve):
     backend = StubBackend(output_tokens=4)
-    server, _, _ = serve(backend)
+    server, _, _ = session_serve(backend)
     sampling = SamplingSpec(max_tokens=4)
     with RolloutClient(server.url, token=TOKEN) as client:
         session = client.session("task", sampling=sampling)
@@ -41,9 +41,9 @@ def test_the_rollout_client_runs_sessions_one_at_a_time_and_many_at_once(serve):
         assert gone.value.status_code == 404
 
 
-def test_the_async_client_runs_agent_loops_concurrently_and_batched_turns(serve):
+def test_the_async_client_runs_agent_loops_concurrently_and_batched_turns(session_serve):
     backend = StubBackend(output_tokens=3, first_delay_s=0.05)
-    server, _, _ = serve(backend)
+    server, _, _ = session_serve(backend)
     sampling = SamplingSpec(max_tokens=3)
 
     async def main() -> None:

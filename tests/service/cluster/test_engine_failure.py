@@ -10,8 +10,6 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter
@@ -24,14 +22,14 @@ import openai
 import psutil
 import pytest
 
-from das.service.engine.stub_engine import StubEngineConfig
 from das.service.cluster.engine_failure import GivenUpPrompts, RestartWindow, Share
 from das.service.config import FailureConfig
 from das.service.engine.vllm.models import prepare_model
 from das.service.wire.api import GroupRequest, SampleResult
 from das.service.wire.sample_keys import derive
-from tests.service.test_serve import TOKEN, Server, free_port, metric
+from tests.service.serve_process import TOKEN, Server, metric
 from tests.tiny_models import build_tiny_model
+from tests.service.cluster.stub_service import STUB_VOCAB, StubService, process_pids, wait_until
 
 # ---- the bookkeeping, without Ray ----
 
@@ -99,42 +97,6 @@ def test_the_restart_window_allows_max_restarts_then_refuses_until_old_ones_age_
 
 # ---- a service in a child process ----
 
-SERVE = """
-import asyncio, signal, sys
-import uvicorn
-from das.service.cluster.coordinator import RayBackend
-from das.service.config import ServiceConfig
-from das.service.http.gateway import create_app
-from das.service.config import GatewayConfig
-
-async def main() -> None:
-    backend = await RayBackend.start(ServiceConfig.model_validate_json(sys.argv[1]))
-    try:
-        app = create_app(backend, GatewayConfig(batch_stall_timeout_s=120))
-        # uvicorn raises the signal that stopped it again once it is done: without this, that would interrupt the
-        # backend's close.
-        signal.signal(signal.SIGINT, lambda *args: None)
-        await uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=int(sys.argv[2]),
-                                            log_level="warning")).serve()
-    finally:
-        await backend.close()
-
-asyncio.run(main())
-"""
-
-
-def process_pids(root: int, title: str) -> list[int]:
-    """Processes under `root` whose title (what Ray and vLLM set: ray::NodeEngine, VLLM::EngineCore) has
-    `title`."""
-    found = []
-    for proc in psutil.Process(root).children(recursive=True):
-        try:
-            if title in " ".join(proc.cmdline()) and proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except psutil.Error:
-            continue
-    return found
-
 
 def run_batch(url: str, body: dict[str, Any], on_record: Callable[[int], None] = lambda count: None,
               headers: dict[str, str] | None = None) -> tuple[list[dict[str, Any]], dict[str, Any]]:
@@ -156,57 +118,6 @@ def run_batch(url: str, body: dict[str, Any], on_record: Callable[[int], None] =
                 records.append(item)
                 on_record(len(records))
         raise AssertionError("the stream ended without a summary")
-
-
-def wait_until(condition: Callable[[], bool], seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
-class StubService:
-    """RayBackend and the gateway (service/cluster/coordinator.py, service/http/gateway.py) in a child process on
-    loopback, with the given ServiceConfig."""
-
-    def __init__(self, tmp_path: Path, config: dict[str, Any]) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp_path / "service.log"
-        with self.log.open("w") as out:
-            self.proc = subprocess.Popen([sys.executable, "-c", SERVE, json.dumps(config), str(self.port)],
-                                         stdout=out, stderr=subprocess.STDOUT)
-
-    def get(self, path: str) -> httpx.Response:
-        return httpx.get(f"{self.url}{path}", timeout=10)
-
-    def metric(self, name: str) -> float:
-        return metric(self.get("/metrics").text, name)
-
-    def wait_ready(self, engines: int) -> None:
-        def up() -> bool:
-            assert self.proc.poll() is None, self.log.read_text()
-            try:
-                return self.get("/readyz").status_code == 200 and self.metric("das_engines_ready") == engines
-            except httpx.TransportError:
-                return False
-        wait_until(up, 120, "the service did not become ready")
-
-    def node_engines(self) -> list[int]:
-        return process_pids(self.proc.pid, "ray::NodeEngine")
-
-    def stop(self) -> None:
-        """SIGINT; the service closes cleanly (exit status 0)."""
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            raise
-        assert self.proc.returncode == 0, self.log.read_text()[-3000:]
-
-
-STUB_VOCAB = StubEngineConfig().vocab_size
 
 
 def stub_groups(count: int, n: int) -> list[dict[str, Any]]:

@@ -12,7 +12,7 @@ from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.node_engine import NodeEngine
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.wire.api import GroupRequest, SampleResult
-from tests.service.cluster.test_history_client import FlakyShard
+from tests.service.cluster.flaky_shard import FlakyShard
 
 TOKENS = 40
 

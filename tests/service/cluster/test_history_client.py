@@ -12,7 +12,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -23,7 +22,8 @@ from das.service.client import RolloutClient
 from das.service.cluster.history_client import HistoryClient
 from das.service.cluster.history_store import HistoryShard, HistoryShardActor
 from das.service.config import HistoryConfig, HistoryPushConfig
-from tests.service.test_serve import free_port
+from tests.service.serve_process import free_port
+from tests.service.cluster.flaky_shard import FlakyShard
 
 
 @pytest.fixture(scope="module")
@@ -51,32 +51,6 @@ def stored(actor: Any) -> Counter[tuple[int, ...]]:
     """Every stored rollout's output, counted (a duplicate shows as a count of 2)."""
     records, _ = ray.get(actor.pull.remote({"p": 0}, "reader"))["p"]
     return Counter(tuple(r["output_token_ids"]) for r in records)
-
-
-class FlakyShard:
-    """A `HistoryShard` behind an actor-handle look-alike (`shard.push.remote(...)` awaitable); `down` calls fail
-    as Ray fails a call to a restarting actor, and `restart()` replaces the shard by one restored from its snapshot
-    (another epoch)."""
-
-    def __init__(self, state: Path) -> None:
-        self.state = state
-        self.shard = HistoryShard(0, HistoryConfig(shards=1), str(state))
-        self.down = 0
-        self.calls = 0
-        self.push = SimpleNamespace(remote=self._call("push"))
-        self.pull = SimpleNamespace(remote=self._call("pull"))
-
-    def _call(self, method: str) -> Any:
-        async def remote(*args: Any) -> Any:
-            self.calls += 1
-            if self.down:
-                self.down -= 1
-                raise ray.exceptions.ActorUnavailableError("restarting", None)
-            return getattr(self.shard, method)(*args)
-        return remote
-
-    def restart(self) -> None:
-        self.shard = HistoryShard(0, HistoryConfig(shards=1), str(self.state))
 
 
 def test_a_push_that_runs_out_of_retries_is_kept_for_the_next_push(tmp_path: Path) -> None:

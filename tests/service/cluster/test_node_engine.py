@@ -9,7 +9,7 @@ from das.service.engine.stub_engine import StubEngineConfig
 from das.service.config import HistoryPushConfig
 from das.service.cluster.node_engine import NodeEngine, NodeStats
 from das.service.wire.api import GroupRequest, SampleResult
-from tests.service.cluster.test_history_client import FlakyShard
+from tests.service.cluster.flaky_shard import FlakyShard
 
 
 def test_stats_count_the_rollouts_the_outbox_holds_and_those_it_gave_up(tmp_path: Path) -> None:

@@ -19,8 +19,8 @@ from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineBackend
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult
 from das.service.wire.engine_control import Pause, Resume
-from tests.service.cluster.test_history_client import FlakyShard
-from tests.service.http.test_rl_control import against, batch, group, summary
+from tests.service.cluster.flaky_shard import FlakyShard
+from tests.service.http.rl_batches import against, batch, group, summary
 
 Behaviour = Literal["queue", "reject"]
 MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")

@@ -17,7 +17,7 @@ import httpx
 import openai
 
 from das.service.wire.sample_keys import derive
-from tests.service.cluster.test_engine_failure import STUB_VOCAB, StubService, wait_until
+from tests.service.cluster.stub_service import STUB_VOCAB, StubService, wait_until
 
 TOKENS = 40  # a turn takes TOKENS * token_s = 2 s on the stub
 

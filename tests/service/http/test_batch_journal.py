@@ -17,8 +17,8 @@ from das.service.http.batch_journal import JOURNAL_FILE, BatchJournal
 from das.service.config import BatchJournalConfig
 from das.service.http.gateway import create_app
 from das.service.wire.api import BatchFromPreviousRun
-from tests.service.client.test_client import ALL_12, keys
-from tests.service.http.test_gateway import LiveServer, gateway_settings, groups
+from tests.service.client.batch_keys import ALL_12, keys
+from tests.service.live_gateway import LiveServer, gateway_settings, groups
 
 
 def config(state_dir: Path, **extra: Any) -> BatchJournalConfig:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,34 +13,12 @@ import openai
 import pytest
 
 from das.service.cluster.rollout_backend import StubBackend
-from das.service.http.gateway import create_app
-from tests.service.http.test_gateway import LiveServer, gateway_settings
-
-TOKEN = "openai-test-token"
-# What the stub answers with output_tokens=5 (StubBackend: token i is (7 i + 3) % vocab, logprob -0.5; a quarter
-# of the tokens accepted of a half drafted).
-STUB_TOKENS = [3, 10, 17, 24, 31]
+from tests.service.live_gateway import STUB_TOKENS, TOKEN, LiveServer
 
 
-@pytest.fixture
-def serve() -> Iterator[Any]:
-    """serve(backend, **settings) -> (LiveServer, openai.OpenAI) with auth on and no client retries (a retried
-    429 or 503 would hide the status); all stopped at the end of the test."""
-    servers: list[LiveServer] = []
-
-    def start(backend: StubBackend, **settings: Any) -> tuple[LiveServer, openai.OpenAI]:
-        server = LiveServer(create_app(backend, gateway_settings(token=TOKEN, **settings))).__enter__()
-        servers.append(server)
-        return server, openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=10)
-
-    yield start
-    for server in servers:
-        server.__exit__()
-
-
-def test_completions_n4_with_logprobs_token_ids_usage_and_das(serve):
+def test_completions_n4_with_logprobs_token_ids_usage_and_das(openai_serve):
     backend = StubBackend(output_tokens=5)
-    server, client = serve(backend)
+    server, client = openai_serve(backend)
     assert [m.id for m in client.models.list()] == ["das"]
     out = client.completions.create(model="das", prompt=[1, 2, 3], n=4, logprobs=1, max_tokens=5,
                                     extra_body={"return_token_ids": True, "problem_id": "p0"})
@@ -66,8 +43,8 @@ def test_completions_n4_with_logprobs_token_ids_usage_and_das(serve):
     assert plain.das["problem_id"].startswith("sha256:")  # no problem_id: the prompt's hash names it
 
 
-def test_chat_completions(serve):
-    _, client = serve(StubBackend(output_tokens=5))
+def test_chat_completions(openai_serve):
+    _, client = openai_serve(StubBackend(output_tokens=5))
     messages = [{"role": "developer", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "two plus two?"}]}]
     out = client.chat.completions.create(model="das", messages=messages, n=2, logprobs=True, top_logprobs=3,
@@ -88,8 +65,8 @@ def test_chat_completions(serve):
     assert again.choices[0].logprobs is None and again.choices[0].token_ids is None
 
 
-def test_streaming_completions_send_each_choices_tokens_as_made_then_usage(serve):
-    server, client = serve(StubBackend(output_tokens=5, first_delay_s=0.05, interval_s=0.3))
+def test_streaming_completions_send_each_choices_tokens_as_made_then_usage(openai_serve):
+    server, client = openai_serve(StubBackend(output_tokens=5, first_delay_s=0.05, interval_s=0.3))
     stream = client.completions.create(model="das", prompt=[4, 5], n=3, max_tokens=5, stream=True,
                                        stream_options={"include_usage": True},
                                        extra_body={"return_token_ids": True, "problem_id": "s"})
@@ -115,8 +92,8 @@ def test_streaming_completions_send_each_choices_tokens_as_made_then_usage(serve
     assert last.choices == [] and (last.usage.prompt_tokens, last.usage.completion_tokens) == (2, 15)
 
 
-def test_streaming_chat(serve):
-    _, client = serve(StubBackend(output_tokens=4))
+def test_streaming_chat(openai_serve):
+    _, client = openai_serve(StubBackend(output_tokens=4))
     chunks = list(client.chat.completions.create(model="das", messages=[{"role": "user", "content": "hi"}], n=2,
                                                  stream=True, logprobs=True, max_tokens=4,
                                                  extra_body={"return_token_ids": True}))
@@ -135,8 +112,8 @@ def test_streaming_chat(serve):
     assert sum(c.choices[0].finish_reason == "stop" for c in chunks) == 2 < len(chunks)
 
 
-def test_async_client_and_the_accumulating_stream_helper(serve):
-    server, _ = serve(StubBackend(output_tokens=3))
+def test_async_client_and_the_accumulating_stream_helper(openai_serve):
+    server, _ = openai_serve(StubBackend(output_tokens=3))
 
     async def run() -> Any:
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0) as client:
@@ -155,9 +132,9 @@ def _error(exc: openai.APIStatusError) -> dict[str, Any]:
     return body["error"]
 
 
-def test_bad_input_gets_openai_errors_with_the_right_status(serve):
+def test_bad_input_gets_openai_errors_with_the_right_status(openai_serve):
     backend = StubBackend(max_prompt_tokens=32)
-    server, client = serve(backend)
+    server, client = openai_serve(backend)
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4", prompt="x")
     assert _error(missing.value) == {"message": "The model `gpt-4` does not exist.", "type": "invalid_request_error",
@@ -210,10 +187,10 @@ def test_bad_input_gets_openai_errors_with_the_right_status(serve):
     ("/v1/chat/completions", r'{"model": "das", "messages": [{"role": "user", "content": [{"type": "text", '
                              r'"text": "x\udc80"}]}]}', "messages"),
 ])
-def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(serve, path, body, param):
+def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(openai_serve, path, body, param):
     # Was a 500: hashing the prompt into a problem id raised before GroupRequest could refuse it.
     backend = StubBackend()
-    server, _ = serve(backend)
+    server, _ = openai_serve(backend)
     response = httpx.post(f"{server.url}{path}", content=body.encode(),
                           headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     assert response.status_code == 400, response.text
@@ -221,27 +198,27 @@ def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(serve, path, body, para
     assert error["param"] == param and "unicode" in error["message"].lower() and backend.runs == 0
 
 
-def test_a_seed_beyond_int64_is_a_400_as_vllm_answers(serve):
+def test_a_seed_beyond_int64_is_a_400_as_vllm_answers(openai_serve):
     backend = StubBackend()
-    _, client = serve(backend)
+    _, client = openai_serve(backend)
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model="das", prompt="x", seed=2**63)
     assert error.value.param == "seed" and backend.runs == 0
     assert len(client.completions.create(model="das", prompt="x", max_tokens=1, seed=-(2**63)).choices) == 1
 
 
-def test_a_body_that_is_not_utf8_is_an_openai_400(serve):
+def test_a_body_that_is_not_utf8_is_an_openai_400(openai_serve):
     # Found by the schema fuzz: FastAPI's own 400 came in its shape ({"detail"}), not OpenAI's.
-    server, _ = serve(StubBackend())
+    server, _ = openai_serve(StubBackend())
     response = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "\xff"}',
                           headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["message"] == "the body is not valid JSON: it is not UTF-8"
 
 
-def test_the_schema_says_what_the_routes_answer(serve):
+def test_the_schema_says_what_the_routes_answer(openai_serve):
     # The schema fuzz found a stream's text/event-stream, 400, 401 and 404 undocumented; 429, 500 and 503 may be too.
-    server, _ = serve(StubBackend())
+    server, _ = openai_serve(StubBackend())
     schema = httpx.get(f"{server.url}/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
@@ -254,30 +231,30 @@ def test_the_schema_says_what_the_routes_answer(serve):
     assert role["enum"] == ["system", "developer", "user", "assistant", "tool"]
 
 
-def test_limits_and_readiness_answer_429_and_503(serve):
+def test_limits_and_readiness_answer_429_and_503(openai_serve):
     backend = StubBackend(first_delay_s=1.0)
-    _, client = serve(backend, max_batches_in_flight=1)
+    _, client = openai_serve(backend, max_batches_in_flight=1)
     with client.completions.create(model="das", prompt=[1], max_tokens=1, stream=True) as holding:
         assert holding.response.status_code == 200
         with pytest.raises(openai.RateLimitError) as busy:
             client.completions.create(model="das", prompt=[2], max_tokens=1)
     assert _error(busy.value)["code"] == "rate_limit_exceeded" and busy.value.response.headers["retry-after"] == "1"
-    _, idle = serve(StubBackend(ready=False))
+    _, idle = openai_serve(StubBackend(ready=False))
     with pytest.raises(openai.InternalServerError) as not_ready:
         idle.chat.completions.create(model="das", messages=[{"role": "user", "content": "x"}])
     assert not_ready.value.status_code == 503 and _error(not_ready.value)["type"] == "server_error"
 
 
-def test_more_samples_than_a_batch_may_hold_is_400_naming_n(serve):
+def test_more_samples_than_a_batch_may_hold_is_400_naming_n(openai_serve):
     backend = StubBackend()
-    _, client = serve(backend, max_batch_samples=4)
+    _, client = openai_serve(backend, max_batch_samples=4)
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model="das", prompt="x", n=5)
     assert error.value.param == "n" and "max_batch_samples" in error.value.message and backend.runs == 0
 
 
-def test_served_model_name_setting(serve):
-    _, client = serve(StubBackend(), served_model_name="smollm2-rl")
+def test_served_model_name_setting(openai_serve):
+    _, client = openai_serve(StubBackend(), served_model_name="smollm2-rl")
     assert [m.id for m in client.models.list()] == ["smollm2-rl"]
     assert client.completions.create(model="smollm2-rl", prompt="x", max_tokens=1).model == "smollm2-rl"
     with pytest.raises(openai.NotFoundError):
@@ -295,9 +272,9 @@ def _concurrent(server: LiveServer, requests: list[dict[str, Any]]) -> list[Any]
     return asyncio.run(run())
 
 
-def test_requests_for_one_problem_arriving_together_run_as_one_group(serve):
+def test_requests_for_one_problem_arriving_together_run_as_one_group(openai_serve):
     backend = StubBackend(output_tokens=4)
-    server, _ = serve(backend, openai_coalesce_s=0.2)
+    server, _ = openai_serve(backend, openai_coalesce_s=0.2)
     same = {"prompt": [1, 2], "n": 2, "max_tokens": 4, "extra_body": {"problem_id": "q"}}
     answers = _concurrent(server, [same] * 4 + [{**same, "temperature": 0.5}])
     assert backend.runs == 2  # the four equal requests as one group of 8, the other sampling on its own
@@ -308,15 +285,15 @@ def test_requests_for_one_problem_arriving_together_run_as_one_group(serve):
     assert len({out.id for _, out in answers}) == 5
 
     backend = StubBackend(output_tokens=4)
-    server, _ = serve(backend, openai_coalesce_s=0)
+    server, _ = openai_serve(backend, openai_coalesce_s=0)
     _concurrent(server, [same] * 3)
     assert backend.runs == 3
 
 
-def test_a_seeded_request_is_its_own_group_with_its_seed(serve):
+def test_a_seeded_request_is_its_own_group_with_its_seed(openai_serve):
     """OpenAI's `seed` is the group's: its choices are samples 0..n-1 of that seed, so it never joins others."""
     backend = StubBackend(output_tokens=4)
-    server, _ = serve(backend, openai_coalesce_s=0.2)
+    server, _ = openai_serve(backend, openai_coalesce_s=0.2)
     same = {"prompt": [1, 2], "n": 2, "max_tokens": 4, "extra_body": {"problem_id": "q"}}
     _concurrent(server, [{**same, "seed": 5}, {**same, "seed": 5}, same, same])
     assert backend.runs == 3  # each seeded request alone, the two unseeded ones together
@@ -324,8 +301,8 @@ def test_a_seeded_request_is_its_own_group_with_its_seed(serve):
     assert seeds[:2] == [(2, 5), (2, 5)] and seeds[2][0] == 4 and seeds[2][1] not in (None, 5)
 
 
-def test_a_dropped_stream_aborts_its_batch(serve):
-    server, client = serve(StubBackend(first_delay_s=0.05, interval_s=0.2))
+def test_a_dropped_stream_aborts_its_batch(openai_serve):
+    server, client = openai_serve(StubBackend(first_delay_s=0.05, interval_s=0.2))
     stream = client.completions.create(model="das", prompt=[1], n=8, stream=True)
     batch_id = stream.response.headers["x-batch-id"]
     next(iter(stream))

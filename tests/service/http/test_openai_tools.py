@@ -19,7 +19,7 @@ from das.service.cluster.rollout_backend import StubBackend
 from das.service.engine.vllm.models import prepare_model
 from das.service.engine.vllm.tool_calls import ToolCallParsing
 from das.service.config import GatewayConfig
-from tests.service.http.test_openai_api import STUB_TOKENS, TOKEN, serve  # noqa: F401 (serve: a fixture)
+from tests.service.live_gateway import STUB_TOKENS, TOKEN
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
@@ -35,9 +35,9 @@ def parsing() -> ToolCallParsing:
     return ToolCallParsing(AutoTokenizer.from_pretrained(prepare_model("smollm2", progress=False)))
 
 
-def test_tool_calls_parsed_from_the_reply_with_token_ids_and_session(serve, parsing):
+def test_tool_calls_parsed_from_the_reply_with_token_ids_and_session(openai_serve, parsing):
     backend = StubBackend(output_tokens=5, text=CALL_TEXT, tool_parsing=parsing.parse)
-    _, client = serve(backend, **TOOLS_ON)
+    _, client = openai_serve(backend, **TOOLS_ON)
     out = client.chat.completions.create(model="das", messages=USER, tools=[WEATHER], max_tokens=5,
                                          extra_body={"return_token_ids": True, "session_id": "s1"})
     (choice,) = out.choices
@@ -69,9 +69,9 @@ def test_tool_calls_parsed_from_the_reply_with_token_ids_and_session(serve, pars
     assert turn.problem_id == group.problem_id  # the session's problem
 
 
-def test_a_reply_without_calls_is_content_and_tool_choice_none_parses_nothing(serve, parsing):
+def test_a_reply_without_calls_is_content_and_tool_choice_none_parses_nothing(openai_serve, parsing):
     backend = StubBackend(output_tokens=3, text="It is sunny.", tool_parsing=parsing.parse)
-    _, client = serve(backend, **TOOLS_ON)
+    _, client = openai_serve(backend, **TOOLS_ON)
     out = client.chat.completions.create(model="das", messages=USER, tools=[WEATHER], tool_choice="auto")
     assert out.choices[0].message.content == "It is sunny." and out.choices[0].message.tool_calls is None
     assert out.choices[0].finish_reason == "stop"
@@ -83,10 +83,10 @@ def test_a_reply_without_calls_is_content_and_tool_choice_none_parses_nothing(se
     assert group.tool_parser is None and group.tools is not None  # shown to the model, not parsed
 
 
-def test_streaming_sends_the_calls_in_each_choices_last_chunk(serve, parsing):
+def test_streaming_sends_the_calls_in_each_choices_last_chunk(openai_serve, parsing):
     backend = StubBackend(output_tokens=5, text=CALL_TEXT, tool_parsing=parsing.parse, first_delay_s=0.02,
                           interval_s=0.05)
-    _, client = serve(backend, **TOOLS_ON)
+    _, client = openai_serve(backend, **TOOLS_ON)
     chunks = list(client.chat.completions.create(model="das", messages=USER, tools=[WEATHER], n=2, stream=True,
                                                  extra_body={"return_token_ids": True}))
     tokens: dict[int, list[int]] = {}
@@ -104,9 +104,9 @@ def test_streaming_sends_the_calls_in_each_choices_last_chunk(serve, parsing):
     assert len(chunks) > 2  # token chunks came before the last ones
 
 
-def test_bad_tool_input_gets_400s_naming_the_field(serve, parsing):
-    _, client = serve(StubBackend(output_tokens=2, text=CALL_TEXT, tool_parsing=parsing.parse), **TOOLS_ON)
-    _, unconfigured = serve(StubBackend(output_tokens=2))
+def test_bad_tool_input_gets_400s_naming_the_field(openai_serve, parsing):
+    _, client = openai_serve(StubBackend(output_tokens=2, text=CALL_TEXT, tool_parsing=parsing.parse), **TOOLS_ON)
+    _, unconfigured = openai_serve(StubBackend(output_tokens=2))
 
     def refused(c: openai.OpenAI, **request: Any) -> openai.BadRequestError:
         with pytest.raises(openai.BadRequestError) as error:
@@ -144,8 +144,8 @@ def test_auto_tool_choice_needs_a_parser_in_the_settings():
     assert GatewayConfig(**TOOLS_ON).tool_call_parser == "hermes"
 
 
-def test_openapi_schema_lists_the_tool_fields(serve):
-    server, _ = serve(StubBackend(output_tokens=1), **TOOLS_ON)
+def test_openapi_schema_lists_the_tool_fields(openai_serve):
+    server, _ = openai_serve(StubBackend(output_tokens=1), **TOOLS_ON)
     schema = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(request)

@@ -22,9 +22,7 @@ from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.http.request_guard import parse_json_yielding
 from das.service.wire.api import INT64_MAX
-from tests.service.http.test_gateway import LiveServer
-
-# the server's event loop (uvloop, under uvicorn's loop="auto") keeps whole milliseconds: a 0.5 s timer may fire up
+from tests.service.live_gateway import LiveServer
 # to a tick early (CI measured 0.4998 s from before connect)
 LOOP_TICK_S = 0.002
 TOKEN = "guard-token"

@@ -5,7 +5,6 @@ pause across a weight update."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -19,29 +18,11 @@ from das.service.config import ServiceConfig
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.engine.vllm.engine import VllmEngine, EngineConfig
 from das.service.engine.vllm.models import prepare_model
-from das.service.http.gateway import create_app
-from das.service.config import GatewayConfig
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
 from das.service.wire.api import GroupRequest
 from das.service.wire.engine_control import AbortSamples, IsPaused, Pause, Resume
 from tests.tiny_models import build_tiny_model
-
-TOKEN = "rl-token"
-AUTH = {"Authorization": f"Bearer {TOKEN}"}
-
-
-def group(problem: str, n: int, max_tokens: int = 256) -> dict[str, Any]:
-    return {"problem_id": problem, "prompt_token_ids": [5, 6, 7], "n": n,
-            "sampling": {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}}
-
-
-async def against(scenario: Callable[[httpx.AsyncClient], Awaitable[Any]], backend: Any,
-                  weights_root: Path | None = None, timeout_s: float = 60) -> Any:
-    """`scenario(http)` against the gateway over `backend` (token auth on, `weights_root` for reloads)."""
-    app = create_app(backend, GatewayConfig(token=TOKEN, weights_root=weights_root))
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway", headers=AUTH,
-                                 timeout=timeout_s) as http:
-        return await asyncio.wait_for(scenario(http), timeout_s)
+from tests.service.http.rl_batches import against, batch, group, summary
 
 
 def run(scenario: Callable[[httpx.AsyncClient], Awaitable[Any]], backend: Any, weights_root: Path | None = None
@@ -54,22 +35,10 @@ def stub(tokens: int = 20, token_s: float = 0.02) -> tuple[EngineBackend, StubEn
     return EngineBackend(engine), engine  # type: ignore[arg-type]  # the stub has the VllmEngine interface it needs
 
 
-async def batch(http: httpx.AsyncClient, batch_id: str, groups: list[dict[str, Any]]
-                ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    response = await http.post("/v1/rollouts", json={"batch_id": batch_id, "groups": groups})
-    assert response.status_code == 200, response.text
-    *records, last = [json.loads(line) for line in response.text.splitlines()]
-    return records, last["summary"]
-
-
 async def until(condition: Callable[[], bool], timeout_s: float = 10) -> None:
     async with asyncio.timeout(timeout_s):
         while not condition():
             await asyncio.sleep(0.005)
-
-
-async def summary(http: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
-    return (await http.get(f"/v1/rollouts/{batch_id}")).json()
 
 
 def test_every_route_needs_the_token_and_answers_errors_in_vllms_shape():

@@ -16,7 +16,7 @@ from das.service.config import BatchJournalConfig
 from das.service.http.gateway import create_app
 from das.service.http.session_journal import SESSION_FILE, SessionJournal
 from das.service.config import SessionJournalConfig
-from tests.service.http.test_gateway import LiveServer, gateway_settings
+from tests.service.live_gateway import LiveServer, gateway_settings
 
 TOKEN = "journal-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,29 +15,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
-from das.service.http.gateway import create_app
 from das.service.cluster.rollout_backend import EngineBackend, StubBackend
 from das.service.config import SessionConfig
-from tests.service.http.test_gateway import LiveServer, gateway_settings, read_ndjson
-
-TOKEN = "session-test-token"
-STUB_TOKENS = [3, 10, 17, 24, 31]  # StubBackend(output_tokens=5): token i is (7 i + 3) % vocab
-
-
-@pytest.fixture
-def serve() -> Iterator[Any]:
-    """serve(backend, **settings) -> (LiveServer, openai.OpenAI, headers); stopped at the end of the test."""
-    servers: list[LiveServer] = []
-
-    def start(backend: StubBackend, **settings: Any) -> tuple[LiveServer, openai.OpenAI, dict[str, str]]:
-        server = LiveServer(create_app(backend, gateway_settings(token=TOKEN, **settings))).__enter__()
-        servers.append(server)
-        return (server, openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=10),
-                {"Authorization": f"Bearer {TOKEN}"})
-
-    yield start
-    for server in servers:
-        server.__exit__()
+from tests.service.live_gateway import STUB_TOKENS, LiveServer, read_ndjson
 
 
 def scrape(server: LiveServer, headers: dict[str, str]) -> dict[str, float]:
@@ -48,9 +27,9 @@ def scrape(server: LiveServer, headers: dict[str, str]) -> dict[str, float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def test_a_three_turn_session_with_the_official_client_token_ids_in_and_out(serve):
+def test_a_three_turn_session_with_the_official_client_token_ids_in_and_out(session_serve):
     backend = StubBackend(output_tokens=5)
-    server, client, headers = serve(backend)
+    server, client, headers = session_serve(backend)
     context = [1, 2, 3]
     for turn in range(3):
         out = client.completions.create(model="das", prompt=context, max_tokens=5,
@@ -85,17 +64,17 @@ def test_a_three_turn_session_with_the_official_client_token_ids_in_and_out(serv
     assert metrics["das_session_makespan_seconds_count"] == 1 and metrics["das_session_trajectory_turns_sum"] == 3
 
 
-def test_a_session_without_problem_id_keeps_its_first_turns_problem(serve):
-    _, client, _ = serve(StubBackend(output_tokens=2))
+def test_a_session_without_problem_id_keeps_its_first_turns_problem(session_serve):
+    _, client, _ = session_serve(StubBackend(output_tokens=2))
     first = client.completions.create(model="das", prompt=[5, 6], max_tokens=2, extra_body={"session_id": "s"})
     second = client.completions.create(model="das", prompt=[5, 6, 3, 10, 9], max_tokens=2,
                                        extra_body={"session_id": "s"})
     assert first.das["problem_id"].startswith("sha256:") and second.das["problem_id"] == first.das["problem_id"]
 
 
-def test_chat_takes_the_context_as_prompt_token_ids(serve):
+def test_chat_takes_the_context_as_prompt_token_ids(session_serve):
     backend = StubBackend(output_tokens=3)
-    _, client, _ = serve(backend)
+    _, client, _ = session_serve(backend)
     out = client.chat.completions.create(model="das", messages=[], max_completion_tokens=3,
                                          extra_body={"prompt_token_ids": [7, 8, 9], "session_id": "c",
                                                      "return_token_ids": True})
@@ -107,9 +86,9 @@ def test_chat_takes_the_context_as_prompt_token_ids(serve):
     assert both.value.body["param"] == "prompt_token_ids"
 
 
-def test_refused_turns_change_nothing(serve):
+def test_refused_turns_change_nothing(session_serve):
     backend = StubBackend(output_tokens=2, first_delay_s=0.5)
-    server, client, headers = serve(backend)
+    server, client, headers = session_serve(backend)
     with pytest.raises(openai.BadRequestError) as many:
         client.completions.create(model="das", prompt=[1], n=2, extra_body={"session_id": "s"})
     assert "n must be 1" in many.value.body["message"]
@@ -135,9 +114,9 @@ def test_refused_turns_change_nothing(serve):
     assert len(httpx.get(f"{server.url}/v1/sessions/s", headers=headers).json()["turns"]) == 2
 
 
-def test_deleting_a_session_aborts_its_running_turn(serve):
+def test_deleting_a_session_aborts_its_running_turn(session_serve):
     backend = StubBackend(output_tokens=2, first_delay_s=30)
-    server, client, headers = serve(backend)
+    server, client, headers = session_serve(backend)
     errors: list[Exception] = []
 
     def turn() -> None:
@@ -162,8 +141,8 @@ def test_deleting_a_session_aborts_its_running_turn(serve):
     assert metrics["das_session_ended_total{'reason': 'aborted'}"] == 1 and metrics["das_session_open"] == 0
 
 
-def test_idle_sessions_expire(serve):
-    server, client, headers = serve(StubBackend(output_tokens=2), sessions=SessionConfig(idle_expiry_s=0.2))
+def test_idle_sessions_expire(session_serve):
+    server, client, headers = session_serve(StubBackend(output_tokens=2), sessions=SessionConfig(idle_expiry_s=0.2))
     client.completions.create(model="das", prompt=[1], max_tokens=2, extra_body={"session_id": "s"})
     assert httpx.get(f"{server.url}/v1/sessions/s", headers=headers).status_code == 200
     time.sleep(0.3)
@@ -171,11 +150,11 @@ def test_idle_sessions_expire(serve):
     assert scrape(server, headers)["das_session_ended_total{'reason': 'expired'}"] == 1
 
 
-def test_deleting_a_session_aborts_only_its_group_of_a_batch_of_many(serve):
+def test_deleting_a_session_aborts_only_its_group_of_a_batch_of_many(session_serve):
     """A batch of two groups, one a session's turn: DELETE /v1/sessions/{id} stops that group on the engine (no more
     tokens for it) and ends its sample "abort"; the other group completes with all its samples."""
     engine = StubEngine(StubEngineConfig(tokens=40, token_s=0.02))
-    server, _, headers = serve(EngineBackend(engine))  # type: ignore[arg-type]
+    server, _, headers = session_serve(EngineBackend(engine))  # type: ignore[arg-type]
     body = {"groups": [{"problem_id": "other", "prompt_token_ids": [1, 2], "n": 2, "sampling": {"max_tokens": 40}},
                        {"problem_id": "turn", "session_id": "s", "prompt_token_ids": [3],
                         "sampling": {"max_tokens": 40}}]}

@@ -17,7 +17,7 @@ from das.service.engine.contract import EngineInputError
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
-from tests.service.test_serve import metric
+from tests.service.serve_process import metric
 
 TOKEN = "push-token"
 UPDATE = {"names": ["w", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[4, 8], [8]]}

@@ -17,7 +17,7 @@ from vllm import SamplingParams
 from das.service.engine.vllm.extra_args import RequestTags
 from das.service.engine.vllm.proposer import DasProposer
 from tests.service.engine.vllm.gpu_wheel import Sources, WheelUnavailable, gpu_wheel
-from tests.service.engine.vllm.test_proposer import PROMPT, RESPONSE, make_proposer
+from tests.service.engine.vllm.proposer_setup import PROMPT, RESPONSE, make_proposer
 
 INPUT_BATCH = "v1/worker/gpu_input_batch.py"
 

@@ -13,7 +13,7 @@ from das.service.engine.vllm import keyed_cuda, keyed_sampler
 from das.service.engine.vllm.cpu_fixes.rejection import PLACEHOLDER, sample_without_draft_probs
 from das.service.engine.vllm.keyed_sampler import StepKeys, keyed_tokens, keys_of_step
 from das.service.wire.sample_keys import derive
-from tests.service.engine.vllm.cpu_fixes.test_rejection import metadata
+from tests.service.engine.vllm.cpu_fixes.rejection_checks import metadata
 
 VOCAB = 64
 

@@ -13,7 +13,7 @@ import torch
 from das.service.engine.vllm import keyed_draw as keyed_draw_module
 from das.service.engine.vllm.keyed_draw import _kernel_row, gumbel_noise, keyed_draw
 from das.service.wire.sample_keys import derive
-from tests.service.engine.vllm.cpu_fixes.test_rejection import fit_p_value
+from tests.service.engine.vllm.cpu_fixes.rejection_checks import fit_p_value
 
 
 @pytest.fixture(scope="module", autouse=True)

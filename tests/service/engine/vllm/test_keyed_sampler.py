@@ -18,7 +18,7 @@ from das.service.engine.vllm.extra_args import POSITION_OFFSET, SAMPLE_KEY
 from das.service.engine.vllm.keyed_sampler import StepKeys, keyed_tokens, step_keys
 from das.service.engine.vllm.row_keys import row_keys
 from das.service.wire.sample_keys import derive
-from tests.service.engine.vllm.cpu_fixes.test_rejection import fit_p_value, metadata
+from tests.service.engine.vllm.cpu_fixes.rejection_checks import fit_p_value, metadata
 
 VOCAB = 8
 

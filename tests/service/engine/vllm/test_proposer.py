@@ -15,18 +15,7 @@ from das.scheduler.draft_step import DraftStep
 from das.scheduler.length import LengthCurve
 from das.service.engine.vllm.extra_args import RequestTags
 from das.service.engine.vllm.proposer import DasProposer
-
-PROMPT = [7, 8, 9]
-RESPONSE = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21]
-
-
-def make_proposer(k: int = 4, vocab: int = 100, max_model_len: int = 64, budget: dict | None = None,
-                  drafter: dict | None = None) -> DasProposer:
-    config = SimpleNamespace(
-        speculative_config=SimpleNamespace(num_speculative_tokens=k),
-        model_config=SimpleNamespace(get_vocab_size=lambda: vocab, max_model_len=max_model_len),
-        additional_config={"das": {"budget": budget or {}, "drafter": drafter or {}}})
-    return DasProposer(config)
+from tests.service.engine.vllm.proposer_setup import PROMPT, RESPONSE, make_proposer
 
 
 class FakeRunner:

@@ -7,33 +7,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from das.service.engine.vllm.cpu_fixes.rejection import PLACEHOLDER, sample_without_draft_probs
+from tests.service.engine.vllm.cpu_fixes.rejection_checks import fit_p_value, metadata
 
 VOCAB = 8
-
-
-def fit_p_value(observed: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square goodness of fit of token counts to probs (cells with expected count < 5 merged)."""
-    expected = probs.double() * observed.sum()
-    big = expected >= 5
-    obs = torch.cat([observed[big].double(), observed[~big].double().sum().view(1)])
-    exp = torch.cat([expected[big], expected[~big].sum().view(1)])
-    keep = exp > 0
-    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
-    dof = int(keep.sum()) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
-def metadata(temperature: torch.Tensor, generators: dict | None = None) -> SimpleNamespace:
-    greedy = temperature == 0
-    return SimpleNamespace(temperature=temperature, all_greedy=bool(greedy.all()), all_random=bool((~greedy).all()),
-                           generators=generators or {})
 
 
 def batch(requests: int, drafts: list[int], rows: torch.Tensor, temperature: float = 0.8, bonus: int = 7):

@@ -1,0 +1,65 @@
+"""`das serve` as a child process for tests: `Server` (started on a free port, stopped with its process group),
+`metric` (one /metrics sample), `free_port`, the token."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+
+TOKEN = "serve-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of every sample of a counter family in Prometheus text (all label sets)."""
+    return sum(float(v) for v in re.findall(rf"^{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+class Server:
+    """A `das serve` process (embedded Ray, the tiny model, eager) on a free loopback port."""
+
+    def __init__(self, model: Path, state_dir: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        das = Path(sys.executable).with_name("das")
+        self.proc = subprocess.Popen(
+            [str(das), "serve", "--model", str(model), "--port", str(self.port), "--dtype", "float32",
+             "--max-model-len", "256", "--eager", "--state-dir", str(state_dir), *flags],
+            env={**os.environ, "DAS_TOKEN": TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 300
+        while True:
+            assert self.proc.poll() is None, self.proc.stdout.read() if self.proc.stdout else "das serve exited"
+            try:
+                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "das serve did not become ready"
+            time.sleep(1)
+
+    def stop(self) -> str:
+        """SIGINT (what Ctrl-C sends), then the process's output."""
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = self.proc.communicate(timeout=90)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise
+        assert self.proc.returncode == 0, out
+        return out
