@@ -44,7 +44,7 @@ def test_needs_two_batch_sizes():
 
 
 class _EngineFailingOnFirstRequest:
-    """Stands in for `Engine`: starts, fails the first request (an engine core that dies during the warm-up),
+    """Stands in for `VllmEngine`: starts, fails the first request (an engine core that dies during the warm-up),
     and records its close."""
 
     closed = 0
@@ -64,7 +64,7 @@ class _EngineFailingOnFirstRequest:
 def test_a_failed_warm_up_closes_the_served_engine(monkeypatch, tmp_path):
     from das.service.engine.vllm import cost_calibration
 
-    monkeypatch.setattr(cost_calibration, "Engine", _EngineFailingOnFirstRequest)
+    monkeypatch.setattr(cost_calibration, "VllmEngine", _EngineFailingOnFirstRequest)
     with pytest.raises(RuntimeError, match="engine core died"):
         with cost_calibration.ServedEngineTimer(tmp_path, max_batch=4):
             pass
