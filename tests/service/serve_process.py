@@ -29,6 +29,21 @@ def metric(text: str, name: str) -> float:
     return sum(float(v) for v in re.findall(rf"^{name}(?:_total)?(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
 
 
+def wait_ready(proc: subprocess.Popen[str], url: str, timeout_s: float, poll_s: float = 1.0) -> None:
+    """Returns once `das serve` (`proc`, at `url`) answers /readyz 200; fails with its output if it exits first, or
+    after `timeout_s` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else "das serve exited"
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "das serve did not become ready"
+        time.sleep(poll_s)
+
+
 class Server:
     """A `das serve` process (embedded Ray, the tiny model, eager) on a free loopback port."""
 
@@ -42,16 +57,7 @@ class Server:
             env={**os.environ, "DAS_TOKEN": TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + 300
-        while True:
-            assert self.proc.poll() is None, self.proc.stdout.read() if self.proc.stdout else "das serve exited"
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "das serve did not become ready"
-            time.sleep(1)
+        wait_ready(self.proc, self.url, timeout_s=300)
 
     def stop(self) -> str:
         """SIGINT (what Ctrl-C sends), then the process's output."""

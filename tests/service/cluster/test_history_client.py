@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 import ray
 
@@ -22,7 +21,7 @@ from das.service.client import RolloutClient
 from das.service.cluster.history_client import HistoryClient
 from das.service.cluster.history_store import HistoryShard, HistoryShardActor
 from das.service.config import HistoryConfig, HistoryPushConfig
-from tests.service.serve_process import free_port
+from tests.service.serve_process import free_port, wait_ready
 from tests.service.cluster.flaky_shard import FlakyShard
 
 
@@ -145,16 +144,7 @@ def test_das_serve_stopped_by_a_process_group_sigterm_leaves_a_complete_snapshot
                             text=True, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else "das serve exited"
-            try:
-                if httpx.get(f"{url}/readyz", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "das serve did not become ready"
-            time.sleep(0.5)
+        wait_ready(proc, url, timeout_s=180, poll_s=0.5)
         groups = [{"problem_id": f"p{i}", "prompt_token_ids": [5, 6, 7 + i], "n": 4,
                    "sampling": {"max_tokens": 16}} for i in range(6)]
         with RolloutClient(url) as client:
