@@ -1,6 +1,7 @@
 """What the HTTP gateway talks to: `RolloutBackend`, with two implementations here.
 
-- `EngineBackend`: one in-process `Engine` (service/engine/protocol.py), no Ray and no history store (embedding in a single process).
+- `EngineBackend`: one in-process `Engine` (service/engine/protocol.py), no Ray and no history store (embedding in a
+  single process).
 - `StubBackend`: precomputed samples and no model, for tests and load tests of the gateway.
 
 The Ray service (service/cluster/coordinator.py `RayBackend`) implements the same protocol.
@@ -385,8 +386,8 @@ class StubBackend(NoWeightTransfer):
     `ToolCallParsing.parse`, which tests pass in: this layer loads no vLLM), so the route's tool-call path runs on a
     text the test chose.
 
-    Pause as an engine does (`RolloutBackend.pause`), per emission: a batch that starts while paused waits for
-    `resume`; under "keep" no sample is emitted until `resume`; "abort" ends the samples not yet emitted with
+    Pause as an engine does (`RolloutBackend.control` with a Pause), per emission: a batch that starts while paused
+    waits for `resume`; under "keep" no sample is emitted until `resume`; "abort" ends the samples not yet emitted with
     finish_reason "abort" and no tokens; "wait" returns once the batches running have ended. A group aborted
     through `generate`'s `aborts` ends its samples not yet emitted the same way.
     """
