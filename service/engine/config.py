@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from das.drafter.config import DrafterSettings
+from das.drafter.config import DrafterConfig
 from das.scheduler.cost_model import prior_cost_model
 from das.scheduler.policies import Budget, DasBudget
 from das.service.engine.cpu_allocator import CpuAllocator
@@ -53,8 +53,8 @@ class EngineConfig(BaseModel):
     num_speculative_tokens: int = Field(8, ge=1, le=64)
     budget: Budget = Field(DasBudget(), description="the draft budget: a name or the fields of a budget "
                            "(scheduler/policies.py); default: the length-aware budget (das) on an online cost model")
-    drafter: DrafterSettings = Field(DrafterSettings(), description="DrafterConfig fields to set "
-                                     "(drafter/config.py)")
+    drafter: DrafterConfig = Field(DrafterConfig(), description="the drafter's configuration (drafter/config.py); "
+                                   "max_depth, unless set, fits num_speculative_tokens")
     cost_warmup_requests: int = Field(16, ge=0, le=256, description="the das budget only: requests of the start-up "
                                       "decode that shows the online cost fit every batch size from this many down to 1 "
                                       "(service/engine/vllm/cost_warmup.py); 0: none")

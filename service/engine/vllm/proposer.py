@@ -45,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from das.drafter.config import DrafterSettings
+from das.drafter.config import DrafterConfig
 from das.drafter.history import HistoryBank
 from das.drafter.oracle import OracleDrafts
 from das.scheduler.acceptance import AcceptanceCounts
@@ -61,7 +61,7 @@ _STATS_WINDOW = 10000  # decode steps the cost figures of stats() cover
 IDLE_GAP_S = 1.0  # a gap between two proposals longer than this is the engine idle between batches, not a step
 
 CONFIG_KEY = "das"
-"""`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterSettings}, "budget": {...a budget of scheduler/policies.py}}`
+"""`VllmConfig.additional_config[CONFIG_KEY]` carries `{"drafter": {...DrafterConfig fields set}, "budget": {...a budget of scheduler/policies.py}}`
 as plain data (validated where the service started: service/engine/config.py `EngineConfig`)."""
 
 
@@ -90,7 +90,7 @@ class DasProposer:
         self.vocab_size = int(vllm_config.model_config.get_vocab_size())
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         extra = (vllm_config.additional_config or {}).get(CONFIG_KEY, {})
-        self.bank = HistoryBank(DrafterSettings.model_validate(extra.get("drafter", {})).config(self.k_max))
+        self.bank = HistoryBank(DrafterConfig.model_validate(extra.get("drafter", {})).sized_for(self.k_max))
         self.budget: BudgetHook = budget_hook_from_config(extra.get("budget", {}), self.k_max)
         self.acceptance = AcceptanceCounts(self.k_max)
         self.step = DraftStep(self.bank, self.budget, self.acceptance, self.k_max)  # the simulator's step too
