@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from das.scheduler.policies import GRAMMAR, parse_budget
+from das.service.serve_flags import SERVE_FLAGS, FlagValues, with_config_flags
 
 # Results (tables, --json) go to stdout; vLLM logs to stdout unless told otherwise, and at INFO it logs every
 # engine start in detail. Its processes inherit the environment, so this covers the engine core too.
@@ -144,102 +145,31 @@ def check_budget_name(name: str) -> str:
 
 
 @app.command("serve")
+@with_config_flags(SERVE_FLAGS)
 def serve(
-    model: Annotated[str, typer.Option(help="Model name (see `das models list`) or a model directory on every "
-                                            "node.")] = "smollm2",
-    address: Annotated[Optional[str], typer.Option(help="Ray cluster to join ('auto' or HOST:PORT); default: an "
-                                                        "embedded single-node cluster.")] = None,
     host: Annotated[str, typer.Option(help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8000,
-    token: Annotated[Optional[str], typer.Option(envvar="DAS_TOKEN", show_default=False,
-                                                 help="Bearer token every API call must carry (or $DAS_TOKEN).")]
-        = None,
-    weights_root: Annotated[Optional[Path], typer.Option("--weights-root",
-                                                         help="POST /v1/weights paths must lie under it.")] = None,
     state_dir: Annotated[Optional[Path], typer.Option("--state-dir", help="History snapshots (restored at start, "
                                                       "written on a timer and at shutdown) and the journal of "
                                                       "accepted batches (an id an earlier run accepted gets "
                                                       "409, not a second run), and the open agent sessions "
                                                       "(continued after a restart).")] = None,
-    speculation: Annotated[str, typer.Option(help="das, none, ngram or suffix.")] = "das",
-    k: Annotated[int, typer.Option("--k", min=1, max=64, help="num_speculative_tokens.")] = 8,
     budget: Annotated[str, typer.Option(callback=check_budget_name,
                                         help="Draft budget of --speculation das, a name: das (length-aware, on each "
                                              "engine's online step-cost fit), uniform (K every step), classes "
                                              f"(16/8/4 by predicted length), ...: {GRAMMAR}.")] = "das",
-    dtype: Annotated[str, typer.Option(help="auto (bfloat16 where the hardware computes in it natively, else "
-                                            "float32), bfloat16, float32 or float16.")] = "auto",
-    max_model_len: Annotated[int, typer.Option("--max-model-len", min=16, help="Context length.")] = 2048,
-    eager: Annotated[bool, typer.Option(help="Skip torch.compile (fast start, slower decode).")] = False,
-    model_runner: Annotated[str, typer.Option("--model-runner", help="keyed: vLLM's model runner V1 without async "
-                                              "scheduling on GPU engines, so every token is our keyed draw and a "
-                                              "seed gives the same samples with any --speculation; auto: vLLM's "
-                                              "choice (plain vLLM: V2 with async scheduling without speculation "
-                                              "on a GPU, samples not keyed); v1: V1 everywhere.")] = "keyed",
-    profile_steps: Annotated[bool, typer.Option("--profile-steps", help="Time every engine step by part (the "
-                                                "forward pass against the host's work) into /metrics "
-                                                "(das_engine_step_part_seconds_total); a device synchronisation "
-                                                "per part on a GPU.")] = False,
     oracle_file: Annotated[Optional[Path], typer.Option("--oracle-file", help="Benchmarks only (`das bench serve "
                                                         "--arms none,oracle`): recorded outputs by sample key that "
                                                         "those samples draft (--speculation das).")] = None,
-    history_shards: Annotated[int, typer.Option("--history-shards", min=1, help="HistoryStore actors.")] = 2,
-    snapshot_interval: Annotated[float, typer.Option("--snapshot-interval", min=0.1, help="Seconds between history "
-                                                     "snapshots (of shards that changed) with --state-dir.")] = 60.0,
-    engines_per_node: Annotated[int, typer.Option("--engines-per-node", min=1, help="Engines on each node without "
-                                                  "a GPU, each in an actor of its own (a GPU node runs one per "
-                                                  "--tensor-parallel-size GPUs).")] = 1,
-    tensor_parallel_size: Annotated[int, typer.Option("--tensor-parallel-size", min=1, max=64, help="GPUs per "
-                                                      "engine (vLLM's tensor parallelism); it must divide every "
-                                                      "GPU node's GPUs.")] = 1,
-    max_restarts: Annotated[int, typer.Option("--max-restarts", min=0, help="Restarts an engine may have within "
-                                              "--restart-window; the death after that fails its batches and it "
-                                              "stays down.")] = 5,
-    restart_window: Annotated[float, typer.Option("--restart-window", min=1.0, help="Seconds over which "
-                                                  "--max-restarts counts.")] = 600.0,
-    max_group_deaths: Annotated[int, typer.Option("--max-group-deaths", min=1, help="Engine deaths a "
-                                                      "group's samples may run through; then they end with an "
-                                                      "error instead of running again (a prompt that crashes the "
-                                                      "engine).")] = 3,
-    header_timeout: Annotated[float, typer.Option("--header-timeout", min=0.1, max=3600, help="Seconds a request's "
-                                                  "line and headers may take to arrive; then 408 and the "
-                                                  "connection is closed.")] = 10.0,
-    body_timeout: Annotated[float, typer.Option("--body-timeout", min=0.1, max=3600, help="Seconds a request's "
-                                                "body may take to arrive after its headers; then 408 and the "
-                                                "connection is closed.")] = 60.0,
-    tool_call_parser: Annotated[Optional[str], typer.Option("--tool-call-parser", help="vLLM's: the tool-call "
-                                                            "parser for the model's format (e.g. hermes for "
-                                                            "Qwen2.5) that reads chat replies' tool calls.")] = None,
-    enable_auto_tool_choice: Annotated[bool, typer.Option("--enable-auto-tool-choice", help="vLLM's: chat requests "
-                                                          "with tools and tool_choice auto get message.tool_calls "
-                                                          "(needs --tool-call-parser).")] = False,
-    max_body_bytes: Annotated[int, typer.Option("--max-body-bytes", min=1, help="Request bodies over this many "
-                                                "bytes are refused (413) before they are read; a client's "
-                                                "add_history splits an import under it (set the client's "
-                                                "max_body_bytes to match).")] = 64 << 20,
-    weight_transfer: Annotated[str, typer.Option("--weight-transfer", help="vLLM's weight transfer (a trainer "
-                                                 "pushes weights over the network, no checkpoint: /start_weight_update "
-                                                 "...): nccl (GPU engines), gloo (CPU engines), none (those routes "
-                                                 "answer 501), auto: nccl on GPU nodes, gloo on CPU nodes.")] = "auto",
     engine_options: Annotated[Optional[str], typer.Option("--engine-options", help="More engine settings as a "
                                                           "JSON object of EngineConfig fields no flag sets, e.g. "
                                                           "'{\"drafter\": {\"min_prob\": 0.05}, \"budget\": "
                                                           "{\"per_token\": true}}'.")] = None,
-    target_engines: Annotated[Optional[int], typer.Option("--target-engines", min=1, help="Engines wanted on GPU "
-                                                          "nodes, asked of Ray's autoscaler as that many bundles of "
-                                                          "--tensor-parallel-size GPUs (KubeRay adds worker pods "
-                                                          "while they do not fit); engines start on GPU nodes only, "
-                                                          "up to this many, so other nodes stay idle for the "
-                                                          "autoscaler to remove. Default: no demand, an engine on "
-                                                          "every node.")] = None,
     stub_engine: Annotated[bool, typer.Option("--stub-engine", help="No model: engines emit fixed 16-token "
                                                                     "samples (load tests of the service).")]
         = False,
-    otlp_traces_endpoint: Annotated[Optional[str], typer.Option("--otlp-traces-endpoint", help="An OTLP/HTTP "
-                                                                "collector (e.g. http://127.0.0.1:4318) that gets a "
-                                                                "trace per batch: the batch's and each sample's "
-                                                                "spans, under the trainer's traceparent header; "
-                                                                "without it nothing is traced.")] = None,
+    *,
+    config_flags: FlagValues,
 ) -> None:
     """Serve the rollout API: the gateway, the history store and one engine actor per node, over Ray.
 
@@ -257,46 +187,44 @@ def serve(
     from pydantic import ValidationError
 
     from das.service.cluster.coordinator import RayBackend
-    from das.service.config import ServiceConfig
     from das.service.cluster.engine_layout import LayoutError
     from das.service.cluster.load_failure import classify
+    from das.service.config import BatchJournalConfig, GatewayConfig, ServiceConfig, traces_url
     from das.service.engine.preflight import MissingPackage
-    from das.service.config import BatchJournalConfig
     from das.service.http.gateway import create_app
-    from das.service.config import GatewayConfig
     from das.service.http.request_guard import server_config
     from das.service.state_dir_lock import StateDirInUse, lock_state_dir
 
+    gateway = config_flags.fields("gateway")
+    engine = config_flags.fields("engine", stub=stub_engine)
+    address = config_flags.values["address"]
     try:
         # held until the process ends: a second das serve on this state directory refuses to start
         state_lock = lock_state_dir(state_dir) if state_dir is not None else None
-        journal = BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None
-        if otlp_traces_endpoint is not None:
-            from das.service.config import traces_url
-
+        if gateway["otlp_traces_endpoint"] is not None:
             # checked here for its own message: pydantic's would echo the URL, credentials and all
-            otlp_traces_endpoint = traces_url(otlp_traces_endpoint)
-        settings = GatewayConfig(token=token, weights_root=weights_root, batch_journal=journal, freeze_gc=True,
-                                   header_timeout_s=header_timeout, body_timeout_s=body_timeout,
-                                   tool_call_parser=tool_call_parser, enable_auto_tool_choice=enable_auto_tool_choice,
-                                   max_body_bytes=max_body_bytes, otlp_traces_endpoint=otlp_traces_endpoint)
-        engine: dict[str, Any] = ({"kind": "stub", "tensor_parallel_size": tensor_parallel_size} if stub_engine else {
-            "kind": "vllm", "tensor_parallel_size": tensor_parallel_size,
-            "model": model, "speculation": speculation, "num_speculative_tokens": k, "dtype": dtype,
-            "max_model_len": max_model_len, "enforce_eager": eager, "budget": parse_budget(budget).fields(),
-            "model_runner": model_runner, "profile_steps": profile_steps, "weight_transfer": weight_transfer,
-            **({"oracle_file": str(oracle_file.resolve())} if oracle_file is not None else {})})
-        if engine_options is not None:
-            if stub_engine:
+            gateway["otlp_traces_endpoint"] = traces_url(gateway["otlp_traces_endpoint"])
+        try:
+            settings = GatewayConfig.model_validate({
+                **gateway, "freeze_gc": True,
+                "batch_journal": BatchJournalConfig(state_dir=state_dir) if state_dir is not None else None})
+        except ValidationError as exc:
+            raise ValueError(config_flags.explain("gateway", exc)) from None
+        if stub_engine:
+            engine["kind"] = "stub"
+            if engine_options is not None:
                 raise ValueError("--engine-options: the stub engine takes none")
-            engine = merge_engine_options(engine, engine_options)
-        config = ServiceConfig.model_validate({"engine": engine, "address": address, "state_dir": state_dir,
-                                               "engines_per_node": engines_per_node, "target_engines": target_engines,
-                                               "failure": {"max_restarts": max_restarts,
-                                                           "restart_window_s": restart_window,
-                                                           "max_group_deaths": max_group_deaths},
-                                               "history": {"shards": history_shards,
-                                                           "snapshot_interval_s": snapshot_interval}})
+        else:
+            engine.update(kind="vllm", budget=parse_budget(budget).fields())
+            if oracle_file is not None:
+                engine["oracle_file"] = str(oracle_file.resolve())
+            if engine_options is not None:
+                engine = merge_engine_options(engine, engine_options)
+        try:
+            config = ServiceConfig.model_validate({**config_flags.fields("service"), "engine": engine,
+                                                   "state_dir": state_dir})
+        except ValidationError as exc:
+            raise ValueError(config_flags.explain("service", exc)) from None
         if not stub_engine:
             from das.service.engine.vllm.engine import engine_dtype
             from das.service.engine.vllm.models import prepare_model
@@ -305,21 +233,21 @@ def serve(
 
             check_vllm_version()  # UnsupportedVllmVersion is a ValueError: refused below, before anything starts
             if address is None:  # this node runs the engines (a joined cluster's engine nodes check their own)
-                check_method_packages(speculation)  # MissingPackage: vLLM imports it only once an engine loads
-            if tool_call_parser is not None:
+                check_method_packages(engine["speculation"])  # MissingPackage: vLLM imports it only once it loads
+            if settings.tool_call_parser is not None:
                 from das.service.engine.vllm.tool_calls import tool_parser_names
 
-                if tool_call_parser not in tool_parser_names():
-                    raise ValueError(f"--tool-call-parser {tool_call_parser!r} is not a vLLM tool-call parser; "
-                                     f"vLLM has {', '.join(tool_parser_names())}")
+                if settings.tool_call_parser not in tool_parser_names():
+                    raise ValueError(f"--tool-call-parser {settings.tool_call_parser!r} is not a vLLM tool-call "
+                                     f"parser; vLLM has {', '.join(tool_parser_names())}")
 
             # here first, in the dtype the engines serve: they reuse it, and a bad name fails now
-            serving_dtype = engine_dtype(dtype)
+            serving_dtype = engine_dtype(engine["dtype"])
             try:
-                prepare_model(model, progress=True, dtype=serving_dtype)
+                prepare_model(engine["model"], progress=True, dtype=serving_dtype)
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{exc}; {classify(exc, 'model').remedy}") from None
-    except (ValidationError, OSError, ValueError, MissingPackage, StateDirInUse) as exc:
+    except (OSError, ValueError, MissingPackage, StateDirInUse) as exc:
         fail(str(exc))
 
     signals: list[int] = []
@@ -362,7 +290,7 @@ def serve(
         fatal: list[str] = []
         try:
             app = create_app(backend, settings)
-            console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if token else 'off'}; "
+            console.print(f"[green]serving on http://{host}:{port}[/green] (auth: {'on' if settings.token else 'off'}; "
                           f"/readyz turns 200 once the engines have loaded)")
             server = Server(server_config(app, settings.header_timeout_s, host=host, port=port, log_level="warning"))
 

@@ -47,9 +47,9 @@ class FailureConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_restarts: int = Field(5, ge=0, description="restarts an engine actor may have within restart_window_s; "
+    max_restarts: int = Field(5, ge=0, description="restarts an engine actor may have within the restart window; "
                               "the death after that fails the batches running on it, and it stays down")
-    restart_window_s: float = Field(600.0, gt=0, description="seconds over which max_restarts counts")
+    restart_window_s: float = Field(600.0, gt=0, description="seconds over which an engine's restarts count")
     recovery_timeout_s: float = Field(1800.0, gt=0, description="seconds a restarted engine may take to load the "
                                       "model and the served weights; longer fails it like an exhausted cap")
     max_group_deaths: int = Field(3, ge=1, description="engine deaths a group's unfinished samples may run "
@@ -111,7 +111,8 @@ class ServiceConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     engine: EngineSpec
-    address: str | None = Field(None, description="Ray cluster to join ('auto', 'HOST:PORT'); None: embedded")
+    address: str | None = Field(None, description="Ray cluster to join ('auto' or HOST:PORT); unset: an "
+                                       "embedded single-node cluster")
     state_dir: Path | None = Field(None, description="history snapshots; None: history lives in memory only")
     history: HistoryConfig = HistoryConfig()
     stats_interval_s: float = Field(2.0, gt=0, description="seconds between engine and store figure refreshes")
@@ -135,7 +136,7 @@ class ServiceConfig(BaseModel):
                                        "ray.autoscaler.sdk.request_resources), which an autoscaler (KubeRay's) adds "
                                        "worker nodes for while they do not fit; engines start on GPU nodes only, "
                                        "up to this many, so nodes beyond them stay idle and an autoscaler removes "
-                                       "them. None: no demand, engines on every node (every GPU node where there "
+                                       "them. Unset: no demand, engines on every node (every GPU node where there "
                                        "are any)")
 
 
@@ -144,8 +145,9 @@ class GatewayConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    token: SecretStr | None = Field(None, description="bearer token required on every API call; None: no auth")
-    weights_root: Path | None = Field(None, description="weights paths must lie under it; None: reloads refused")
+    token: SecretStr | None = Field(None, description="bearer token every API call must carry; unset: no auth")
+    weights_root: Path | None = Field(None, description="checkpoint paths of weight reloads must lie under it; "
+                                       "unset: reloads by path refused")
     max_batch_samples: int = Field(65536, ge=1, description="samples (sum of n) one batch may ask for")
     max_batches_in_flight: int = Field(64, ge=1, description="batches queued or running at once")
     batch_stall_timeout_s: float = Field(600.0, gt=0, description="a running batch in which no sample made a "
@@ -192,7 +194,7 @@ class GatewayConfig(BaseModel):
                                                "user's process")
     otlp_traces_endpoint: str | None = Field(None, description="the OTLP/HTTP collector that gets a trace per "
                                              "batch (service/http/tracing.py): its base URL (/v1/traces is added) "
-                                             "or the traces URL itself; None: nothing traced, nothing exported")
+                                             "or the traces URL itself; unset: nothing traced, nothing exported")
 
     @field_validator("otlp_traces_endpoint")
     @classmethod

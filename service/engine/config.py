@@ -49,8 +49,10 @@ class EngineConfig(BaseModel):
 
     kind: Literal["vllm"] = "vllm"
     model: str
-    speculation: Speculation = "das"
-    num_speculative_tokens: int = Field(8, ge=1, le=64)
+    speculation: Speculation = Field("das", description="speculative decoding: das (ours), none, or vLLM's ngram "
+                                     "or suffix")
+    num_speculative_tokens: int = Field(8, ge=1, le=64, description="draft tokens a request verifies in a step at "
+                                        "most (vLLM's num_speculative_tokens)")
     budget: Budget = Field(DasBudget(), description="the draft budget: a name or the fields of a budget "
                            "(scheduler/policies.py); default: the length-aware budget (das) on an online cost model")
     drafter: DrafterConfig = Field(DrafterConfig(), description="the drafter's configuration (drafter/config.py); "
@@ -61,7 +63,7 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
         "auto", description="auto: bfloat16 on a GPU or a CPU with native bfloat16 (avx512_bf16 / amx_bf16), else "
                             "float32 (`serving_dtype`)")
-    max_model_len: int = Field(2048, ge=16)
+    max_model_len: int = Field(2048, ge=16, description="context length, tokens")
     max_num_seqs: int = Field(256, ge=1)
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="model workers of one engine, each computing a "
                                       "shard of the model on a GPU of its own (vLLM's tensor parallelism); a GPU node "
