@@ -1,5 +1,6 @@
-"""The two hooks that put TRL's GRPOTrainer on the rollout service, with nothing of ours on the trainer's side
-but HTTP: the official `openai` client for rollouts and vLLM's `/update_weights` route for the weight sync.
+"""The hooks that put TRL's GRPOTrainer on the rollout service: the official `openai` client for rollouts, and for
+the weight sync either vLLM's `/update_weights` route with a checkpoint (nothing of ours on the trainer's side but
+HTTP) or vLLM's weight transfer through our `WeightSender` (no checkpoint).
 
 - `ServiceRollout` is GRPOTrainer's `rollout_func`. TRL hands it the step's prompts, each repeated
   `num_generations` times in a row (its RepeatSampler); every run of one prompt becomes one chat completion with
@@ -19,6 +20,9 @@ but HTTP: the official `openai` client for rollouts and vLLM's `/update_weights`
   service's weights root and POSTs `/update_weights {path, version}` (version = the optimizer steps taken: the
   service starts at 0), so the next rollout
   samples from the new policy; the previous checkpoint is deleted once the service has loaded the new one.
+- `WeightPush` is the same callback without the disk: it pushes the policy's parameters over vLLM's weight
+  transfer with `das.service.client.weights.WeightSender` (the one piece of ours on the trainer's side, torch
+  only), the service started with `--weight-transfer gloo` (CPU engines; nccl on GPU ones).
 - `draft_counts_by_source` reads the service's Prometheus counters of draft tokens by source (`sealed-age-<a>`:
   the rollouts of a policy `a` versions older than the one sampling).
 """
@@ -208,3 +212,27 @@ class WeightSync(TrainerCallback):
             raise RuntimeError(f"/update_weights {path}: {response.status_code} {response.text}")
         answer = response.json()
         return {"policy_version": answer["policy_version"], "reload_s": answer["reload_s"]}
+
+
+class WeightPush(TrainerCallback):
+    """Pushes the policy to the service after every optimizer step over vLLM's weight transfer, no checkpoint on
+    disk: `das.service.client.weights.WeightSender` sends the model's parameters to every engine (the service runs
+    `das serve --weight-transfer gloo` on CPU engines, nccl on GPU ones) with version = the optimizer steps taken.
+    `reloads`: one `{"step", "policy_version", "reload_s", "save_s"}` per push, as `WeightSync` keeps them
+    (`reload_s` the push's seconds, `save_s` 0: nothing is written)."""
+
+    def __init__(self, config: ServiceConfig) -> None:
+        from das.service.client.weights import WeightSender
+
+        self.reloads: list[dict[str, Any]] = []
+        self._sender = WeightSender(config.url, config.token)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        step = int(state.global_step)
+        start = time.perf_counter()
+        version = self._sender.push(model, version=step)
+        self.reloads.append({"step": step, "policy_version": version, "reload_s": time.perf_counter() - start,
+                             "save_s": 0.0})
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._sender.close()

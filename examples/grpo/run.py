@@ -32,7 +32,7 @@ from rich.console import Console
 
 from examples.grpo.report import compare
 from examples.grpo.rewards import Rewards
-from examples.grpo.rollout import ServiceConfig, ServiceRollout, WeightSync
+from examples.grpo.rollout import ServiceConfig, ServiceRollout, WeightPush, WeightSync
 
 console = Console(soft_wrap=True)  # one line per step, also in a log file
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL's experimental hook; we know
@@ -45,14 +45,18 @@ ARMS = ("das", "none", "das-coupled", "none-coupled")
 COUPLED = "-coupled"
 
 
-def start_service(arm: str, port: int, weights_root: Path, log_path: Path, timeout_s: float) -> subprocess.Popen:
+SYNCS = ("checkpoint", "push")
+
+
+def start_service(arm: str, port: int, weights_root: Path, log_path: Path, timeout_s: float,
+                  sync: str = "checkpoint") -> subprocess.Popen:
     """`das serve` for one arm, in a process group of its own; returns once /readyz answers 200. Served in float32
     (the trainer's dtype): keyed sampling then gives the two arms the same samples from the same weights, which in
     bfloat16 they would share only in distribution (docs/design.md, keyed sampling)."""
     das = Path(sys.executable).with_name("das")
     command = [str(das), "serve", "--port", str(port), "--speculation", arm.removesuffix(COUPLED),
                "--weights-root", str(weights_root),
-               "--dtype", "float32"]
+               "--dtype", "float32", "--weight-transfer", "gloo" if sync == "push" else "none"]
     log = log_path.open("wb")
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                env={**os.environ, "DAS_TOKEN": TOKEN})
@@ -83,7 +87,7 @@ def stop_service(process: subprocess.Popen) -> None:
 
 
 def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, problems: int, max_tokens: int,
-              learning_rate: float, seed: int, port: int) -> None:
+              learning_rate: float, seed: int, port: int, sync_mode: str = "checkpoint") -> None:
     """One arm: the service up, `steps` GRPO steps, the service down. Writes OUT/<arm>/steps.jsonl and
     OUT/<arm>/rollouts.jsonl.gz."""
     from datasets import Dataset
@@ -103,7 +107,7 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
     service = ServiceConfig(url=f"http://127.0.0.1:{port}", token=TOKEN, max_tokens=max_tokens, temperature=1.0,
                             seed=seed, coupled=arm.endswith(COUPLED))
     rollout = ServiceRollout(service)
-    sync = WeightSync(service, weights_root)
+    sync = WeightPush(service) if sync_mode == "push" else WeightSync(service, weights_root)
     steps_path = arm_dir / "steps.jsonl"
     steps_path.unlink(missing_ok=True)
 
@@ -141,7 +145,7 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
     # own), several times the step's own compute here.
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="float32", attn_implementation="eager")
     rewards = Rewards(problem_set)
-    process = start_service(arm, port, weights_root, arm_dir / "serve.log", timeout_s=900)
+    process = start_service(arm, port, weights_root, arm_dir / "serve.log", timeout_s=900, sync=sync_mode)
     try:
         trainer = GRPOTrainer(model=model, reward_funcs=[rewards.correct, rewards.formatted], args=config,
                               train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout,
@@ -168,14 +172,19 @@ def main(
                                            "seed of (seed, step, request), so under keyed sampling both arms "
                                            "draw the same samples from the same weights.")] = 0,
     port: Annotated[int, typer.Option(min=1, max=65535)] = 8011,
+    sync: Annotated[str, typer.Option(help="How each step's weights reach the service: checkpoint (saved under "
+                                           "its --weights-root, POST /update_weights) or push (vLLM's weight "
+                                           "transfer over gloo, no disk).")] = "checkpoint",
 ) -> None:
     """Train both arms, then compare them (report.py)."""
     names = [a.strip() for a in arms.split(",") if a.strip()]
     if not names or any(a not in ARMS for a in names):
         raise typer.BadParameter(f"arms must be among {', '.join(ARMS)}, got {arms!r}", param_hint="--arms")
+    if sync not in SYNCS:
+        raise typer.BadParameter(f"sync must be one of {', '.join(SYNCS)}, got {sync!r}", param_hint="--sync")
     for arm in names:
         train_arm(arm, out, steps=steps, prompts=prompts, samples=samples, problems=problems,
-                  max_tokens=max_tokens, learning_rate=learning_rate, seed=seed, port=port)
+                  max_tokens=max_tokens, learning_rate=learning_rate, seed=seed, port=port, sync_mode=sync)
     compare(out, names, console)
 
 

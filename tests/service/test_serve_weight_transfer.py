@@ -12,6 +12,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -172,6 +173,25 @@ def test_a_push_while_paused_splits_the_held_sample_between_the_two_versions(ser
     (sample,) = result
     (old, start), (new, resumed) = sample.policy_spans
     assert (old, start, new) == (served, 0, served + 1) and 0 < resumed < 96 and len(sample.output_token_ids) == 96
+
+
+def test_the_grpo_examples_push_callback_moves_the_served_version_each_step(server, perturbed):
+    """examples/grpo's `WeightPush`, as TRL calls it after an optimizer step: the model's parameters pushed with
+    version = the steps taken; the service serves that version, and the trainer's end leaves the group."""
+    from transformers import AutoModelForCausalLM
+
+    from examples.grpo.rollout import ServiceConfig, WeightPush
+
+    model = AutoModelForCausalLM.from_pretrained(perturbed, dtype="float32")
+    served = served_version(server.url)
+    push = WeightPush(ServiceConfig(url=server.url, token=TOKEN, max_tokens=16, temperature=1.0))
+    for step in (served + 1, served + 2):
+        push.on_step_end(None, SimpleNamespace(global_step=step), None, model=model)
+    push.on_train_end(None, None, None)
+    assert [r["policy_version"] for r in push.reloads] == [served + 1, served + 2]
+    assert all(r["reload_s"] > 0 and r["save_s"] == 0 for r in push.reloads)
+    assert served_version(server.url) == served + 2
+    assert samples(server.url)[1] == {served + 2}
 
 
 def test_a_pushed_checkpoint_serves_the_samples_of_a_server_started_on_it(server, before, perturbed, tmp_path):
