@@ -1,7 +1,8 @@
 """An engine that dies loses nothing: real service processes on loopback, engine actors killed with SIGKILL.
 
-The bookkeeping first (no Ray), then the stub engine (two engine actors on one node, twenty kills under load; the
-restart cap), then the tiny real model (the actor killed mid-batch, then its vLLM engine core)."""
+The bookkeeping first (no Ray), then the stub engine (two engine actors on one node, ten kills under load; the
+restart cap), then the tiny real model on one server (the actor killed mid-batch, then its vLLM engine core, then
+the actor at 70% of the longest sample)."""
 
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ def stub_groups(count: int, n: int) -> list[dict[str, Any]]:
             for i in range(count)]
 
 
-def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(tmp_path: Path) -> None:
+def test_ten_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(tmp_path: Path) -> None:
     service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "token_s": 0.05}, "engines_per_node": 2,
                                      # healthy engines killed at random: no group is given up
                                      "failure": {"max_restarts": 100, "max_group_deaths": 100}})
@@ -153,7 +154,7 @@ def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(t
         for worker in workers:
             worker.start()
         kills = 0
-        while kills < 20:
+        while kills < 10:
             time.sleep(0.3)  # batches are running on both engines now
             os.kill(random.choice(service.node_engines()), signal.SIGKILL)
             kills += 1
@@ -165,7 +166,7 @@ def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(t
             worker.join(timeout=120)
         assert not any(w.is_alive() for w in workers) and not errors, errors
 
-        assert len(results) >= 20
+        assert len(results) >= 10
         for batch_id, (records, summary) in results.items():
             assert summary["status"] == "done" and summary["samples"] == 24, (batch_id, summary)
             assert Counter((r["group_index"], r["sample_index"]) for r in records) == expected, batch_id
@@ -175,14 +176,14 @@ def test_twenty_kills_of_stub_engine_actors_under_load_lose_and_repeat_nothing(t
         assert service.get("/readyz").status_code == 200 and service.get("/healthz").status_code == 200
         records, summary = run_batch(service.url, {"groups": stub_groups(2, 3)})
         assert summary["status"] == "done" and len(records) == 6
-        assert service.metric("das_engine_restarts") == 20
+        assert service.metric("das_engine_restarts") == 10
         assert service.get("/metrics").text.count("das_engine_last_recovery_seconds{engine=") == 2
         redispatched = service.metric("das_samples_redispatched")
         assert redispatched > 0
         # what the dead engines owed was taken off their load when it moved: nothing is left placed anywhere
         assert service.get("/metrics").text.count("das_engine_placed_tokens{engine=") == 2
         assert abs(service.metric("das_engine_placed_tokens")) < 1e-6
-        print(f"{len(results)} batches, 20 kills, {redispatched:.0f} samples re-dispatched")
+        print(f"{len(results)} batches, 10 kills, {redispatched:.0f} samples re-dispatched")
     finally:
         stop.set()
         service.stop()
@@ -298,7 +299,7 @@ def test_an_engine_actor_killed_while_it_loads_is_restarted_and_serves(tmp_path:
     """Issue 59: a transient load failure keeps the restart behaviour. The engine actor's process SIGKILLed while its
     engine loads (as the OOM killer would) is restarted by Ray, loads again and serves; it counts as a restart and
     as a failed load with reason "died", and nothing stops the service."""
-    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "load_s": 20.0}})
+    service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "load_s": 10.0}})
 
     def loading() -> bool:
         assert service.proc.poll() is None, service.log.read_text()
@@ -310,8 +311,8 @@ def test_an_engine_actor_killed_while_it_loads_is_restarted_and_serves(tmp_path:
     try:
         wait_until(loading, 60, "the gateway did not answer while the engine loads")
         # the actor's process is up before its load starts, and a kill in that gap is Ray's plain actor restart,
-        # never seen as a failed load (on a loaded machine the kill once landed there): kill inside the 20 s load
-        time.sleep(5.0)
+        # never seen as a failed load (on a loaded machine the kill once landed there): kill inside the 10 s load
+        time.sleep(3.0)
         (actor,) = service.node_engines()
         os.kill(actor, signal.SIGKILL)
         service.wait_ready(engines=1)
@@ -411,10 +412,22 @@ def test_the_official_openai_client_retrying_a_given_up_prompt_crashes_no_more_e
 # ---- the tiny real model ----
 
 
-def test_tiny_model_engine_killed_mid_batch_then_its_engine_core_loses_nothing(tmp_path: Path) -> None:
-    model = build_tiny_model(tmp_path / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
+@pytest.fixture(scope="module")
+def tiny_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """One `das serve` on the tiny model for the module's kills (each test leaves it serving, restarted)."""
+    root = tmp_path_factory.mktemp("tiny-kills")
+    model = build_tiny_model(root / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
                              sharpness=12.0)
-    server = Server(model, tmp_path / "state")
+    server = Server(model, root / "state", "--max-model-len", "1024")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def test_tiny_model_engine_killed_mid_batch_then_its_engine_core_loses_nothing(tiny_server: Server) -> None:
+    server = tiny_server
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # One short group finishes first; the long ones are mid-batch when the kill comes.
     groups = [{"problem_id": f"p{i}", "prompt_token_ids": [5, 6, 7 + i], "n": 4,
@@ -430,52 +443,47 @@ def test_tiny_model_engine_killed_mid_batch_then_its_engine_core_loses_nothing(t
     def metrics() -> str:
         return httpx.get(f"{server.url}/metrics", headers=auth, timeout=10).text
 
-    try:
-        server.wait_ready()
-        (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
-        (core,) = process_pids(actor, "EngineCore")
+    restarts, redispatched = metric(metrics(), "das_engine_restarts"), metric(metrics(), "das_samples_redispatched")
+    (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
+    (core,) = process_pids(actor, "EngineCore")
 
-        def kill_actor(count: int) -> None:
-            if count == 1:
-                os.kill(actor, signal.SIGKILL)
+    def kill_actor(count: int) -> None:
+        if count == 1:
+            os.kill(actor, signal.SIGKILL)
 
-        check(*run_batch(server.url, {"groups": groups}, kill_actor, auth))
-        server.wait_ready()  # no hand restart
-        assert metric(metrics(), "das_engine_restarts") == 1
-        assert 1 <= metric(metrics(), "das_samples_redispatched") <= 15
-        assert not psutil.pid_exists(core) or psutil.Process(core).status() == psutil.STATUS_ZOMBIE  # no orphan
+    check(*run_batch(server.url, {"groups": groups}, kill_actor, auth))
+    server.wait_ready()  # no hand restart
+    assert metric(metrics(), "das_engine_restarts") == restarts + 1
+    assert 1 <= metric(metrics(), "das_samples_redispatched") - redispatched <= 15
+    assert not psutil.pid_exists(core) or psutil.Process(core).status() == psutil.STATUS_ZOMBIE  # no orphan
 
-        # the vLLM engine core dies inside a live actor: the actor ends itself and is restarted the same way
-        (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
-        (core,) = process_pids(actor, "EngineCore")
+    # the vLLM engine core dies inside a live actor: the actor ends itself and is restarted the same way
+    (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
+    (core,) = process_pids(actor, "EngineCore")
 
-        def kill_core(count: int) -> None:
-            if count == 1:
-                os.kill(core, signal.SIGKILL)
+    def kill_core(count: int) -> None:
+        if count == 1:
+            os.kill(core, signal.SIGKILL)
 
-        check(*run_batch(server.url, {"groups": groups}, kill_core, auth))
-        server.wait_ready()
-        text = metrics()
-        assert metric(text, "das_engine_restarts") == 2
-        print(f"re-dispatched {metric(text, 'das_samples_redispatched'):.0f} samples; latest recovery "
-              f"{metric(text, 'das_engine_last_recovery_seconds'):.1f} s")
+    check(*run_batch(server.url, {"groups": groups}, kill_core, auth))
+    server.wait_ready()
+    text = metrics()
+    assert metric(text, "das_engine_restarts") == restarts + 2
+    print(f"re-dispatched {metric(text, 'das_samples_redispatched') - redispatched:.0f} samples; latest recovery "
+          f"{metric(text, 'das_engine_last_recovery_seconds'):.1f} s")
 
-        records, summary = run_batch(server.url, {"groups": groups[:2]}, headers=auth)
-        assert summary["status"] == "done" and len(records) == 8
-    finally:
-        server.stop()
+    records, summary = run_batch(server.url, {"groups": groups[:2]}, headers=auth)
+    assert summary["status"] == "done" and len(records) == 8
 
 
 def test_tiny_model_engine_killed_at_70_percent_of_the_longest_sample_resumes_it_token_identical(
-        tmp_path: Path) -> None:
+        tiny_server: Server) -> None:
     """The real engine (tiny model, fp32, T = 0.8, keyed sampling, DAS speculation): the engine actor SIGKILLed
     while the longest sample is ~70% done. The batch ends done with every sample once and token-identical to an
     undisturbed run with the same seed; the restarted engine makes that sample's remaining tokens plus at most a
     second's worth; the makespan cost of the death is printed. Before that, on the warm engine, the official openai
     client streams a completion in chunks about 50 ms apart."""
-    model = build_tiny_model(tmp_path / "tiny", prepare_model("smollm2", progress=False), vocab_size=64, seed=0,
-                             sharpness=12.0)
-    server = Server(model, tmp_path / "state", "--max-model-len", "1024")  # the last --max-model-len counts
+    server = tiny_server
     auth = {"Authorization": f"Bearer {TOKEN}"}
     # long enough that progress reports (one per ~50 ms per engine) land between 70% and the end: this tiny model
     # decodes 200 tokens in a few reports
@@ -503,72 +511,68 @@ def test_tiny_model_engine_killed_at_70_percent_of_the_longest_sample_resumes_it
                 on_item(item)
         raise AssertionError("the stream ended without a summary")
 
-    try:
-        server.wait_ready()
-        batch(lambda item: None)  # warm-up: the first batch after a start compiles and fills caches
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
-        times: list[float] = []
-        tokens = 0
-        model = client.models.list().data[0].id
-        asked = time.perf_counter()
-        for chunk in client.completions.create(model=model, prompt=[5, 6, 7],
-                                               max_tokens=200, temperature=0.8, stream=True,
-                                               extra_body={"return_token_ids": True, "ignore_eos": True}):
-            if chunk.choices:
-                times.append(time.perf_counter())
-                tokens += len(chunk.choices[0].token_ids)
-        span = times[-1] - times[0]
-        print(f"openai stream: {len(times)} chunks over {span:.2f} s for {tokens} tokens")
-        gaps = sorted(b - a for a, b in zip(times, times[1:]))
-        print(f"openai stream: chunk gaps median {gaps[len(gaps) // 2] * 1e3:.0f} ms, max {gaps[-1] * 1e3:.0f} ms")
-        # chunks spread over the generation (a stream sent in one piece at the end has span 0), one a report
-        # interval (50 ms) or so
-        assert tokens == 200 and span >= 0.5 * (times[-1] - asked) and len(times) >= 0.8 * span / 0.05
-        undisturbed, _, summary, plain_s = batch(lambda item: None)
-        assert summary["status"] == "done"
-        reference = {(r["group_index"], r["sample_index"]): r for r in undisturbed}
-        per_token_s = plain_s / longest
+    server.wait_ready()  # an earlier test's kills leave it restarted
+    batch(lambda item: None)  # warm-up: the first batch after a start compiles and fills caches
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+    times: list[float] = []
+    tokens = 0
+    model = client.models.list().data[0].id
+    asked = time.perf_counter()
+    for chunk in client.completions.create(model=model, prompt=[5, 6, 7],
+                                           max_tokens=200, temperature=0.8, stream=True,
+                                           extra_body={"return_token_ids": True, "ignore_eos": True}):
+        if chunk.choices:
+            times.append(time.perf_counter())
+            tokens += len(chunk.choices[0].token_ids)
+    span = times[-1] - times[0]
+    print(f"openai stream: {len(times)} chunks over {span:.2f} s for {tokens} tokens")
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    print(f"openai stream: chunk gaps median {gaps[len(gaps) // 2] * 1e3:.0f} ms, max {gaps[-1] * 1e3:.0f} ms")
+    # chunks spread over the generation (a stream sent in one piece at the end has span 0), one a report
+    # interval (50 ms) or so
+    assert tokens == 200 and span >= 0.5 * (times[-1] - asked) and len(times) >= 0.8 * span / 0.05
+    undisturbed, _, summary, plain_s = batch(lambda item: None)
+    assert summary["status"] == "done"
+    reference = {(r["group_index"], r["sample_index"]): r for r in undisturbed}
+    per_token_s = plain_s / longest
 
-        killed: list[float] = []
-        at_kill: dict[tuple[int, int], int] = {}
-        delivered: dict[tuple[int, int], int] = {}
-        trigger: list[tuple[int, int]] = []  # the sample whose 70% set off the kill
+    killed: list[float] = []
+    at_kill: dict[tuple[int, int], int] = {}
+    delivered: dict[tuple[int, int], int] = {}
+    trigger: list[tuple[int, int]] = []  # the sample whose 70% set off the kill
 
-        def kill_at_70(item: dict[str, Any]) -> None:
-            p = item.get("progress")
-            if p is None:
-                return
-            key = (p["group_index"], p["sample_index"])
-            delivered[key] = p["offset"] + len(p["token_ids"])
-            if not killed and p["group_index"] == 0 and delivered[key] >= 0.7 * longest:
-                (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
-                os.kill(actor, signal.SIGKILL)
-                killed.append(time.monotonic())
-                at_kill.update(delivered)
-                trigger.append(key)
+    def kill_at_70(item: dict[str, Any]) -> None:
+        p = item.get("progress")
+        if p is None:
+            return
+        key = (p["group_index"], p["sample_index"])
+        delivered[key] = p["offset"] + len(p["token_ids"])
+        if not killed and p["group_index"] == 0 and delivered[key] >= 0.7 * longest:
+            (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
+            os.kill(actor, signal.SIGKILL)
+            killed.append(time.monotonic())
+            at_kill.update(delivered)
+            trigger.append(key)
 
-        records, progress, summary, disturbed_s = batch(kill_at_70)
-        assert killed, f"no progress report of the longest sample between 70% and its end: {delivered}"
-        assert summary["status"] == "done", summary
-        assert Counter((r["group_index"], r["sample_index"]) for r in records) == Counter(list(reference))
-        for record in records:
-            ref = reference[(record["group_index"], record["sample_index"])]
-            assert record["output_token_ids"] == ref["output_token_ids"], (record["group_index"],
-                                                                           record["sample_index"])
-            assert len(record["logprobs"]) == len(ref["logprobs"])
-            assert max(abs(a - b) for a, b in zip(record["logprobs"], ref["logprobs"])) < 1e-3
-        # the sample killed at 70% had 30% of its tokens left, so it ran on after the restart: it resumed near
-        # where it was, not at 0; others resumed likewise where they were still running
-        (killed_at_70,) = trigger
-        resumed = {key: [p["offset"] for t, p in progress if t > killed[0] + 1.0
-                         and (p["group_index"], p["sample_index"]) == key] for key in at_kill}
-        assert resumed[killed_at_70], f"no progress of {killed_at_70} after the restart"
-        for key, offsets in resumed.items():
-            if offsets or key == killed_at_70:
-                assert min(offsets) >= at_kill[key] - max(1.0 / per_token_s, 2), (key, at_kill[key])
-        print(f"undisturbed makespan {plain_s:.1f} s; with the death at 70% of the longest sample "
-              f"{disturbed_s:.1f} s (cost {disturbed_s - plain_s:.1f} s, the engine's restart included); "
-              f"delivered at the death: {at_kill}")
-
-    finally:
-        server.stop()
+    records, progress, summary, disturbed_s = batch(kill_at_70)
+    assert killed, f"no progress report of the longest sample between 70% and its end: {delivered}"
+    assert summary["status"] == "done", summary
+    assert Counter((r["group_index"], r["sample_index"]) for r in records) == Counter(list(reference))
+    for record in records:
+        ref = reference[(record["group_index"], record["sample_index"])]
+        assert record["output_token_ids"] == ref["output_token_ids"], (record["group_index"],
+                                                                       record["sample_index"])
+        assert len(record["logprobs"]) == len(ref["logprobs"])
+        assert max(abs(a - b) for a, b in zip(record["logprobs"], ref["logprobs"])) < 1e-3
+    # the sample killed at 70% had 30% of its tokens left, so it ran on after the restart: it resumed near
+    # where it was, not at 0; others resumed likewise where they were still running
+    (killed_at_70,) = trigger
+    resumed = {key: [p["offset"] for t, p in progress if t > killed[0] + 1.0
+                     and (p["group_index"], p["sample_index"]) == key] for key in at_kill}
+    assert resumed[killed_at_70], f"no progress of {killed_at_70} after the restart"
+    for key, offsets in resumed.items():
+        if offsets or key == killed_at_70:
+            assert min(offsets) >= at_kill[key] - max(1.0 / per_token_s, 2), (key, at_kill[key])
+    print(f"undisturbed makespan {plain_s:.1f} s; with the death at 70% of the longest sample "
+          f"{disturbed_s:.1f} s (cost {disturbed_s - plain_s:.1f} s, the engine's restart included); "
+          f"delivered at the death: {at_kill}")
