@@ -24,7 +24,8 @@ overloaded, and idle sessions' predicted remaining work counts in their engine's
 Locally `RayBackend.start(config)` starts an embedded single-node cluster; with `address` it joins a running one
 (`ray start --head` on the head node, `ray start --address=...` on the others, or KubeRay).
 
-An engine that dies loses nothing (docs/design.md "Failure behaviour"). The NodeEngine actors are created with
+An engine that dies loses nothing (docs/design.md "Failure behaviour"; its supervision is
+service/cluster/engine_supervisor.py). The NodeEngine actors are created with
 unbounded Ray restarts and no task retries (nothing runs twice behind our back); the coordinator counts the
 restarts itself, `FailureConfig.max_restarts` per `restart_window_s`, and kills an actor for good past that. A
 death is noticed by the stream that breaks or by a call the coordinator keeps pending on every actor
@@ -34,7 +35,7 @@ served, then it serves again. The samples the dead engine owed that had not arri
 (or the restarted one) as a group with n = their count, and renumbered back to the missing indices
 (service/cluster/engine_failure.py `Share`), so every sample index reaches the client exactly once. Each resumes
 from the tokens it had delivered (the engines report each sample's new tokens every stream interval,
-`node_engine.PROGRESS_INTERVAL_S` or longer with many engines, `_stream_interval`; the coordinator keeps them per
+`node_engine.PROGRESS_INTERVAL_S` or longer with many engines, `stream_interval`; the coordinator keeps them per
 sample and hands them to the caller's `on_progress`), so a death costs the recomputation of prompt + prefix and the
 tokens of the last interval, not the sample. `ready()` while at
 least one engine serves; `live()` False once no engine can ever serve again.
@@ -56,31 +57,31 @@ import os
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncGenerator, Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
-from das.service.cluster.engine_failure import GivenUpPrompts, RestartWindow, Share
-from das.service.config import ServiceConfig
-from das.service.cluster.engine_layout import LayoutError, cpu_engine_error, cpu_node, gpu_engines
+from das.service.cluster.engine_failure import GivenUpPrompts, Share
+from das.service.cluster.engine_supervisor import (ActorRecord, EngineRef, EngineSupervisor, ServedPolicy,
+                                                   check_layouts, first_engine_actors, lost_errors)
 from das.service.cluster.group_aborts import GroupAborts, aborted_sample
 from das.service.cluster.history_store import HistoryShardActor, shard_of
-from das.service.cluster.load_failure import LoadFailure, classify
-from das.service.cluster.node_engine import PROGRESS_INTERVAL_S, EngineNotStarted, NodeEngine
+from das.service.cluster.node_engine import PROGRESS_INTERVAL_S
 from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink, WeightUpdateConflict
+from das.service.cluster.sessions import SessionBook
+from das.service.config import ServiceConfig
 from das.service.engine.config import transfer_backend
 from das.service.engine.contract import EngineInputError, validate_rollouts
 from das.service.wire.api import GroupRequest, LengthCurveSpec, ProblemSummary, SampleResult
 from das.service.wire.engine_control import EngineControl, Pause, Resume
 from das.service.wire.sample_progress import SampleProgress
 from das.service.wire.weight_transfer import TransferBackend
-from das.service.cluster.sessions import SessionBook
 
 log = logging.getLogger(__name__)
 
@@ -89,16 +90,23 @@ _FORWARDED_ENV = ("VLLM_LOGGING_LEVEL", "VLLM_LOGGING_STREAM", "VLLM_PLUGINS", "
                   "VLLM_CPU_OMP_THREADS_BIND")
 
 
-def _describe(exc: BaseException) -> str:
-    """The first line of `exc` with its type (Ray's death messages run to many lines)."""
-    lines = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
-
-
 def _sample_load(group: GroupRequest) -> float:
     """What one sample of a group placed by `with_length_predictions` weighs in placement: its predicted output
     tokens."""
     return float(group.predicted_tokens or 0.0)
+
+
+# The longest interval between an engine's stream items (`stream_interval`): a finished sample waits on its
+# engine this long at most, whatever the number of engines.
+_MAX_STREAM_INTERVAL_S = 5.0
+
+
+def stream_interval(engines: int, items_per_s: float) -> float:
+    """Seconds between an engine's stream items (finished samples and progress travel together) with `engines`
+    engines: 50 ms, longer once the engines together would send more than `items_per_s`
+    (`ServiceConfig.stream_items_per_s`), at most 5 s. A finished sample waits up to this long on its engine (not
+    the last ones of its engine's run), and a death loses up to this long of a sample's tokens."""
+    return min(_MAX_STREAM_INTERVAL_S, max(PROGRESS_INTERVAL_S, engines / items_per_s))
 
 
 class _PlacedWork:
@@ -162,75 +170,6 @@ def with_length_predictions(predictor: LengthPredictor, groups: Sequence[GroupRe
             for g, m, c in zip(groups, forecast.mean, curves)]
 
 
-# The longest interval between an engine's stream items (`RayBackend._stream_interval`): a finished sample waits on its
-# engine this long at most, whatever the number of engines.
-_MAX_STREAM_INTERVAL_S = 5.0
-
-# Seconds of calls refused with ActorDiedError after which an actor is taken to be dead for good.
-_DEAD_FOR_GOOD_S = 30.0
-
-
-class _NotRestarted(RuntimeError):
-    """Ray refuses every call to an actor it will not restart (killed with no_restart, its node gone)."""
-
-
-# A stream or call that raises one of these lost its engine actor (its process, or its node: Ray cannot place an
-# actor pinned to a node that left), or the object holding its samples, or reached the restarted actor before its
-# death was noticed: what it owed is re-dispatched. Anything else an engine raises fails the batch.
-def _lost_errors() -> tuple[type[BaseException], ...]:
-    import ray
-
-    return (ray.exceptions.RayActorError, ray.exceptions.ActorUnschedulableError, ray.exceptions.ObjectLostError,
-            EngineNotStarted)
-
-
-def _engine_actors(config: ServiceConfig, node: dict[str, Any], shard_names: list[str], short_name: bool,
-                   limit: int | None = None) -> list[tuple[Any, list[str]]]:
-    """Creates the NodeEngine actors of one Ray node (`ray.nodes()` entry): one per engine, each holding its
-    `tensor_parallel_size` GPUs (service/cluster/engine_layout.py; LayoutError where that does not divide the node's
-    GPUs), or `engines_per_node` on a node without any, at most `limit` of them; each with the names of its engines.
-    Engines are named by the node's address, and its id unless `short_name` (a cluster of one node)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    gpus = int(node["Resources"].get("GPU", 0))
-    name = node["NodeManagerAddress"] if short_name else f"{node['NodeManagerAddress']}:{node['NodeID'][:6]}"
-    engine = config.engine
-    # Restarted by Ray on the same node (the hard affinity holds for every incarnation) as often as it dies: the
-    # coordinator applies the cap per window. No task retries: what a dead actor owed is re-dispatched by the
-    # coordinator, so nothing runs twice.
-    tp = engine.tensor_parallel_size
-    count = gpu_engines(gpus, tp, f"node {node['NodeManagerAddress']}") if gpus else config.engines_per_node
-    count = count if limit is None else min(count, limit)
-    options = ray.remote(NodeEngine).options(
-        num_cpus=0, num_gpus=tp if gpus else 0, max_concurrency=1000, max_restarts=-1, max_task_retries=0,
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False))
-    per_actor = engine.engines_per_actor
-    firsts = range(0, count, per_actor)
-    return [(options.remote(name, engine, shard_names, min(per_actor, count - g), first_index=g,
-                            history_push=config.history.push),
-             [f"{name}/{g + i}" for i in range(min(per_actor, count - g))]) for g in firsts]
-
-
-@dataclass(eq=False)
-class _Actor:
-    """One NodeEngine actor as the coordinator sees it. `incarnation` counts the deaths noticed, so the many
-    streams that see one death count it once; `names`: its engines, the same after every restart."""
-
-    handle: Any
-    restarts: RestartWindow
-    node_id: str = ""  # the Ray node it is pinned to
-    names: list[str] = field(default_factory=list)
-    state: Literal["loading", "serving", "recovering", "failed"] = "loading"
-    incarnation: int = 0
-    error: str | None = None  # why it failed for good
-    node_left: bool = False  # failed because its node left the cluster (its batches' work moves on)
-    served: bool = False  # it has loaded and served (its engines are in RayBackend._engines)
-    failure: LoadFailure | None = None  # it failed for good because it cannot load (service/cluster/load_failure.py)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)  # its watcher and recovery
-
-
-_Engine = tuple[_Actor, int, str]  # (actor, engine index in the actor, engine name)
 # What a batch's jobs hand its stream: (group index, sample or progress), None at a job's end, or its error.
 _Out = asyncio.Queue[tuple[int, SampleResult | SampleProgress] | BaseException | None]
 _Placement = list[list[tuple[int, GroupRequest]]]  # per engine, (batch index, group) pairs in start order
@@ -246,44 +185,28 @@ class _RayInThisProcess:
 
 
 class RayBackend:
-    """Use `await RayBackend.start(config)`; `await close()` at the end (snapshots the history)."""
+    """Use `await RayBackend.start(config)`; `await close()` at the end (snapshots the history). `supervisor` keeps
+    its engine actors (service/cluster/engine_supervisor.py)."""
 
     def __init__(self, config: ServiceConfig, shards: list[Any], shard_names: list[str],
                  actors: list[tuple[str, Any, list[str]]], gpu_nodes: bool, own_cluster: bool = False) -> None:
         self.config = config
         self._shards = shards
-        self._shard_names = shard_names  # what an engine actor created later is given
-        self._actors = [_Actor(handle, RestartWindow(config.failure), node_id, list(names))
-                        for node_id, handle, names in actors]
-        # A cluster this process started: one node, every engine on it with one configuration, and no node joins
-        # later, so an engine that cannot load means none can (`fatal_error`).
-        self._own_cluster = own_cluster
         self._gpu_nodes = gpu_nodes  # engines on the GPU nodes only (else on every node)
-        self._refused_nodes: set[str] = set()  # joined with GPUs the engines' tensor parallel size does not divide
         self._uses_ray = True  # until close: counted in _RayInThisProcess.users
-        self._engines: list[_Engine] = []  # every engine, serving or not, once the first load is done
-        self._version = 0
-        self._weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
-        self._weights_lock = asyncio.Lock()  # a reload and a recovered engine's catch-up never interleave
-        self._paused: Pause | None = None  # the last /pause until /resume
+        self._policy = ServedPolicy()
+        self.supervisor = EngineSupervisor(config, shard_names, actors, gpu_nodes, self._policy, own_cluster)
         # the engines in the trainer's weight-transfer group (actor, incarnation), in rank order: set by
         # /init_weight_transfer_engine; a push needs the same ones serving
-        self._transfer_group: list[tuple[_Actor, int]] = []
-        self._pushing = False  # a push is open: `_weights_lock` is held from its start to its end
+        self._transfer_group: list[tuple[ActorRecord, int]] = []
+        self._pushing = False  # a push is open: the policy's `weights_lock` is held from its start to its end
         # every dispatch to an engine actor waits here while paused (service/cluster/pause_hold.py)
         self._hold = PauseHold()
-        self._control_lock = asyncio.Lock()  # a pause or resume and a recovered engine's catch-up never interleave
         self._book = DifficultyBook()
         self._predictor = LengthPredictor(self._book)
         self._stats = BackendStats()
-        self._loading: asyncio.Task[None] | None = None
         self._background: list[asyncio.Task[None]] = []
-        self._closing = False
-        self._changed = asyncio.Event()  # replaced at every change of an actor's state
         self._placed = _PlacedWork()
-        self._restarts: Counter[str] = Counter()  # per engine
-        self._load_failures: Counter[tuple[str, str]] = Counter()  # per (engine, LoadFailure.reason): failed loads
-        self._recovery_s: dict[str, float] = {}  # per engine, death noticed to serving again, latest
         self._redispatched = 0
         self._given_up = 0  # samples ended with an error after max_group_deaths engine deaths
         self._stream_items = 0  # Ray objects received from engine streams (samples or progress)
@@ -312,19 +235,8 @@ class RayBackend:
             # running on this machine.
             ray.init(address=config.address or "local", **kwargs)
             _RayInThisProcess.started_here = True
-        engine = config.engine
-        for node in ray.nodes():  # before any actor exists: LayoutError for a node whose GPUs do not split
-            if node["Alive"] and node["Resources"].get("GPU", 0) > 0:
-                gpu_engines(int(node["Resources"]["GPU"]), engine.tensor_parallel_size,
-                            f"node {node['NodeManagerAddress']}")
         own_cluster = _RayInThisProcess.started_here
-        if own_cluster and engine.cpu_workers and not any(
-                n["Alive"] and n["Resources"].get("GPU", 0) > 0 for n in ray.nodes()):
-            # this node is the engines' node: what its CPUs cannot run is refused here, before anything loads (in a
-            # cluster joined, each engine checks its own node and fails alone: `NodeEngine.start`)
-            layout = cpu_engine_error(engine.cpu_workers, *cpu_node(), "this node")
-            if layout is not None:
-                raise layout
+        check_layouts(config, own_cluster)
         here = ray.get_runtime_context().get_node_id()
         state_dir = str(config.state_dir.resolve()) if config.state_dir is not None else None
         # Restarted by Ray when it dies, from its last snapshot; no task retries: engines re-send their pushes.
@@ -336,106 +248,19 @@ class RayBackend:
                                       max_task_retries=0, scheduling_strategy=NodeAffinitySchedulingStrategy(
             here, soft=True)).remote(i, config.history, state_dir) for i, name in enumerate(shard_names)]
 
-        alive = [n for n in ray.nodes() if n["Alive"]]
-        gpu_nodes = [n for n in alive if n["Resources"].get("GPU", 0) > 0]
-        actors: list[tuple[str, Any, list[str]]] = []
-        target = config.target_engines
-        for n in gpu_nodes if gpu_nodes or target is not None else alive:  # with a target: GPU nodes only
-            wanted = None if target is None else target - sum(len(names) for _, _, names in actors)
-            if wanted is not None and wanted <= 0:
-                break
-            actors += [(n["NodeID"], handle, names) for handle, names in
-                       _engine_actors(config, n, shard_names, short_name=len(alive) == 1, limit=wanted)]
-        backend = cls(config, shards, shard_names, actors, bool(gpu_nodes) or target is not None,
-                      own_cluster=own_cluster)
-        backend._request_engines(target or 0)
+        actors, gpu_nodes = first_engine_actors(config, shard_names)
+        backend = cls(config, shards, shard_names, actors, gpu_nodes, own_cluster=own_cluster)
+        backend.supervisor.request_engines(config.target_engines or 0)
         _RayInThisProcess.users += 1
         await backend._load_difficulty()
         progress(f"{len(shards)} history shards, {len(actors)} engine actors; loading engines")
-        backend._loading = asyncio.create_task(backend._load_engines(progress))
+        backend.supervisor.start_loading(progress, backend.refresh_stats)
         backend._background = [asyncio.create_task(backend._every(config.stats_interval_s, backend.refresh_stats)),
                                asyncio.create_task(backend._every(config.history.snapshot_interval_s,
                                                                   backend._snapshot)),
                                asyncio.create_task(backend._every(config.adopt_nodes_interval_s,
-                                                                  backend._adopt_nodes))]
+                                                                  backend.supervisor.adopt_nodes))]
         return backend
-
-    async def _load_engines(self, progress: Callable[[str], None]) -> None:
-        """The first load of every engine actor, at once; done when each serves or has failed for good."""
-        await asyncio.gather(*(self._load(actor) for actor in self._actors))
-        if self._engines:
-            await self.refresh_stats()
-        ready = [name for _, _, name in self._serving()]
-        failed = [name for actor in self._actors if actor.state == "failed" for name in actor.names]
-        progress("; ".join(([f"{len(ready)} engines ready: {', '.join(ready)}"] if ready else [])
-                           + ([f"{len(failed)} failed to load: {', '.join(failed)}"] if failed else []))
-                 or "no engine actor")
-
-    async def _load(self, actor: _Actor) -> None:
-        """An actor's first load (at the start, or on a node that joined): it serves once loaded and caught up (the
-        weights last served, the pause in force). A load that cannot succeed fails it for good with its cause; one
-        that may succeed in a fresh process restarts it, as a death does (`_load_failed`). Returns once it serves
-        or has failed for good."""
-        import ray
-
-        timeout = self.config.failure.recovery_timeout_s
-        try:
-            async with asyncio.timeout(timeout):
-                names = await actor.handle.start.remote()
-                async with self._weights_lock, self._control_lock:
-                    await self._catch_up(actor)
-                    self._add_engines(actor, names)
-                    self._serve(actor)
-        except TimeoutError:
-            self._fail(actor, f"engine {', '.join(actor.names)} did not load within {timeout:g} s "
-                              f"(FailureConfig.recovery_timeout_s); it stays down")
-            with contextlib.suppress(Exception):
-                ray.kill(actor.handle, no_restart=True)
-        except ray.exceptions.ActorUnschedulableError as exc:  # pinned to a node that left
-            actor.node_left = True
-            self._fail(actor, f"engine {', '.join(actor.names)} lost its node while loading: {_describe(exc)}")
-        except Exception as exc:
-            recovery = self._load_failed(actor, exc)
-            if recovery is not None:
-                await recovery
-
-    def _add_engines(self, actor: _Actor, names: Sequence[str]) -> None:
-        """Its engines join the service's list at the actor's first successful load."""
-        actor.names = list(names)
-        if not actor.served:
-            self._engines.extend((actor, i, name) for i, name in enumerate(actor.names))
-
-    def _load_failed(self, actor: _Actor, exc: BaseException) -> Coroutine[Any, Any, None] | None:
-        """A load of `actor` failed with `exc` (service/cluster/load_failure.py says which kind): counted per engine
-        and reason. One that no retry mends fails the actor for good at once, with its cause and remedy; any other
-        restarts it as a death does, under the restart cap, and its recovery is returned for the caller to await."""
-        import ray
-
-        failure = classify(exc)
-        names = ", ".join(actor.names)
-        for name in actor.names:
-            self._load_failures[(name, failure.reason)] += 1
-        cap = self.config.failure
-        if failure.permanent:
-            actor.failure = failure
-            self._fail(actor, f"engine {names} cannot load: {failure.describe()}")
-        elif not actor.restarts.allow(time.monotonic()):
-            self._fail(actor, f"engine {names} failed to load again after {cap.max_restarts} restart(s) within "
-                              f"{cap.restart_window_s:g} s (the restart cap, FailureConfig.max_restarts); it stays "
-                              f"down: {failure.cause}")
-        else:
-            actor.state = "recovering"
-            for name in actor.names:
-                self._restarts[name] += 1
-            log.warning("engine %s failed to load (%s); restarting it", names, failure.cause)
-            if isinstance(exc, ray.exceptions.RayTaskError):  # its process lives on: a fresh one loads
-                with contextlib.suppress(Exception):
-                    ray.kill(actor.handle, no_restart=False)
-            self._notify()
-            return self._recover(actor, time.monotonic())
-        with contextlib.suppress(Exception):
-            ray.kill(actor.handle, no_restart=True)
-        return None
 
     async def _load_difficulty(self) -> None:
         blobs = await asyncio.gather(*(s.difficulty_blobs.remote() for s in self._shards))
@@ -448,59 +273,43 @@ class RayBackend:
 
     async def wait_ready(self) -> None:
         """Returns once every engine has loaded; RuntimeError if one failed for good instead."""
-        if self._loading is not None:
-            await asyncio.shield(self._loading)
+        await self.supervisor.wait_loaded()
         if self.load_error is not None:
             raise RuntimeError(f"an engine failed to load: {self.load_error}")
 
     @property
     def load_error(self) -> str | None:
         """Why the engines that failed for good without ever serving did (`; ` apart), None if none did."""
-        errors = [actor.error for actor in self._actors if actor.state == "failed" and not actor.served]
-        return "; ".join(dict.fromkeys(str(e) for e in errors)) or None
+        return self.supervisor.load_error
 
     @property
     def fatal_error(self) -> str | None:
-        """Why no engine will ever serve, once that is known: in a cluster this process started (every engine on
-        this node, with one configuration) the first engine that cannot load (service/cluster/load_failure.py); in
-        any cluster, every engine failed for good without ever serving. None while an engine serves, or may (one
-        that served and then failed past its restart cap leaves /healthz failing, as before). `das serve` stops
+        """Why no engine will ever serve, once that is known (`EngineSupervisor.fatal_error`); `das serve` stops
         with it."""
-        if self._own_cluster:
-            for actor in self._actors:
-                if actor.failure is not None and not actor.served:
-                    return actor.error
-        if self._actors and all(actor.state == "failed" and not actor.served for actor in self._actors):
-            return self.load_error
-        return None
+        return self.supervisor.fatal_error
 
     async def unrecoverable(self) -> str:
         """Returns `fatal_error` once there is one."""
-        while (error := self.fatal_error) is None:
-            await self._changed.wait()
-        return error
+        return await self.supervisor.unrecoverable()
 
     async def close(self) -> None:
         """Snapshots the history, stops the engines and the actors, and Ray if a backend of this process started
         it and no other backend of this process still uses it."""
         import ray
 
-        self._closing = True
-        actor_tasks = [task for actor in self._actors for task in actor.tasks]
-        for task in (*self._background, *actor_tasks, *([self._loading] if self._loading else [])):
+        actor_tasks = self.supervisor.stop()
+        for task in self._background:
             task.cancel()
         await asyncio.gather(*self._background, *actor_tasks, return_exceptions=True)
         with contextlib.suppress(Exception):  # no longer wanted: the autoscaler may remove the nodes once idle
-            self._request_engines(0)
+            self.supervisor.request_engines(0)
         try:
             written = await asyncio.gather(*(s.snapshot.remote(True) for s in self._shards))
             log.info("history snapshots: %s", [w for w in written if w])
         except Exception:
             log.exception("history snapshot at shutdown failed")
-        # Not those restarting: a call would wait for their model to load.
-        await asyncio.gather(*(actor.handle.close.remote() for actor in self._actors
-                               if actor.state in ("loading", "serving")), return_exceptions=True)
-        for handle in (*(actor.handle for actor in self._actors), *self._shards):
+        await self.supervisor.close_actors()
+        for handle in self._shards:
             ray.kill(handle)
         if self._uses_ray:
             self._uses_ray = False
@@ -513,38 +322,33 @@ class RayBackend:
 
     @property
     def policy_version(self) -> int:
-        return self._version
+        return self._policy.version
 
     @property
     def engine_names(self) -> list[str]:
         """Every engine, serving or not (`serving_engines` for those that serve now)."""
-        return [name for _, _, name in self._engines]
+        return [name for _, _, name in self.supervisor.engines]
 
     @property
     def serving_engines(self) -> list[str]:
-        return [name for _, _, name in self._serving()]
+        return [name for _, _, name in self.supervisor.serving()]
 
     async def ready(self) -> bool:
         """True once the first load is done (every engine serving or failed for good) and while at least one engine
         serves."""
-        return self._loading is not None and self._loading.done() and bool(self._serving())
+        return self.supervisor.loaded and bool(self.supervisor.serving())
 
     async def live(self) -> bool:
         """False once no engine can serve again: every actor past its restart cap or its recovery timeout, and no
         engine wanted of nodes yet to join (`target_engines`)."""
-        return self._awaiting_nodes() or not all(actor.state == "failed" for actor in self._actors)
-
-    def _awaiting_nodes(self) -> bool:
-        """Engines are wanted (`target_engines`) that no node has room for yet: an autoscaler may add one."""
-        target = self.config.target_engines
-        return target is not None and self._engines_kept() < target
+        return self.supervisor.live()
 
     async def check(self, groups: Sequence[GroupRequest]) -> None:
         held = self._given_up_prompts.refused(list(groups), time.monotonic())
         if held is not None:
             raise GroupInputError(*held)
-        lost = _lost_errors()
-        for actor in dict.fromkeys(actor for actor, _, _ in self._serving()):
+        lost = lost_errors()
+        for actor in self.supervisor.serving_actors():
             try:
                 refused = await actor.handle.check.remote(list(groups))
             except lost:  # its watcher takes care of it; another engine checks
@@ -562,9 +366,9 @@ class RayBackend:
     def place(self, groups: Sequence[GroupRequest]) -> _Placement:
         """Per serving engine (in `serving_engines` order), the (batch index, group) pairs it would run, longest
         predicted first (`with_length_predictions` tags the groups), given the work already placed there."""
-        return self._place(groups, self._serving())
+        return self._place(groups, self.supervisor.serving())
 
-    def _place(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> _Placement:
+    def _place(self, groups: Sequence[GroupRequest], serving: Sequence[EngineRef]) -> _Placement:
         """A session's turn goes to the engine holding its prefix while that one serves and is not overloaded
         (SessionBook.engine_for; each session is its own unit, so a problem's trajectories spread); a problem's
         other groups go where its samples already run, if they run on a serving engine; the rest, a problem's groups
@@ -577,7 +381,7 @@ class RayBackend:
             self._placement_s += time.perf_counter() - started
             self._placements += 1
 
-    def _place_timed(self, groups: Sequence[GroupRequest], serving: Sequence[_Engine]) -> _Placement:
+    def _place_timed(self, groups: Sequence[GroupRequest], serving: Sequence[EngineRef]) -> _Placement:
         tagged = with_length_predictions(self._predictor, groups)
         if self._sessions is not None:
             # A turn tagged here plans its drafts with its trajectory's remaining tokens (one tagged before, e.g.
@@ -622,10 +426,16 @@ class RayBackend:
             per_engine[int(assignment[i])].append((i, tagged[i]))
         return per_engine
 
+    async def _least_loaded(self) -> EngineRef:
+        """The serving engine with the least predicted work outstanding, once one serves. RuntimeError once none
+        ever will."""
+        serving = await self.supervisor.wait_serving()
+        return min(serving, key=lambda engine: self._placed.load(engine[2]))
+
     async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
                        aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
         aborts = aborts or GroupAborts()
-        serving = self._serving() or [await self._wait_serving()]
+        serving = self.supervisor.serving() or [await self._least_loaded()]
         placed = [(engine, [(Share(i, tuple(range(g.n))), g) for i, g in items])
                   for engine, items in zip(serving, self._place(groups, serving)) if items]
         # Held now, before anything awaits: a batch placed at the same moment sees this one's work.
@@ -657,7 +467,7 @@ class RayBackend:
                 job.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
 
-    async def _job(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
+    async def _job(self, engine: EngineRef, work: list[tuple[Share, GroupRequest]],
                    out: _Out, aborts: GroupAborts) -> None:
         """Runs `work` on `engine` (`_run`), putting its samples on `out` as they arrive, renumbered as the batch's.
         Ends with None on `out`, or the exception that failed the batch. The caller has put `work` in `_placed` on
@@ -668,7 +478,7 @@ class RayBackend:
         except Exception as exc:  # handed to the batch, which owns the error
             out.put_nowait(exc)
 
-    async def _run(self, engine: _Engine, work: list[tuple[Share, GroupRequest]],
+    async def _run(self, engine: EngineRef, work: list[tuple[Share, GroupRequest]],
                    out: _Out, aborts: GroupAborts) -> None:
         """Runs `work` (held in `_placed` on `engine`) there; the samples go to `out` as they arrive and leave the
         ledger, and what never arrived leaves it when this ends. When the engine dies, what had not arrived runs
@@ -692,7 +502,7 @@ class RayBackend:
                 self._end_aborted(name, [item for item in work if aborts.aborted(item[0].group_index)], out)
                 if all(not share.missing() for share, _ in work):
                     return
-                interval = self._stream_interval()
+                interval = stream_interval(len(self.supervisor.engines), self.config.stream_items_per_s)
                 generator = actor.handle.run.remote(local, [(k, share.request(group))
                                                             for k, (share, group) in enumerate(work)
                                                             if share.missing()], progress_interval_s=interval,
@@ -711,8 +521,8 @@ class RayBackend:
                                 taken.predicted_tokens = work[k][1].predicted_tokens
                                 self._placed.arrived(name, work[k][1])
                                 out.put_nowait((work[k][0].group_index, taken))
-                except _lost_errors() as exc:
-                    self._engine_died(actor, incarnation, exc)
+                except lost_errors() as exc:
+                    self.supervisor.engine_died(actor, incarnation, exc)
                     if actor.state == "failed" and not actor.node_left:  # past its restart cap: its batches fail
                         raise RuntimeError(actor.error) from None
                     rest = [(share, group) for owed, group in work if (share := owed.remainder()) is not None]
@@ -744,7 +554,7 @@ class RayBackend:
                         f" ({len(alone)} group(s) alone, one after another)" if alone else "")
         runs = []
         if together:
-            serving = self._serving() or [await self._wait_serving()]
+            serving = self.supervisor.serving() or [await self._least_loaded()]
             placement = self._place([share.request(group) for share, group in together], serving)
             for engine, items in zip(serving, placement):
                 part = [together[i] for i, _ in items]
@@ -764,7 +574,7 @@ class RayBackend:
                              out: _Out, aborts: GroupAborts) -> None:
         """Runs the shares one after another, each on the serving engine with the least work placed at its turn."""
         for item in work:
-            engine = await self._wait_serving()
+            engine = await self._least_loaded()
             self._placed.hold(engine[2], [item])
             await self._run(engine, [item], out, aborts)
 
@@ -775,7 +585,7 @@ class RayBackend:
             for index in share.missing():
                 share.received.add(index)
                 self._placed.arrived(name, group)
-                out.put_nowait((share.group_index, aborted_sample(group, index, self._version)))
+                out.put_nowait((share.group_index, aborted_sample(group, index, self._policy.version)))
 
     def _give_up(self, work: list[tuple[Share, GroupRequest]],
                  out: _Out) -> None:
@@ -792,16 +602,16 @@ class RayBackend:
             for index in share.indices:
                 out.put_nowait((share.group_index, SampleResult(
                     problem_id=group.problem_id, sample_index=index, token_ids=[], logprobs=[],
-                    finish_reason="error", policy_version=self._version, error=error)))
+                    finish_reason="error", policy_version=self._policy.version, error=error)))
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
         """Reloads every serving engine; an engine that is restarting loads these weights before it serves."""
-        await self._wait_serving()  # someone must check the path and version before they are kept for restarts
-        async with self._weights_lock:
-            await self._on_serving(lambda node: node.reload_weights.remote(str(path), version))
-            self._weights = (str(path), version)
-            self._version = version
-        return self._version
+        await self.supervisor.wait_serving()  # someone must check the path and version before they are kept
+        async with self._policy.weights_lock:
+            await self.supervisor.on_serving(lambda node: node.reload_weights.remote(str(path), version))
+            self._policy.weights = (str(path), version)
+            self._policy.version = version
+        return self._policy.version
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
         # the checks walk every token: off the event loop, so a large import does not stall the other requests
@@ -820,14 +630,11 @@ class RayBackend:
         return summary
 
     def stats(self) -> BackendStats:
-        return replace(self._stats, engines_ready=len(self._serving()), engine_restarts=dict(self._restarts),
-                       samples_redispatched=self._redispatched, samples_given_up=self._given_up,
-                       engine_recovery_s=dict(self._recovery_s),
+        return replace(self.supervisor.stats(self._stats), samples_redispatched=self._redispatched,
+                       samples_given_up=self._given_up,
                        engine_placed_tokens={name: self._placed.load(name) for name in self.engine_names},
-                       engine_load_failures=dict(self._load_failures), engine_stream_items=self._stream_items,
-                       placement_s=self._placement_s, placements=self._placements,
-                       engines_failed={name: str(actor.error) for actor in self._actors if actor.state == "failed"
-                                       for name in actor.names})
+                       engine_stream_items=self._stream_items, placement_s=self._placement_s,
+                       placements=self._placements)
 
     # ---- vLLM's weight transfer (rollout_backend.RolloutBackend says what each does) ----
 
@@ -837,7 +644,7 @@ class RayBackend:
 
     def transfer_world_size(self) -> int:
         engine = self.config.engine
-        return len(self._serving()) * engine.tensor_parallel_size
+        return len(self.supervisor.serving()) * engine.tensor_parallel_size
 
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
         """Every serving engine joins the trainer's group: engine e's workers at the trainer's `rank_offset` + the
@@ -845,7 +652,7 @@ class RayBackend:
         serving worker: a group of another size would wait for ranks that never come."""
         if self._pushing:
             raise WeightUpdateConflict("a weight update is open: finish it before joining a new group")
-        serving = self._serving()
+        serving = self.supervisor.serving()
         if not serving:
             raise RuntimeError("no engine serves: nothing to join the group")
         tp = self.transfer_world_size() // len(serving)
@@ -857,7 +664,7 @@ class RayBackend:
                                    f"rank(s) and {len(serving) * tp} model workers ({len(serving)} engines x "
                                    f"{tp}): {offset + len(serving) * tp} (GET /get_world_size + 1)")
         infos: dict[int, list[dict[str, Any]]] = {}
-        actors: dict[int, _Actor] = {}
+        actors: dict[int, ActorRecord] = {}
         for position, (actor, _, _) in enumerate(serving):
             actors[id(actor)] = actor
             infos.setdefault(id(actor), []).append({**init_info, "rank_offset": offset + position * tp})
@@ -873,7 +680,7 @@ class RayBackend:
         if changed:
             raise WeightUpdateConflict(f"the engines changed since /init_weight_transfer_engine ({changed}): "
                                        f"join the group again")
-        await self._weights_lock.acquire()
+        await self._policy.weights_lock.acquire()
         self._pushing = True
         try:
             await self._on_actors(self._transfer_group, lambda actor: actor.handle.start_weight_update.remote())
@@ -902,9 +709,9 @@ class RayBackend:
         except BaseException:
             await self.abort_weight_update()
             raise
-        self._version = version
+        self._policy.version = version
         self._pushing = False
-        self._weights_lock.release()
+        self._policy.weights_lock.release()
         return version
 
     async def abort_weight_update(self) -> None:
@@ -916,7 +723,7 @@ class RayBackend:
                                   lambda actor: actor.handle.abort_weight_update.remote())
         finally:
             self._pushing = False
-            self._weights_lock.release()
+            self._policy.weights_lock.release()
 
     async def shutdown_weight_transfer(self) -> None:
         await self.abort_weight_update()
@@ -929,22 +736,23 @@ class RayBackend:
         if not self._transfer_group:
             return "no group: call /init_weight_transfer_engine first"
         members = {id(actor): incarnation for actor, incarnation in self._transfer_group}
-        serving = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
+        serving = self.supervisor.serving_actors()
         gone = [actor for actor, incarnation in self._transfer_group
                 if actor.state != "serving" or actor.incarnation != incarnation]
         new = [actor for actor in serving if id(actor) not in members]
         return "; ".join([*(f"engine {', '.join(a.names)} restarted or stopped serving" for a in gone),
                           *(f"engine {', '.join(a.names)} joined" for a in new)])
 
-    async def _on_actors(self, actors: list[tuple[_Actor, int]], call: Callable[[_Actor], Any]) -> list[Any]:
+    async def _on_actors(self, actors: list[tuple[ActorRecord, int]],
+                         call: Callable[[ActorRecord], Any]) -> list[Any]:
         """`call(actor)` on each of `actors` at once; their replies. A lost actor is reported as a death and raised
         as a RuntimeError naming it; any other error is raised as it is (the first one)."""
         replies = await asyncio.gather(*(call(actor) for actor, _ in actors), return_exceptions=True)
-        lost = _lost_errors()
+        lost = lost_errors()
         errors: list[BaseException] = []
         for (actor, incarnation), reply in zip(actors, replies):
             if isinstance(reply, lost):
-                self._engine_died(actor, incarnation, reply)
+                self.supervisor.engine_died(actor, incarnation, reply)
                 errors.append(RuntimeError(f"engine {', '.join(actor.names)} died during the weight transfer"))
             elif isinstance(reply, BaseException):
                 errors.append(reply)
@@ -956,244 +764,16 @@ class RayBackend:
 
     async def control(self, message: EngineControl) -> Any:
         # A Pause is remembered until the Resume: an engine actor restarted meanwhile is paused alike
-        # (`_catch_up`), and new work waits in the coordinator's hold.
-        async with self._control_lock:
+        # (`EngineSupervisor._catch_up`), and new work waits in the coordinator's hold.
+        async with self._policy.control_lock:
             if isinstance(message, Pause):
-                self._paused = message
+                self._policy.paused = message
                 self._hold.pause()
-            replies = await self._on_serving(lambda node: node.control.remote(message))
+            replies = await self.supervisor.on_serving(lambda node: node.control.remote(message))
             if isinstance(message, Resume):
-                self._paused = None
+                self._policy.paused = None
                 self._hold.release()
         return message.combine(replies)
-
-    async def _on_serving(self, call: Callable[[Any], Any]) -> list[Any]:
-        """`call(actor handle)` on every serving NodeEngine at once; their replies. An actor lost meanwhile is
-        left to its watcher (its restart catches up on the weights and the pause); any other error is raised."""
-        actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
-        incarnations = [actor.incarnation for actor in actors]
-        replies = await asyncio.gather(*(call(actor.handle) for actor in actors), return_exceptions=True)
-        lost = _lost_errors()
-        for actor, incarnation, reply in zip(actors, incarnations, replies):
-            if isinstance(reply, lost):
-                self._engine_died(actor, incarnation, reply)
-            elif isinstance(reply, BaseException):
-                raise reply
-        return [reply for reply in replies if not isinstance(reply, BaseException)]
-
-    # ---- engine failures ----
-
-    def _serving(self) -> list[_Engine]:
-        return [engine for engine in self._engines if engine[0].state == "serving"]
-
-    def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
-
-    async def _wait_serving(self) -> _Engine:
-        """The serving engine with the least predicted work outstanding, once one serves. RuntimeError once none
-        ever will."""
-        while True:
-            serving = self._serving()
-            if serving:
-                return min(serving, key=lambda engine: self._placed.load(engine[2]))
-            if all(actor.state == "failed" for actor in self._actors) and not self._awaiting_nodes():
-                raise RuntimeError("no engine can serve: " + "; ".join(str(a.error) for a in self._actors))
-            await self._changed.wait()
-
-    def _spawn(self, actor: _Actor, job: Any) -> None:
-        task = asyncio.create_task(job)
-        actor.tasks.add(task)
-        task.add_done_callback(actor.tasks.discard)
-
-    def _serve(self, actor: _Actor) -> None:
-        """Marks `actor` serving and keeps a call pending on it, so its death is noticed at once even when idle."""
-        actor.state = "serving"
-        actor.served = True
-        self._spawn(actor, self._watch(actor, actor.incarnation))
-        self._notify()
-
-    async def _watch(self, actor: _Actor, incarnation: int) -> None:
-        try:
-            await actor.handle.watch.remote()
-        except _lost_errors() as exc:
-            self._engine_died(actor, incarnation, exc)
-
-    def _engine_died(self, actor: _Actor, incarnation: int, exc: BaseException) -> None:
-        """`actor` (as of `incarnation`) was seen dead: it stops serving, and is restarted unless its cap is spent.
-        Idempotent per incarnation: every stream that breaks on one death calls it."""
-        if self._closing or actor.incarnation != incarnation or actor.state != "serving":
-            return
-        import ray
-
-        actor.incarnation += 1
-        names = ", ".join(actor.names)
-        failure = self.config.failure
-        if isinstance(exc, ray.exceptions.ActorUnschedulableError):  # pinned to a node that left: no restart
-            actor.node_left = True
-            self._fail(actor, f"engine {names} lost its node, which left the Ray cluster; it stays down (a node that "
-                              f"joins gets engines of its own): {_describe(exc)}")
-        elif actor.restarts.allow(time.monotonic()):
-            actor.state = "recovering"
-            for name in actor.names:
-                self._restarts[name] += 1
-            log.warning("engine %s died (%s); restarting it", names, _describe(exc))
-            self._spawn(actor, self._recover(actor, time.monotonic()))
-        else:
-            self._fail(actor, f"engine {names} died again after {failure.max_restarts} restart(s) within "
-                              f"{failure.restart_window_s:g} s (the restart cap, FailureConfig.max_restarts); it "
-                              f"stays down and the batches running on it fail: {_describe(exc)}")
-            with contextlib.suppress(Exception):
-                ray.kill(actor.handle, no_restart=True)
-        self._notify()
-
-    def _fail(self, actor: _Actor, error: str) -> None:
-        actor.state, actor.error = "failed", error
-        log.error("%s", error)
-        self._notify()
-
-    async def _recover(self, actor: _Actor, died: float) -> None:
-        """Waits for Ray to restart `actor`, loads its engines and the weights last served; then it serves."""
-        import ray
-
-        timeout = self.config.failure.recovery_timeout_s
-        refused_since: float | None = None  # the first of an unbroken run of ActorDiedError answers
-        try:
-            async with asyncio.timeout(timeout):
-                while True:
-                    try:
-                        names = await actor.handle.start.remote()
-                        async with self._weights_lock, self._control_lock:
-                            await self._catch_up(actor)
-                            self._add_engines(actor, names)  # an actor whose first load had failed
-                            elapsed = time.monotonic() - died
-                            for name in actor.names:
-                                self._recovery_s[name] = elapsed
-                            log.warning("engine %s serves again after %.1f s", ", ".join(actor.names), elapsed)
-                            self._serve(actor)
-                            return
-                    except ray.exceptions.ActorDiedError as exc:
-                        # A restarting actor holds calls until it is back; one Ray will not restart (killed with
-                        # no_restart, its node gone) refuses every call at once. A refusal or two right after the
-                        # death comes from calls sent before the driver learned of it.
-                        now = time.monotonic()
-                        refused_since = refused_since if refused_since is not None else now
-                        if now - refused_since > _DEAD_FOR_GOOD_S:
-                            raise _NotRestarted(f"Ray does not restart it ({_describe(exc)})") from None
-                        await asyncio.sleep(0.5)
-                    except ray.exceptions.RayActorError:  # unavailable for now, or died while loading: try again
-                        refused_since = None
-                        await asyncio.sleep(0.5)
-        except TimeoutError:
-            self._fail(actor, f"engine {', '.join(actor.names)} did not come back within {timeout:g} s "
-                              f"(FailureConfig.recovery_timeout_s); it stays down")
-            with contextlib.suppress(Exception):
-                ray.kill(actor.handle, no_restart=True)
-        except _NotRestarted as exc:
-            self._fail(actor, f"engine {', '.join(actor.names)} failed to restart: {exc}")
-            with contextlib.suppress(Exception):
-                ray.kill(actor.handle, no_restart=True)
-        except Exception as exc:  # its load failed (NodeEngine.start), or catching up did
-            recovery = self._load_failed(actor, exc)
-            if recovery is not None:
-                await recovery
-
-    async def _catch_up(self, actor: _Actor) -> None:
-        """Brings a loaded actor to the others' state: the weights last served, the pause in force. Called under
-        `_weights_lock` and `_control_lock`."""
-        # An actor that only seemed dead (unreachable for a moment) kept its weights.
-        if self._weights is not None and await actor.handle.policy_version.remote() != self._weights[1]:
-            await actor.handle.reload_weights.remote(*self._weights)
-        checkpointed = self._weights[1] if self._weights is not None else 0
-        if self._version > checkpointed:  # pushed weights live in the engines only (docs/design.md "Not done yet")
-            log.warning("engine %s serves policy version %d (its last checkpoint), not the pushed %d, until the "
-                        "trainer pushes again (the push after a restart re-forms the group with it)",
-                        ", ".join(actor.names), checkpointed, self._version)
-        if self._paused is not None:  # it holds new work until /resume, as the others do
-            await actor.handle.control.remote(self._paused)
-
-    async def _adopt_nodes(self) -> None:
-        """Gives engine actors to the nodes that joined after the start (a worker pod replaced, which Ray sees as a
-        new node, or added): every live node of the kind that runs engines and has none. They load in the
-        background and serve once loaded and caught up. Nothing while the first load runs."""
-        import ray
-
-        if self._loading is None or not self._loading.done() or self._closing:
-            return
-        every = await asyncio.to_thread(ray.nodes)
-        self._forget_departed({n["NodeID"] for n in every if n["Alive"]})
-        known = {actor.node_id for actor in self._actors}
-        nodes = [n for n in every if n["Alive"] and n["NodeID"] not in known
-                 and (not self._gpu_nodes or n["Resources"].get("GPU", 0) > 0)]
-        target = self.config.target_engines
-        for node in nodes:
-            if node["NodeID"] in self._refused_nodes:
-                continue
-            wanted = None if target is None else target - self._engines_kept()
-            if wanted is not None and wanted <= 0:  # a node beyond the target stays idle: an autoscaler removes it
-                break
-            try:
-                handles = _engine_actors(self.config, node, self._shard_names, short_name=False, limit=wanted)
-            except LayoutError as exc:  # said once; the engines already serving go on
-                self._refused_nodes.add(node["NodeID"])
-                log.error("node %s joined but runs no engine: %s", node["NodeManagerAddress"], exc)
-                continue
-            log.warning("node %s joined: starting %d engine actor(s) there", node["NodeManagerAddress"], len(handles))
-            for handle, names in handles:
-                actor = _Actor(handle, RestartWindow(self.config.failure), node["NodeID"], names)
-                self._actors.append(actor)
-                self._spawn(actor, self._join(actor))
-
-    async def _join(self, actor: _Actor) -> None:
-        """Loads an actor created after the start (`_load`: one that cannot load fails alone, with its cause; the
-        engines already serving go on)."""
-        await self._load(actor)
-        if actor.state == "serving":
-            log.warning("engine %s joined and serves", ", ".join(actor.names))
-
-    def _stream_interval(self) -> float:
-        """Seconds between an engine's stream items (finished samples and progress travel together): 50 ms, longer
-        once the engines together would send more than `stream_items_per_s`, at most 5 s. A finished sample waits
-        up to this long on its engine (not the last ones of its engine's run), and a death loses up to this long of
-        a sample's tokens."""
-        return min(_MAX_STREAM_INTERVAL_S,
-                   max(PROGRESS_INTERVAL_S, len(self._engines) / self.config.stream_items_per_s))
-
-    def _engines_kept(self) -> int:
-        """Engines of the actors that have not failed for good (loading, serving or recovering)."""
-        return sum(len(actor.names) for actor in self._actors if actor.state != "failed")
-
-    def _request_engines(self, engines: int) -> None:
-        """Asks Ray's autoscaler for room for `engines` engines on GPU nodes, in place of the last request (0: no
-        request). A request is a floor on the cluster's resources, not a claim on them: the engines that run
-        satisfy it, and nodes beyond it that nothing uses are idle (docs/design.md "Autoscaling")."""
-        if self.config.target_engines is None:
-            return
-        from ray.autoscaler.sdk import request_resources
-
-        engine = self.config.engine
-        request_resources(bundles=[{"GPU": float(engine.tensor_parallel_size)}] * engines)
-
-    def _forget_departed(self, alive: set[str]) -> None:
-        """Drops the actors pinned to nodes that left the cluster and will not serve again (failed, or waiting for a
-        restart Ray cannot place): their engines leave the service's list and every figure, so a node an
-        autoscaler removed, or a replaced pod, is not shown as a failed engine. One still serving is left to its
-        watcher, which sees it die first."""
-        gone = [actor for actor in self._actors if actor.node_id and actor.node_id not in alive
-                and actor.state in ("failed", "recovering")]
-        for actor in gone:
-            log.warning("engine %s left with its node", ", ".join(actor.names))
-            for task in actor.tasks:
-                task.cancel()
-            self._actors.remove(actor)
-            self._engines = [engine for engine in self._engines if engine[0] is not actor]
-            for name in actor.names:
-                self._restarts.pop(name, None)
-                self._recovery_s.pop(name, None)
-            for key in [key for key in self._load_failures if key[0] in actor.names]:
-                del self._load_failures[key]
-        if gone:
-            self._notify()
 
     # ---- background ----
 
@@ -1209,9 +789,9 @@ class RayBackend:
     async def refresh_stats(self) -> None:
         """Reads every serving node's and every shard's figures now (the background job does it every
         stats_interval_s). An actor that dies meanwhile is left out: its watcher deals with it."""
-        actors = list(dict.fromkeys(actor for actor, _, _ in self._serving()))
+        actors = self.supervisor.serving_actors()
         replies = await asyncio.gather(*(actor.handle.stats.remote() for actor in actors), return_exceptions=True)
-        lost = _lost_errors()
+        lost = lost_errors()
         nodes = [r for r in replies if not isinstance(r, lost)]
         for reply in nodes:
             if isinstance(reply, BaseException):
@@ -1232,4 +812,3 @@ class RayBackend:
     async def snapshot(self) -> None:
         """Snapshots, now, every history shard that changed since its last snapshot (`das serve` on a signal)."""
         await self._snapshot()
-

@@ -17,7 +17,8 @@ from ray.cluster_utils import Cluster
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
 from das.service.engine.stub_engine import StubEngineConfig
-from das.service.cluster.coordinator import RayBackend, _lost_errors, _PlacedWork, with_length_predictions
+from das.service.cluster.coordinator import RayBackend, _PlacedWork, stream_interval, with_length_predictions
+from das.service.cluster.engine_supervisor import lost_errors
 from das.service.config import ServiceConfig
 from das.service.cluster.engine_failure import Share
 from das.service.config import HistoryPushConfig
@@ -116,9 +117,8 @@ def test_the_placed_work_ledger_holds_each_sample_once_and_names_a_problems_engi
 @pytest.mark.parametrize("engines, interval", [(1, 0.05), (12, 0.05), (64, 0.256), (1024, 4.096), (5000, 5.0)])
 def test_the_stream_interval_keeps_the_objects_per_second_bounded(engines: int, interval: float) -> None:
     # 250 objects a second over all engines by default: 50 ms for a few engines, longer with many, 5 s at most
-    backend = RayBackend(ServiceConfig(engine={"kind": "stub"}), [], [], [], gpu_nodes=False)
-    backend._engines = [(None, i, f"e{i}") for i in range(engines)]  # type: ignore[misc]
-    assert backend._stream_interval() == pytest.approx(interval)
+    assert stream_interval(engines, ServiceConfig(engine={"kind": "stub"}).stream_items_per_s) == \
+        pytest.approx(interval)
 
 
 def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEventLoop, tmp_path: Path,
@@ -175,7 +175,7 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
 
         # an engine actor killed for good (Ray does not restart it): its samples run on the other engine, each
         # once, and the service stays ready and live on that one
-        ray.kill(backend._engines[0][0].handle)  # noqa: SLF001 -- the first engine's node actor
+        ray.kill(backend.supervisor.engines[0][0].handle)  # the first engine's node actor
         results = run_batch(loop, backend, groups(4, 2))
         assert Counter((i, s.sample_index) for i, s in results) == Counter((i, j) for i in range(4) for j in range(2))
         assert {s.engine for _, s in results} == {backend.engine_names[1]}
@@ -267,7 +267,7 @@ def test_an_engine_actor_not_started_answers_as_a_lost_engine(cluster: Cluster) 
     with pytest.raises(EngineNotStarted):
         for ref in actor.run.remote(0, [(0, group)]):
             ray.get(ref)
-    assert issubclass(EngineNotStarted, _lost_errors())
+    assert issubclass(EngineNotStarted, lost_errors())
     ray.kill(actor)
 
 
