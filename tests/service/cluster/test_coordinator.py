@@ -17,7 +17,8 @@ from ray.cluster_utils import Cluster
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
 from das.service.engine.stub_engine import StubEngineConfig
-from das.service.cluster.coordinator import RayBackend, _PlacedWork, stream_interval, with_length_predictions
+from das.service.cluster.coordinator import RayBackend
+from das.service.cluster.dispatch import PlacedWork, stream_interval, with_length_predictions
 from das.service.cluster.engine_supervisor import lost_errors
 from das.service.config import ServiceConfig
 from das.service.cluster.engine_failure import Share
@@ -90,7 +91,7 @@ def test_groups_get_the_predicted_mean_and_the_curve_unless_they_bring_a_predict
 
 
 def test_the_placed_work_ledger_holds_each_sample_once_and_names_a_problems_engine() -> None:
-    ledger = _PlacedWork()
+    ledger = PlacedWork()
     a = GroupRequest(problem_id="a", prompt_token_ids=[1], n=3, predicted_tokens=10.0)
     b = GroupRequest(problem_id="b", prompt_token_ids=[1], n=2, predicted_tokens=5.0)
     share_a, share_b = Share(0, (0, 1, 2)), Share(1, (0, 1))
@@ -140,7 +141,7 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
         # every finished rollout reached the store, and length prediction learned the problem's length
         summary = loop.run_until_complete(backend.history("p0"))
         assert summary is not None and summary.rollouts == 3 and summary.length_p50 == 6
-        assert float(backend._predictor.predict(["p0"], [0]).p50[0]) == 6  # noqa: SLF001 -- the book it reads
+        assert float(backend.dispatcher.predictor.predict(["p0"], [0]).p50[0]) == 6  # the book it reads
 
         # a group the engines refuse: named by index, nothing ran
         bad = [*groups(1, 1), GroupRequest(problem_id="x", prompt_token_ids=[40000], n=1)]
@@ -231,7 +232,7 @@ def test_batches_running_at_once_are_placed_by_the_load_already_placed(cluster: 
             return backend.engine_names.index(sample[1].engine), engine_of(later, 0), [sample, *rest]
         running_on, placed_on, samples = loop.run_until_complete(while_running())
         assert placed_on == running_on and len(samples) == 2
-        assert backend._placed.engine_of("r", backend.engine_names) is None  # noqa: SLF001 -- nothing runs: free
+        assert backend.dispatcher.placed.engine_of("r", backend.engine_names) is None  # nothing runs: free
         assert all(abs(tokens) < 1e-6 for tokens in backend.stats().engine_placed_tokens.values())
     finally:
         loop.run_until_complete(backend.close())
