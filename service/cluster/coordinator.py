@@ -9,13 +9,14 @@ Actors (Ray's own scheduling, node affinity and failure reporting; no cluster ma
   joins later (a worker pod added, or replacing a lost one) gets its actors within `adopt_nodes_interval_s`.
 
 The coordinator itself runs in the gateway's process (the Ray driver), not as an actor: it only predicts, places
-and relays, and keeping it beside the gateway saves every sample one more hop. `RayBackend` composes two parts,
-each in its own module, and relays vLLM's weight transfer itself:
+and relays, and keeping it beside the gateway saves every sample one more hop. `RayBackend` is a facade over three
+parts, each in its own module:
 - service/cluster/engine_supervisor.py `EngineSupervisor`: the engine actors, from their start and load to their
   death, restart and catch-up, nodes that join or leave, and the autoscaler's demand. It owns the actor records, the
   list of engines and the notification of their changes.
 - service/cluster/dispatch.py `Dispatcher`: a batch's groups placed on the serving engines, run there, re-run
   elsewhere when an engine dies, and merged into one stream.
+- service/cluster/weight_relay.py `WeightRelay`: vLLM's weight transfer from the trainer to the serving engines.
 The facade owns what they share (`ServedPolicy`: the weights and the pause every engine serves, and their locks; the
 pause hold; the difficulty book; the prompts given up) and passes it to them, and it keeps the history shards.
 
@@ -45,16 +46,16 @@ from typing import Any
 from das.scheduler.difficulty import DifficultyBook, DifficultyFormatError, load_difficulty
 from das.service.cluster.dispatch import Dispatcher, Placement
 from das.service.cluster.engine_failure import GivenUpPrompts
-from das.service.cluster.engine_supervisor import (ActorRecord, EngineSupervisor, ServedPolicy, check_layouts,
+from das.service.cluster.engine_supervisor import (EngineSupervisor, ServedPolicy, check_layouts,
                                                    first_engine_actors, lost_errors)
 from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.history_store import HistoryShardActor, shard_of
 from das.service.cluster.pause_hold import PauseHold
-from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink, WeightUpdateConflict
+from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink
 from das.service.cluster.sessions import SessionBook
+from das.service.cluster.weight_relay import WeightRelay
 from das.service.config import ServiceConfig
-from das.service.engine.config import transfer_backend
-from das.service.engine.contract import EngineInputError, validate_rollouts
+from das.service.engine.contract import validate_rollouts
 from das.service.wire.api import GroupRequest, ProblemSummary, SampleResult
 from das.service.wire.engine_control import EngineControl, Pause, Resume
 from das.service.wire.weight_transfer import TransferBackend
@@ -76,8 +77,8 @@ class _RayInThisProcess:
 
 
 class RayBackend:
-    """Use `await RayBackend.start(config)`; `await close()` at the end (snapshots the history). `supervisor` and
-    `dispatcher` are its parts (the module's docstring)."""
+    """Use `await RayBackend.start(config)`; `await close()` at the end (snapshots the history). `supervisor`,
+    `dispatcher` and `weight_relay` are its parts (the module's docstring)."""
 
     def __init__(self, config: ServiceConfig, shards: list[Any], shard_names: list[str],
                  actors: list[tuple[str, Any, list[str]]], gpu_nodes: bool, own_cluster: bool = False) -> None:
@@ -94,11 +95,7 @@ class RayBackend:
         self.supervisor = EngineSupervisor(config, shard_names, actors, gpu_nodes, self._policy, own_cluster)
         self.dispatcher = Dispatcher(config, self.supervisor, self._policy, self._hold, self._book,
                                      self._given_up_prompts)
-        self._gpu_nodes = gpu_nodes  # engines on the GPU nodes only (else on every node)
-        # the engines in the trainer's weight-transfer group (actor, incarnation), in rank order: set by
-        # /init_weight_transfer_engine; a push needs the same ones serving
-        self._transfer_group: list[tuple[ActorRecord, int]] = []
-        self._pushing = False  # a push is open: the policy's `weights_lock` is held from its start to its end
+        self.weight_relay = WeightRelay(config, self.supervisor, self._policy, gpu_nodes)
 
     # ---- lifecycle ----
 
@@ -286,129 +283,32 @@ class RayBackend:
     def stats(self) -> BackendStats:
         return self.dispatcher.stats(self.supervisor.stats(self._stats))
 
-    # ---- vLLM's weight transfer (rollout_backend.RolloutBackend says what each does) ----
+    # ---- vLLM's weight transfer (rollout_backend.RolloutBackend says what each does; weight_relay.py) ----
 
     @property
     def weight_transfer(self) -> TransferBackend | None:
-        return transfer_backend(self.config.engine.weight_transfer, gpu=self._gpu_nodes)
+        return self.weight_relay.weight_transfer
 
     def transfer_world_size(self) -> int:
-        engine = self.config.engine
-        return len(self.supervisor.serving()) * engine.tensor_parallel_size
+        return self.weight_relay.transfer_world_size()
 
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        """Every serving engine joins the trainer's group: engine e's workers at the trainer's `rank_offset` + the
-        workers of the engines before it. Refused (EngineInputError) unless `world_size` is that offset + every
-        serving worker: a group of another size would wait for ranks that never come."""
-        if self._pushing:
-            raise WeightUpdateConflict("a weight update is open: finish it before joining a new group")
-        serving = self.supervisor.serving()
-        if not serving:
-            raise RuntimeError("no engine serves: nothing to join the group")
-        tp = self.transfer_world_size() // len(serving)
-        offset, world = init_info.get("rank_offset", 1), init_info.get("world_size")
-        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 1:
-            raise EngineInputError(f"init_info.rank_offset: the first worker's rank, an integer >= 1; got {offset!r}")
-        if world != offset + len(serving) * tp:
-            raise EngineInputError(f"init_info.world_size: {world!r}, but the group has the trainer's {offset} "
-                                   f"rank(s) and {len(serving) * tp} model workers ({len(serving)} engines x "
-                                   f"{tp}): {offset + len(serving) * tp} (GET /get_world_size + 1)")
-        infos: dict[int, list[dict[str, Any]]] = {}
-        actors: dict[int, ActorRecord] = {}
-        for position, (actor, _, _) in enumerate(serving):
-            actors[id(actor)] = actor
-            infos.setdefault(id(actor), []).append({**init_info, "rank_offset": offset + position * tp})
-        self._transfer_group = []
-        group = [(actor, actor.incarnation) for actor in actors.values()]
-        await self._on_actors(group, lambda actor: actor.handle.init_weight_transfer.remote(infos[id(actor)]))
-        self._transfer_group = group
+        await self.weight_relay.init_weight_transfer(init_info)
 
     async def start_weight_update(self) -> None:
-        """Opens a push on every engine of the group (each waits for its running samples unless paused). Held
-        against checkpoint reloads and restarted engines' catch-up until it ends (the policy's `weights_lock`)."""
-        changed = self._group_changes()
-        if changed:
-            raise WeightUpdateConflict(f"the engines changed since /init_weight_transfer_engine ({changed}): "
-                                       f"join the group again")
-        await self._policy.weights_lock.acquire()
-        self._pushing = True
-        try:
-            await self._on_actors(self._transfer_group, lambda actor: actor.handle.start_weight_update.remote())
-        except BaseException:
-            await self.abort_weight_update()
-            raise
+        await self.weight_relay.start_weight_update()
 
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        """Every engine of the group receives one chunk (staged); a failure anywhere gives the push up
-        everywhere."""
-        if not self._pushing:
-            raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
-        try:
-            await self._on_actors(self._transfer_group, lambda actor: actor.handle.update_weights.remote(update_info))
-        except BaseException:
-            await self.abort_weight_update()
-            raise
+        await self.weight_relay.update_weights(update_info)
 
     async def finish_weight_update(self, version: int) -> int:
-        """Every engine of the group loads what it received and serves it as `version`; the push ends."""
-        if not self._pushing:
-            raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
-        try:
-            await self._on_actors(self._transfer_group,
-                                  lambda actor: actor.handle.finish_weight_update.remote(version))
-        except BaseException:
-            await self.abort_weight_update()
-            raise
-        self._policy.version = version
-        self._pushing = False
-        self._policy.weights_lock.release()
-        return version
+        return await self.weight_relay.finish_weight_update(version)
 
     async def abort_weight_update(self) -> None:
-        """Gives the open push up on every engine of the group (nothing loaded by the gloo backend); idempotent."""
-        if not self._pushing:
-            return
-        try:
-            await self._on_actors([(a, i) for a, i in self._transfer_group if a.state == "serving"],
-                                  lambda actor: actor.handle.abort_weight_update.remote())
-        finally:
-            self._pushing = False
-            self._policy.weights_lock.release()
+        await self.weight_relay.abort_weight_update()
 
     async def shutdown_weight_transfer(self) -> None:
-        await self.abort_weight_update()
-        group, self._transfer_group = self._transfer_group, []
-        await self._on_actors([(a, i) for a, i in group if a.state == "serving"],
-                              lambda actor: actor.handle.shutdown_weight_transfer.remote())
-
-    def _group_changes(self) -> str:
-        """How the serving engines differ from the transfer group's ('' if they do not)."""
-        if not self._transfer_group:
-            return "no group: call /init_weight_transfer_engine first"
-        members = {id(actor): incarnation for actor, incarnation in self._transfer_group}
-        serving = self.supervisor.serving_actors()
-        gone = [actor for actor, incarnation in self._transfer_group
-                if actor.state != "serving" or actor.incarnation != incarnation]
-        new = [actor for actor in serving if id(actor) not in members]
-        return "; ".join([*(f"engine {', '.join(a.names)} restarted or stopped serving" for a in gone),
-                          *(f"engine {', '.join(a.names)} joined" for a in new)])
-
-    async def _on_actors(self, actors: list[tuple[ActorRecord, int]],
-                         call: Callable[[ActorRecord], Any]) -> list[Any]:
-        """`call(actor)` on each of `actors` at once; their replies. A lost actor is reported as a death and raised
-        as a RuntimeError naming it; any other error is raised as it is (the first one)."""
-        replies = await asyncio.gather(*(call(actor) for actor, _ in actors), return_exceptions=True)
-        lost = lost_errors()
-        errors: list[BaseException] = []
-        for (actor, incarnation), reply in zip(actors, replies):
-            if isinstance(reply, lost):
-                self.supervisor.engine_died(actor, incarnation, reply)
-                errors.append(RuntimeError(f"engine {', '.join(actor.names)} died during the weight transfer"))
-            elif isinstance(reply, BaseException):
-                errors.append(reply)
-        if errors:  # a refusal says more than the broken group it leaves the others with
-            raise next((e for e in errors if isinstance(e, EngineInputError)), errors[0])
-        return list(replies)
+        await self.weight_relay.shutdown_weight_transfer()
 
     # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
 

@@ -68,8 +68,9 @@ def lost_errors() -> tuple[type[BaseException], ...]:
 @dataclass(eq=False)
 class ServedPolicy:
     """What every serving engine serves, and what an engine that loads (at the start, after a restart, on a node
-    that joined) catches up to before it serves. The coordinator owns it and changes it under its locks; the
-    supervisor reads it to catch an engine up, dispatch stamps `version` on the samples it ends itself."""
+    that joined) catches up to before it serves. The coordinator owns it; it and its weight relay change it under
+    its locks, the supervisor reads it to catch an engine up, dispatch stamps `version` on the samples it ends
+    itself."""
 
     version: int = 0
     weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
