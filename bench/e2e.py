@@ -273,7 +273,7 @@ class EngineArm:
     async def run_epoch(self, groups: list[GroupRequest]) -> EpochOutput:
         order = list(range(len(groups)))
         if self._predictor is not None:
-            from das.service.cluster.coordinator import with_length_predictions
+            from das.service.cluster.dispatch import with_length_predictions
 
             groups = with_length_predictions(self._predictor, groups)
             order.sort(key=lambda i: -float(groups[i].predicted_tokens))  # stable: ties keep the set's order

@@ -5,11 +5,11 @@ missing on the node, a vLLM release we refuse, a tensor parallel size the node c
 process may not meet again (the process killed, out of memory while loading). The two are told apart by the
 error's kind: its type and the stage of the load it came from (`classify`), never by counting restarts. A
 permanent failure fails the engine for good at once, with its cause and what to do; a transient one restarts it
-as a death does (service/cluster/coordinator.py).
+as a death does (service/cluster/engine_supervisor.py).
 
 The engine actor classifies its own error (`NodeEngine.start` raises `EngineLoadError`): vLLM's exception types
 never have to be unpickled in the gateway's process, which loads no vLLM. Ray's own errors (the actor's process
-died) are classified where Ray raises them, in the coordinator.
+died) are classified where Ray raises them, in the coordinator's engine supervisor.
 """
 
 from __future__ import annotations

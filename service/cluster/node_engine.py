@@ -1,5 +1,5 @@
 """`NodeEngine`: the Ray actor that owns engines of one node (the service gives each engine an actor of its own:
-service/cluster/coordinator.py `_engine_actors`).
+service/cluster/engine_supervisor.py `_engine_actors`).
 
 For the groups the coordinator gives it, it pulls from the history store what other engines and imports added for
 those problems since its last pull (the rollouts it made itself are already in its drafter) and installs them in
@@ -114,11 +114,11 @@ class NodeEngine:
     A vLLM `config.model` may be a known model name: each node prepares its own copy (service/engine/vllm/models.py).
 
     A vLLM engine core that dies (EngineDeadError) ends this actor's process: Ray restarts the actor and the
-    coordinator recovers it like any actor that died (service/cluster/coordinator.py), re-dispatching what it owed.
-    Why not recreate the engine here: that one path then covers both deaths (restart cap, weights catch-up, history
-    re-pull, re-dispatch), and nothing of the dead engine (its processes, its memory) lingers in a live one; the
-    cost is that an actor's other engines restart with it, which is why on a node without a GPU each engine has an
-    actor of its own."""
+    coordinator recovers it like any actor that died (service/cluster/engine_supervisor.py), re-dispatching what it
+    owed. Why not recreate the engine here: that one path then covers both deaths (restart cap, weights catch-up,
+    history re-pull, re-dispatch), and nothing of the dead engine (its processes, its memory) lingers in a live one;
+    the cost is that an actor's other engines restart with it, which is why on a node without a GPU each engine has
+    an actor of its own."""
 
     def __init__(self, node: str, config: EngineSpec, shards: Sequence[Any],
                  engines: int = 1, history_push: HistoryPushConfig | None = None, first_index: int = 0

@@ -17,7 +17,9 @@ from ray.cluster_utils import Cluster
 from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthCurve, LengthPredictor
 from das.service.engine.stub_engine import StubEngineConfig
-from das.service.cluster.coordinator import RayBackend, _lost_errors, _PlacedWork, with_length_predictions
+from das.service.cluster.coordinator import RayBackend
+from das.service.cluster.dispatch import PlacedWork, stream_interval, with_length_predictions
+from das.service.cluster.engine_supervisor import lost_errors
 from das.service.config import ServiceConfig
 from das.service.cluster.engine_failure import Share
 from das.service.config import HistoryPushConfig
@@ -89,7 +91,7 @@ def test_groups_get_the_predicted_mean_and_the_curve_unless_they_bring_a_predict
 
 
 def test_the_placed_work_ledger_holds_each_sample_once_and_names_a_problems_engine() -> None:
-    ledger = _PlacedWork()
+    ledger = PlacedWork()
     a = GroupRequest(problem_id="a", prompt_token_ids=[1], n=3, predicted_tokens=10.0)
     b = GroupRequest(problem_id="b", prompt_token_ids=[1], n=2, predicted_tokens=5.0)
     share_a, share_b = Share(0, (0, 1, 2)), Share(1, (0, 1))
@@ -116,9 +118,8 @@ def test_the_placed_work_ledger_holds_each_sample_once_and_names_a_problems_engi
 @pytest.mark.parametrize("engines, interval", [(1, 0.05), (12, 0.05), (64, 0.256), (1024, 4.096), (5000, 5.0)])
 def test_the_stream_interval_keeps_the_objects_per_second_bounded(engines: int, interval: float) -> None:
     # 250 objects a second over all engines by default: 50 ms for a few engines, longer with many, 5 s at most
-    backend = RayBackend(ServiceConfig(engine={"kind": "stub"}), [], [], [], gpu_nodes=False)
-    backend._engines = [(None, i, f"e{i}") for i in range(engines)]  # type: ignore[misc]
-    assert backend._stream_interval() == pytest.approx(interval)
+    assert stream_interval(engines, ServiceConfig(engine={"kind": "stub"}).stream_items_per_s) == \
+        pytest.approx(interval)
 
 
 def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEventLoop, tmp_path: Path,
@@ -140,7 +141,7 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
         # every finished rollout reached the store, and length prediction learned the problem's length
         summary = loop.run_until_complete(backend.history("p0"))
         assert summary is not None and summary.rollouts == 3 and summary.length_p50 == 6
-        assert float(backend._predictor.predict(["p0"], [0]).p50[0]) == 6  # noqa: SLF001 -- the book it reads
+        assert float(backend.dispatcher.predictor.predict(["p0"], [0]).p50[0]) == 6  # the book it reads
 
         # a group the engines refuse: named by index, nothing ran
         bad = [*groups(1, 1), GroupRequest(problem_id="x", prompt_token_ids=[40000], n=1)]
@@ -175,7 +176,7 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
 
         # an engine actor killed for good (Ray does not restart it): its samples run on the other engine, each
         # once, and the service stays ready and live on that one
-        ray.kill(backend._engines[0][0].handle)  # noqa: SLF001 -- the first engine's node actor
+        ray.kill(backend.supervisor.engines[0][0].handle)  # the first engine's node actor
         results = run_batch(loop, backend, groups(4, 2))
         assert Counter((i, s.sample_index) for i, s in results) == Counter((i, j) for i in range(4) for j in range(2))
         assert {s.engine for _, s in results} == {backend.engine_names[1]}
@@ -231,7 +232,7 @@ def test_batches_running_at_once_are_placed_by_the_load_already_placed(cluster: 
             return backend.engine_names.index(sample[1].engine), engine_of(later, 0), [sample, *rest]
         running_on, placed_on, samples = loop.run_until_complete(while_running())
         assert placed_on == running_on and len(samples) == 2
-        assert backend._placed.engine_of("r", backend.engine_names) is None  # noqa: SLF001 -- nothing runs: free
+        assert backend.dispatcher.placed.engine_of("r", backend.engine_names) is None  # nothing runs: free
         assert all(abs(tokens) < 1e-6 for tokens in backend.stats().engine_placed_tokens.values())
     finally:
         loop.run_until_complete(backend.close())
@@ -267,7 +268,7 @@ def test_an_engine_actor_not_started_answers_as_a_lost_engine(cluster: Cluster) 
     with pytest.raises(EngineNotStarted):
         for ref in actor.run.remote(0, [(0, group)]):
             ray.get(ref)
-    assert issubclass(EngineNotStarted, _lost_errors())
+    assert issubclass(EngineNotStarted, lost_errors())
     ray.kill(actor)
 
 

@@ -1,5 +1,5 @@
 """The session book (service/cluster/sessions.py) on a fake clock, and the coordinator's placement of sessions' turns
-(`RayBackend._place` without Ray: engines are names, the ledger is the real one)."""
+(`Dispatcher.place` without Ray: engines are names, the ledger is the real one)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 
 from das.service.wire.api import GroupRequest, LengthCurveSpec
-from das.service.cluster.coordinator import RayBackend, with_length_predictions
+from das.service.cluster.coordinator import RayBackend
+from das.service.cluster.dispatch import Dispatcher, with_length_predictions
 from das.service.config import ServiceConfig
 from das.service.cluster.sessions import Session, SessionBook, SessionConflict
 from das.service.config import SessionConfig
@@ -159,11 +160,11 @@ def test_idle_sessions_reserve_their_predicted_remaining_work_on_their_engine() 
     assert book.reserved() == {"e1": 90.0}  # s2 produced 10 of p's mean 100
 
 
-def backend(book: SessionBook) -> RayBackend:
-    """A RayBackend that only places (no Ray, no actors): `_place` over engine names."""
+def dispatcher(book: SessionBook) -> Dispatcher:
+    """A RayBackend's dispatcher that only places (no Ray, no actors): `place` over engine names."""
     coordinator = RayBackend(ServiceConfig(engine=StubEngineConfig()), [], [], [], False)
     coordinator.attach_sessions(book)
-    return coordinator
+    return coordinator.dispatcher
 
 
 SERVING = [(None, 0, "e0"), (None, 0, "e1")]
@@ -179,40 +180,40 @@ def engines_of(placement: list[list[tuple[int, GroupRequest]]], serving: list = 
 
 def test_a_problems_trajectories_spread_and_each_turn_returns_to_its_engine() -> None:
     book = SessionBook(clock=Clock())
-    coordinator = backend(book)
+    dispatch = dispatcher(book)
     first = [turn(f"s{i}") for i in range(4)]
     book.begin("b1", [(g.session_id, g.problem_id) for g in first])
-    placed = engines_of(coordinator._place(first, SERVING))
+    placed = engines_of(dispatch.place(first, SERVING))
     assert sorted(Counter(placed.values()).values()) == [2, 2]  # one problem's 4 trajectories over both engines
     for g in first:
         finish(book, "b1", g.session_id, engine=placed[g.session_id])
     second = [turn(f"s{i}") for i in (3, 0)]
     book.begin("b2", [(g.session_id, "p") for g in second])
-    again = engines_of(coordinator._place(second, SERVING))
+    again = engines_of(dispatch.place(second, SERVING))
     assert again == {s: placed[s] for s in again}  # each to the engine holding its prefix
     assert sum(book.moves.values()) == 0
 
 
 def test_a_turn_whose_engine_is_gone_is_placed_elsewhere_and_counted() -> None:
     book = SessionBook(clock=Clock())
-    coordinator = backend(book)
+    dispatch = dispatcher(book)
     book.begin("b1", [("s", "p")])
-    (engine,) = engines_of(coordinator._place([turn("s")], SERVING)).values()
+    (engine,) = engines_of(dispatch.place([turn("s")], SERVING)).values()
     finish(book, "b1", "s", engine=engine)
     survivor = [e for e in SERVING if e[2] != engine]
     book.begin("b2", [("s", "p")])
-    assert engines_of(coordinator._place([turn("s")], survivor), survivor) == {"s": survivor[0][2]}
+    assert engines_of(dispatch.place([turn("s")], survivor), survivor) == {"s": survivor[0][2]}
     assert book.moves["not_serving"] == 1 and book.get("s").engine == survivor[0][2]
 
 
 def test_new_sessions_avoid_the_engine_whose_idle_sessions_owe_the_most() -> None:
     book = SessionBook(clock=Clock())
-    coordinator = backend(book)
+    dispatch = dispatcher(book)
     book.begin("b1", [("long", "p")])
     book.placed("long", "e0")
     finish(book, "b1", "long", engine="e0", output=5000)  # idle now; owes another long turn on e0
     book.begin("b2", [("new", "q")])
-    assert engines_of(coordinator._place([turn("new", "q")], SERVING)) == {"new": "e1"}
+    assert engines_of(dispatch.place([turn("new", "q")], SERVING)) == {"new": "e1"}
 
 
 def test_the_incremental_reservation_ledger_equals_a_recount_after_any_sequence_of_events() -> None:
@@ -258,7 +259,7 @@ def test_the_incremental_reservation_ledger_equals_a_recount_after_any_sequence_
 
 def test_a_turns_budget_forecast_covers_its_trajectorys_later_turns() -> None:
     book = SessionBook(clock=Clock())
-    coordinator = backend(book)
+    dispatch = dispatcher(book)
     curve = LengthCurveSpec(starts=(0, 50), ends=(80.0, 120.0), tail_from=200, tail_ratio=0.5)
     assert book.trajectory_curve("unknown", curve, 60.0) is curve
     for sid in ("old1", "old2"):  # the problem's closed trajectories: 1000 output tokens each
@@ -275,13 +276,13 @@ def test_a_turns_budget_forecast_covers_its_trajectorys_later_turns() -> None:
 
     # placement hands the engines the trajectory's curve and keeps the turn's own load
     bare = GroupRequest(problem_id="p", session_id="s", prompt_token_ids=[1, 2])
-    (own,) = with_length_predictions(coordinator._predictor, [bare])
-    (placed,) = [g for items in coordinator._place([bare], SERVING) for _, g in items]
+    (own,) = with_length_predictions(dispatch.predictor, [bare])
+    (placed,) = [g for items in dispatch.place([bare], SERVING) for _, g in items]
     later = 1000 - 700 - own.predicted_tokens
     assert later > 0 and placed.predicted_tokens == own.predicted_tokens
     assert placed.length_curve.ends == pytest.approx([e + later for e in own.length_curve.ends])
     # placed again (its engine died): not raised twice; a caller's own prediction is left alone
-    (again,) = [g for items in coordinator._place([placed], SERVING) for _, g in items]
+    (again,) = [g for items in dispatch.place([placed], SERVING) for _, g in items]
     assert again.length_curve == placed.length_curve
-    (own_prediction,) = [g for items in coordinator._place([turn("s", predicted=60.0)], SERVING) for _, g in items]
+    (own_prediction,) = [g for items in dispatch.place([turn("s", predicted=60.0)], SERVING) for _, g in items]
     assert own_prediction.length_curve is None

@@ -1,0 +1,161 @@
+"""`WeightRelay`: vLLM's weight transfer relayed from the trainer to the serving engines (docs/design.md "Weight
+transfer"; rollout_backend.RolloutBackend says what each call does). The coordinator, service/cluster/coordinator.py
+`RayBackend`, composes it with the engine supervision and dispatch.
+
+Invariants: the group is the engines that served at /init_weight_transfer_engine, each as of its incarnation, in
+the order of the serving engines; a push needs the same ones serving (else WeightUpdateConflict: join again). A push
+holds the policy's `weights_lock` from its start to its end, so checkpoint reloads and restarted engines' catch-up
+wait for it; a failure anywhere gives the push up everywhere. An engine lost during a call is reported to the
+supervisor as a death.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+from das.service.cluster.engine_supervisor import ActorRecord, EngineSupervisor, ServedPolicy, lost_errors
+from das.service.cluster.rollout_backend import WeightUpdateConflict
+from das.service.config import ServiceConfig
+from das.service.engine.config import transfer_backend
+from das.service.engine.contract import EngineInputError
+from das.service.wire.weight_transfer import TransferBackend
+
+
+class WeightRelay:
+    """The trainer's weight-transfer group over the engines `supervisor` keeps; `gpu_nodes`: the engines run on GPU
+    nodes (what the transfer backend depends on)."""
+
+    def __init__(self, config: ServiceConfig, supervisor: EngineSupervisor, policy: ServedPolicy,
+                 gpu_nodes: bool) -> None:
+        self.config = config
+        self._supervisor = supervisor
+        self._policy = policy
+        self._gpu_nodes = gpu_nodes
+        # the engines in the trainer's weight-transfer group (actor, incarnation), in rank order: set by
+        # /init_weight_transfer_engine; a push needs the same ones serving
+        self._transfer_group: list[tuple[ActorRecord, int]] = []
+        self._pushing = False  # a push is open: the policy's `weights_lock` is held from its start to its end
+
+    @property
+    def weight_transfer(self) -> TransferBackend | None:
+        return transfer_backend(self.config.engine.weight_transfer, gpu=self._gpu_nodes)
+
+    def transfer_world_size(self) -> int:
+        engine = self.config.engine
+        return len(self._supervisor.serving()) * engine.tensor_parallel_size
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Every serving engine joins the trainer's group: engine e's workers at the trainer's `rank_offset` + the
+        workers of the engines before it. Refused (EngineInputError) unless `world_size` is that offset + every
+        serving worker: a group of another size would wait for ranks that never come."""
+        if self._pushing:
+            raise WeightUpdateConflict("a weight update is open: finish it before joining a new group")
+        serving = self._supervisor.serving()
+        if not serving:
+            raise RuntimeError("no engine serves: nothing to join the group")
+        tp = self.transfer_world_size() // len(serving)
+        offset, world = init_info.get("rank_offset", 1), init_info.get("world_size")
+        if not isinstance(offset, int) or isinstance(offset, bool) or offset < 1:
+            raise EngineInputError(f"init_info.rank_offset: the first worker's rank, an integer >= 1; got {offset!r}")
+        if world != offset + len(serving) * tp:
+            raise EngineInputError(f"init_info.world_size: {world!r}, but the group has the trainer's {offset} "
+                                   f"rank(s) and {len(serving) * tp} model workers ({len(serving)} engines x "
+                                   f"{tp}): {offset + len(serving) * tp} (GET /get_world_size + 1)")
+        infos: dict[int, list[dict[str, Any]]] = {}
+        actors: dict[int, ActorRecord] = {}
+        for position, (actor, _, _) in enumerate(serving):
+            actors[id(actor)] = actor
+            infos.setdefault(id(actor), []).append({**init_info, "rank_offset": offset + position * tp})
+        self._transfer_group = []
+        group = [(actor, actor.incarnation) for actor in actors.values()]
+        await self._on_actors(group, lambda actor: actor.handle.init_weight_transfer.remote(infos[id(actor)]))
+        self._transfer_group = group
+
+    async def start_weight_update(self) -> None:
+        """Opens a push on every engine of the group (each waits for its running samples unless paused). Held
+        against checkpoint reloads and restarted engines' catch-up until it ends (the policy's `weights_lock`)."""
+        changed = self._group_changes()
+        if changed:
+            raise WeightUpdateConflict(f"the engines changed since /init_weight_transfer_engine ({changed}): "
+                                       f"join the group again")
+        await self._policy.weights_lock.acquire()
+        self._pushing = True
+        try:
+            await self._on_actors(self._transfer_group, lambda actor: actor.handle.start_weight_update.remote())
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+
+    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        """Every engine of the group receives one chunk (staged); a failure anywhere gives the push up
+        everywhere."""
+        if not self._pushing:
+            raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
+        try:
+            await self._on_actors(self._transfer_group, lambda actor: actor.handle.update_weights.remote(update_info))
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+
+    async def finish_weight_update(self, version: int) -> int:
+        """Every engine of the group loads what it received and serves it as `version`; the push ends."""
+        if not self._pushing:
+            raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
+        try:
+            await self._on_actors(self._transfer_group,
+                                  lambda actor: actor.handle.finish_weight_update.remote(version))
+        except BaseException:
+            await self.abort_weight_update()
+            raise
+        self._policy.version = version
+        self._pushing = False
+        self._policy.weights_lock.release()
+        return version
+
+    async def abort_weight_update(self) -> None:
+        """Gives the open push up on every engine of the group (nothing loaded by the gloo backend); idempotent."""
+        if not self._pushing:
+            return
+        try:
+            await self._on_actors([(a, i) for a, i in self._transfer_group if a.state == "serving"],
+                                  lambda actor: actor.handle.abort_weight_update.remote())
+        finally:
+            self._pushing = False
+            self._policy.weights_lock.release()
+
+    async def shutdown_weight_transfer(self) -> None:
+        await self.abort_weight_update()
+        group, self._transfer_group = self._transfer_group, []
+        await self._on_actors([(a, i) for a, i in group if a.state == "serving"],
+                              lambda actor: actor.handle.shutdown_weight_transfer.remote())
+
+    def _group_changes(self) -> str:
+        """How the serving engines differ from the transfer group's ('' if they do not)."""
+        if not self._transfer_group:
+            return "no group: call /init_weight_transfer_engine first"
+        members = {id(actor): incarnation for actor, incarnation in self._transfer_group}
+        serving = self._supervisor.serving_actors()
+        gone = [actor for actor, incarnation in self._transfer_group
+                if actor.state != "serving" or actor.incarnation != incarnation]
+        new = [actor for actor in serving if id(actor) not in members]
+        return "; ".join([*(f"engine {', '.join(a.names)} restarted or stopped serving" for a in gone),
+                          *(f"engine {', '.join(a.names)} joined" for a in new)])
+
+    async def _on_actors(self, actors: list[tuple[ActorRecord, int]],
+                         call: Callable[[ActorRecord], Any]) -> list[Any]:
+        """`call(actor)` on each of `actors` at once; their replies. A lost actor is reported as a death and raised
+        as a RuntimeError naming it; any other error is raised as it is (the first one)."""
+        replies = await asyncio.gather(*(call(actor) for actor, _ in actors), return_exceptions=True)
+        lost = lost_errors()
+        errors: list[BaseException] = []
+        for (actor, incarnation), reply in zip(actors, replies):
+            if isinstance(reply, lost):
+                self._supervisor.engine_died(actor, incarnation, reply)
+                errors.append(RuntimeError(f"engine {', '.join(actor.names)} died during the weight transfer"))
+            elif isinstance(reply, BaseException):
+                errors.append(reply)
+        if errors:  # a refusal says more than the broken group it leaves the others with
+            raise next((e for e in errors if isinstance(e, EngineInputError)), errors[0])
+        return list(replies)
