@@ -91,11 +91,11 @@ def models_prepare(
                                             "float32, bfloat16 or float16.")] = "auto",
 ) -> None:
     """Build (once) a ready-to-serve model directory in the dtype it will be served in and print its path."""
-    from das.service.engine.vllm.engine import engine_dtype
+    from das.service.engine.serving_dtype import build_dtype
     from das.service.engine.vllm.models import prepare_model
 
     try:
-        path = prepare_model(name, progress=True, dtype=engine_dtype(dtype))
+        path = prepare_model(name, progress=True, dtype=build_dtype(dtype))
     except (ValueError, OSError) as exc:
         fail(str(exc))
     print(path)
@@ -226,9 +226,9 @@ def serve(
         except ValidationError as exc:
             raise ValueError(config_flags.explain("service", exc)) from None
         if not stub_engine:
-            from das.service.engine.vllm.engine import engine_dtype
-            from das.service.engine.vllm.models import prepare_model
             from das.service.engine.preflight import check_method_packages
+            from das.service.engine.serving_dtype import build_dtype
+            from das.service.engine.vllm.models import prepare_model
             from das.service.engine.vllm_version import check_vllm_version
 
             check_vllm_version()  # UnsupportedVllmVersion is a ValueError: refused below, before anything starts
@@ -242,9 +242,8 @@ def serve(
                                      f"parser; vLLM has {', '.join(tool_parser_names())}")
 
             # here first, in the dtype the engines serve: they reuse it, and a bad name fails now
-            serving_dtype = engine_dtype(engine["dtype"])
             try:
-                prepare_model(engine["model"], progress=True, dtype=serving_dtype)
+                prepare_model(engine["model"], progress=True, dtype=build_dtype(engine["dtype"]))
             except (OSError, ValueError) as exc:
                 raise ValueError(f"{exc}; {classify(exc, 'model').remedy}") from None
     except (OSError, ValueError, MissingPackage, StateDirInUse) as exc:

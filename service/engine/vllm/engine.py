@@ -57,6 +57,7 @@ from das.service.engine.spawn_env import restored_environ
 from das.service.engine.vllm.step_profile import StepProfile
 from das.service.engine.vllm.token_prompt import engine_prompt
 from das.service.engine.vllm.tool_calls import ToolCallParsing, template_messages, template_tools
+from das.service.engine.serving_dtype import serving_dtype
 from das.service.engine.vllm_version import check_vllm_version
 from das.service.engine.vllm.worker_rpc import worker_rpc
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
@@ -71,38 +72,12 @@ log = logging.getLogger(__name__)
 WORKER_EXTENSION = "das.service.engine.vllm.worker.EngineWorkerExtension"  # the DAS proposer's methods, step profiling
 
 
-_NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
-
-
-def serving_dtype(requested: str, *, cpu: bool, cpu_flags: frozenset[str] | None = None) -> str:
-    """The dtype an engine serves in: `requested` unless it is "auto", which means bfloat16 on a GPU or on a CPU
-    with native bfloat16 arithmetic, else float32. Without it vLLM's CPU kernels emulate bfloat16: SmolLM2-135M
-    decoded 5.4x slower in bfloat16 than in float32 on a 2-core AVX2 machine (docs/design.md#the-engine-inside-vllm).
-    `cpu_flags`: the CPU's feature flags (default: read from /proc/cpuinfo; none where it cannot be read)."""
-    if requested != "auto":
-        return requested
-    if not cpu:
-        return "bfloat16"
-    flags = cpu_flags if cpu_flags is not None else _cpu_flags()
-    return "bfloat16" if flags & _NATIVE_BF16_FLAGS else "float32"
-
-
 def engine_dtype(requested: str) -> str:
     """The dtype an engine on this machine serves `requested` in (`serving_dtype` on vLLM's platform): what a
     known model should be prepared in (`prepare_model(..., dtype=)`)."""
     from vllm.platforms import current_platform
 
     return serving_dtype(requested, cpu=current_platform.is_cpu())
-
-
-def _cpu_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 # set for an engine core's spawn only (service/engine/spawn_env.py): one engine's settings are not the next one's
