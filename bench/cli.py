@@ -104,6 +104,8 @@ def bench_scale(
     group_size: Annotated[int, typer.Option("--group-size", min=1, help="Samples per group (n).")] = 16,
     token_ms: Annotated[float, typer.Option("--token-ms", min=0.0, help="The stub's milliseconds per output "
                                             "token (16 tokens a sample).")] = 1.0,
+    repeats: Annotated[int, typer.Option(min=1, help="Batches measured per configuration; every figure is "
+                                                     "their median.")] = 1,
     profile: Annotated[Optional[Path], typer.Option(help="Also profile one more batch per configuration with "
                                                          "cProfile (the event loop's thread), written here.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
@@ -117,7 +119,7 @@ def bench_scale(
         config = ScaleConfig(engines=tuple(int(x) for x in engines.split(",") if x.strip()),
                              samples=tuple(int(x) for x in samples.split(",") if x.strip()), nodes=nodes,
                              engines_per_actor=engines_per_actor, group_size=group_size, token_s=token_ms / 1e3,
-                             profile_dir=profile)
+                             repeats=repeats, profile_dir=profile)
         config.check()
     except ValueError as exc:
         fail(str(exc))

@@ -55,14 +55,15 @@ class ScaleConfig:
     tokens: int = 16
     token_s: float = 0.001
     history_shards: int = 2
+    repeats: int = 1  # batches measured per configuration; every figure reported is their median
     profile_dir: Path | None = None  # one more batch per configuration under cProfile, written here (not measured)
 
     def check(self) -> None:
         """ValueError for a configuration that cannot run."""
         if not self.engines or not self.samples:
             raise ValueError("give at least one engine count and one sample count")
-        if self.nodes < 1 or self.engines_per_actor < 1 or self.group_size < 1:
-            raise ValueError("nodes, engines_per_actor and group_size must be >= 1")
+        if self.nodes < 1 or self.engines_per_actor < 1 or self.group_size < 1 or self.repeats < 1:
+            raise ValueError("nodes, engines_per_actor, group_size and repeats must be >= 1")
         for engines in self.engines:
             if engines < self.nodes or engines % self.nodes:
                 raise ValueError(f"{engines} engines do not split over {self.nodes} nodes")
@@ -73,7 +74,8 @@ class ScaleConfig:
 
 @dataclass(frozen=True)
 class ScaleRun:
-    """One configuration's figures (CPU and memory: the driver process, where the gateway and coordinator run)."""
+    """One configuration's figures (CPU and memory: the driver process, where the gateway and coordinator run), each
+    the median over `repeats` batches; `coordinator_cpu_s_per_sample_each` the batches' own, in order."""
 
     engines: int
     samples: int
@@ -90,6 +92,22 @@ class ScaleRun:
     engine_to_client_p50_ms: float
     engine_to_client_p99_ms: float
     engine_to_client_max_ms: float
+    repeats: int = 1
+    coordinator_cpu_s_per_sample_each: tuple[float, ...] = ()
+
+    @classmethod
+    def median_of(cls, batches: list[ScaleRun]) -> ScaleRun:
+        """One run whose every figure is the median of `batches`' (one configuration's repeats)."""
+        first = batches[0]
+        figures = {name: float(np.median([getattr(b, name) for b in batches]))
+                   for name in ("wall_s", "samples_per_s", "coordinator_cpu_s", "coordinator_cpu_s_per_sample",
+                                "event_loop_cpu_s_per_sample", "coordinator_cpu_s_per_engine_event",
+                                "placement_s_per_batch", "coordinator_rss_mib", "engine_to_client_p50_ms",
+                                "engine_to_client_p99_ms", "engine_to_client_max_ms")}
+        return cls(engines=first.engines, samples=first.samples, actors=first.actors,
+                   engine_events=int(np.median([b.engine_events for b in batches])), repeats=len(batches),
+                   coordinator_cpu_s_per_sample_each=tuple(b.coordinator_cpu_s_per_sample for b in batches),
+                   **figures)
 
 
 @dataclass
@@ -101,7 +119,18 @@ class ScaleResult:
     def to_dict(self) -> dict[str, Any]:
         config = asdict(self.config)
         config["profile_dir"] = str(self.config.profile_dir) if self.config.profile_dir else None
-        return {"config": config, "machine": self.machine, "runs": [asdict(r) for r in self.runs]}
+        return {"config": config, "machine": self.machine, "runs": [asdict(r) for r in self.runs],
+                "cpu_per_sample_ratio": self.cpu_per_sample_ratio()}
+
+    def cpu_per_sample_ratio(self) -> dict[str, float]:
+        """Per sample count (as a string key), the coordinator's CPU per sample at the most engines over that at the
+        fewest (medians of the repeats): how its cost grows with the engines. Empty with one engine count."""
+        ratios = {}
+        for samples in self.config.samples:
+            runs = sorted((r for r in self.runs if r.samples == samples), key=lambda r: r.engines)
+            if len(runs) > 1 and runs[0].coordinator_cpu_s_per_sample > 0:
+                ratios[str(samples)] = runs[-1].coordinator_cpu_s_per_sample / runs[0].coordinator_cpu_s_per_sample
+        return ratios
 
     def print(self, console: Console) -> None:
         table = Table(title=f"Gateway + coordinator over stub engines ({self.config.nodes} Ray nodes, "
@@ -116,6 +145,9 @@ class ScaleResult:
                           f"{r.placement_s_per_batch * 1e3:.1f}", f"{r.coordinator_rss_mib:.0f}",
                           f"{r.engine_to_client_p50_ms:.0f} / {r.engine_to_client_p99_ms:.0f}")
         console.print(table)
+        for samples, ratio in self.cpu_per_sample_ratio().items():
+            console.print(f"{samples} samples: CPU per sample at {max(self.config.engines)} engines / at "
+                          f"{min(self.config.engines)}: {ratio:.2f}x (medians of {self.config.repeats})")
         console.print(f"machine: {self.machine}")
 
 
@@ -220,23 +252,30 @@ async def _measure_engines(config: ScaleConfig, address: str, engines: int, prog
         loop_thread = threading.get_native_id()
         for samples in config.samples:
             groups = _groups(samples, config.group_size, "p", config.tokens)
-            before_cpu, before, before_loop = me.cpu_times(), backend.stats(), _thread_cpu(me, loop_thread)
-            wall, delays = await batch(groups, f"scale-{engines}-{samples}")
-            after_cpu, after, after_loop = me.cpu_times(), backend.stats(), _thread_cpu(me, loop_thread)
-            cpu = (after_cpu.user + after_cpu.system) - (before_cpu.user + before_cpu.system)
-            events = after.engine_stream_items - before.engine_stream_items
-            placements = max(after.placements - before.placements, 1)
-            ms = np.array(delays or [0.0]) * 1e3
-            run = ScaleRun(
-                engines=engines, samples=samples, actors=actors, wall_s=wall, samples_per_s=samples / wall,
-                coordinator_cpu_s=cpu, coordinator_cpu_s_per_sample=cpu / samples,
-                event_loop_cpu_s_per_sample=(after_loop - before_loop) / samples, engine_events=events,
-                coordinator_cpu_s_per_engine_event=cpu / max(events, 1),
-                placement_s_per_batch=(after.placement_s - before.placement_s) / placements,
-                coordinator_rss_mib=me.memory_info().rss / (1 << 20),
-                engine_to_client_p50_ms=float(np.percentile(ms, 50)),
-                engine_to_client_p99_ms=float(np.percentile(ms, 99)), engine_to_client_max_ms=float(ms.max()))
+            batches: list[ScaleRun] = []
+            for repeat in range(config.repeats):
+                before_cpu, before, before_loop = me.cpu_times(), backend.stats(), _thread_cpu(me, loop_thread)
+                wall, delays = await batch(groups, f"scale-{engines}-{samples}-{repeat}")
+                after_cpu, after, after_loop = me.cpu_times(), backend.stats(), _thread_cpu(me, loop_thread)
+                cpu = (after_cpu.user + after_cpu.system) - (before_cpu.user + before_cpu.system)
+                events = after.engine_stream_items - before.engine_stream_items
+                placements = max(after.placements - before.placements, 1)
+                ms = np.array(delays or [0.0]) * 1e3
+                batches.append(ScaleRun(
+                    engines=engines, samples=samples, actors=actors, wall_s=wall, samples_per_s=samples / wall,
+                    coordinator_cpu_s=cpu, coordinator_cpu_s_per_sample=cpu / samples,
+                    event_loop_cpu_s_per_sample=(after_loop - before_loop) / samples, engine_events=events,
+                    coordinator_cpu_s_per_engine_event=cpu / max(events, 1),
+                    placement_s_per_batch=(after.placement_s - before.placement_s) / placements,
+                    coordinator_rss_mib=me.memory_info().rss / (1 << 20),
+                    engine_to_client_p50_ms=float(np.percentile(ms, 50)),
+                    engine_to_client_p99_ms=float(np.percentile(ms, 99)), engine_to_client_max_ms=float(ms.max())))
+                if config.repeats > 1:
+                    progress(f"{engines} engines x {samples} samples, batch {repeat + 1}/{config.repeats}: "
+                             f"{batches[-1].coordinator_cpu_s_per_sample * 1e6:,.0f} us CPU/sample")
+            run = ScaleRun.median_of(batches)
             runs.append(run)
+            events = run.engine_events
             progress(f"{engines} engines x {samples} samples: {run.samples_per_s:,.0f} samples/s, "
                      f"{run.coordinator_cpu_s_per_sample * 1e6:,.0f} us CPU/sample "
                      f"({run.event_loop_cpu_s_per_sample * 1e6:,.0f} on the loop's thread), {events:,} engine events, "
