@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -98,16 +98,10 @@ class ScaleRun:
     @classmethod
     def median_of(cls, batches: list[ScaleRun]) -> ScaleRun:
         """One run whose every figure is the median of `batches`' (one configuration's repeats)."""
-        first = batches[0]
-        figures = {name: float(np.median([getattr(b, name) for b in batches]))
-                   for name in ("wall_s", "samples_per_s", "coordinator_cpu_s", "coordinator_cpu_s_per_sample",
-                                "event_loop_cpu_s_per_sample", "coordinator_cpu_s_per_engine_event",
-                                "placement_s_per_batch", "coordinator_rss_mib", "engine_to_client_p50_ms",
-                                "engine_to_client_p99_ms", "engine_to_client_max_ms")}
-        return cls(engines=first.engines, samples=first.samples, actors=first.actors,
-                   engine_events=int(np.median([b.engine_events for b in batches])), repeats=len(batches),
-                   coordinator_cpu_s_per_sample_each=tuple(b.coordinator_cpu_s_per_sample for b in batches),
-                   **figures)
+        measured = [f.name for f in fields(cls) if f.type == "float"]  # the figures; the rest name the run
+        return replace(batches[0], **{name: float(np.median([getattr(b, name) for b in batches])) for name in measured},
+                       engine_events=int(np.median([b.engine_events for b in batches])), repeats=len(batches),
+                       coordinator_cpu_s_per_sample_each=tuple(b.coordinator_cpu_s_per_sample for b in batches))
 
 
 @dataclass
@@ -275,11 +269,11 @@ async def _measure_engines(config: ScaleConfig, address: str, engines: int, prog
                              f"{batches[-1].coordinator_cpu_s_per_sample * 1e6:,.0f} us CPU/sample")
             run = ScaleRun.median_of(batches)
             runs.append(run)
-            events = run.engine_events
             progress(f"{engines} engines x {samples} samples: {run.samples_per_s:,.0f} samples/s, "
                      f"{run.coordinator_cpu_s_per_sample * 1e6:,.0f} us CPU/sample "
-                     f"({run.event_loop_cpu_s_per_sample * 1e6:,.0f} on the loop's thread), {events:,} engine events, "
-                     f"placement {run.placement_s_per_batch * 1e3:.1f} ms, RSS {run.coordinator_rss_mib:.0f} MiB")
+                     f"({run.event_loop_cpu_s_per_sample * 1e6:,.0f} on the loop's thread), "
+                     f"{run.engine_events:,} engine events, placement {run.placement_s_per_batch * 1e3:.1f} ms, "
+                     f"RSS {run.coordinator_rss_mib:.0f} MiB")
             if config.profile_dir is not None:
                 config.profile_dir.mkdir(parents=True, exist_ok=True)
                 profile = cProfile.Profile()

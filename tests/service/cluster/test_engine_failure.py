@@ -444,14 +444,13 @@ def test_tiny_model_engine_killed_mid_batch_then_its_engine_core_loses_nothing(t
         return httpx.get(f"{server.url}/metrics", headers=auth, timeout=10).text
 
     restarts, redispatched = metric(metrics(), "das_engine_restarts"), metric(metrics(), "das_samples_redispatched")
+    def kill_at_first_sample(pid: int) -> Callable[[int], None]:
+        """run_batch's hook: SIGKILL `pid` once the batch's first sample has arrived."""
+        return lambda count: os.kill(pid, signal.SIGKILL) if count == 1 else None
+
     (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
     (core,) = process_pids(actor, "EngineCore")
-
-    def kill_actor(count: int) -> None:
-        if count == 1:
-            os.kill(actor, signal.SIGKILL)
-
-    check(*run_batch(server.url, {"groups": groups}, kill_actor, auth))
+    check(*run_batch(server.url, {"groups": groups}, kill_at_first_sample(actor), auth))
     server.wait_ready()  # no hand restart
     assert metric(metrics(), "das_engine_restarts") == restarts + 1
     assert 1 <= metric(metrics(), "das_samples_redispatched") - redispatched <= 15
@@ -460,12 +459,7 @@ def test_tiny_model_engine_killed_mid_batch_then_its_engine_core_loses_nothing(t
     # the vLLM engine core dies inside a live actor: the actor ends itself and is restarted the same way
     (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
     (core,) = process_pids(actor, "EngineCore")
-
-    def kill_core(count: int) -> None:
-        if count == 1:
-            os.kill(core, signal.SIGKILL)
-
-    check(*run_batch(server.url, {"groups": groups}, kill_core, auth))
+    check(*run_batch(server.url, {"groups": groups}, kill_at_first_sample(core), auth))
     server.wait_ready()
     text = metrics()
     assert metric(text, "das_engine_restarts") == restarts + 2
