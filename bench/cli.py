@@ -436,7 +436,8 @@ def bench_e2e(
 def bench_serve(
     arms: Annotated[str, typer.Option(help="Comma-separated `das serve --speculation` values; the first is the "
                                            "baseline of the ratios; oracle / oracle-k (with none): das drafting "
-                                           "none's exact outputs, with the bound.")] = "none,das",
+                                           "none's exact outputs, with the bound; ARM@2 runs ARM's server again "
+                                           "(none,das,none@2: the noise floor).")] = "none,das",
     problems: Annotated[str, typer.Option(help="JSONL prompt file, reasoning-gym:N or code:N.")] = "reasoning-gym:8",
     samples: Annotated[int, typer.Option(min=1, help="Samples per problem.")] = 8,
     epochs: Annotated[int, typer.Option(min=1)] = 3,

@@ -9,6 +9,11 @@ first arm measured in the same run. Every arm of repeat r runs `das rollout --se
 sampling the arms draw the same samples (speculation changes none), so their makespans differ by speed alone,
 while the repeats draw different ones.
 
+An arm written `ARM@2` runs ARM's server a second time in each repeat (e.g. `none,das,none@2`): identical samples
+on identical servers, so its paired ratio to ARM is the machine's own run-to-run noise, the floor a difference
+between arms must clear. Paired ratios (`paired`) divide each repeat's figure by the baseline's of the same repeat:
+the same samples, so only speed differs; their median, min and max are reported beside the ratio of medians.
+
 `oracle` / `oracle-k` arms (after `none`, which every repeat then runs first): `das serve --speculation das
 --oracle-file F` (with `--budget uniform` for oracle-k), F holding every sample's output from that repeat's `none`
 run by sample key, so each sample drafts its own exact future (`OracleDrafts`). Their outputs must equal
@@ -45,6 +50,12 @@ from das.service.wire.sample_keys import derive
 # `das serve` flags of the oracle arms; oracle-k's --budget is the budget name `e2e.ARM_BUDGETS` gives it
 ORACLE_ARMS = {"oracle": ("--speculation", "das"), "oracle-k": ("--speculation", "das", "--budget", "uniform")}
 BASELINE = "none"
+AGAIN = "@"  # `none@2`: none's server again, the noise floor
+
+
+def served_arm(arm: str) -> str:
+    """The `das serve --speculation` value of an arm: `none@2` serves as `none`."""
+    return arm.split(AGAIN, 1)[0]
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,14 @@ class UserRunConfig:
     profile: bool = False  # every server with --profile-steps: each arm's host and forward-pass time a step
 
     def __post_init__(self) -> None:
+        if len(set(self.arms)) != len(self.arms):
+            raise ValueError(f"an arm is named twice in {','.join(self.arms)}: run one again as ARM{AGAIN}2")
+        for arm in self.arms:
+            if AGAIN in arm:
+                base, again = arm.split(AGAIN, 1)
+                if base not in self.arms or not again.isdigit() or int(again) < 2 or base in ORACLE_ARMS:
+                    raise ValueError(f"arm {arm!r}: a second run is written ARM{AGAIN}N (N >= 2) of a plain arm "
+                                     f"also in the arms (e.g. none,das,none{AGAIN}2)")
         oracles = [a for a in self.arms if a in ORACLE_ARMS]
         if oracles and BASELINE not in self.arms:
             raise ValueError(f"the {', '.join(oracles)} arm(s) draft what {BASELINE} generated: add {BASELINE} to "
@@ -151,6 +170,23 @@ class UserRunResult:
         keys = ("makespan_s", "tokens_per_s", "s_per_longest_token", "s_per_critical_step")
         return [{key: m[key] / b[key] for key in keys if b[key]} for m, b in zip(mine, base)]
 
+    def paired(self, arm: str) -> list[dict[str, Any]]:
+        """Per epoch, `arm`'s makespan and tokens/s over the baseline's of the same repeat (the same samples): each
+        repeat's ratio, their median, min and max. Repeats where either arm lacks the epoch are left out."""
+        base = self.config.arms[0]
+        out = []
+        for e in range(self.config.epochs):
+            pairs = [(mine[e], theirs[e]) for mine, theirs in zip(self.runs[arm], self.runs[base])
+                     if len(mine) > e and len(theirs) > e]
+            row: dict[str, Any] = {"epoch": e + 1}
+            for key, ratio in (("makespan", lambda m, b: m.makespan_s / b.makespan_s),
+                               ("tokens_per_s", lambda m, b: m.tokens_per_s / b.tokens_per_s)):
+                values = [round(ratio(m, b), 4) for m, b in pairs if b.makespan_s > 0 and m.makespan_s > 0]
+                row[key] = {"each": values, "median": round(statistics.median(values), 4) if values else None,
+                            "min": min(values, default=None), "max": max(values, default=None)}
+            out.append(row)
+        return out
+
     def to_dict(self) -> dict[str, Any]:
         return {"config": asdict(self.config), "problems": self.problems,
                 "runs": {arm: [[asdict(e) | {"tokens_per_s": e.tokens_per_s,
@@ -159,6 +195,7 @@ class UserRunResult:
                                 for e in run] for run in runs] for arm, runs in self.runs.items()},
                 "medians": {arm: self.medians(arm) for arm in self.runs},
                 "ratios": {arm: self.ratios(arm) for arm in self.runs},
+                "paired": {arm: self.paired(arm) for arm in self.runs if arm != self.config.arms[0]},
                 **({"oracle": self.oracle_table(), "oracle_identical": self.oracle_identical,
                     "bounds": [{"repeat": r + 1, "epochs": b} for r, b in enumerate(self.bounds)]}
                    if self.bounds else {}),
@@ -177,6 +214,13 @@ class UserRunResult:
                              f"{m['s_per_longest_token'] * 1e3:.1f} | {m['s_per_critical_step'] * 1e3:.1f} | "
                              f"{r.get('makespan_s', 0):.3f} | {r.get('tokens_per_s', 0):.3f} | "
                              f"{r.get('s_per_longest_token', 0):.3f} | {r.get('s_per_critical_step', 0):.3f} |")
+        lines += ["", f"Paired by repeat (the same samples), each arm over {base}: median (min-max) of the "
+                      f"{self.config.repeats} repeats", "",
+                  "| arm | epoch | makespan ratio | tokens/s ratio |", "|---|---:|---|---|"]
+        for arm in self.runs:
+            if arm != base:
+                lines += [f"| {arm} | {row['epoch']} | {_spread(row['makespan'])} | {_spread(row['tokens_per_s'])} |"
+                          for row in self.paired(arm)]
         if self.bounds:
             lines += ["", f"Oracle (outputs identical to none's: {self.oracle_identical}); bound: critical path at "
                           f"K + 1 tokens a step on one engine, priced by the oracle server's step-cost fit", "",
@@ -204,6 +248,14 @@ class UserRunResult:
                               f"{r.get('makespan_s', 0):.3f}", f"{r.get('tokens_per_s', 0):.3f}",
                               f"{r.get('s_per_longest_token', 0):.3f}", f"{r.get('s_per_critical_step', 0):.3f}")
         console.print(table)
+        paired = Table(title=f"paired by repeat (the same samples), each arm over {base}: median (min-max)")
+        for column in ("arm", "epoch", "makespan ratio", "tokens/s ratio"):
+            paired.add_column(column, justify="right")
+        for arm in self.runs:
+            if arm != base:
+                for row in self.paired(arm):
+                    paired.add_row(arm, str(row["epoch"]), _spread(row["makespan"]), _spread(row["tokens_per_s"]))
+        console.print(paired)
         if self.bounds:
             oracle = Table(title="the limit: oracle drafts (the exact future) and the bound (critical path at K + 1 "
                                  "tokens a step, priced by the oracle server's step-cost fit)")
@@ -233,6 +285,12 @@ class UserRunResult:
 def _median_of(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return round(float(statistics.median(present)), 3) if present else None
+
+
+def _spread(ratios: dict[str, Any]) -> str:
+    if ratios["median"] is None:
+        return "-"
+    return f"{ratios['median']:.3f} ({ratios['min']:.3f}-{ratios['max']:.3f})"
 
 
 def _cell(value: Any) -> str:
@@ -331,7 +389,7 @@ def run_user_bench(config: UserRunConfig, problems: list[Problem], problems_spec
         recorded: list[dict[int, list[int]]] = []  # none's outputs by sample key, per epoch
         oracle_file = log_dir / f"oracle-{repeat + 1}.json"
         for arm in config.order(repeat):
-            flags: tuple[str, ...] = ("--speculation", arm)
+            flags: tuple[str, ...] = ("--speculation", served_arm(arm))
             if arm in ORACLE_ARMS:
                 write_continuations(oracle_file, {k: v for epoch in recorded for k, v in epoch.items()})
                 flags = (*ORACLE_ARMS[arm], "--oracle-file", str(oracle_file))

@@ -38,6 +38,40 @@ def test_medians_over_repeats_and_ratios_to_the_first_arm():
     assert json.loads(json.dumps(result.to_dict()))["ratios"]["none"][0]["makespan_s"] == 1.0
 
 
+def test_paired_ratios_divide_each_repeat_by_the_baselines_same_repeat():
+    result = UserRunResult(UserRunConfig(arms=("none", "das", "none@2"), repeats=3, epochs=2), "code:2", {
+        "none": [figures([10, 20]), figures([12, 22]), figures([11, 100])],
+        "das": [figures([8, 10]), figures([18, 11]), figures([11, 50])],
+        "none@2": [figures([10, 21]), figures([12, 22]), figures([12, 90])],
+    })
+    das = result.paired("das")
+    assert das[0]["makespan"]["each"] == [0.8, 1.5, 1.0] and das[0]["makespan"]["median"] == 1.0
+    assert (das[0]["makespan"]["min"], das[0]["makespan"]["max"]) == (0.8, 1.5)
+    # tokens/s ratios are the inverse of makespan ratios at equal tokens (the same samples)
+    assert das[1]["tokens_per_s"]["each"] == [2.0, 2.0, 2.0]
+    # the ratio of medians differs from the median of paired ratios: das epoch 1 medians 11 / 11, pairs 1.0
+    assert result.ratios("das")[0]["makespan_s"] == pytest.approx(1.0)
+    floor = result.paired("none@2")
+    assert floor[1]["makespan"]["each"] == [1.05, 1.0, 0.9]
+    doc = json.loads(json.dumps(result.to_dict()))
+    assert set(doc["paired"]) == {"das", "none@2"} and doc["paired"]["das"][0]["makespan"]["median"] == 1.0
+    assert "| none@2 | 2 | 1.000 (0.900-1.050) |" in result.markdown()
+
+
+@pytest.mark.parametrize("arms", [("none", "das", "none"), ("none", "das", "ngram@2"), ("none", "das@1"),
+                                  ("none", "oracle", "oracle@2"), ("none", "none@x")])
+def test_a_second_run_of_an_arm_must_name_an_arm_in_the_run(arms):
+    with pytest.raises(ValueError, match="ARM@"):
+        UserRunConfig(arms=arms)
+
+
+def test_a_second_run_serves_as_its_arm():
+    from das.bench.user_run import served_arm
+
+    assert served_arm("none@2") == "none" and served_arm("das") == "das"
+    assert UserRunConfig(arms=("none", "das", "none@2")).order(1) == ("none@2", "das", "none")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -57,7 +91,7 @@ def test_runs_real_servers_per_arm_and_prints_the_ratios(tmp_path):
         assert [e["samples"] for e in run] == [4, 4] and all(e["output_tokens"] > 0 for e in run)
     assert doc["ratios"]["none"][1]["makespan_s"] == 1.0 and doc["ratios"]["das"][1]["makespan_s"] > 0
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["serve-das-1.log", "serve-none-1.log"]
-    assert "| das | 2 |" in out.read_text()
+    assert "| das | 2 |" in out.read_text() and doc["paired"]["das"][1]["makespan"]["each"][0] > 0
 
 
 def test_step_profiles_are_medians_over_repeats_and_feed_the_simulators_host_price(tmp_path):
