@@ -454,7 +454,8 @@ def bench_serve(
     markdown: Annotated[Optional[Path], typer.Option(help="Write the table as markdown.")] = None,
     profile: Annotated[bool, typer.Option("--profile", help="Every server with --profile-steps: each arm's forward "
                                                            "pass and host time a step, by part (the JSON's `arms`: "
-                                                           "what `das bench simulate --host-ms` reads).")] = False,
+                                                           "what `das bench simulate --host-ms` reads); each "
+                                                           "server's last /metrics kept in the log dir.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The quick start's run as the benchmark: `das serve` per arm, `das rollout`'s epochs against it, medians of

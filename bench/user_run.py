@@ -409,6 +409,7 @@ def run_user_bench(config: UserRunConfig, problems: list[Problem], problems_spec
             finally:
                 server.stop()
             if config.profile:
+                (log_dir / f"metrics-{arm}-{repeat + 1}.txt").write_text(metrics)  # the engines' own figures, kept
                 engines = engine_steps(metrics)
                 result.profiles.setdefault(arm, []).append(engines[0].summary() if engines else {})
             result.runs[arm].append(run.epochs)

@@ -83,14 +83,16 @@ def test_runs_real_servers_per_arm_and_prints_the_ratios(tmp_path):
     result = CliRunner().invoke(app, [
         "bench", "serve", "--arms", "none,das", "--problems", "reasoning-gym:2", "--samples", "2", "--epochs", "2",
         "--repeats", "1", "--max-tokens", "16", "--port", str(_free_port()), "--serve-args", "--stub-engine",
-        "--log-dir", str(tmp_path / "logs"), "--markdown", str(out), "--json"])
+        "--log-dir", str(tmp_path / "logs"), "--markdown", str(out), "--profile", "--json"])
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout[result.stdout.index("{"):])
     for arm in ("none", "das"):
         (run,) = doc["runs"][arm]
         assert [e["samples"] for e in run] == [4, 4] and all(e["output_tokens"] > 0 for e in run)
     assert doc["ratios"]["none"][1]["makespan_s"] == 1.0 and doc["ratios"]["das"][1]["makespan_s"] > 0
-    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["serve-das-1.log", "serve-none-1.log"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["metrics-das-1.txt", "metrics-none-1.txt",
+                                                                      "serve-das-1.log", "serve-none-1.log"]
+    assert "das_engine_runner_info" in (tmp_path / "logs" / "metrics-das-1.txt").read_text()
     assert "| das | 2 |" in out.read_text() and doc["paired"]["das"][1]["makespan"]["each"][0] > 0
 
 
