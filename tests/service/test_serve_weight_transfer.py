@@ -57,7 +57,9 @@ DYING_TRAINER = textwrap.dedent("""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    group = join_as_trainer(control, "127.0.0.1", port, control.call("GET", "/get_world_size")["world_size"] + 1, 30)
+    # unpacked (a broadcast per tensor), so that it can die a third of the way through
+    group = join_as_trainer(control, "127.0.0.1", port, control.call("GET", "/get_world_size")["world_size"] + 1, 30,
+                            None)
     info = GlooUpdateInfo.of(pairs)
     control.start_weight_update()
     threading.Thread(target=control.update_weights, args=(dataclasses.asdict(info),), daemon=True).start()

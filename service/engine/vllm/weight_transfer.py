@@ -31,6 +31,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
 from das.service.engine.vllm.gloo_transfer import (
+    DEFAULT_PACKED_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
     GlooGroup,
     GlooInitInfo,
@@ -81,7 +82,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         parallel = self.parallel_config
         rank = init_info.rank_offset + parallel.data_parallel_index * parallel.world_size + parallel.rank
         self._group = GlooGroup(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                init_info.timeout_s)
+                                init_info.timeout_s, init_info.chunk_bytes)
 
     def start_weight_update(self) -> None:
         self._staged = []
@@ -184,6 +185,8 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_port: int
     world_size: int
     timeout_s: float = DEFAULT_TIMEOUT_S
+    packed: bool = True  # as vLLM's NCCL trainer: the trainer side packs unless told not to
+    packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_BYTES
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -205,7 +208,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
         if engine.is_sender:
             engine._group = join_as_trainer(client, init_info.master_address, init_info.master_port,
-                                            init_info.world_size, init_info.timeout_s)
+                                            init_info.world_size, init_info.timeout_s,
+                                            init_info.packed_buffer_size_bytes if init_info.packed else None)
         return engine
 
     def send_weights(self) -> None:

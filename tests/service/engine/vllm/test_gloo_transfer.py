@@ -17,6 +17,7 @@ from das.service.engine.vllm.gloo_transfer import (
     GlooUpdateInfo,
     TransferRefused,
     checkpoint_manifest,
+    packed_chunks,
     receive,
     refusal,
     send,
@@ -33,14 +34,15 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def exchange(pairs, worker_refusals: list[str | None]):
-    """Rank 0 sends `pairs`; worker w receives with its refusal; returns (trainer outcome, worker outcomes)."""
+def exchange(pairs, worker_refusals: list[str | None], chunk_bytes: int = 0):
+    """Rank 0 sends `pairs`; worker w receives with its refusal; returns (trainer outcome, worker outcomes).
+    `chunk_bytes`: the group's packing, on every rank."""
     port, world = free_port(), 1 + len(worker_refusals)
     info = GlooUpdateInfo.of(pairs)
     outcomes: dict[int, object] = {}
 
     def worker(rank: int, why_not: str | None) -> None:
-        group = GlooGroup("127.0.0.1", port, rank, world, timeout_s=20)
+        group = GlooGroup("127.0.0.1", port, rank, world, timeout_s=20, chunk_bytes=chunk_bytes)
         try:
             outcomes[rank] = receive(group, info, why_not)
         except TransferRefused as exc:
@@ -49,7 +51,7 @@ def exchange(pairs, worker_refusals: list[str | None]):
     threads = [threading.Thread(target=worker, args=(r + 1, w)) for r, w in enumerate(worker_refusals)]
     for t in threads:
         t.start()
-    group = GlooGroup("127.0.0.1", port, 0, world, timeout_s=20)
+    group = GlooGroup("127.0.0.1", port, 0, world, timeout_s=20, chunk_bytes=chunk_bytes)
     try:
         trainer: object = send(group, pairs, info)
     except TransferRefused as exc:
@@ -65,6 +67,29 @@ def test_every_worker_receives_every_tensor_in_its_dtype():
     for received in (first, second):
         assert [n for n, _ in received] == ["a.weight", "b.bias"]
         assert all(torch.equal(r, p) and r.dtype == p.dtype for (_, r), (_, p) in zip(received, PAIRS))
+
+
+def test_packed_chunks_carry_every_tensor_bit_for_bit_at_any_alignment():
+    # odd-sized bfloat16 and int-like tensors between float32 ones: each slice must start where its dtype can view it
+    pairs = [("a", torch.randn(3, 5)), ("b", torch.randn(7).to(torch.bfloat16)), ("c", torch.randn(2, 3)),
+             ("d", torch.randn(1).to(torch.float16)), ("e", torch.randn(4, 4, dtype=torch.float64)),
+             ("f", torch.randn(0)), ("g", torch.randn(9).to(torch.bfloat16))]
+    for chunk_bytes in (64, 100, 1 << 20):
+        sent, (first, second) = exchange(pairs, [None, None], chunk_bytes)
+        assert sent == sum(t.numel() * t.element_size() for _, t in pairs)
+        for received in (first, second):
+            assert [n for n, _ in received] == [n for n, _ in pairs]
+            for (_, r), (_, p) in zip(received, pairs):
+                assert r.dtype == p.dtype and r.shape == p.shape and torch.equal(r.view(-1), p.view(-1))
+
+
+def test_packed_chunks_fit_the_buffer_and_keep_the_order():
+    assert packed_chunks([10, 10, 10], 0) == [range(0, 1), range(1, 2), range(2, 3)]  # unpacked: one each
+    # 10 bytes pad to 16: 16 + 10 = 26 fits 32, a third does not
+    assert packed_chunks([10, 10, 10], 32) == [range(0, 2), range(2, 3)]
+    assert packed_chunks([5, 100, 5, 5], 64) == [range(0, 1), range(1, 2), range(2, 4)]  # the big one alone
+    assert packed_chunks([], 64) == []
+    assert packed_chunks([8] * 5, 1 << 20) == [range(0, 5)]
 
 
 def test_one_refusal_stops_every_rank_before_any_tensor_moves():
@@ -100,8 +125,15 @@ def test_malformed_update_info_is_refused_naming_the_field(fields, says):
 @pytest.mark.parametrize("fields, says", [
     ({"master_port": 0}, "init_info.master_port"), ({"rank_offset": 0}, "init_info.rank_offset"),
     ({"rank_offset": 2, "world_size": 2}, "init_info.rank_offset"), ({"timeout_s": 0}, "init_info.timeout_s"),
+    ({"packed": True, "packed_buffer_size_bytes": 0}, "init_info.packed_buffer_size_bytes"),
 ])
 def test_init_info_outside_the_group_is_refused(fields, says):
     with pytest.raises(ValueError, match=says):
         GlooInitInfo(**{"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2,
                         **fields})
+
+
+def test_a_worker_packs_only_as_the_trainer_says():
+    base = {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2}
+    assert GlooInitInfo(**base).chunk_bytes == 0  # an older trainer that says nothing: one tensor a broadcast
+    assert GlooInitInfo(**base, packed=True, packed_buffer_size_bytes=4096).chunk_bytes == 4096
