@@ -4,7 +4,8 @@ under the server's `--weights-root`, then `/update_weights {path}`: every engine
 
 Each repeat times one push and one write + reload of the same tensors (alternating, push first); the figures are
 medians over repeats: seconds, and GB/s of the tensors' bytes (1e9 bytes a GB). The checkpoint arm's write and
-reload are reported apart too. Each sync moves the policy version by one; run it against a server no trainer
+reload are reported apart too. With `unpacked`, a second sender then pushes as many times with one broadcast per
+tensor (the gloo group unpacked: what packing saves). Each sync moves the policy version by one; run it against a server no trainer
 uses.
 """
 
@@ -28,6 +29,7 @@ class SyncTimes:
     push_s: float
     write_s: float
     reload_s: float
+    push_unpacked_s: float | None = None
 
     @property
     def checkpoint_s(self) -> float:
@@ -35,12 +37,15 @@ class SyncTimes:
 
     def rows(self) -> list[tuple[str, float, float]]:
         """(arm, seconds, GB/s) for the report."""
-        return [(arm, s, self.bytes / s / 1e9) for arm, s in (
-            ("push (weight transfer)", self.push_s), ("checkpoint write + reload", self.checkpoint_s),
-            ("  write", self.write_s), ("  reload", self.reload_s))]
+        arms = [("push (weight transfer)", self.push_s), ("checkpoint write + reload", self.checkpoint_s),
+                ("  write", self.write_s), ("  reload", self.reload_s)]
+        if self.push_unpacked_s is not None:
+            arms.insert(1, ("push, a broadcast per tensor", self.push_unpacked_s))
+        return [(arm, s, self.bytes / s / 1e9) for arm, s in arms]
 
 
-def time_weight_sync(url: str, token: str | None, checkpoint: Path, weights_root: Path, repeats: int) -> SyncTimes:
+def time_weight_sync(url: str, token: str | None, checkpoint: Path, weights_root: Path, repeats: int,
+                     unpacked: bool = False) -> SyncTimes:
     """Times `repeats` pushes and checkpoint syncs of the tensors in `checkpoint` (a model directory's
     safetensors, the served model's names and shapes) against the server at `url`, whose `--weights-root` is
     `weights_root` (as this process sees it). ValueError for a checkpoint without safetensors."""
@@ -73,4 +78,12 @@ def time_weight_sync(url: str, token: str | None, checkpoint: Path, weights_root
                 response.raise_for_status()
             finally:
                 shutil.rmtree(target, ignore_errors=True)
-    return SyncTimes(size, repeats, statistics.median(pushes), statistics.median(writes), statistics.median(reloads))
+    unpacked_pushes = []
+    if unpacked:
+        with WeightSender(url, token, packed_buffer_size_bytes=None) as sender:
+            for _ in range(repeats):
+                start = time.perf_counter()
+                sender.push(tensors.items())
+                unpacked_pushes.append(time.perf_counter() - start)
+    return SyncTimes(size, repeats, statistics.median(pushes), statistics.median(writes), statistics.median(reloads),
+                     statistics.median(unpacked_pushes) if unpacked_pushes else None)

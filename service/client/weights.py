@@ -32,7 +32,13 @@ from urllib.parse import urlsplit
 import httpx
 import torch
 
-from das.service.engine.vllm.gloo_transfer import DEFAULT_TIMEOUT_S, GlooGroup, join_as_trainer, push
+from das.service.engine.vllm.gloo_transfer import (
+    DEFAULT_PACKED_BUFFER_BYTES,
+    DEFAULT_TIMEOUT_S,
+    GlooGroup,
+    join_as_trainer,
+    push,
+)
 from das.service.wire.weight_transfer import FinishWeightUpdateResponse, WeightTransferInfo
 
 Weights = torch.nn.Module | Iterable[tuple[str, torch.Tensor]]
@@ -86,10 +92,12 @@ class TransferControl:
 class WeightSender:
     """Pushes a trainer's weights to every engine of the service at `base_url`; a context manager (leaving it
     releases the engines' side of the group). `timeout_s`: how long any rank waits for a peer in a collective (a
-    trainer that dies mid-push is noticed by the engines after at most this)."""
+    trainer that dies mid-push is noticed by the engines after at most this). `packed_buffer_size_bytes` (gloo): the
+    most bytes a broadcast packs (None: one broadcast per tensor); NCCL packs as vLLM's trainer engine does."""
 
     def __init__(self, base_url: str, token: str | None = None, *, master_address: str | None = None,
-                 master_port: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 master_port: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 packed_buffer_size_bytes: int | None = DEFAULT_PACKED_BUFFER_BYTES) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # no read timeout: /start_weight_update waits for running batches, /update_weights for the whole broadcast
         self._http = httpx.Client(base_url=base_url, headers=headers,
@@ -98,6 +106,7 @@ class WeightSender:
         self._address = master_address or _route_address(base_url)
         self._port = master_port
         self._timeout_s = timeout_s
+        self._packed_bytes = packed_buffer_size_bytes
         self._group: GlooGroup | None = None
         self._nccl: Any = None  # vLLM's NCCL trainer engine, once formed
         self._world = 0  # the group's size when formed
@@ -142,7 +151,7 @@ class WeightSender:
                 if self._group is None or self._world != world:
                     self._leave()
                     self._group = join_as_trainer(self._control, self._address, self._free_port(), world,
-                                                  self._timeout_s)
+                                                  self._timeout_s, self._packed_bytes)
                     self._world = world
                 push(self._control, self._group, pairs, None if version is None else str(version))
             else:
