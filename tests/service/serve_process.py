@@ -17,6 +17,11 @@ import httpx
 
 TOKEN = "serve-test-token"
 
+# The session's shared SmolLM2 server's engine (tests/conftest.py): float32 (what "auto" serves on a CPU without
+# native bfloat16, and what the weight pushes send), a context the verifiers agent's multi-turn chats fit in. A
+# reference server that must sample what the shared one samples is started with the same flags.
+SMOLLM2_SERVE_FLAGS = ("--dtype", "float32", "--max-model-len", "2048")
+
 
 def free_port() -> int:
     with socket.socket() as s:

@@ -2,7 +2,8 @@
 server on SmolLM2 with `--weight-transfer gloo`, trainers in processes of their own pushing with `WeightSender`.
 Bad pushes first (a wrong name, a wrong shape, a trainer killed mid-push: a clear error, nothing loaded, the same
 samples as before); then a perturbed copy pushed, whose next samples must be token for token those of a server
-started on that copy. One server for the module, then the reference server (this machine runs one at a time)."""
+started on that copy. The server is the session's shared one (tests/conftest.py: the verifiers example runs on it
+first), then the reference server (this machine runs one at a time)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,11 @@ import pytest
 
 from das.service.client import RolloutClient
 from das.service.wire.sample_progress import ProgressRecord
-from das.service.engine.vllm.models import prepare_model
-from tests.service.serve_process import TOKEN, Server, metric
+from tests.service.serve_process import SMOLLM2_SERVE_FLAGS, TOKEN, Server, metric
+
+# every test here runs on the session's shared server and changes its weights, or stops it: after its other users
+pytestmark = pytest.mark.changes_shared_weights
+
 GROUPS = [{"problem_id": f"w{i}", "prompt": prompt, "n": 2,
            "sampling": {"max_tokens": 16, "temperature": 1.0, "seed": 1234 + i, "ignore_eos": True}}
           for i, prompt in enumerate(["The capital of France is", "def fibonacci(n):"])]
@@ -90,30 +94,20 @@ def scrape(url: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return prepare_model("smollm2", progress=False, dtype="float32")
-
-
-@pytest.fixture(scope="module")
-def perturbed(tmp_path_factory, smollm2) -> Path:
-    """`das models perturb`: SmolLM2 with 5% noise on every tensor."""
-    target = tmp_path_factory.mktemp("perturbed") / "smollm2-perturbed"
+def perturbed(smollm2_float32, smollm2_weights_root) -> Path:
+    """`das models perturb`: SmolLM2 with 5% noise on every tensor, under the shared server's weights root."""
+    target = smollm2_weights_root / "smollm2-perturbed"
     das = Path(sys.executable).with_name("das")
-    subprocess.run([str(das), "models", "perturb", str(smollm2), str(target), "--scale", "0.05", "--seed", "3"],
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run([str(das), "models", "perturb", str(smollm2_float32), str(target), "--scale", "0.05", "--seed",
+                    "3"], check=True, capture_output=True, timeout=300)
     return target
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, smollm2, perturbed):
-    server = Server(smollm2, tmp_path_factory.mktemp("state"), "--weight-transfer", "gloo", "--weights-root",
-                    str(perturbed.parent))
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        if server.proc.poll() is None:
-            server.stop()
+def server(smollm2_gloo_server) -> Server:
+    """The session's SmolLM2 server with `--weight-transfer gloo` (tests/conftest.py); this module's last test stops
+    it."""
+    return smollm2_gloo_server
 
 
 @pytest.fixture(scope="module")
@@ -213,8 +207,8 @@ def test_a_pushed_checkpoint_serves_the_samples_of_a_server_started_on_it(server
                         headers={"Authorization": f"Bearer {TOKEN}"}, timeout=300)
     assert reload.status_code == 200, reload.text
     assert samples(server.url) == (pushed, {served + 2})
-    server.stop()
-    reference = Server(perturbed, tmp_path / "state")
+    server.stop()  # the shared server's last user (tests/conftest.py)
+    reference = Server(perturbed, tmp_path / "state", *SMOLLM2_SERVE_FLAGS)  # the shared server's engine flags
     try:
         reference.wait_ready()
         assert samples(reference.url) == (pushed, {0})
