@@ -125,9 +125,9 @@ class ServiceConfig(BaseModel):
                                           "after the start (a replaced or added worker pod) and have no engine yet; "
                                           "each gets its engine actors")
     stream_items_per_s: float = Field(250.0, gt=0, description="Ray objects per second the coordinator aims to "
-                                      "receive from all engines' streams together: each engine sends its finished "
-                                      "samples and progress together, an object every max(50 ms, engines / this) "
-                                      "at most often, the interval capped at 5 s (the coordinator's CPU goes per "
+                                      "receive from all engine actors' streams together: each actor sends its engines' "
+                                      "finished samples and progress together, an object every max(50 ms, actors / "
+                                      "this) at most often, the interval capped at 5 s (the coordinator's CPU goes per "
                                       "object, ~1.2-2.9 ms each with "
                                       "the gateway's share on a busy 2-core host: docs/design.md \"The coordinator "
                                       "at scale\")")

@@ -115,10 +115,10 @@ def test_the_placed_work_ledger_holds_each_sample_once_and_names_a_problems_engi
     assert ledger.engine_of("a", {"e0": 0, "e1": 1}) is None and ledger.engine_of("b", {"e0": 0, "e1": 1}) is None
 
 
-@pytest.mark.parametrize("engines, interval", [(1, 0.05), (12, 0.05), (64, 0.256), (1024, 4.096), (5000, 5.0)])
-def test_the_stream_interval_keeps_the_objects_per_second_bounded(engines: int, interval: float) -> None:
-    # 250 objects a second over all engines by default: 50 ms for a few engines, longer with many, 5 s at most
-    assert stream_interval(engines, ServiceConfig(engine={"kind": "stub"}).stream_items_per_s) == \
+@pytest.mark.parametrize("actors, interval", [(1, 0.05), (12, 0.05), (64, 0.256), (1024, 4.096), (5000, 5.0)])
+def test_the_stream_interval_keeps_the_objects_per_second_bounded(actors: int, interval: float) -> None:
+    # 250 objects a second over all engine actors by default: 50 ms for a few actors, longer with many, 5 s at most
+    assert stream_interval(actors, ServiceConfig(engine={"kind": "stub"}).stream_items_per_s) == \
         pytest.approx(interval)
 
 
@@ -249,7 +249,7 @@ def test_an_engine_actor_whose_shard_is_gone_for_good_still_starts_and_serves(cl
         await node.start()
         group = GroupRequest(problem_id="p", n=2, prompt_token_ids=[1, 2], sampling={"max_tokens": 3})
         samples = sum([sum(isinstance(sample, SampleResult) for _, sample in items)
-                       async for items in node.run(0, [(0, group)])])
+                       async for items in node.run([(0, [(0, group)])])])
         await node.close()
         return samples
 
@@ -266,7 +266,7 @@ def test_an_engine_actor_not_started_answers_as_a_lost_engine(cluster: Cluster) 
     with pytest.raises(EngineNotStarted, match="has not loaded its engines"):
         ray.get(actor.check.remote([group]))
     with pytest.raises(EngineNotStarted):
-        for ref in actor.run.remote(0, [(0, group)]):
+        for ref in actor.run.remote([(0, [(0, group)])]):
             ray.get(ref)
     assert issubclass(EngineNotStarted, lost_errors())
     ray.kill(actor)
