@@ -189,6 +189,37 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
                                                                          "history-shard-1.msgpack"]
 
 
+def test_engines_sharing_an_actor_are_placed_apart_and_run_in_one_stream(cluster: Cluster,
+                                                                         loop: asyncio.AbstractEventLoop) -> None:
+    """Two stub engines an actor, an actor a node: each engine is placed as one (every engine gets groups, each
+    sample names its engine), one call and one stream go per actor (`NodeEngine.run` with a part per engine), and
+    when an actor dies mid-batch what each of its engines owed runs on the other actor's engines, every sample once,
+    the ledger back to zero on every engine."""
+    backend = start(loop, ServiceConfig(engine={"kind": "stub", "tokens": 6, "token_s": 0.1, "engines_per_actor": 2},
+                                        engines_per_node=2))
+    try:
+        actors = backend.supervisor.serving_actors()
+        assert len(actors) == 2 and [len(actor.names) for actor in actors] == [2, 2]
+        assert backend.supervisor.actors_served == 2
+        results = run_batch(loop, backend, groups(8, 2))
+        assert Counter((i, s.sample_index) for i, s in results) == Counter((i, j) for i in range(8) for j in range(2))
+        assert {s.engine for _, s in results} == set(backend.engine_names)  # 4 engines, 2 groups each
+
+        async def kill_mid_batch() -> list[tuple[int, SampleResult]]:
+            stream = backend.generate(groups(8, 2, max_tokens=6))
+            first = [await anext(stream)]
+            ray.kill(actors[0].handle)  # for good: both of its engines go
+            return first + [item async for item in stream]
+
+        results = loop.run_until_complete(kill_mid_batch())
+        assert Counter((i, s.sample_index) for i, s in results) == Counter((i, j) for i in range(8) for j in range(2))
+        rerun = [s for _, s in results if s.redispatches]
+        assert rerun and {s.engine for s in rerun} <= set(actors[1].names)
+        assert all(abs(tokens) < 1e-6 for tokens in backend.stats().engine_placed_tokens.values())
+    finally:
+        loop.run_until_complete(backend.close())
+
+
 def test_batches_running_at_once_are_placed_by_the_load_already_placed(cluster: Cluster,
                                                                         loop: asyncio.AbstractEventLoop) -> None:
     """One group per batch, as an OpenAI-style trainer sends them (a request per prompt): each batch is placed
