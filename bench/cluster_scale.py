@@ -2,20 +2,20 @@
 on this machine, and what the coordinator's process pays for them.
 
 The cluster is Ray's own test cluster (`ray.cluster_utils.Cluster`): a head and `nodes - 1` more nodes, each a raylet
-of its own on this machine. The engines are stub engines (model-less), `engines_per_actor` of
-them hosted in one NodeEngine actor (`StubEngineConfig.engines_per_actor`) so that 1,024 engines fit in a few dozen
-processes; the coordinator still sees, places and streams each as an engine of its own. This process is the driver,
-as `das serve` is: the coordinator (`RayBackend`) and the gateway (FastAPI under uvicorn, on loopback) on one event
-loop. The client is another process (the trainer's `RolloutClient`), so this process's CPU is the gateway's and the
-coordinator's alone.
+of its own on this machine. The engines are stub engines (model-less), `engines_per_actor` of them hosted in one
+NodeEngine actor (`StubEngineConfig.engines_per_actor`) so that 1,024 engines fit in a few dozen processes; the
+coordinator still sees and places each as an engine of its own, and runs an actor's engines in one call and one
+stream a batch, as it does any actor's. This process is the driver, as `das serve` is: the coordinator (`RayBackend`)
+and the gateway (FastAPI under uvicorn, on loopback) on one event loop. The client is another process (the trainer's
+`RolloutClient`), so this process's CPU is the gateway's and the coordinator's alone.
 
 Per configuration (engines x samples) one batch of `samples` samples in groups of `group_size` (GRPO's shape),
 distinct problems, after a warm-up batch that gives every engine a group: samples/s through the gateway (the client's
 wall time, request to last record), this process's CPU seconds (user + system, every thread: the event loop and
 Ray's driver threads) per sample and per engine stream item (`BackendStats.engine_stream_items`: a Ray object of up
-to 64 finished samples or a progress report), placement seconds per batch (`BackendStats.placement_s`), this
-process's resident memory after the batch, and each sample's time from leaving its engine
-(`SampleResult.finished_unix_s`) to its record reaching the client (one machine, one clock).
+to 64 finished samples or a progress report, from an actor's stream), placement seconds per batch
+(`BackendStats.placement_s`), this process's resident memory after the batch, and each sample's time from leaving its
+engine (`SampleResult.finished_unix_s`) to its record reaching the client (one machine, one clock).
 """
 
 from __future__ import annotations

@@ -124,13 +124,13 @@ class ServiceConfig(BaseModel):
     adopt_nodes_interval_s: float = Field(10.0, gt=0, description="seconds between looks for Ray nodes that joined "
                                           "after the start (a replaced or added worker pod) and have no engine yet; "
                                           "each gets its engine actors")
-    stream_items_per_s: float = Field(250.0, gt=0, description="Ray objects per second the coordinator aims to "
-                                      "receive from all engines' streams together: each engine sends its finished "
-                                      "samples and progress together, an object every max(50 ms, engines / this) "
-                                      "at most often, the interval capped at 5 s (the coordinator's CPU goes per "
-                                      "object, ~1.2-2.9 ms each with "
-                                      "the gateway's share on a busy 2-core host: docs/design.md \"The coordinator "
-                                      "at scale\")")
+    stream_items_per_s: float = Field(60.0, gt=0, description="Ray objects per second the coordinator aims to "
+                                      "receive from all engine actors' streams together: each actor sends its engines' "
+                                      "finished samples and progress together, an object every max(50 ms, actors / "
+                                      "this) at most often, the interval capped at 5 s (the coordinator's CPU goes per "
+                                      "object, ~1.2-4 ms each with the gateway's write on a busy 2-core host, so 60 a "
+                                      "second take ~0.1-0.25 of a core: docs/design.md \"The coordinator at "
+                                      "scale\")")
     target_engines: int | None = Field(None, ge=1, description="engines the service wants, on GPU nodes: asked of "
                                        "Ray as that many bundles of an engine's GPUs (tensor_parallel_size each; "
                                        "ray.autoscaler.sdk.request_resources), which an autoscaler (KubeRay's) adds "

@@ -4,13 +4,16 @@ coordinator, service/cluster/coordinator.py `RayBackend`, composes it with the e
 Per batch it predicts each group's length from the difficulty records (scheduler.length; `with_length_predictions`),
 places groups on engines longest-predicted first onto the least loaded engine (scheduler.placement; a group's samples
 stay together so they share the drafter's live segment), starts each engine's groups longest first, and merges the
-engines' streams as samples finish, recording each finished length in the difficulty book. An engine's load counts
-every batch running at once (`PlacedWork`): the predicted output tokens of the samples placed there that have not
-arrived, so batches of one group each (a trainer that sends a request per prompt, as OpenAI-style clients do) spread
-over the engines instead of all landing on the first; and a problem whose samples already run on an engine gets its
-next groups there, so siblings from separate requests share the live segment too. A session's turns (groups with a
-session_id, service/cluster/sessions.py) go to the engine holding the session's prefix while it serves and is not
-overloaded, and idle sessions' predicted remaining work counts in their engine's load (`attach_sessions`).
+streams as samples finish, recording each finished length in the difficulty book. Placement, load and failure go
+per engine; the Ray work goes per engine actor: one run call and one stream for all the engines an actor hosts in
+the batch (`NodeEngine.run`), so an actor hosting many stub engines costs the coordinator what one engine does. An
+engine's load counts every batch running at once (`PlacedWork`): the predicted output tokens of the samples placed
+there that have not arrived, so batches of one group each (a trainer that sends a request per prompt, as
+OpenAI-style clients do) spread over the engines instead of all landing on the first; and a problem whose samples
+already run on an engine gets its next groups there, so siblings from separate requests share the live segment
+too. A session's turns (groups with a session_id, service/cluster/sessions.py) go to the engine holding the
+session's prefix while it serves and is not overloaded, and idle sessions' predicted remaining work counts in their
+engine's load (`attach_sessions`).
 
 Invariants: every sample index of a batch reaches the caller exactly once. The samples a dead engine owed that had
 not arrived run again elsewhere as a group with n = their count, renumbered back to the missing indices
@@ -38,7 +41,7 @@ from das.scheduler.difficulty import DifficultyBook
 from das.scheduler.length import LengthPredictor
 from das.scheduler.placement import place_groups
 from das.service.cluster.engine_failure import GivenUpPrompts, Share
-from das.service.cluster.engine_supervisor import EngineRef, EngineSupervisor, ServedPolicy, lost_errors
+from das.service.cluster.engine_supervisor import ActorRecord, EngineRef, EngineSupervisor, ServedPolicy, lost_errors
 from das.service.cluster.group_aborts import GroupAborts, aborted_sample
 from das.service.cluster.node_engine import PROGRESS_INTERVAL_S
 from das.service.cluster.pause_hold import PauseHold
@@ -50,13 +53,23 @@ from das.service.wire.sample_progress import SampleProgress
 
 log = logging.getLogger(__name__)
 
-# The longest interval between an engine's stream items (`stream_interval`): a finished sample waits on its engine
-# this long at most, whatever the number of engines.
+# The longest interval between an actor's stream items (`stream_interval`): a finished sample waits on its actor this
+# long at most, whatever the number of actors.
 _MAX_STREAM_INTERVAL_S = 5.0
 
 # What a batch's jobs hand its stream: (group index, sample or progress), None at a job's end, or its error.
 _Out = asyncio.Queue[tuple[int, SampleResult | SampleProgress] | BaseException | None]
 Placement = list[list[tuple[int, GroupRequest]]]  # per engine, (batch index, group) pairs in start order
+_Part = tuple[EngineRef, list[tuple[Share, GroupRequest]]]  # an engine and the shares it runs
+
+
+def _by_actor(parts: Sequence[_Part]) -> list[list[_Part]]:
+    """`parts` grouped by the actor hosting their engine, in the order of each actor's first part: one run call and
+    one stream each (`Dispatcher._run`)."""
+    runs: dict[ActorRecord, list[_Part]] = {}
+    for part in parts:
+        runs.setdefault(part[0][0], []).append(part)
+    return list(runs.values())
 
 
 def _sample_load(group: GroupRequest) -> float:
@@ -65,12 +78,12 @@ def _sample_load(group: GroupRequest) -> float:
     return float(group.predicted_tokens or 0.0)
 
 
-def stream_interval(engines: int, items_per_s: float) -> float:
-    """Seconds between an engine's stream items (finished samples and progress travel together) with `engines`
-    engines: 50 ms, longer once the engines together would send more than `items_per_s`
-    (`ServiceConfig.stream_items_per_s`), at most 5 s. A finished sample waits up to this long on its engine (not
-    the last ones of its engine's run), and a death loses up to this long of a sample's tokens."""
-    return min(_MAX_STREAM_INTERVAL_S, max(PROGRESS_INTERVAL_S, engines / items_per_s))
+def stream_interval(actors: int, items_per_s: float) -> float:
+    """Seconds between an engine actor's stream items (finished samples and progress of all its engines travel
+    together) with `actors` engine actors: 50 ms, longer once their streams together would send more than
+    `items_per_s` (`ServiceConfig.stream_items_per_s`), at most 5 s. A finished sample waits up to this long on its
+    actor (not the last ones of the actor's run), and a death loses up to this long of a sample's tokens."""
+    return min(_MAX_STREAM_INTERVAL_S, max(PROGRESS_INTERVAL_S, actors / items_per_s))
 
 
 class PlacedWork:
@@ -250,7 +263,7 @@ class Dispatcher:
             self.placed.hold(engine[2], work)
         # Each job puts (group index, sample or progress) pairs, then None at its end, or the exception that ended it.
         out: _Out = asyncio.Queue()
-        jobs = [asyncio.create_task(self._job(engine, work, out, aborts)) for engine, work in placed]
+        jobs = [asyncio.create_task(self._job(parts, out, aborts)) for parts in _by_actor(placed)]
         try:
             running = len(jobs)
             while running:
@@ -274,82 +287,93 @@ class Dispatcher:
                 job.cancel()
             await asyncio.gather(*jobs, return_exceptions=True)
 
-    async def _job(self, engine: EngineRef, work: list[tuple[Share, GroupRequest]],
-                   out: _Out, aborts: GroupAborts) -> None:
-        """Runs `work` on `engine` (`_run`), putting its samples on `out` as they arrive, renumbered as the batch's.
-        Ends with None on `out`, or the exception that failed the batch. The caller has put `work` in `placed` on
-        `engine`."""
+    async def _job(self, parts: list[_Part], out: _Out, aborts: GroupAborts) -> None:
+        """Runs `parts` (engines of one actor, each with its work) there (`_run`), putting their samples on `out` as
+        they arrive, renumbered as the batch's. Ends with None on `out`, or the exception that failed the batch. The
+        caller has put each part's work in `placed` on its engine."""
         try:
-            await self._run(engine, work, out, aborts)
+            await self._run(parts, out, aborts)
             out.put_nowait(None)
         except Exception as exc:  # handed to the batch, which owns the error
             out.put_nowait(exc)
 
-    async def _run(self, engine: EngineRef, work: list[tuple[Share, GroupRequest]],
-                   out: _Out, aborts: GroupAborts) -> None:
-        """Runs `work` (held in `placed` on `engine`) there; the samples go to `out` as they arrive and leave the
-        ledger, and what never arrived leaves it when this ends. When the engine dies, what had not arrived runs
-        again (`_run_again`). A group aborted through `aborts` is aborted on the engine alone (NodeEngine.abort_group),
-        or not sent at all if it was aborted before. Returns once every sample of `work` has reached `out`."""
+    async def _run(self, parts: list[_Part], out: _Out, aborts: GroupAborts) -> None:
+        """Runs each part's work (held in `placed` on its engine) on its engine, every part's engine hosted by one
+        actor: one run call and one stream for all of them (`NodeEngine.run`), so the Ray work per batch goes with
+        the actors, not the engines. The samples go to `out` as they arrive and leave the ledger on their engine;
+        what never arrived leaves it when this ends. When the actor dies, what any of its engines had not delivered
+        runs again (`_run_again`), placed engine by engine as a batch is. A group aborted through `aborts` is
+        aborted on the engine alone (NodeEngine.abort_group), or not sent at all if it was aborted before. Returns
+        once every sample of every part has reached `out`."""
         import ray
 
-        actor, local, name = engine
+        actor = parts[0][0][0]
         incarnation = actor.incarnation
         rest: list[tuple[Share, GroupRequest]] | None = None  # what a death left owed
         run_id = uuid.uuid4().hex
+        # Every share of the run as (engine index in the actor, engine name, share, group); its position is the
+        # index the actor tags its samples with, unique across the actor's engines.
+        items = [(local, name, share, group) for (_, local, name), work in parts for share, group in work]
+        names = ", ".join(engine[2] for engine, _ in parts)
 
         def abort_group(group_index: int) -> None:
-            indices = [k for k, (share, _) in enumerate(work) if share.group_index == group_index]
+            indices = [k for k, (_, _, share, _) in enumerate(items) if share.group_index == group_index]
             if indices:
                 actor.handle.abort_group.remote(run_id, indices)
 
         with aborts.listening(abort_group):
             try:
                 await self._hold.wait()  # first dispatches and re-dispatches alike reach engines that have resumed
-                self._end_aborted(name, [item for item in work if aborts.aborted(item[0].group_index)], out)
-                if all(not share.missing() for share, _ in work):
+                for (_, _, name), work in parts:
+                    self._end_aborted(name, [item for item in work if aborts.aborted(item[0].group_index)], out)
+                request: dict[int, list[tuple[int, GroupRequest]]] = {}  # per engine, its groups in start order
+                for k, (local, _, share, group) in enumerate(items):
+                    if share.missing():
+                        request.setdefault(local, []).append((k, share.request(group)))
+                if not request:
                     return
-                interval = stream_interval(len(self._supervisor.engines), self.config.stream_items_per_s)
-                generator = actor.handle.run.remote(local, [(k, share.request(group))
-                                                            for k, (share, group) in enumerate(work)
-                                                            if share.missing()], progress_interval_s=interval,
+                interval = stream_interval(self._supervisor.actors_served, self.config.stream_items_per_s)
+                generator = actor.handle.run.remote(list(request.items()), progress_interval_s=interval,
                                                     item_interval_s=interval, run_id=run_id)
                 try:
                     async for ref in generator:
                         self._stream_items += 1
                         for k, sample in await ref:
+                            _, name, share, group = items[k]
                             if isinstance(sample, SampleProgress):
-                                report = work[k][0].progress(sample)
+                                report = share.progress(sample)
                                 if report is not None:
-                                    out.put_nowait((work[k][0].group_index, report))
+                                    out.put_nowait((share.group_index, report))
                                 continue
-                            taken = work[k][0].take(sample)
+                            taken = share.take(sample)
                             if taken is not None:
-                                taken.predicted_tokens = work[k][1].predicted_tokens
-                                self.placed.arrived(name, work[k][1])
-                                out.put_nowait((work[k][0].group_index, taken))
+                                taken.predicted_tokens = group.predicted_tokens
+                                self.placed.arrived(name, group)
+                                out.put_nowait((share.group_index, taken))
                 except lost_errors() as exc:
                     self._supervisor.engine_died(actor, incarnation, exc)
                     if actor.state == "failed" and not actor.node_left:  # past its restart cap: its batches fail
                         raise RuntimeError(actor.error) from None
-                    rest = [(share, group) for owed, group in work if (share := owed.remainder()) is not None]
+                    rest = [(share, group) for _, _, owed, group in items if (share := owed.remainder()) is not None]
                 finally:
                     with contextlib.suppress(Exception):
                         ray.cancel(generator)
-                missing = sum(len(share.missing()) for share, _ in work)
+                missing = sum(len(share.missing()) for _, _, share, _ in items)
                 if rest is None and missing:
-                    raise RuntimeError(f"engine {name} ended its stream with {missing} samples missing")
+                    raise RuntimeError(f"engine {names} ended its stream with {missing} samples missing")
             finally:
-                self.placed.release(name, work)
+                for (_, _, name), work in parts:
+                    self.placed.release(name, work)
         if rest is not None:
-            await self._run_again(name, rest, out, aborts)
+            await self._run_again(names, rest, out, aborts)
 
     async def _run_again(self, dead: str, work: list[tuple[Share, GroupRequest]],
                          out: _Out, aborts: GroupAborts) -> None:
-        """Runs the shares that engine `dead` owed. A share that has run through `max_group_deaths` deaths is
-        given up (`_give_up`). One whose next death would give it up runs alone, one share after another, so that a
-        group that only ran beside the one that kills engines is not given up with it; the rest are placed again over
-        the serving engines (`place`, as a batch is) and run at once."""
+        """Runs the shares that the engines `dead` (their names) owed when their actor died. A share that has run
+        through `max_group_deaths` deaths is given up (`_give_up`). One whose next death would give it up runs alone,
+        one share after another, so that a group that only ran beside the one that kills engines is not given up with
+        it; the rest are placed again over the serving engines (`place`, as a batch is) and run at once, one run per
+        actor."""
         limit = self.config.failure.max_group_deaths
         alone = [item for item in work if item[0].deaths == limit - 1]
         together = [item for item in work if item[0].deaths < limit - 1]
@@ -363,11 +387,10 @@ class Dispatcher:
         if together:
             serving = self._supervisor.serving() or [await self._least_loaded()]
             placement = self.place([share.request(group) for share, group in together], serving)
-            for engine, items in zip(serving, placement):
-                part = [together[i] for i, _ in items]
-                if part:
-                    self.placed.hold(engine[2], part)
-                    runs.append(self._run(engine, part, out, aborts))
+            placed = [(engine, [together[i] for i, _ in items]) for engine, items in zip(serving, placement) if items]
+            for engine, part in placed:
+                self.placed.hold(engine[2], part)
+            runs += [self._run(parts, out, aborts) for parts in _by_actor(placed)]
         if alone:
             runs.append(self._one_at_a_time(alone, out, aborts))
         tasks = [asyncio.create_task(run) for run in runs]
@@ -383,7 +406,7 @@ class Dispatcher:
         for item in work:
             engine = await self._least_loaded()
             self.placed.hold(engine[2], [item])
-            await self._run(engine, [item], out, aborts)
+            await self._run([(engine, [item])], out, aborts)
 
     def _end_aborted(self, name: str, work: list[tuple[Share, GroupRequest]], out: _Out) -> None:
         """Ends the shares' missing samples (held in `placed` on engine `name`) with finish_reason "abort": their

@@ -200,6 +200,12 @@ class EngineSupervisor:
     def serving(self) -> list[EngineRef]:
         return [engine for engine in self._engines if engine[0].state == "serving"]
 
+    @property
+    def actors_served(self) -> int:
+        """The actors whose engines are in `engines` (each has served at least once): dispatch's streams at most,
+        one per actor a batch runs on."""
+        return sum(actor.served for actor in self._actors)
+
     def serving_actors(self) -> list[ActorRecord]:
         """The actors of the serving engines, each once, in the engines' order."""
         return list(dict.fromkeys(actor for actor, _, _ in self.serving()))

@@ -48,13 +48,16 @@ _MAX_SAMPLES_PER_ITEM = 64
 
 # Aborts kept for runs not started here (yet): a run id is a few dozen bytes, so this bound is about memory only.
 _EARLY_ABORTS = 1024
-# Seconds between an engine's progress reports at most (docs/design.md "Token progress"): often enough for a stream
-# of deltas to look live and for a death to lose little, rare enough to cost one Ray object per engine per interval.
+# Seconds between an actor's progress reports at most (docs/design.md "Token progress"): often enough for a stream
+# of deltas to look live and for a death to lose little, rare enough to cost one Ray object per actor per interval.
 PROGRESS_INTERVAL_S = 0.05
-# Seconds between an engine's stream items at least, by default (unless 64 samples wait): a sample that finishes waits
+# Seconds between an actor's stream items at least, by default (unless 64 samples wait): a sample that finishes waits
 # up to this long to travel with the others and the next progress report, because the coordinator's CPU goes per Ray
-# object (docs/design.md "The coordinator at scale"; the coordinator passes a longer one with many engines).
+# object (docs/design.md "The coordinator at scale"; the coordinator passes a longer one with many engine actors).
 ITEM_INTERVAL_S = PROGRESS_INTERVAL_S
+
+# What `NodeEngine.run` runs on one of its engines: (engine index in the actor, (index, group) pairs in start order).
+RunPart = tuple[int, Sequence[tuple[int, GroupRequest]]]
 
 
 def _shard_actor(shard: Any) -> Any:
@@ -201,16 +204,18 @@ class NodeEngine:
                 return i, str(exc)
         return None
 
-    async def run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]],
-                  progress_interval_s: float = PROGRESS_INTERVAL_S, run_id: str | None = None,
-                  item_interval_s: float = ITEM_INTERVAL_S
+    async def run(self, parts: Sequence[RunPart], progress_interval_s: float = PROGRESS_INTERVAL_S,
+                  run_id: str | None = None, item_interval_s: float = ITEM_INTERVAL_S
                   ) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
-        """Runs (batch index, group) pairs on engine `engine`, starting them in the given order; yields lists of
-        (batch index, sample) as samples finish, and (batch index, progress) of the samples in flight: each
-        sample's new tokens since its last report, every `progress_interval_s` seconds at most (merged per sample,
-        all samples' reports in one item). Items follow each other by `item_interval_s` at least (finished samples
-        wait for the next, up to 64 at once). Cancelling the Ray task aborts the samples still running. `run_id`
-        names the run for `abort_group`."""
+        """Runs groups on this actor's engines, in one stream: per part, (engine index, (index, group) pairs), the
+        engine starting its groups in the given order; the indices name the groups across all the parts (unique in
+        the run). Yields lists of (index, sample) as samples finish, and (index, progress) of the samples in
+        flight: each sample's new tokens since its last report, every `progress_interval_s` seconds at most (merged
+        per sample, all the engines' reports in one item). Items follow each other by `item_interval_s` at least
+        (finished samples wait for the next, up to 64 at once). One stream per actor, not per engine, because the
+        coordinator's Ray work (a call, a stream, its items) goes per stream: an actor hosting 64 stub engines costs
+        it what one engine does (docs/design.md "The coordinator at scale"). Cancelling the Ray task aborts the
+        samples still running. `run_id` names the run for `abort_group`."""
         self._started()
         aborts = GroupAborts()
         if run_id is not None:
@@ -218,8 +223,7 @@ class NodeEngine:
             for index in self._early_aborts.pop(run_id, ()):
                 aborts.abort(index)
         try:
-            async with contextlib.aclosing(self._run(engine, groups, progress_interval_s, aborts,
-                                                     item_interval_s)) as stream:
+            async with contextlib.aclosing(self._run(parts, progress_interval_s, aborts, item_interval_s)) as stream:
                 async for items in stream:
                     yield items
         finally:
@@ -238,29 +242,34 @@ class NodeEngine:
         for index in indices:
             aborts.abort(index)
 
-    async def _run(self, engine: int, groups: Sequence[tuple[int, GroupRequest]], progress_interval_s: float,
-                   aborts: GroupAborts, item_interval_s: float = ITEM_INTERVAL_S
+    async def _run(self, parts: Sequence[RunPart], progress_interval_s: float, aborts: GroupAborts,
+                   item_interval_s: float = ITEM_INTERVAL_S
                    ) -> AsyncGenerator[list[tuple[int, SampleResult | SampleProgress]], None]:
-        target = self.engines[engine]
-        name, origin = self.names[engine], self._origins[engine]
-        try:
-            await self._pull(engine, [g.problem_id for _, g in groups])
-        except Exception:
-            if target.dead:
-                self._engine_died(engine)
-            raise
+        # Each engine pulls its problems' history once, before any of its groups starts; every part's pull runs at
+        # once, and each group waits for its own engine's.
+        pulls = [asyncio.create_task(self._pull(engine, [g.problem_id for _, g in groups])) for engine, groups in parts]
         batcher = ProgressBatcher()
-        running = len(groups)
+        running = sum(len(groups) for _, groups in parts)
         ended = asyncio.Event()
 
-        async def one(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
+        async def one(engine: int, pulled: asyncio.Task[None], index: int, group: GroupRequest
+                      ) -> AsyncIterator[tuple[int, SampleResult]]:
             nonlocal running
+            target = self.engines[engine]
+            name, origin = self.names[engine], self._origins[engine]
             records: list[dict[str, Any]] = []
 
             def report(progress: SampleProgress) -> None:
                 batcher.add((index, progress.sample_index), progress)
 
             try:
+                try:
+                    # shielded: one group's stream closing must not cancel the pull its engine's other groups await
+                    await asyncio.shield(pulled)
+                except Exception:
+                    if target.dead:
+                        self._engine_died(engine)
+                    raise
                 await self._hold.wait()
                 samples = abortable(target.generate(group, report), group, aborts.event(index),
                                     lambda: target.policy_version)
@@ -290,12 +299,18 @@ class NodeEngine:
                 if taken and not ended.is_set():
                     yield [(key[0], report) for key, report in taken]  # type: ignore[index]
 
-        streams: list[AsyncIterator[Any]] = [one(i, g) for i, g in groups]
-        if groups:
+        streams: list[AsyncIterator[Any]] = [one(engine, pulled, i, g)
+                                             for (engine, groups), pulled in zip(parts, pulls) for i, g in groups]
+        if running:
             streams.append(progress())
-        async with contextlib.aclosing(merge_batches(streams, _MAX_SAMPLES_PER_ITEM, item_interval_s)) as merged:
-            async for items in merged:
-                yield [pair for item in items for pair in (item if isinstance(item, list) else [item])]
+        try:
+            async with contextlib.aclosing(merge_batches(streams, _MAX_SAMPLES_PER_ITEM, item_interval_s)) as merged:
+                async for items in merged:
+                    yield [pair for item in items for pair in (item if isinstance(item, list) else [item])]
+        finally:
+            for pull in pulls:
+                pull.cancel()
+            await asyncio.gather(*pulls, return_exceptions=True)
 
     def _engine_died(self, engine: int) -> None:
         """Ends this process: Ray restarts the actor, and the coordinator re-dispatches what it had not received."""

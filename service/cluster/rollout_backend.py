@@ -99,9 +99,10 @@ class BackendStats:
     there that have not reached the client (current; what placement balances). `engine_load_failures`: per (engine,
     reason) the loads that failed since the service started (service/cluster/load_failure.py: the reason says whether
     a retry could mend it); `engines_failed`: per engine that stays down, why (its cause and what to do).
-    `engine_stream_items`: Ray objects received from the engines' streams since the start (each carries up to 64
-    finished samples, or a progress report: the coordinator's per-event work); `placement_s` / `placements`: seconds
-    spent placing groups on engines, and the placements (one per batch, plus one per re-dispatch after a death)."""
+    `engine_stream_items`: Ray objects received from the engine actors' streams since the start (each carries up to
+    64 finished samples, or a progress report: the coordinator's per-event work); `placement_s` / `placements`:
+    seconds spent placing groups on engines, and the placements (one per batch, plus one per re-dispatch after a
+    death)."""
 
     engines: tuple[EngineLoad, ...] = ()
     engines_ready: int = 0

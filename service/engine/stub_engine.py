@@ -85,8 +85,8 @@ class StubEngineConfig(BaseModel):
     load_error: StubLoadError | None = Field(None, description="a load that fails (after load_s), for tests")
     engines_per_actor: int = Field(1, ge=1, description="engines one NodeEngine actor hosts (load tests of the "
                                    "coordinator at hundreds of engines: each is still an engine of its own to the "
-                                   "coordinator, placed and streamed apart, but they share a process, so a death "
-                                   "takes all of them; a vLLM engine always has an actor of its own)")
+                                   "coordinator's placement, but they share a process and one stream a batch, so a "
+                                   "death takes all of them; a vLLM engine always has an actor of its own)")
 
 
     @property

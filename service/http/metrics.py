@@ -325,7 +325,7 @@ class GatewayMetrics:
             placed.add_metric([engine], tokens)
         yield placed
         yield CounterMetricFamily("das_engine_stream_items", "Ray objects the coordinator received from the "
-                                  "engines' streams (each up to 64 finished samples, or a progress report).",
+                                  "engine actors' streams (each up to 64 finished samples, or a progress report).",
                                   value=stats.engine_stream_items)
         yield CounterMetricFamily("das_placement_seconds", "Seconds the coordinator spent placing groups on "
                                   "engines (over das_placements placements).", value=stats.placement_s)

@@ -1,5 +1,6 @@
 """`das bench scale` at a small size: 8 engines hosted 4 to an actor on a 2-node Ray test cluster, 256 samples
-through the gateway and coordinator; every figure is measured, and each engine is placed and streamed as one."""
+through the gateway and coordinator; every figure is measured, each engine placed as one and each actor streaming its
+engines' samples together."""
 
 import pytest
 
@@ -16,8 +17,8 @@ def test_small_cluster_measures_every_figure() -> None:
     assert len(each) == 3 and run.coordinator_cpu_s_per_sample == sorted(each)[1]  # the median of three batches
     assert run.samples_per_s > 0 and run.wall_s > 0
     assert run.coordinator_cpu_s > 0 and run.coordinator_cpu_s_per_sample > 0
-    # 16 groups over 8 engines: every engine streams at least its finished samples, in at most 64 a Ray object
-    assert run.engine_events >= 8
+    # 16 groups over 8 engines in 2 actors, one stream an actor: 128 samples each, in at most 64 a Ray object
+    assert run.engine_events >= 4
     assert run.placement_s_per_batch > 0
     assert run.coordinator_rss_mib > 50
     # every sample carries when it left its engine; the client saw each after that

@@ -75,7 +75,7 @@ def test_node_engine_aborts_one_group_of_a_run_by_its_run_id(tmp_path: Path) -> 
         samples: list[tuple[int, SampleResult]] = []
 
         async def consume() -> None:
-            async for items in node.run(0, list(enumerate(two_groups())), run_id="r1"):
+            async for items in node.run([(0, list(enumerate(two_groups())))], run_id="r1"):
                 samples.extend(item for item in items if isinstance(item[1], SampleResult))
 
         task = asyncio.create_task(consume())
@@ -100,7 +100,7 @@ def test_node_engine_applies_an_abort_that_came_before_its_run(tmp_path: Path) -
     async def scenario() -> list[tuple[int, SampleResult]]:
         await node.start()
         await node.abort_group("r2", [1])
-        out = [item async for items in node.run(0, list(enumerate(two_groups())), run_id="r2") for item in items
+        out = [item async for items in node.run([(0, list(enumerate(two_groups())))], run_id="r2") for item in items
                if isinstance(item[1], SampleResult)]
         assert node.engines[0].tokens_made["turn"] == 0  # type: ignore[union-attr]
         await node.close()

@@ -21,7 +21,7 @@ def test_stats_count_the_rollouts_the_outbox_holds_and_those_it_gave_up(tmp_path
     async def run_group(problem: str) -> int:
         group = GroupRequest(problem_id=problem, n=1, prompt_token_ids=[1, 2], sampling={"max_tokens": 3})
         samples = 0
-        async for items in node.run(0, [(0, group)]):
+        async for items in node.run([(0, [(0, group)])]):
             samples += sum(isinstance(sample, SampleResult) for _, sample in items)
         return samples
 

@@ -100,7 +100,7 @@ def test_a_group_that_reaches_a_node_engine_after_its_pause_is_held_there(tmp_pa
     request = GroupRequest(**group("p", 2))
 
     async def run_group() -> list[SampleResult]:
-        return [sample async for items in node.run(0, [(0, request)]) for _, sample in items
+        return [sample async for items in node.run([(0, [(0, request)])]) for _, sample in items
                 if isinstance(sample, SampleResult)]  # progress reports of a slow step come between
 
     async def scenario() -> list[list[SampleResult]]:
