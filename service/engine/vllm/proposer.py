@@ -40,6 +40,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,8 @@ class DasProposer:
         self.shadow_drafts = 0  # shadow drafts settled since start
         self.failures = 0
         self._last_propose: float | None = None
+        # the engine step's clock (seconds), read once a proposal: the cost fit and the guard price steps by it
+        self.clock: Callable[[], float] = time.perf_counter
         self._probe_turn = False  # whether this step's cost probe drafts (every other step with probes)
         self._probes = 0  # running cost probes (RequestTags.cost_probe)
         self._columns = RequestColumns()
@@ -168,7 +171,7 @@ class DasProposer:
         self.shadow.proposed += settled.shadow_drafted
         self.shadow.accepted += settled.shadow_accepted
         self.shadow_drafts += settled.shadows
-        self._observe_step(t0, prefill, n, settled.drafted + probe_drafted + oracle_drafted,
+        self._observe_step(self.clock(), prefill, n, settled.drafted + probe_drafted + oracle_drafted,
                            settled.accepted + oracle_accepted, probe_drafted > 0,
                            settled.explored_accepted + oracle_explored)
         if not n:
