@@ -50,12 +50,12 @@ from das.service.cluster.engine_supervisor import (EngineSupervisor, ServedPolic
                                                    first_engine_actors, lost_errors)
 from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.history_store import HistoryShardActor, shard_of
-from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import BackendStats, GroupInputError, ProgressSink
 from das.service.cluster.sessions import SessionBook
 from das.service.cluster.weight_relay import WeightRelay
 from das.service.config import ServiceConfig
 from das.service.engine.contract import validate_rollouts
+from das.service.engine.pause_gate import PauseGate
 from das.service.wire.api import GroupRequest, ProblemSummary, SampleResult
 from das.service.wire.engine_control import EngineControl, Pause, Resume
 from das.service.wire.weight_transfer import TransferBackend
@@ -86,8 +86,8 @@ class RayBackend:
         self._shards = shards
         self._uses_ray = True  # until close: counted in _RayInThisProcess.users
         self._policy = ServedPolicy()
-        # every dispatch to an engine actor waits here while paused (service/cluster/pause_hold.py)
-        self._hold = PauseHold()
+        # every dispatch to an engine actor waits here while paused (service/engine/pause_gate.py)
+        self._hold = PauseGate()
         self._book = DifficultyBook()
         self._given_up_prompts = GivenUpPrompts(config.failure)  # what `check` refuses for a while after that
         self._stats = BackendStats()
@@ -318,11 +318,11 @@ class RayBackend:
         async with self._policy.control_lock:
             if isinstance(message, Pause):
                 self._policy.paused = message
-                self._hold.pause()
+                self._hold.pause(message.mode)
             replies = await self.supervisor.on_serving(lambda node: node.control.remote(message))
             if isinstance(message, Resume):
                 self._policy.paused = None
-                self._hold.release()
+                self._hold.resume()
         return message.combine(replies)
 
     # ---- background ----

@@ -44,10 +44,10 @@ from das.service.cluster.engine_failure import GivenUpPrompts, Share
 from das.service.cluster.engine_supervisor import ActorRecord, EngineRef, EngineSupervisor, ServedPolicy, lost_errors
 from das.service.cluster.group_aborts import GroupAborts, aborted_sample
 from das.service.cluster.node_engine import PROGRESS_INTERVAL_S
-from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import BackendStats, ProgressSink
 from das.service.cluster.sessions import SessionBook
 from das.service.config import ServiceConfig
+from das.service.engine.pause_gate import PauseGate
 from das.service.wire.api import GroupRequest, LengthCurveSpec, SampleResult
 from das.service.wire.sample_progress import SampleProgress
 
@@ -152,7 +152,7 @@ class Dispatcher:
     while the service is paused; `book` learns every finished length; `given_up` remembers the prompts whose groups
     were given up."""
 
-    def __init__(self, config: ServiceConfig, supervisor: EngineSupervisor, policy: ServedPolicy, hold: PauseHold,
+    def __init__(self, config: ServiceConfig, supervisor: EngineSupervisor, policy: ServedPolicy, hold: PauseGate,
                  book: DifficultyBook, given_up: GivenUpPrompts) -> None:
         self.config = config
         self._supervisor = supervisor
@@ -323,7 +323,7 @@ class Dispatcher:
 
         with aborts.listening(abort_group):
             try:
-                await self._hold.wait()  # first dispatches and re-dispatches alike reach engines that have resumed
+                await self._hold.resumed()  # first dispatches and re-dispatches alike reach engines that have resumed
                 for (_, _, name), work in parts:
                     self._end_aborted(name, [item for item in work if aborts.aborted(item[0].group_index)], out)
                 request: dict[int, list[tuple[int, GroupRequest]]] = {}  # per engine, its groups in start order

@@ -30,9 +30,9 @@ from das.service.cluster.history_store import resident_bytes, shard_of
 from das.service.config import HistoryPushConfig
 from das.service.cluster.load_failure import EngineLoadError, Stage, classify
 from das.service.cluster.group_aborts import GroupAborts, abortable
-from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import EngineLoad, merge_batches
 from das.service.engine.contract import EngineInputError
+from das.service.engine.pause_gate import PauseGate
 from das.service.engine.control import apply_control
 from das.service.engine.factory import EngineSpec, create_engine, prepare
 from das.service.engine.protocol import Engine
@@ -140,8 +140,8 @@ class NodeEngine:
         self._cursors: list[dict[str, int]] = [{} for _ in range(engines)]
         self._history = HistoryClient(self.shards, history_push or HistoryPushConfig())
         # Groups that reach this actor while it is paused (sent just before the coordinator's pause) wait here, not in
-        # vLLM's queue (service/cluster/pause_hold.py); paused before the engines, released after they resume.
-        self._hold = PauseHold()
+        # vLLM's queue (service/engine/pause_gate.py); paused before the engines, resumed after them.
+        self._hold = PauseGate()
         # The runs in flight by the coordinator's run id, each with its groups aborted alone (`abort_group`), and
         # aborts that arrived before their run (an async actor may start calls out of order), bounded.
         self._runs: dict[str, GroupAborts] = {}
@@ -270,7 +270,7 @@ class NodeEngine:
                     if target.dead:
                         self._engine_died(engine)
                     raise
-                await self._hold.wait()
+                await self._hold.resumed()
                 samples = abortable(target.generate(group, report), group, aborts.event(index),
                                     lambda: target.policy_version)
                 async for sample in samples:
@@ -369,10 +369,10 @@ class NodeEngine:
         """vLLM's RL control verb on every engine of the node, the replies combined (service/wire/engine_control.py).
         From a Pause until the Resume, groups that reach this actor wait here, not in vLLM's queue."""
         if isinstance(message, Pause):
-            self._hold.pause()
+            self._hold.pause(message.mode)
         reply = await apply_control(self.engines, message)
         if isinstance(message, Resume):
-            self._hold.release()
+            self._hold.resume()
         return reply
 
     async def stats(self) -> NodeStats:

@@ -1,9 +1,20 @@
-"""vLLM's pause states as the stand-in engines play them (`StubEngine`, the cluster's `StubBackend`): one copy of the
-state machine, so the two cannot drift apart (docs/design.md "vLLM's RL control plane").
+"""vLLM's pause states (POST /pause, /resume: docs/design.md "vLLM's RL control plane") in one state machine, used by
+the stand-in engines (`StubEngine`, the cluster's `StubBackend`) that play an engine's pause, and by the service's
+holders of new work: the gateway (new batches), the coordinator (every dispatch to an engine actor, re-dispatches
+after a death included) and each engine actor (what reached it while a pause was on its way). Each holder is paused
+before the engines it feeds and resumed after they resume.
 
 `mode` is None while serving, else the pause's mode: work that starts while paused is held until `resume`; under
 "keep" work in flight is frozen in place; "abort" (and `abort`) bumps `abort_epoch`, so work that started before it
-ends its unfinished samples with finish_reason "abort". Waiters wake on every state change."""
+ends its unfinished samples with finish_reason "abort". Waiters wake on every state change.
+
+Two waits for new work: an engine's (`admit`) lets work held through an abort go at once, to end "abort", as vLLM's
+engine does; the service's holders (`resumed`) keep it until resume whatever aborts pass. Why the service holds work
+and not vLLM's queue: vLLM 0.32 (CPU and GPU wheels alike) queues a request added while paused until resume, but a
+vLLM that rejects new requests while paused (the audit of issue 45 read vLLM 0.33 so: `reject_new_requests` under
+"abort" and "wait") ends such a request at once with finish_reason "error". Work the service holds reaches an engine
+only once its engines have resumed, so the README's promise (held until /resume) holds on either behaviour, and for
+an engine re-paused after a restart."""
 
 from __future__ import annotations
 
@@ -48,6 +59,15 @@ class PauseGate:
         while self.mode is not None and self.abort_epoch == epoch:
             await self._changed.wait()
         return epoch
+
+    @property
+    def paused(self) -> bool:
+        return self.mode is not None
+
+    async def resumed(self) -> None:
+        """Returns once not paused (at once while serving), whatever aborts pass: the service's holders' wait."""
+        while self.mode is not None:
+            await self._changed.wait()
 
     async def unfrozen(self, epoch: int) -> None:
         """Returns once work of `epoch` may make progress: not under a "keep" pause, or aborted."""

@@ -12,7 +12,7 @@ samples are all in flight from the moment `generate` is called (they are produce
 engine's steps served them in that order). Groups that arrive while paused are held until `resume` (vLLM 0.32's
 queue), or under `pause_behavior="reject"` ended at once, every sample with finish_reason "error", unless the pause is
 "keep" (a vLLM that rejects new requests while paused, as the audit of issue 45 read vLLM 0.33: the service must never
-send work to a paused engine, service/cluster/pause_hold.py). "keep" freezes
+send work to a paused engine, service/engine/pause_gate.py). "keep" freezes
 the samples in flight between two tokens; each token carries the policy version served when its step began, so a
 sample spanning a weight update says so (`SampleResult.policy_spans`). "abort" ends every sample in flight, held
 groups included, with finish_reason "abort" and the tokens it had. "wait" returns once the groups in flight ended.

@@ -93,10 +93,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import BaseRoute, Match
 
 from das.service.cluster.group_aborts import GroupAborts
-from das.service.cluster.pause_hold import PauseHold
 from das.service.cluster.rollout_backend import GroupInputError, RolloutBackend
 from das.service.cluster.sessions import CloseReason, Session, SessionBook, SessionConflict
 from das.service.engine.contract import EngineInputError
+from das.service.engine.pause_gate import PauseGate
 from das.service.http.batch_journal import BatchJournal
 from das.service.http.batch_progress import ProgressLog
 from das.service.http.metrics import GatewayMetrics
@@ -117,6 +117,7 @@ from das.service.wire.api import (
     BatchSummary,
     EndStatus,
     GroupRequest,
+    PauseMode,
     RolloutRequest,
     SampleResult,
     WeightsRequest,
@@ -374,8 +375,9 @@ class _Gateway:
         self.weight_updates = WeightUpdates(backend, lambda: self.gate.reload(drain=not self.paused), self._pushed,
                                             settings.weight_update_idle_s)
         self._current: _Batch | None = None  # the most recently started batch
-        self.paused = False  # by POST /pause, until POST /resume (service/http/rl_control.py)
-        self.hold = PauseHold()  # new batches wait here while paused (service/cluster/pause_hold.py says why)
+        # paused by POST /pause until POST /resume (service/http/rl_control.py): new batches wait here meanwhile
+        # (service/engine/pause_gate.py says why the service holds them)
+        self.hold = PauseGate()
         self._admitting = 0  # requests between the in-flight check and their batch's registration
         self.stalls_in_a_row = 0  # batches failed by the stall timeout since a sample last finished
         self.journal = BatchJournal(settings.batch_journal) if settings.batch_journal is not None else None
@@ -488,7 +490,7 @@ class _Gateway:
         stall_s = self.settings.batch_stall_timeout_s
         stalled: asyncio.Timeout | None = None
         try:
-            await self.hold.wait()  # a batch sent while paused reaches the engines once they have resumed
+            await self.hold.resumed()  # a batch sent while paused reaches the engines once they have resumed
             async with self.gate.batch():
                 batch.start()
                 if batch.trace is not None:
@@ -674,14 +676,18 @@ class _Gateway:
         self.metrics.transfer_duration.observe(push.seconds)
         self.metrics.policy_version = push.policy_version
 
-    def set_paused(self, paused: bool) -> None:
-        """Marks the service paused or not; a paused batch's stall timer is off (no sample may finish while the
-        engines are paused), and starts afresh on resume."""
-        self.paused = paused
-        if paused:
-            self.hold.pause()
+    @property
+    def paused(self) -> bool:
+        return self.hold.paused
+
+    def set_paused(self, mode: PauseMode | None) -> None:
+        """Marks the service paused in `mode`, or serving (None); a paused batch's stall timer is off (no sample may
+        finish while the engines are paused), and starts afresh on resume."""
+        if mode is None:
+            self.hold.resume()
         else:
-            self.hold.release()
+            self.hold.pause(mode)
+        paused = mode is not None
         deadline = None if paused else asyncio.get_running_loop().time() + self.settings.batch_stall_timeout_s
         for batch in self.batches.all_live():
             if batch.stall is not None and not batch.ended:

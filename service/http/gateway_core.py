@@ -16,7 +16,7 @@ from das.service.cluster.sessions import SessionBook
 from das.service.engine.contract import EngineInputError
 from das.service.http.metrics import GatewayMetrics
 from das.service.http.weight_updates import WeightUpdates
-from das.service.wire.api import BatchSummary, GroupRequest, RolloutRequest, WeightsRequest, WeightsResponse
+from das.service.wire.api import BatchSummary, GroupRequest, PauseMode, RolloutRequest, WeightsRequest, WeightsResponse
 
 
 class RouterSettings(Protocol):
@@ -130,8 +130,9 @@ class GatewayCore(Protocol[Batch]):
         """POST /v1/weights: reloads a checkpoint directory once the running batches have finished."""
         ...
 
-    def set_paused(self, paused: bool) -> None:
-        """What /pause and /resume set: while paused, stall timeouts are off and reloads do not wait."""
+    def set_paused(self, mode: PauseMode | None) -> None:
+        """What /pause (its mode) and /resume (None) set: while paused, new batches are held, stall timeouts are off
+        and reloads do not wait."""
         ...
 
     async def load_weights(self, given: str, version: int | None) -> tuple[int, float]:

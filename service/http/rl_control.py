@@ -8,7 +8,7 @@ plane" has the reasoning.
   flight with finish_reason "abort", delivered with the tokens it had, and its batch goes on and ends as usual;
   "wait" answers once the samples in flight have finished; "keep" freezes them until /resume. In every mode new
   batches and requests are accepted and held until /resume (by the service, never sent to a paused engine:
-  service/cluster/pause_hold.py), and a held batch's stall timeout is off. `{"status": "paused"}`.
+  service/engine/pause_gate.py), and a held batch's stall timeout is off. `{"status": "paused"}`.
 - `POST /resume`: `{"status": "resumed"}`. `GET /is_paused`: `{"is_paused": bool}` (true while any engine is).
 - `POST /abort_requests` `{"request_ids": [...]}` (vLLM's body): each id names a batch (the batch_id of
   /v1/rollouts, the X-Batch-Id of an OpenAI-compatible response), aborted as DELETE /v1/rollouts/{id} does (its
@@ -127,14 +127,14 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
     async def pause(mode: Annotated[PauseMode, Query()] = "abort",
                     clear_cache: Annotated[bool, Query()] = True) -> PauseResponse:
         """Pause generation (vLLM's pause_generation on every engine); new work is held until /resume."""
-        gateway.set_paused(True)  # first: no stall timer may fire between the engines pausing and this
+        gateway.set_paused(mode)  # first: no stall timer may fire between the engines pausing and this
         try:
             await backend.control(Pause(mode=mode, clear_cache=clear_cache))
         except ValueError as exc:
-            gateway.set_paused(await backend.control(IsPaused()))
+            gateway.set_paused(mode if await backend.control(IsPaused()) else None)
             raise OpenAIError(400, str(exc)) from None
         except Exception as exc:
-            gateway.set_paused(await backend.control(IsPaused()))
+            gateway.set_paused(mode if await backend.control(IsPaused()) else None)
             raise OpenAIError(500, f"Failed to pause generation: {exc}") from None
         return PauseResponse()
 
@@ -145,7 +145,7 @@ def rl_control_router(gateway: GatewayCore[Any]) -> APIRouter:
             await backend.control(Resume())
         except Exception as exc:
             raise OpenAIError(500, f"Failed to resume generation: {exc}") from None
-        gateway.set_paused(False)
+        gateway.set_paused(None)
         return ResumeResponse()
 
     @router.get("/is_paused")

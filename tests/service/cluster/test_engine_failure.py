@@ -330,7 +330,7 @@ def test_an_engine_actor_killed_while_it_loads_is_restarted_and_serves(tmp_path:
 
 @pytest.mark.parametrize("behaviour", ["queue", "reject"])
 def test_an_engine_restarted_while_paused_joins_the_pause(tmp_path: Path, behaviour: str) -> None:
-    """Under either vLLM pause behaviour (service/cluster/pause_hold.py): a batch sent to the re-paused engine is held
+    """Under either vLLM pause behaviour (service/engine/pause_gate.py): a batch sent to the re-paused engine is held
     by the service, not failed by a rejecting engine (an abort pause: a rejecting engine queues nothing then)."""
     service = StubService(tmp_path, {"engine": {"kind": "stub", "tokens": 8, "token_s": 0.02, "pause_behavior": behaviour}})
     try:

@@ -64,3 +64,22 @@ def test_until_rechecks_its_condition_on_every_wake(wakes):
         gate.notify() if wakes == "notify" else gate.resume()
         await asyncio.wait_for(waiting, 1)
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_the_services_holders_keep_new_work_until_resume_whatever_aborts_pass(mode):
+    """`resumed`, the gateway's, coordinator's and engine actor's wait: unlike `admit`, an abort lets nothing go."""
+    async def main():
+        gate = PauseGate()
+        await asyncio.wait_for(gate.resumed(), 1)  # serving: at once
+        gate.pause(mode)
+        held = await _pending(gate.resumed())
+        gate.abort()
+        gate.pause("abort")
+        await asyncio.sleep(0.01)
+        still_held, paused = not held.done(), gate.paused
+        gate.resume()
+        await asyncio.wait_for(held, 1)
+        return still_held, paused, gate.paused
+
+    assert asyncio.run(main()) == (True, True, False)
