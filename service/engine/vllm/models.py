@@ -126,20 +126,15 @@ def _gguf_context_length(gguf_path: Path) -> int:
 
 
 def _load_gguf_model(src_dir: str, gguf_file: str, torch_dtype):
-    """The GGUF's weights dequantized into a transformers model of its architecture.
+    """The GGUF's weights dequantized into a plain transformers model of its architecture.
 
-    `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` refuses to run without `accelerate` (transformers
-    5.19 checks for it up front), which this environment does not have. So this does the same in three steps with
-    transformers' own GGUF code: the config (AutoConfig reads the GGUF metadata), an empty model from it, and the
-    tensors from `load_gguf_checkpoint` (which dequantizes, undoes llama.cpp's q/k permutation and maps the names).
+    Not `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`: transformers 5.19 refuses it without `accelerate`,
+    and with `accelerate` installed it returns a model marked GGUF-quantized, which `save_pretrained` refuses to
+    write. So this does the same in three steps with transformers' own GGUF code: the config (AutoConfig reads the
+    GGUF metadata), an empty model from it, and the tensors from `load_gguf_checkpoint` (which dequantizes, undoes
+    llama.cpp's q/k permutation and maps the names).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
-
-    try:
-        return AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=gguf_file, dtype=torch_dtype)
-    except ValueError as exc:
-        if "accelerate" not in str(exc):
-            raise
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(src_dir, gguf_file=gguf_file)
