@@ -555,8 +555,8 @@ def bench_weight_sync(
                                           "every sync moves its policy version).")] = "http://127.0.0.1:8000",
     token: Annotated[Optional[str], typer.Option(envvar="DAS_TOKEN", show_default=False)] = None,
     repeats: Annotated[int, typer.Option(min=1, help="Syncs per arm; figures are medians.")] = 3,
-    unpacked: Annotated[bool, typer.Option("--unpacked", help="Also push with one broadcast per tensor (gloo): "
-                                                             "what packing saves.")] = False,
+    packed: Annotated[bool, typer.Option("--packed", help="Also push over a gloo group that packs tensors into "
+                                                         "256 MiB broadcasts: what packing changes.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Time a weight push (vLLM's weight transfer, no disk) against a checkpoint write + reload, same tensors."""
@@ -564,13 +564,13 @@ def bench_weight_sync(
     from das.service.client.weights import WeightPushError
 
     try:
-        times = time_weight_sync(url, token, checkpoint, weights_root, repeats, unpacked)
+        times = time_weight_sync(url, token, checkpoint, weights_root, repeats, packed)
     except (ValueError, OSError, WeightPushError) as exc:
         fail(str(exc))
     if as_json:
         print(json.dumps({"bytes": times.bytes, "repeats": times.repeats, "push_s": times.push_s,
                           "write_s": times.write_s, "reload_s": times.reload_s,
-                          "push_unpacked_s": times.push_unpacked_s,
+                          "push_packed_s": times.push_packed_s,
                           "push_gb_s": times.bytes / times.push_s / 1e9,
                           "checkpoint_gb_s": times.bytes / times.checkpoint_s / 1e9}))
         return

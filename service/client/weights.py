@@ -33,7 +33,6 @@ import httpx
 import torch
 
 from das.service.engine.vllm.gloo_transfer import (
-    DEFAULT_PACKED_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
     GlooGroup,
     join_as_trainer,
@@ -93,11 +92,12 @@ class WeightSender:
     """Pushes a trainer's weights to every engine of the service at `base_url`; a context manager (leaving it
     releases the engines' side of the group). `timeout_s`: how long any rank waits for a peer in a collective (a
     trainer that dies mid-push is noticed by the engines after at most this). `packed_buffer_size_bytes` (gloo): the
-    most bytes a broadcast packs (None: one broadcast per tensor); NCCL packs as vLLM's trainer engine does."""
+    most bytes a broadcast packs (None, the default: one broadcast per tensor); NCCL packs as vLLM's trainer engine
+    does."""
 
     def __init__(self, base_url: str, token: str | None = None, *, master_address: str | None = None,
                  master_port: int = 0, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 packed_buffer_size_bytes: int | None = DEFAULT_PACKED_BUFFER_BYTES) -> None:
+                 packed_buffer_size_bytes: int | None = None) -> None:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         # no read timeout: /start_weight_update waits for running batches, /update_weights for the whole broadcast
         self._http = httpx.Client(base_url=base_url, headers=headers,

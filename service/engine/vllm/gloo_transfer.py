@@ -16,8 +16,10 @@ One update, on every rank in this order:
    tensors' bytes in one buffer of up to `packed_buffer_size_bytes` per broadcast (a tensor larger than that alone,
    as itself), or one broadcast per tensor when the group is not packed. Both sides cut the same chunks from the
    update info (`packed_chunks`), so nothing but the buffer size has to agree, and it is fixed when the group forms
-   (vLLM's NCCL engine makes `packed` the same kind of init-time wire parameter). A broadcast has a fixed price
-   (a round trip per peer): SmolLM2's 273 tensors crossed loopback at ~0.2 GB/s one at a time.
+   (vLLM's NCCL engine makes `packed` the same kind of init-time wire parameter). Unpacked is the default: a
+   packed broadcast waits for its buffer to be filled (a copy of every tensor, nothing sent meanwhile), which cost
+   more than the per-tensor round trips it saves for SmolLM2's 273 and Qwen2.5-Coder's 291 tensors over loopback
+   (docs/results, "weight sync, 2026-11-29"); packing pays where tensors are many and small.
 A rank that dies mid-update breaks every other rank's next collective at once (gloo: "Connection closed by peer"),
 a rank that hangs breaks them after `timeout_s`; the workers' received tensors are only staged, so nothing is
 loaded (service/engine/vllm/weight_transfer.py).
@@ -268,7 +270,7 @@ class SyncClient(Protocol):
 
 def join_as_trainer(client: SyncClient, master_address: str, master_port: int, world_size: int,
                     timeout_s: float = DEFAULT_TIMEOUT_S,
-                    packed_buffer_size_bytes: int | None = DEFAULT_PACKED_BUFFER_BYTES) -> GlooGroup:
+                    packed_buffer_size_bytes: int | None = None) -> GlooGroup:
     """Opens the group as rank 0 while the service's workers join it (/init_weight_transfer_engine, which returns
     once they have). `master_address` must be reachable from every engine node; gloo's pair ports too.
     `packed_buffer_size_bytes`: a packed broadcast's most bytes (None: one broadcast per tensor)."""
