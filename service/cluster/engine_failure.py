@@ -118,8 +118,8 @@ class Share:
 
     def take(self, sample: SampleResult) -> SampleResult | None:
         """The engine's sample renumbered as the batch's sample (in place, with the engine deaths it ran through as
-        `redispatches` and `engine_deaths`), or None if that sample has already arrived. ValueError for an index the engine was not asked
-        for."""
+        `redispatches` and `engine_deaths`), or None if that sample has already arrived. ValueError for an index the
+        engine was not asked for."""
         j = sample.sample_index
         if not 0 <= j < len(self.indices):
             raise ValueError(f"sample index {j} of group {self.group_index}: the engine was asked for "

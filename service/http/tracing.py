@@ -140,6 +140,7 @@ class _ChosenSpanIds(RandomIdGenerator):
     loop, in one call (`BatchTrace.sample`)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.chosen: int | None = None
 
     def generate_span_id(self) -> int:
