@@ -215,7 +215,9 @@ def serve(
             if engine_options is not None:
                 raise ValueError("--engine-options: the stub engine takes none")
         else:
-            engine.update(kind="vllm", budget=parse_budget(budget).fields())
+            # vLLM's own request spans go to the gateway's collector, under the sample spans (tracing.py)
+            engine.update(kind="vllm", budget=parse_budget(budget).fields(),
+                          otlp_traces_endpoint=settings.otlp_traces_endpoint)
             if oracle_file is not None:
                 engine["oracle_file"] = str(oracle_file.resolve())
             if engine_options is not None:

@@ -19,7 +19,9 @@ Invariants: every sample index of a batch reaches the caller exactly once. The s
 not arrived run again elsewhere as a group with n = their count, renumbered back to the missing indices
 (service/cluster/engine_failure.py `Share`), each resuming from the tokens it had delivered (the engines report each
 sample's new tokens every `stream_interval`); a group that ran through `max_group_deaths` deaths ends with errors
-instead. Every sample is held in `PlacedWork` once from its placement until it arrives or its job ends. The engines
+instead; each death travels with the samples it moved (SampleResult.engine_deaths: the engine, the time), for
+their trace, and each sample keeps its trace parent through a re-dispatch (GroupRequest.trace_parents). Every
+sample is held in `PlacedWork` once from its placement until it arrives or its job ends. The engines
 and their deaths are the supervisor's (service/cluster/engine_supervisor.py): dispatch reports a death it sees and
 re-places what the engine owed.
 """
@@ -354,7 +356,9 @@ class Dispatcher:
                     self._supervisor.engine_died(actor, incarnation, exc)
                     if actor.state == "failed" and not actor.node_left:  # past its restart cap: its batches fail
                         raise RuntimeError(actor.error) from None
-                    rest = [(share, group) for _, _, owed, group in items if (share := owed.remainder()) is not None]
+                    died = time.time()  # the trace's clock (the gateway's process): the sample spans' event time
+                    rest = [(share, group) for _, name, owed, group in items
+                            if (share := owed.remainder(name, died)) is not None]
                 finally:
                     with contextlib.suppress(Exception):
                         ray.cancel(generator)

@@ -10,7 +10,9 @@ bookkeeping, no Ray, so it is tested without processes.
   (GroupRequest.prefix_token_ids): only its prompt and prefix are computed again, and `take` puts the delivered
   logprobs and weight spans back in front of what the new engine returns. A share counts the
   engine deaths its group ran through: a group that kills every engine it reaches (a "query of death") is given
-  up after `FailureConfig.max_group_deaths` of them instead of taking down one engine after another.
+  up after `FailureConfig.max_group_deaths` of them instead of taking down one engine after another; each death is
+  kept with the engine's name and its time, and the samples that ran through it carry them
+  (SampleResult.engine_deaths: events on their spans, service/http/tracing.py).
 - `GivenUpPrompts`: the prompts given up that way, refused at admission for `FailureConfig.given_up_hold_s`, so a
   client that retries the error does not crash the engines again.
 """
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 
 
 from das.service.config import FailureConfig
-from das.service.wire.api import GroupRequest, SampleResult
+from das.service.wire.api import EngineDeath, GroupRequest, SampleResult
 from das.service.wire.sample_progress import SampleProgress
 
 
@@ -71,28 +73,36 @@ class Delivered:
 class Share:
     """The samples of the batch's group `group_index` that one engine was asked for. The engine draws
     len(indices) samples numbered 0.. by itself; its sample j is the batch's sample `indices[j]`. `received`: the
-    batch's sample indices that have arrived (each is delivered once: a repeat is dropped). `deaths`: the engine
-    deaths the group's samples ran through before this share (0 for the first engine it is sent to).
+    batch's sample indices that have arrived (each is delivered once: a repeat is dropped). `died`: the engine
+    deaths the group's samples ran through before this share, oldest first (none for the first engine it is sent
+    to; `deaths` counts them).
     `delivered`: per batch sample index, the tokens it has delivered (progress reports and the prefix it was
     resumed from); `resumed`: the prefix lengths this share's request resumes them from."""
 
     group_index: int
     indices: tuple[int, ...]
     received: set[int] = field(default_factory=set)
-    deaths: int = 0
+    died: tuple[EngineDeath, ...] = ()
     delivered: dict[int, Delivered] = field(default_factory=dict)
     resumed: dict[int, int] = field(default_factory=dict)
 
+    @property
+    def deaths(self) -> int:
+        return len(self.died)
+
     def request(self, group: GroupRequest) -> GroupRequest:
         """What the engine is sent: the group, with n = the samples of this share, drawn with their own keys, each
-        resumed from the tokens it has delivered."""
+        resumed from the tokens it has delivered and under its own trace parent (when the group has them)."""
         prefixes = tuple(tuple(self.delivered[i].token_ids) if i in self.delivered else () for i in self.indices)
         self.resumed = {i: len(p) for i, p in zip(self.indices, prefixes) if p}
         if len(self.indices) == group.n and not self.resumed:
             return group
         keys = self.indices if group.key_indices is None else tuple(group.key_indices[i] for i in self.indices)
+        parents = (None if group.trace_parents is None
+                   else tuple(group.trace_parents[i] for i in self.indices))
         return group.model_copy(update={"n": len(self.indices), "key_indices": keys,
-                                        "prefix_token_ids": prefixes if self.resumed else None})
+                                        "prefix_token_ids": prefixes if self.resumed else None,
+                                        "trace_parents": parents})
 
     def progress(self, report: SampleProgress) -> SampleProgress | None:
         """The engine's progress report renumbered as the batch's sample (a new object), or None if it does not
@@ -108,8 +118,8 @@ class Share:
 
     def take(self, sample: SampleResult) -> SampleResult | None:
         """The engine's sample renumbered as the batch's sample (in place, with the engine deaths it ran through as
-        `redispatches`), or None if that sample has already arrived. ValueError for an index the engine was not asked
-        for."""
+        `redispatches` and `engine_deaths`), or None if that sample has already arrived. ValueError for an index the
+        engine was not asked for."""
         j = sample.sample_index
         if not 0 <= j < len(self.indices):
             raise ValueError(f"sample index {j} of group {self.group_index}: the engine was asked for "
@@ -120,6 +130,7 @@ class Share:
         self.received.add(index)
         sample.sample_index = index
         sample.redispatches = self.deaths
+        sample.engine_deaths = list(self.died) or None
         delivered = self.delivered.pop(index, None)
         resumed = self.resumed.get(index, 0)
         if resumed and delivered is not None:
@@ -139,13 +150,13 @@ class Share:
         """The batch's sample indices of this share that have not arrived, increasing."""
         return tuple(i for i in self.indices if i not in self.received)
 
-    def remainder(self) -> Share | None:
-        """After the engine running this share died: a share of the missing samples, one more death counted (None:
-        nothing is missing)."""
+    def remainder(self, engine: str, unix_s: float) -> Share | None:
+        """After `engine`, running this share, died (seen at `unix_s`, Unix seconds): a share of the missing
+        samples, that death counted (None: nothing is missing)."""
         missing = self.missing()
         if not missing:
             return None
-        return Share(self.group_index, missing, deaths=self.deaths + 1,
+        return Share(self.group_index, missing, died=(*self.died, EngineDeath(engine=engine, unix_s=unix_s)),
                      delivered={i: self.delivered[i] for i in missing if i in self.delivered})
 
 

@@ -102,6 +102,11 @@ class EngineConfig(BaseModel):
                                             "nccl (vLLM's NCCL engine, GPU engines), gloo (ours, "
                                             "service/engine/vllm/weight_transfer.py), none, or auto: nccl on GPU engines, "
                                             "gloo on CPU engines (`transfer_backend`)")
+    otlp_traces_endpoint: str | None = Field(None, description="the OTLP/HTTP traces URL vLLM's own spans go to "
+                                             "(each request's under the rollout.sample span its group names, "
+                                             "GroupRequest.trace_parents): das serve sets the gateway's "
+                                             "--otlp-traces-endpoint, checked there (service/config.py traces_url); "
+                                             "None: vLLM traces nothing and the trace parents are not passed on")
     suffix_options: dict[str, Any] = Field(default_factory=dict, description="vLLM SpeculativeConfig "
                                            "suffix_decoding_* settings of the suffix method (vLLM's defaults if "
                                            "empty)")

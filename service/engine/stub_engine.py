@@ -5,7 +5,9 @@ token. It drafts nothing: `draft_tokens` and `accepted_tokens` are 0, so no figu
 speedup. It counts the history it was given (`history_records`), which is what service tests check. It refuses
 what the engine refuses without needing vLLM: the API's bounds (service/wire/api.py, vLLM's own sampling limits) and the
 model's (prompt and stop token ids within the vocabulary, the prompt and max_tokens within the context). It reports
-progress and resumes samples from a prefix as `Engine.generate` does.
+progress and resumes samples from a prefix as `Engine.generate` does. It keeps the trace headers its latest samples
+were given (`trace_headers`: what a vLLM engine that traces passes to vLLM, GroupRequest.trace_headers), which is what
+tracing tests check.
 
 Pause and resume as vLLM's engine does them (`pause`, docs/design.md "vLLM's RL control plane"): a group's n
 samples are all in flight from the moment `generate` is called (they are produced one after another, as if the
@@ -23,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Literal
 
@@ -36,6 +38,9 @@ from das.service.engine.contract import (EngineConfigError, EngineInputError, En
 from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
 from das.service.wire.sample_progress import SampleProgress
 
+
+# Trace headers a stub engine keeps, the latest samples' (a load test runs millions of samples through one).
+TRACE_HEADERS_KEPT = 1024
 
 # The errors a stub engine's load can be told to raise (`StubLoadError`): the kinds a real engine's load raises.
 _LOAD_ERRORS: dict[str, type[Exception]] = {
@@ -114,6 +119,8 @@ class StubEngine:
         self.dead = False  # no engine core that could die
         self.runner: RunnerChoice | None = None  # no model runner
         self.tokens_made: Counter[str] = Counter()  # per problem_id, tokens generated (tests see a sample stop)
+        # (problem_id, sample index in the request, its headers) of the latest samples started with trace headers
+        self.trace_headers: deque[tuple[str, int, dict[str, str]]] = deque(maxlen=TRACE_HEADERS_KEPT)
 
     @classmethod
     async def create(cls, config: StubEngineConfig) -> StubEngine:
@@ -162,6 +169,9 @@ class StubEngine:
         epoch = await self._gate.admit()
         if group.problem_id == self.config.exit_on_problem:
             os._exit(1)
+        for index in range(group.n):  # all n requests made now, as a vLLM engine makes them
+            if (headers := group.trace_headers(index)) is not None:
+                self.trace_headers.append((group.problem_id, index, headers))
         start = time.perf_counter()
         pace = self.config.token_s / group.n  # the group's samples share the engine's steps
         self.tally.running += group.n  # the group's samples, until the group ends

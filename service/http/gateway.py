@@ -518,7 +518,9 @@ class _Gateway:
                     alive()
                     batch.progress(group_index, report)
 
-                samples = self.backend.generate(batch.groups, heard, batch.aborts)
+                # Traced, each sample's engine is told its span as the parent of the engine's own spans.
+                groups = batch.trace.parents(batch.groups) if batch.trace is not None else batch.groups
+                samples = self.backend.generate(groups, heard, batch.aborts)
                 async with stalled, contextlib.aclosing(samples) as stream:
                     async for group_index, sample in stream:
                         alive()

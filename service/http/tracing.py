@@ -22,8 +22,21 @@ Spans, all in the gateway's process (the coordinator runs there too; an engine's
   the engine's queue and prefill between it and the next) and `engine.first_token` (generation after it). The
   engine measures both as durations in its own process (SampleResult.total_s, first_token_s), placed back from the
   sample's arrival here, so no clocks are compared across nodes; the hop back from the engine counts as engine time.
+  An event `redispatched` per engine death the sample was drawn again after, at the time the coordinator saw the
+  death (SampleResult.engine_deaths; the coordinator runs in this process, on this clock), attributes
+  `das.dead_engine` (the engine that died running it) and `das.deaths` (1 for the first death, then 2, ...).
 
-vLLM's own request spans are not joined to these: the engines run AsyncLLM without vLLM's tracing.
+The engines' own spans, under the sample's: each sample's span id is fixed at dispatch, a hash of the batch's span id
+and the sample's (group index, sample index) (`BatchTrace.parents`), and travels to its engine as a W3C traceparent
+(GroupRequest.trace_parents: through the coordinator, a re-dispatch included, and the engine actor). Under the
+sample's span rather than the batch's: a slow sample's queue, prefill and decode then sit under that sample, and a
+sample drawn again after a death hangs both engines' requests under its one span. With the endpoint `das serve` starts
+the vLLM engines with vLLM's own OTLP tracing pointed at the same collector (service/engine/vllm/engine.py): vLLM's
+`llm_request` span (its queue, prefill, decode and end-to-end times, prompt and output tokens) joins the sample's
+span, in service `das-rollout-engine`. vLLM makes that span when the request finishes, in the engine actor's process,
+from the request's own times: a request cut off by its engine's death leaves none, and the engine's clock is that
+node's. vLLM's start-up spans (model load, warm-up) are roots of traces of their own. An engine started without the
+endpoint, or one that does not trace (the stub: it keeps the headers it was given, for tests), ignores the parents.
 
 Cost, with a collector: a span per sample through the SDK's public API, about 0.1 ms on the event loop on a
 shared 2-core machine, and as much again in the exporter's thread (protobuf encoding). A collector that is slow or
@@ -33,6 +46,7 @@ an export gives up after `EXPORT_TIMEOUT_S`, and one warning says so until expor
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -42,6 +56,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -119,13 +134,29 @@ class _WarnOnce(SpanExporter):
         return self._exporter.force_flush(timeout_millis)
 
 
+class _ChosenSpanIds(RandomIdGenerator):
+    """OTel's random ids, except that the next span started takes the span id in `chosen` when it is set: a sample's
+    span gets the id its engine was told as its parent at dispatch (`BatchTrace.parents`). Set and used on the event
+    loop, in one call (`BatchTrace.sample`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.chosen: int | None = None
+
+    def generate_span_id(self) -> int:
+        chosen, self.chosen = self.chosen, None
+        return super().generate_span_id() if chosen is None else chosen
+
+
 class RolloutTracer:
     """Makes the spans of rollouts (`batch`) and hands them to `processor` (a BatchSpanProcessor over the OTLP
     exporter in `otlp`; tests give an in-memory one). Its own TracerProvider, not OTel's global one: several gateways
     in one process keep theirs apart."""
 
     def __init__(self, processor: SpanProcessor, exporter: _WarnOnce | None = None) -> None:
-        self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}))
+        self._ids = _ChosenSpanIds()
+        self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}),
+                                        id_generator=self._ids)
         self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer(__name__)
         self._exporter = exporter
@@ -147,7 +178,7 @@ class RolloutTracer:
             "rollout.batch", context=parent, start_time=start_ns, links=[Link(c) for c in contexts[1:]],
             attributes={"das.batch_id": batch_id, "das.route": route, "das.groups": len(groups),
                         "das.samples_expected": sum(g.n for g in groups)})
-        return BatchTrace(self._tracer, span, start_ns)
+        return BatchTrace(self._tracer, self._ids, span, start_ns)
 
     def shutdown(self) -> None:
         """Exports what is queued and stops the exporter's thread (blocks: at most about `EXPORT_TIMEOUT_S` per
@@ -165,14 +196,23 @@ def _remote_context(headers: Mapping[str, str]) -> SpanContext | None:
 
 class BatchTrace:
     """One batch's span and its samples' spans. Methods are called on the event loop, in the batch's order:
-    `admitted`, `dispatched`, `sample` per sample, `end` once."""
+    `admitted`, `dispatched` (then `parents` for the groups it sends), `sample` per sample, `end` once.
 
-    def __init__(self, tracer: trace.Tracer, span: trace.Span, start_ns: int) -> None:
+    A sample's span id is a function of the batch's span id and the sample's (group index, sample index)
+    (`_sample_span_id`), so the id its engine is given as a parent at dispatch is the id its span takes when it is
+    made, at delivery, with nothing kept per sample in between."""
+
+    def __init__(self, tracer: trace.Tracer, ids: _ChosenSpanIds, span: trace.Span, start_ns: int) -> None:
         self._tracer = tracer
+        self._ids = ids
         self._span = span
         self._recording = span.is_recording()  # False when the trainer's traceparent says it is not sampled
         self._parent = trace.set_span_in_context(span)
         self._dispatched_ns = start_ns
+        context = span.get_span_context()
+        self._trace_id = f"{context.trace_id:032x}"
+        self._flags = f"{context.trace_flags:02x}"
+        self._seed = context.span_id.to_bytes(8, "big")
 
     def admitted(self) -> None:
         self._span.add_event("admitted")
@@ -181,8 +221,25 @@ class BatchTrace:
         self._dispatched_ns = time.time_ns()
         self._span.add_event("dispatched", timestamp=self._dispatched_ns)
 
+    def parents(self, groups: Sequence[GroupRequest]) -> list[GroupRequest]:
+        """The batch's `groups` as they are sent to the engines: each sample's `trace_parents` entry names its
+        sample's span (made at delivery, `sample`), so an engine that traces (vLLM's request span) hangs its span
+        of the sample under it. Unchanged when the batch records nothing (an unsampled trainer's trace)."""
+        if not self._recording:
+            return list(groups)
+        return [g.model_copy(update={"trace_parents": tuple(
+            f"00-{self._trace_id}-{self._sample_span_id(i, j):016x}-{self._flags}" for j in range(g.n))})
+            for i, g in enumerate(groups)]
+
+    def _sample_span_id(self, group_index: int, sample_index: int) -> int:
+        """The span id of sample `sample_index` of group `group_index`: 64 bits of a hash of the batch's span id
+        and the two indices (never 0, which OTel reads as no span)."""
+        digest = hashlib.blake2b(f"{group_index}:{sample_index}".encode(), digest_size=8, key=self._seed).digest()
+        return int.from_bytes(digest, "big") or 1
+
     def sample(self, group_index: int, sample: SampleResult) -> None:
-        """The span of `sample` (of the batch's group `group_index`), delivered now."""
+        """The span of `sample` (of the batch's group `group_index`), delivered now, with the id `parents` gave its
+        engine."""
         if not self._recording:
             return
         end = time.time_ns()
@@ -196,8 +253,13 @@ class BatchTrace:
             attributes["das.predicted_tokens"] = sample.predicted_tokens
         if sample.engine is not None:
             attributes["das.engine"] = sample.engine
+        self._ids.chosen = self._sample_span_id(group_index, sample.sample_index)
         span = self._tracer.start_span("rollout.sample", context=self._parent, start_time=self._dispatched_ns,
                                        attributes=attributes)
+        self._ids.chosen = None  # not taken when the provider has shut down: it must not name another span
+        for deaths, death in enumerate(sample.engine_deaths or (), start=1):
+            span.add_event("redispatched", {"das.dead_engine": death.engine, "das.deaths": deaths},
+                           timestamp=int(death.unix_s * 1e9))
         if sample.total_s > 0:
             started = max(self._dispatched_ns, end - int(sample.total_s * 1e9))
             span.add_event("engine.started", timestamp=started)

@@ -42,6 +42,8 @@ def _unicode(text: str) -> str:
 Text = Annotated[str, AfterValidator(_unicode)]
 NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(_unicode)]
 TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# A W3C trace context's traceparent header (version 00): trace id, parent span id, flags, in lowercase hex.
+Traceparent = Annotated[str, Field(pattern=r"^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$")]
 # A NUL ends a path in every system call, so a path holding one is never the path meant; 4096 is Linux's PATH_MAX.
 CheckpointPath = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$"), AfterValidator(_unicode)]
 
@@ -268,6 +270,11 @@ class GroupRequest(BaseModel):
                           "prompt + prefix_token_ids[j] as the undisturbed sample would (its keyed positions and "
                           "max_tokens count the prefix); its result's token_ids and text include the prefix, its "
                           "logprobs only the new tokens")
+    trace_parents: tuple[Traceparent, ...] | None = Field(
+        None, description="per sample (n entries), the W3C traceparent of the span the engine's own request span of "
+                          "that sample hangs under: the gateway sets it to the sample's rollout.sample span, replacing "
+                          "any given, when it records the batch's trace (das serve --otlp-traces-endpoint; "
+                          "service/http/tracing.py); an engine started without that endpoint ignores it")
 
     @model_validator(mode="after")
     def _one_prompt(self) -> GroupRequest:
@@ -290,7 +297,16 @@ class GroupRequest(BaseModel):
             if any(len(p) >= self.sampling.max_tokens for p in self.prefix_token_ids):
                 raise ValueError(f"prefix_token_ids: a prefix must be shorter than sampling.max_tokens "
                                  f"({self.sampling.max_tokens})")
+        if self.trace_parents is not None and len(self.trace_parents) != self.n:
+            raise ValueError(f"trace_parents must have n = {self.n} entries")
         return self
+
+    def trace_headers(self, index: int) -> dict[str, str] | None:
+        """The W3C trace context headers sample `index`'s engine request is made under (`trace_parents`); None
+        without them."""
+        if self.trace_parents is None:
+            return None
+        return {"traceparent": self.trace_parents[index]}
 
     def sample_key(self, index: int) -> int | None:
         """The key sample `index` of this group draws with under keyed sampling: derive(sampling.seed, j) with j
@@ -301,6 +317,16 @@ class GroupRequest(BaseModel):
 
 
 FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineDeath(BaseModel):
+    """An engine death a sample was drawn again after: the engine that died while it ran there, and when the
+    coordinator saw the death (Unix seconds, the coordinator's clock: the gateway's process)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    engine: str
+    unix_s: float
 
 
 class SampleResult(BaseModel):
@@ -346,6 +372,8 @@ class SampleResult(BaseModel):
                                            "ran (an in-process backend)")
     redispatches: int = Field(0, ge=0, description="engine deaths the sample was drawn again after (on another "
                                                    "engine, or the restarted one)")
+    engine_deaths: list[EngineDeath] | None = Field(None, description="those deaths, oldest first (as many as "
+                                                    "redispatches); None: none")
     finished_unix_s: float | None = Field(None, description="when the sample left its engine (its engine actor's "
                                           "clock, Unix seconds); None where no engine actor ran it")
 

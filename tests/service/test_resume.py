@@ -47,7 +47,7 @@ def test_a_share_resumes_its_lost_samples_from_what_they_delivered_and_stitches_
     share.progress(SampleProgress(2, 0, by_index[2].token_ids[:3], [-0.3] * 3, "", 1))
     assert share.progress(SampleProgress(2, 1, [9], [0.0], "", 1)) is None  # does not follow on: dropped
     assert share.take(by_index[0].model_copy()) is not None
-    rest = share.remainder()
+    rest = share.remainder("node/0", 100.0)
     assert rest is not None and rest.indices == (1, 2)
 
     request = rest.request(GROUP)

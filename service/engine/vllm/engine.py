@@ -14,6 +14,11 @@ wait for the samples in flight (under "keep" they are frozen and would never fin
 with the new weights when they resume, and each records from which token on it was drawn from which weights
 (`SampleResult.policy_spans`).
 
+Tracing, with `config.otlp_traces_endpoint` (das serve --otlp-traces-endpoint): vLLM's own OTLP tracing is on, its
+processes exporting to that URL over OTLP/HTTP, and each sample's request carries its group's trace parent for it
+(GroupRequest.trace_parents) as its W3C trace context, so vLLM's request span (`llm_request`: queue, prefill and
+decode times, token counts) hangs under the sample's `rollout.sample` span (service/http/tracing.py).
+
 Errors: a bad group (an empty prompt or one longer than the context, token ids outside the vocabulary, given or
 from the tokenizer, n < 1, unknown sampling keys, sampling that vLLM's `SamplingParams` refuses:
 service/engine/vllm/sampling.py) raises `EngineInputError` (a ValueError) before anything is scheduled. A failure inside
@@ -80,8 +85,15 @@ def engine_dtype(requested: str) -> str:
     return serving_dtype(requested, cpu=current_platform.is_cpu())
 
 
+# vLLM's tracing reads these from the environment, in this process and in the engine core's (inherited at its
+# spawn); it writes the endpoint there itself (vllm/tracing/otel.py init_otel_tracer)
+_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+_OTEL_SERVICE = "OTEL_SERVICE_NAME"
 # set for an engine core's spawn only (service/engine/spawn_env.py): one engine's settings are not the next one's
-_SPAWN_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", V2_SWITCH)
+_SPAWN_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", V2_SWITCH, _OTLP_PROTOCOL, _OTLP_ENDPOINT,
+                   _OTEL_SERVICE)
+ENGINE_SERVICE_NAME = "das-rollout-engine"  # vLLM's spans' service.name, beside the gateway's das-rollout
 CPU_BLOCK_SIZE = 32  # the smallest KV-cache block vLLM's CPU attention takes (it takes multiples of 32)
 
 
@@ -215,6 +227,7 @@ class VllmEngine:
             distributed_executor_backend="mp" if config.tensor_parallel_size > 1 else None,
             worker_extension_cls=WORKER_EXTENSION,
             weight_transfer_config={"backend": transfer} if transfer is not None else None,
+            otlp_traces_endpoint=config.otlp_traces_endpoint,
             additional_config=({CONFIG_KEY: {"drafter": config.drafter.given(), "budget": budget_settings(config)}}
                                if das else {}))
         tally = EngineTally()
@@ -233,6 +246,10 @@ class VllmEngine:
                 os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
             if v1:
                 os.environ[V2_SWITCH] = "0"
+            if config.otlp_traces_endpoint is not None:
+                # The endpoint is OTLP/HTTP (the gateway's collector); vLLM's exporter speaks gRPC unless told.
+                os.environ[_OTLP_PROTOCOL] = "http/protobuf"
+                os.environ.setdefault(_OTEL_SERVICE, ENGINE_SERVICE_NAME)
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
             runner = RunnerChoice.of(llm.vllm_config, platform, config.keyed_sampling)
         if config.keyed_sampling and not runner.keyed:
@@ -413,12 +430,15 @@ class VllmEngine:
         finish: str | None = None
         error: str | None = None
         seam = ResumeSeam(self._tokenizer, prefix, group.sampling) if prefix else None
+        # vLLM's request span goes under the sample's span (tracing.py); an engine that does not trace passes none,
+        # which vLLM would drop with a warning
+        trace_headers = group.trace_headers(index) if self.config.otlp_traces_endpoint is not None else None
         try:
             if seam is not None and seam.ended_in_prefix(self._eos_token_ids()):
                 finish = "stop"  # its last delivered token ended it: the death came before its result
             else:
                 async for out in self._llm.generate(engine_prompt(self._llm, prompt + prefix), params,
-                                                    request_id=key):
+                                                    request_id=key, trace_headers=trace_headers):
                     completion = out.outputs[0]
                     if completion.token_ids and first is None:
                         first = time.perf_counter() - start

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -205,9 +206,12 @@ def test_engines_sharing_an_actor_are_placed_apart_and_run_in_one_stream(cluster
         assert Counter((i, s.sample_index) for i, s in results) == Counter((i, j) for i in range(8) for j in range(2))
         assert {s.engine for _, s in results} == set(backend.engine_names)  # 4 engines, 2 groups each
 
+        killed: list[float] = []
+
         async def kill_mid_batch() -> list[tuple[int, SampleResult]]:
             stream = backend.generate(groups(8, 2, max_tokens=6))
             first = [await anext(stream)]
+            killed.append(time.time())
             ray.kill(actors[0].handle)  # for good: both of its engines go
             return first + [item async for item in stream]
 
@@ -215,6 +219,11 @@ def test_engines_sharing_an_actor_are_placed_apart_and_run_in_one_stream(cluster
         assert Counter((i, s.sample_index) for i, s in results) == Counter((i, j) for i in range(8) for j in range(2))
         rerun = [s for _, s in results if s.redispatches]
         assert rerun and {s.engine for s in rerun} <= set(actors[1].names)
+        # each names the engine it was running on when that died, and when the death was seen (its trace's event)
+        for sample in rerun:
+            (death,) = sample.engine_deaths
+            assert death.engine in actors[0].names and killed[0] <= death.unix_s <= time.time()
+        assert all(s.engine_deaths is None for _, s in results if not s.redispatches)
         assert all(abs(tokens) < 1e-6 for tokens in backend.stats().engine_placed_tokens.values())
     finally:
         loop.run_until_complete(backend.close())

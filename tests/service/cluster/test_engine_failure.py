@@ -26,7 +26,7 @@ import pytest
 from das.service.cluster.engine_failure import GivenUpPrompts, RestartWindow, Share
 from das.service.config import FailureConfig
 from das.service.engine.vllm.models import prepare_model
-from das.service.wire.api import GroupRequest, SampleResult
+from das.service.wire.api import EngineDeath, GroupRequest, SampleResult
 from das.service.wire.sample_keys import derive
 from tests.service.serve_process import TOKEN, Server, metric
 from tests.tiny_models import build_tiny_model
@@ -40,6 +40,20 @@ def sample(index: int) -> SampleResult:
                         policy_version=0)
 
 
+def test_a_redispatched_share_keeps_each_samples_trace_parent() -> None:
+    parents = tuple(f"00-{'a' * 32}-{i + 1:016x}-01" for i in range(4))
+    group = GroupRequest(problem_id="p", prompt_token_ids=[1], n=4, trace_parents=parents)
+    first = Share(0, (0, 1, 2, 3))
+    assert first.request(group).trace_parents == parents
+    first.take(sample(1))
+    rest = first.remainder("node/0", 100.0)
+    assert rest is not None
+    request = rest.request(group)  # the engine's samples 0..2 are the batch's 0, 2, 3: so are their parents
+    assert request.trace_parents == (parents[0], parents[2], parents[3])
+    assert [request.trace_headers(j) for j in range(3)] == [{"traceparent": parents[i]} for i in (0, 2, 3)]
+    assert Share(0, (0, 1)).request(GroupRequest(problem_id="p", prompt_token_ids=[1], n=2)).trace_headers(0) is None
+
+
 def test_a_share_maps_the_engines_indices_back_and_its_remainder_is_what_never_arrived() -> None:
     group = GroupRequest(problem_id="p", prompt_token_ids=[1], n=6)
     first = Share(3, tuple(range(6)))
@@ -48,7 +62,7 @@ def test_a_share_maps_the_engines_indices_back_and_its_remainder_is_what_never_a
     assert first.take(sample(4)) is None  # a repeat is never delivered twice
     assert first.missing() == (0, 2, 3, 5)
 
-    rest = first.remainder()
+    rest = first.remainder("node-a/0", 100.0)
     assert rest is not None and rest.group_index == 3 and rest.indices == (0, 2, 3, 5)
     request = rest.request(group)
     # only n changes, and the samples draw with the keys of the indices they stand for (the same tokens again)
@@ -58,11 +72,16 @@ def test_a_share_maps_the_engines_indices_back_and_its_remainder_is_what_never_a
     assert rest.request(keyed).key_indices == (10, 12, 13, 15)
     # the engine numbers the re-dispatched samples 0..3; they land on the missing indices, one death counted
     assert [(s.sample_index, s.redispatches) for s in (rest.take(sample(j)) for j in (2, 0))] == [(3, 1), (0, 1)]
-    again = rest.remainder()
+    again = rest.remainder("node-b/0", 101.5)
     assert again is not None and again.indices == (2, 5) and again.request(group).key_indices == (2, 5)
     assert (first.deaths, rest.deaths, again.deaths) == (0, 1, 2)  # the engine deaths the group ran through
-    assert again.take(sample(1)).sample_index == 5 and again.take(sample(0)).redispatches == 2
-    assert again.remainder() is None and again.missing() == ()
+    assert again.take(sample(1)).sample_index == 5
+    twice = again.take(sample(0))
+    # each death, with its engine and time, travels with the samples it moved (their trace's events)
+    assert twice.redispatches == 2 and twice.engine_deaths == [EngineDeath(engine="node-a/0", unix_s=100.0),
+                                                               EngineDeath(engine="node-b/0", unix_s=101.5)]
+    assert first.take(sample(0)).engine_deaths is None
+    assert again.remainder("node-c/0", 102.0) is None and again.missing() == ()
     delivered = sorted([1, 4] + [3, 0] + [5, 2])
     assert delivered == list(range(6))  # every index exactly once over the three engines
     with pytest.raises(ValueError, match="asked for 2 samples"):

@@ -23,13 +23,14 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from das.service.cluster.rollout_backend import StubBackend
+from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.http import tracing
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.http.tracing import RolloutTracer
 from das.service.config import traces_url
-from das.service.wire.api import GroupRequest, SampleResult
+from das.service.wire.api import EngineDeath, GroupRequest, SampleResult
 from loadtests.otlp_collector import OtlpCollector
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -163,6 +164,37 @@ def test_coalesced_requests_link_their_traces_and_an_unsampled_parent_records_no
     assert exported.get_finished_spans() == ()  # the trainer did not sample its trace: neither do we
 
 
+def test_each_samples_engine_is_told_the_span_its_sample_gets_and_a_redispatch_is_an_event(memory) -> None:
+    tracer, exported = memory
+    trace = tracer.batch("b5", "/v1/rollouts", [group(2), group(3)], time.time_ns(), [{"traceparent": TRACEPARENT}])
+    trace.dispatched()
+    sent = trace.parents([group(2), group(3)])
+    assert [len(g.trace_parents) for g in sent] == [2, 3]
+    parents = [p for g in sent for p in g.trace_parents]
+    assert len(set(parents)) == 5 and all(p.startswith(f"00-{TRACE_ID}-") for p in parents)
+    died = time.time()
+    trace.sample(1, sample(2, redispatches=2, engine_deaths=[EngineDeath(engine="node-a/0", unix_s=died - 0.5),
+                                                               EngineDeath(engine="node-b/1", unix_s=died)]))
+    trace.sample(0, sample(0, redispatches=0))
+    trace.end("done", None, 2, 24, 16, 10)
+
+    spans = {(s.attributes.get("das.group_index"), s.attributes.get("das.sample_index")): s
+             for s in exported.get_finished_spans()}
+    for (g, i), span in spans.items():
+        if g is not None:  # the span id its engine was given as the parent of its own spans
+            assert sent[g].trace_parents[i] == f"00-{TRACE_ID}-{span.context.span_id:016x}-01"
+    moved = spans[(1, 2)]
+    assert [(e.name, dict(e.attributes), e.timestamp) for e in moved.events if e.name == "redispatched"] == [
+        ("redispatched", {"das.dead_engine": "node-a/0", "das.deaths": 1}, int((died - 0.5) * 1e9)),
+        ("redispatched", {"das.dead_engine": "node-b/1", "das.deaths": 2}, int(died * 1e9))]
+    assert moved.attributes["das.redispatches"] == 2
+    assert not [e for e in spans[(0, 0)].events if e.name == "redispatched"]
+
+    unsampled = tracer.batch("b6", "/v1/rollouts", [group()], time.time_ns(),
+                             [{"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-00"}])
+    assert unsampled.parents([group()])[0].trace_parents is None  # nothing recorded: engines join nothing
+
+
 # ---- the gateway, exporting over OTLP/HTTP ----
 
 
@@ -214,6 +246,25 @@ def test_coalesced_openai_requests_share_one_batch_span_linked_to_each_trace() -
     assert {batch.trace_id, *batch.links} == {TRACE_ID, "1" * 32}  # one request's trace parents it, one links
     samples = [s for s in spans if s.name == "rollout.sample"]
     assert len(samples) == 4 and all(s.parent_span_id == batch.span_id for s in samples)
+
+
+def test_a_stub_engine_is_given_its_samples_spans_as_trace_parents_and_none_without_an_endpoint() -> None:
+    engine = StubEngine(StubEngineConfig(tokens=4))
+    with OtlpCollector() as collector:
+        app = create_app(EngineBackend(engine), GatewayConfig(otlp_traces_endpoint=collector.url))
+        (response,) = run(app, ("/v1/rollouts", BATCH, {"traceparent": TRACEPARENT}))
+    assert response.status_code == 200
+    spans = {(s.attributes["das.problem_id"], s.attributes["das.sample_index"]): s
+             for s in collector.spans() if s.name == "rollout.sample"}
+    given = {(problem, index): headers["traceparent"] for problem, index, headers in engine.trace_headers}
+    assert len(given) == len(spans) == 6  # every sample's request, under its own sample's span
+    for key, traceparent in given.items():
+        assert traceparent == f"00-{TRACE_ID}-{spans[key].span_id}-01"
+
+    untraced = StubEngine(StubEngineConfig(tokens=4))
+    (response,) = run(create_app(EngineBackend(untraced), GatewayConfig()),
+                      ("/v1/rollouts", BATCH, {"traceparent": TRACEPARENT}))
+    assert response.status_code == 200 and not untraced.trace_headers
 
 
 def closed_port() -> int:
