@@ -195,6 +195,10 @@ class GatewayConfig(BaseModel):
     otlp_traces_endpoint: str | None = Field(None, description="the OTLP/HTTP collector that gets a trace per "
                                              "batch (service/http/tracing.py): its base URL (/v1/traces is added) "
                                              "or the traces URL itself; unset: nothing traced, nothing exported")
+    otlp_traces_sample_ratio: float = Field(1.0, ge=0.0, le=1.0, allow_inf_nan=False,
+                                            description="the share of batches traced, by trace id, among those "
+                                            "whose request carries no traceparent (a trainer's traceparent decides "
+                                            "for its batch by its sampled flag); bounds the exporters' cost")
 
     @field_validator("otlp_traces_endpoint")
     @classmethod

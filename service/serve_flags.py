@@ -202,6 +202,7 @@ SERVE_FLAGS: tuple[ConfigFlag, ...] = (
     ConfigFlag("--tool-call-parser", "gateway.tool_call_parser"),
     ConfigFlag("--enable-auto-tool-choice", "gateway.enable_auto_tool_choice"),
     ConfigFlag("--otlp-traces-endpoint", "gateway.otlp_traces_endpoint"),
+    ConfigFlag("--otlp-traces-sample-ratio", "gateway.otlp_traces_sample_ratio"),
 )
 """`das serve`'s flags that set one configuration field each."""
 

@@ -402,7 +402,7 @@ class _Gateway:
         if settings.otlp_traces_endpoint is not None:
             from das.service.http.tracing import RolloutTracer
 
-            self.tracer = RolloutTracer.otlp(settings.otlp_traces_endpoint)
+            self.tracer = RolloutTracer.otlp(settings.otlp_traces_endpoint, settings.otlp_traces_sample_ratio)
 
     def _session_closed(self, session: Session, reason: CloseReason) -> None:
         self.metrics.observe_session(session, reason)

@@ -35,8 +35,13 @@ the vLLM engines with vLLM's own OTLP tracing pointed at the same collector (ser
 `llm_request` span (its queue, prefill, decode and end-to-end times, prompt and output tokens) joins the sample's
 span, in service `das-rollout-engine`. vLLM makes that span when the request finishes, in the engine actor's process,
 from the request's own times: a request cut off by its engine's death leaves none, and the engine's clock is that
-node's. vLLM's start-up spans (model load, warm-up) are roots of traces of their own. An engine started without the
-endpoint, or one that does not trace (the stub: it keeps the headers it was given, for tests), ignores the parents.
+node's. vLLM samples by its parent alone, so it makes spans only under a sampled sample's span (none for its
+start-up, none for a batch that is not traced). An engine started without the endpoint, or one that does not trace
+(the stub: it keeps the headers it was given, for tests), ignores the parents.
+
+Sampling: a batch whose request carries a trainer's `traceparent` is traced if that says sampled; any other batch
+with probability `GatewayConfig.otlp_traces_sample_ratio` (das serve --otlp-traces-sample-ratio, default 1: every
+batch), by its trace id. A batch not traced costs a non-recording span: no sample spans, no engine spans.
 
 Cost, with a collector: a span per sample through the SDK's public API, about 0.1 ms on the event loop on a
 shared 2-core machine, and as much again in the exporter's thread (protobuf encoding). A collector that is slow or
@@ -56,6 +61,7 @@ from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -151,22 +157,24 @@ class _ChosenSpanIds(RandomIdGenerator):
 class RolloutTracer:
     """Makes the spans of rollouts (`batch`) and hands them to `processor` (a BatchSpanProcessor over the OTLP
     exporter in `otlp`; tests give an in-memory one). Its own TracerProvider, not OTel's global one: several gateways
-    in one process keep theirs apart."""
+    in one process keep theirs apart. `sample_ratio`: the share of batches without a trainer's `traceparent` that
+    are traced (by trace id, OTel's `TraceIdRatioBased`); a trainer's traceparent decides for its batch by its
+    sampled flag. A batch not traced records nothing and tells its engines no parents."""
 
-    def __init__(self, processor: SpanProcessor, exporter: _WarnOnce | None = None) -> None:
+    def __init__(self, processor: SpanProcessor, exporter: _WarnOnce | None = None, sample_ratio: float = 1.0) -> None:
         self._ids = _ChosenSpanIds()
         self._provider = TracerProvider(resource=Resource.create({"service.name": SERVICE_NAME}),
-                                        id_generator=self._ids)
+                                        id_generator=self._ids, sampler=ParentBased(TraceIdRatioBased(sample_ratio)))
         self._provider.add_span_processor(processor)
         self._tracer = self._provider.get_tracer(__name__)
         self._exporter = exporter
 
     @classmethod
-    def otlp(cls, endpoint: str) -> RolloutTracer:
+    def otlp(cls, endpoint: str, sample_ratio: float = 1.0) -> RolloutTracer:
         """Spans batched to the OTLP/HTTP collector at `endpoint` (`traces_url`) by a background thread."""
         url = traces_url(endpoint)
         exporter = _WarnOnce(OTLPSpanExporter(endpoint=url, timeout=EXPORT_TIMEOUT_S), url, _export_failures())
-        return cls(BatchSpanProcessor(exporter), exporter)
+        return cls(BatchSpanProcessor(exporter), exporter, sample_ratio)
 
     def batch(self, batch_id: str, route: str, groups: Sequence[GroupRequest], start_ns: int,
               headers: Sequence[Mapping[str, str]] = ()) -> BatchTrace:
@@ -206,7 +214,7 @@ class BatchTrace:
         self._tracer = tracer
         self._ids = ids
         self._span = span
-        self._recording = span.is_recording()  # False when the trainer's traceparent says it is not sampled
+        self._recording = span.is_recording()  # False for a batch not sampled (the trainer's flag, or the ratio)
         self._parent = trace.set_span_in_context(span)
         self._dispatched_ns = start_ns
         context = span.get_span_context()
@@ -224,7 +232,7 @@ class BatchTrace:
     def parents(self, groups: Sequence[GroupRequest]) -> list[GroupRequest]:
         """The batch's `groups` as they are sent to the engines: each sample's `trace_parents` entry names its
         sample's span (made at delivery, `sample`), so an engine that traces (vLLM's request span) hangs its span
-        of the sample under it. Unchanged when the batch records nothing (an unsampled trainer's trace)."""
+        of the sample under it. Unchanged when the batch records nothing (not sampled)."""
         if not self._recording:
             return list(groups)
         return [g.model_copy(update={"trace_parents": tuple(

@@ -17,7 +17,8 @@ with the new weights when they resume, and each records from which token on it w
 Tracing, with `config.otlp_traces_endpoint` (das serve --otlp-traces-endpoint): vLLM's own OTLP tracing is on, its
 processes exporting to that URL over OTLP/HTTP, and each sample's request carries its group's trace parent for it
 (GroupRequest.trace_parents) as its W3C trace context, so vLLM's request span (`llm_request`: queue, prefill and
-decode times, token counts) hangs under the sample's `rollout.sample` span (service/http/tracing.py).
+decode times, token counts) hangs under the sample's `rollout.sample` span (service/http/tracing.py). vLLM samples
+by its parent only: a request with no parent or an unsampled one (a batch the gateway does not trace) makes no span.
 
 Errors: a bad group (an empty prompt or one longer than the context, token ids outside the vocabulary, given or
 from the tokenizer, n < 1, unknown sampling keys, sampling that vLLM's `SamplingParams` refuses:
@@ -90,9 +91,10 @@ def engine_dtype(requested: str) -> str:
 _OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 _OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
 _OTEL_SERVICE = "OTEL_SERVICE_NAME"
+_OTEL_SAMPLER = "OTEL_TRACES_SAMPLER"
 # set for an engine core's spawn only (service/engine/spawn_env.py): one engine's settings are not the next one's
 _SPAWN_SETTINGS = ("VLLM_CPU_KVCACHE_SPACE", "VLLM_USE_AOT_COMPILE", V2_SWITCH, _OTLP_PROTOCOL, _OTLP_ENDPOINT,
-                   _OTEL_SERVICE)
+                   _OTEL_SERVICE, _OTEL_SAMPLER)
 ENGINE_SERVICE_NAME = "das-rollout-engine"  # vLLM's spans' service.name, beside the gateway's das-rollout
 CPU_BLOCK_SIZE = 32  # the smallest KV-cache block vLLM's CPU attention takes (it takes multiples of 32)
 
@@ -250,6 +252,9 @@ class VllmEngine:
                 # The endpoint is OTLP/HTTP (the gateway's collector); vLLM's exporter speaks gRPC unless told.
                 os.environ[_OTLP_PROTOCOL] = "http/protobuf"
                 os.environ.setdefault(_OTEL_SERVICE, ENGINE_SERVICE_NAME)
+                # vLLM makes a span for every request it finishes, a root one where no parent came: only those
+                # under a sampled sample span are kept, so the gateway's sampling decides for the engines too
+                os.environ[_OTEL_SAMPLER] = "parentbased_always_off"
             llm = AsyncLLM.from_engine_args(args, stat_loggers=[_tally_logger_factory(tally)])
             runner = RunnerChoice.of(llm.vllm_config, platform, config.keyed_sampling)
         if config.keyed_sampling and not runner.keyed:

@@ -322,3 +322,28 @@ def test_without_an_endpoint_no_opentelemetry_is_loaded_no_exporter_runs_and_not
     assert modules == "[]"
     assert collector.requests == []
 
+
+
+@pytest.mark.parametrize("ratio, traced", [(0.0, False), (1.0, True)])
+def test_the_sample_ratio_decides_for_batches_without_a_traceparent_and_a_trainers_flag_for_its_own(
+        ratio: float, traced: bool) -> None:
+    """At ratio 0 a batch of its own trace records nothing and tells its engines no parents; a trainer's sampled
+    traceparent is traced whatever the ratio."""
+    exported = InMemorySpanExporter()
+    tracer = RolloutTracer(SimpleSpanProcessor(exported), sample_ratio=ratio)
+    try:
+        own = tracer.batch("b5", "/v1/rollouts", [group()], time.time_ns())
+        own.dispatched()
+        (sent,) = own.parents([group()])
+        own.sample(0, sample(0))
+        own.end("done", None, 1, 12, 8, 5)
+        assert len(exported.get_finished_spans()) == (2 if traced else 0)
+        assert (sent.trace_parents is not None) == traced
+        exported.clear()
+        trainers = tracer.batch("b6", "/v1/rollouts", [group()], time.time_ns(), [{"traceparent": TRACEPARENT}])
+        trainers.dispatched()
+        trainers.sample(0, sample(0))
+        trainers.end("done", None, 1, 12, 8, 5)
+        assert sorted(span.name for span in exported.get_finished_spans()) == ["rollout.batch", "rollout.sample"]
+    finally:
+        tracer.shutdown()
