@@ -371,7 +371,7 @@ class FailingOn:
     def __init__(self, llm, suffix: str) -> None:
         self._llm, self._suffix = llm, suffix
 
-    def generate(self, prompt, params, request_id):
+    def generate(self, prompt, params, request_id, trace_headers=None):
         if request_id.endswith(self._suffix):
             raise RuntimeError("worker lost the request")
         return self._llm.generate(prompt, params, request_id=request_id)
@@ -403,7 +403,7 @@ class DeadCore:
         self.rpcs = 0
         self.model_config, self.renderer = live.model_config, live.renderer
 
-    def generate(self, prompt, params, request_id):
+    def generate(self, prompt, params, request_id, trace_headers=None):
         raise RuntimeError("EngineCore encountered an issue")
 
     async def collective_rpc(self, *args, **kwargs):

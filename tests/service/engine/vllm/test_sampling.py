@@ -60,7 +60,7 @@ class FakeLLM(PassThroughFrontend):
 
     errored = False
 
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> Any:
+    async def generate(self, prompt: Any, params: Any, request_id: str, trace_headers: Any = None) -> Any:
         n = params.max_tokens
         yield SimpleNamespace(outputs=[SimpleNamespace(
             token_ids=[3] * n, logprobs=[{3: SimpleNamespace(logprob=-0.1)}] * n, text="", finish_reason="length")])

@@ -133,7 +133,7 @@ class TensorParallelLLM(PassThroughFrontend):
                              kwargs: dict[str, Any] | None = None) -> list[Any]:
         return [getattr(worker, method)(*args, **(kwargs or {})) for worker in self.workers]
 
-    async def generate(self, prompt: Any, params: Any, request_id: str) -> Any:
+    async def generate(self, prompt: Any, params: Any, request_id: str, trace_headers: Any = None) -> Any:
         yield SimpleNamespace(outputs=[SimpleNamespace(
             token_ids=[3, 4], logprobs=[{3: SimpleNamespace(logprob=-0.1)}, {4: SimpleNamespace(logprob=-0.2)}],
             text="", finish_reason="stop")])
