@@ -689,8 +689,7 @@ class _Gateway:
             self.hold.resume()
         else:
             self.hold.pause(mode)
-        paused = mode is not None
-        deadline = None if paused else asyncio.get_running_loop().time() + self.settings.batch_stall_timeout_s
+        deadline = None if self.paused else asyncio.get_running_loop().time() + self.settings.batch_stall_timeout_s
         for batch in self.batches.all_live():
             if batch.stall is not None and not batch.ended:
                 with contextlib.suppress(RuntimeError):  # its timer has already been left (the batch is ending)
