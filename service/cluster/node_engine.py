@@ -343,9 +343,14 @@ class NodeEngine:
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         await self._all_or_none(lambda e: e.update_weights(update_info))
 
-    async def finish_weight_update(self, version: int) -> int:
-        versions = await self._all_or_none(lambda e: e.finish_weight_update(version))
+    async def finish_weight_update(self, version: int, keep: bool = False) -> int:
+        """Every engine loads the transfer; `keep`: the first keeps its tensors for `save_weight_update`."""
+        versions = await self._all_or_none(lambda e: e.finish_weight_update(version, keep and e is self.engines[0]))
         return int(versions[0])
+
+    async def save_weight_update(self, root: str, version: int) -> str:
+        """The first engine saves the transfer it kept as the checkpoint `<root>/v<version>`; its path."""
+        return await self.engines[0].save_weight_update(root, version)
 
     async def abort_weight_update(self) -> None:
         await asyncio.gather(*(e.abort_weight_update() for e in self.engines))

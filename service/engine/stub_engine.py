@@ -260,7 +260,10 @@ class StubEngine:
     async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         raise EngineInputError("a stub engine has no weight transfer")
 
-    async def finish_weight_update(self, version: int | None = None) -> int:
+    async def finish_weight_update(self, version: int | None = None, keep: bool = False) -> int:
+        raise EngineInputError("a stub engine has no weight transfer")
+
+    async def save_weight_update(self, root: str, version: int) -> str:
         raise EngineInputError("a stub engine has no weight transfer")
 
     async def abort_weight_update(self) -> None:

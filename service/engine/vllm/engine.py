@@ -593,16 +593,19 @@ class VllmEngine:
             await self.abort_weight_update()
             raise _transfer_error(exc) from None
 
-    async def finish_weight_update(self, version: int | None = None) -> int:
+    async def finish_weight_update(self, version: int | None = None, keep: bool = False) -> int:
         """Loads what the workers received and serves it as policy `version` (default: served + 1; it must be
         newer): the second half of a checkpoint reload (prefix cache, spans of held samples, drafter window).
-        Returns the version served. On any failure the transfer is given up and the engine serves what it did."""
+        `keep`: the workers keep the received tensors until `save_weight_update` (gloo only). Returns the version
+        served. On any failure the transfer is given up and the engine serves what it did."""
         swap = self._swap
         if swap is None:
             raise EngineInputError("no weight update is open: call /start_weight_update first")
         try:
             new = self._next_version(version)
             try:
+                if keep:
+                    await worker_rpc(self._llm, "das_keep_weight_update")
                 await self._llm.collective_rpc("finish_weight_update")
             except Exception as exc:
                 raise _transfer_error(exc) from None
@@ -615,6 +618,12 @@ class VllmEngine:
             self._swap = None
             self._reloading.release()
         return self.policy_version
+
+    async def save_weight_update(self, root: str, version: int) -> str:
+        """Saves the tensors the workers kept from the last finished transfer (`finish_weight_update(keep=True)`) as
+        the checkpoint `<root>/v<version>` (service/engine/vllm/pushed_weights.py) and returns its path. The engine
+        core writes it between steps, so this engine's sampling waits for the write (the model's bytes to disk)."""
+        return str(await worker_rpc(self._llm, "das_save_weight_update", args=(root, version)))
 
     async def abort_weight_update(self) -> None:
         """Gives up the open transfer, if any: the workers drop what they received and nothing is loaded."""

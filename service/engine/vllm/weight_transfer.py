@@ -7,7 +7,9 @@ trainer's `WeightSender` uses it without vLLM.
 Unlike vLLM's NCCL engine, which loads each layer as it arrives, a gloo worker stages what it receives and loads
 it all at /finish_weight_update (vLLM's in-place reload, the checkpoint reload's own loader): a push that fails
 midway (a peer dies, a refused name or shape, the trainer gone) loads nothing, and the engine keeps serving the
-weights it had. The cost is one copy of the weights in host memory while a push runs.
+weights it had. The cost is one copy of the weights in host memory while a push runs. One engine of the group is
+asked to keep that copy past the finish until it has saved it as a checkpoint (pushed_weights.py), which an engine
+restarted later loads.
 
 `register_backends()` is called by our vLLM plugin (plugin.py) in every engine process and by a trainer that uses
 vLLM's trainer factory; it is idempotent.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self
 
 import torch
@@ -42,6 +45,7 @@ from das.service.engine.vllm.gloo_transfer import (
     receive,
     refusal,
 )
+from das.service.engine.vllm.pushed_weights import save_pushed
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,9 +76,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                  model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
         # Read now: a checkpoint reload repoints model_config.model at the checkpoint it loaded.
-        self._manifest = checkpoint_manifest(vllm_config.model_config.model)
+        self._model_dir = vllm_config.model_config.model
+        self._manifest = checkpoint_manifest(self._model_dir)
         self._group: GlooGroup | None = None
         self._staged: list[tuple[str, torch.Tensor]] | None = None  # None: no update, or it was given up
+        self._keep = False  # the open update's tensors are kept past its finish, to be saved
+        self._kept: list[tuple[str, torch.Tensor]] | None = None  # the last finished update's, until saved
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         if self._group is not None:
@@ -85,7 +92,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
                                 init_info.timeout_s, init_info.chunk_bytes)
 
     def start_weight_update(self) -> None:
-        self._staged = []
+        self._staged, self._keep, self._kept = [], False, None
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # vLLM's base synchronises the accelerator after receiving, which a CPU worker has none of.
@@ -107,10 +114,29 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def discard(self) -> None:
         """Gives up the open update: its finish loads nothing."""
-        self._staged = None
+        self._staged, self._keep = None, False
+
+    def keep(self) -> None:
+        """The open update's tensors are kept after its finish until `save` (one engine of the group does this)."""
+        if self._staged is None:
+            raise RuntimeError("no weight update is open: nothing to keep")
+        self._keep = True
+
+    def save(self, root: str, version: int) -> str:
+        """Saves the kept tensors of the last finished update as the checkpoint `<root>/v<version>`
+        (pushed_weights.py; written by the engine's first worker, the others drop their copy) and drops them;
+        returns its path. RuntimeError when no finished update was kept."""
+        kept, self._kept = self._kept, None
+        if kept is None:
+            raise RuntimeError("no finished weight update was kept: nothing to save")
+        path = Path(root) / f"v{version}"
+        if self.parallel_config.rank == 0:
+            path = save_pushed(kept, self._model_dir, root, version)
+        return str(path)
 
     def finish_weight_update(self) -> None:
         staged, self._staged = self._staged, None
+        keep, self._keep = self._keep, False
         if staged is None:
             return
         missing = sorted(set(self._manifest) - {name for name, _ in staged})
@@ -122,6 +148,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         reload_weights(self.vllm_config, self.model, weights_iterator=iter(staged), weights_path=None,
                        is_checkpoint_format=True)
         refresh_tied_head(self.model)
+        if keep:
+            self._kept = staged
 
     def shutdown(self) -> None:
         if self._group is not None:
@@ -172,6 +200,21 @@ class WeightTransferExtension:
         if getattr(self, "_weight_update_active", False):
             self.finish_weight_update()  # type: ignore[attr-defined]  # vLLM's Worker method
         return True
+
+    def das_keep_weight_update(self) -> bool:
+        """This worker keeps the open update's tensors past its finish, for `das_save_weight_update`."""
+        self._gloo_engine().keep()
+        return True
+
+    def das_save_weight_update(self, root: str, version: int) -> str:
+        """Saves the kept tensors of the last finished update as the checkpoint `<root>/v<version>`; its path."""
+        return self._gloo_engine().save(root, version)
+
+    def _gloo_engine(self) -> GlooWeightTransferEngine:
+        engine = self.weight_transfer_engine
+        if not isinstance(engine, GlooWeightTransferEngine):
+            raise RuntimeError("only the gloo weight transfer stages a push, so only it can save one")
+        return engine
 
 
 @dataclass

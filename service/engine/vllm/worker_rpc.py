@@ -28,6 +28,8 @@ RULES: dict[str, Rule] = {
     "das_output_counts": "agree",
     "reload_weights": "agree",
     "das_abort_weight_update": "agree",
+    "das_keep_weight_update": "agree",
+    "das_save_weight_update": "agree",
     "das_refresh_tied_head": "agree",
     "das_profile_start": "agree",
     "das_pop_counts": "output_rank",

@@ -104,6 +104,14 @@ class StubWorker:
         self.transfer.append("abort")
         return True
 
+    def das_keep_weight_update(self) -> bool:
+        self.transfer.append("keep")
+        return True
+
+    def das_save_weight_update(self, root: str, version: int) -> str:
+        self.transfer.append("save")
+        return f"{root}/v{version}"
+
     def das_pop_counts(self, keys: list[str]) -> dict[str, dict[str, int]]:
         return {key: {"proposed": 4 + self.rank, "accepted": 2, "steps": 3} for key in keys}
 
@@ -204,6 +212,22 @@ def test_a_tensor_parallel_engine_pushes_through_every_worker_and_a_refusal_give
     assert asyncio.run(asyncio.wait_for(scenario(), 60)) == (1, 1)  # the refused push moved nothing
     assert all(w.transfer == ["init", "start", "update", "finish", "start", "abort"] for w in llm.workers)
     assert all(w.version == 1 for w in llm.workers)  # the drafter's window moved with the push, once
+
+
+def test_a_kept_push_is_kept_then_saved_by_every_worker_of_the_engine() -> None:
+    llm = TensorParallelLLM(workers=2)
+    for method in ("init_weight_transfer_engine", "start_weight_update"):  # AsyncLLM's, over collective_rpc
+        setattr(llm, method, lambda *a, _m=method, **k: llm.collective_rpc(_m, args=a, kwargs=k))
+    engine = VllmEngine(EngineConfig(model="unused", tensor_parallel_size=2), llm, SimpleNamespace(), VOCAB)
+
+    async def scenario() -> tuple[int, str]:
+        await engine.init_weight_transfer({"world_size": 3})
+        await engine.start_weight_update()
+        pushed = await engine.finish_weight_update(3, keep=True)
+        return pushed, await engine.save_weight_update("/state/pushed-weights", 3)
+
+    assert asyncio.run(asyncio.wait_for(scenario(), 60)) == (3, "/state/pushed-weights/v3")
+    assert all(w.transfer == ["init", "start", "keep", "finish", "save"] for w in llm.workers)
 
 
 def test_workers_out_of_step_fail_the_call_with_a_clear_error(tmp_path: Path) -> None:
