@@ -37,6 +37,7 @@ from das.service.cluster.load_failure import LoadFailure, classify
 from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
 from das.service.cluster.rollout_backend import BackendStats
 from das.service.config import ServiceConfig
+from das.service.engine.contract import EngineInputError
 from das.service.wire.engine_control import Pause
 
 log = logging.getLogger(__name__)
@@ -73,10 +74,16 @@ class ServedPolicy:
     itself."""
 
     version: int = 0
-    weights: tuple[str, int] | None = None  # the last reload (path, version): what a restart loads
+    weights: tuple[str, int] | None = None  # the last reload (path, version)
+    pushed: tuple[str, int] | None = None  # the last push saved as a checkpoint (path, version; weight_relay.py)
     paused: Pause | None = None  # the last /pause until /resume
-    weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a reload and a catch-up never interleave
+    # a reload, a push (until it is saved) and a catch-up never interleave
+    weights_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     control_lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # a pause or resume and a catch-up never do
+
+    def sources(self) -> list[tuple[str, int]]:
+        """What a restart loads, newest first: the last reload and the last saved push (path, version)."""
+        return sorted((s for s in (self.weights, self.pushed) if s is not None), key=lambda s: s[1], reverse=True)
 
 
 def check_layouts(config: ServiceConfig, own_cluster: bool) -> None:
@@ -475,17 +482,29 @@ class EngineSupervisor:
                 await recovery
 
     async def _catch_up(self, actor: ActorRecord) -> None:
-        """Brings a loaded actor to the others' state: the weights last served, the pause in force. Called under
-        the policy's `weights_lock` and `control_lock`."""
+        """Brings a loaded actor to the others' state: the weights last served (the newer of the last reload and
+        the last push saved), the pause in force. Called under the policy's `weights_lock` and `control_lock`. A
+        saved push this engine's node cannot read (a state directory on another node's disk) is logged and the
+        last reload loaded instead."""
         policy = self._policy
+        names = ", ".join(actor.names)
         # An actor that only seemed dead (unreachable for a moment) kept its weights.
-        if policy.weights is not None and await actor.handle.policy_version.remote() != policy.weights[1]:
-            await actor.handle.reload_weights.remote(*policy.weights)
-        checkpointed = policy.weights[1] if policy.weights is not None else 0
-        if policy.version > checkpointed:  # pushed weights live in the engines only (docs/design.md "Not done yet")
-            log.warning("engine %s serves policy version %d (its last checkpoint), not the pushed %d, until the "
-                        "trainer pushes again (the push after a restart re-forms the group with it)",
-                        ", ".join(actor.names), checkpointed, policy.version)
+        served = await actor.handle.policy_version.remote()
+        for path, version in policy.sources():
+            if served >= version:
+                break
+            try:
+                served = await actor.handle.reload_weights.remote(path, version)
+                break
+            except EngineInputError as exc:  # a reload's own path was checked when it was reloaded
+                if (path, version) != policy.pushed:
+                    raise
+                log.error("engine %s cannot load the saved push %s (%s): its node does not see the state "
+                          "directory", names, path, str(exc).strip().splitlines()[-1])
+        if policy.version > served:  # a push not saved (docs/design.md "Weight transfer: weights without the disk")
+            log.warning("engine %s serves policy version %d, not the pushed %d, until the trainer pushes again (the "
+                        "push after a restart re-forms the group with it): pushes are saved for engines that "
+                        "restart only under --weight-transfer gloo with --state-dir", names, served, policy.version)
         if policy.paused is not None:  # it holds new work until /resume, as the others do
             await actor.handle.control.remote(policy.paused)
 

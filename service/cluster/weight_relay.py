@@ -7,12 +7,21 @@ the order of the serving engines; a push needs the same ones serving (else Weigh
 holds the policy's `weights_lock` from its start to its end, so checkpoint reloads and restarted engines' catch-up
 wait for it; a failure anywhere gives the push up everywhere. An engine lost during a call is reported to the
 supervisor as a death.
+
+Under gloo with a state directory, a finished push is saved as a checkpoint for engines that load later (restarted,
+or on a node that joined: the supervisor's catch-up loads `ServedPolicy.pushed`): the group's first engine keeps
+the tensors it staged and, once the trainer has its answer, writes them under `<state_dir>/pushed-weights`
+(service/engine/vllm/pushed_weights.py). The `weights_lock` is held until that write ends, so a catch-up meanwhile
+waits for it and the next push or reload starts after it; `pushed` moves only once the checkpoint is whole. A save
+that fails is logged, and `pushed` stays at the last push saved.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from das.service.cluster.engine_supervisor import ActorRecord, EngineSupervisor, ServedPolicy, lost_errors
@@ -21,6 +30,10 @@ from das.service.config import ServiceConfig
 from das.service.engine.config import transfer_backend
 from das.service.engine.contract import EngineInputError
 from das.service.wire.weight_transfer import TransferBackend
+
+log = logging.getLogger(__name__)
+
+PUSHED_DIR = "pushed-weights"  # under the state directory: the last push saved (a v<version> checkpoint)
 
 
 class WeightRelay:
@@ -37,10 +50,19 @@ class WeightRelay:
         # /init_weight_transfer_engine; a push needs the same ones serving
         self._transfer_group: list[tuple[ActorRecord, int]] = []
         self._pushing = False  # a push is open: the policy's `weights_lock` is held from its start to its end
+        self._saving: asyncio.Task[None] | None = None  # the last push's save (holds the `weights_lock`)
 
     @property
     def weight_transfer(self) -> TransferBackend | None:
         return transfer_backend(self.config.engine.weight_transfer, gpu=self._gpu_nodes)
+
+    @property
+    def saved_pushes(self) -> Path | None:
+        """Where finished pushes are saved, None where they are not: only the gloo backend stages a push whole
+        (vLLM's NCCL engine loads each tensor as it arrives), and only a state directory outlives an engine."""
+        if self.weight_transfer != "gloo" or self.config.state_dir is None:
+            return None
+        return self.config.state_dir / PUSHED_DIR
 
     def transfer_world_size(self) -> int:
         engine = self.config.engine
@@ -100,19 +122,42 @@ class WeightRelay:
             raise
 
     async def finish_weight_update(self, version: int) -> int:
-        """Every engine of the group loads what it received and serves it as `version`; the push ends."""
+        """Every engine of the group loads what it received and serves it as `version`; the push ends. Where
+        pushes are saved, the group's first engine keeps its tensors and saves them in the background (the lock
+        held until it has)."""
         if not self._pushing:
             raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
+        root = self.saved_pushes
+        keeper, incarnation = self._transfer_group[0]
         try:
-            await self._on_actors(self._transfer_group,
-                                  lambda actor: actor.handle.finish_weight_update.remote(version))
+            await self._on_actors(self._transfer_group, lambda actor: actor.handle.finish_weight_update.remote(
+                version, root is not None and actor is keeper))
         except BaseException:
             await self.abort_weight_update()
             raise
         self._policy.version = version
         self._pushing = False
-        self._policy.weights_lock.release()
+        if root is None:
+            self._policy.weights_lock.release()
+        else:
+            self._saving = asyncio.create_task(self._save(keeper, incarnation, root, version))
         return version
+
+    async def _save(self, keeper: ActorRecord, incarnation: int, root: Path, version: int) -> None:
+        """`keeper` saves the push it kept as `<root>/v<version>`, which becomes what a restart loads; then the
+        policy's `weights_lock` (held since the push's start) is released."""
+        try:
+            path = await keeper.handle.save_weight_update.remote(str(root), version)
+            self._policy.pushed = (path, version)
+            log.info("the push of policy version %d is saved at %s for engines that load later", version, path)
+        except Exception as exc:
+            if isinstance(exc, lost_errors()):
+                self._supervisor.engine_died(keeper, incarnation, exc)
+            log.error("the push of policy version %d was not saved (%s: %s): an engine that restarts before the "
+                      "next push serves older weights", version, type(exc).__name__,
+                      (str(exc).strip().splitlines() or [""])[-1])
+        finally:
+            self._policy.weights_lock.release()
 
     async def abort_weight_update(self) -> None:
         """Gives the open push up on every engine of the group (nothing loaded by the gloo backend); idempotent."""

@@ -55,6 +55,7 @@ class Server:
     def __init__(self, model: Path, state_dir: Path, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.state_dir = state_dir
         das = Path(sys.executable).with_name("das")
         self.proc = subprocess.Popen(
             [str(das), "serve", "--model", str(model), "--port", str(self.port), "--dtype", "float32",

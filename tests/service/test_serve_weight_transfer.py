@@ -1,13 +1,15 @@
 """vLLM's weight transfer through `das serve` with real processes (docs/design.md "vLLM's RL control plane"): a
 server on SmolLM2 with `--weight-transfer gloo`, trainers in processes of their own pushing with `WeightSender`.
 Bad pushes first (a wrong name, a wrong shape, a trainer killed mid-push: a clear error, nothing loaded, the same
-samples as before); then a perturbed copy pushed, whose next samples must be token for token those of a server
-started on that copy. The server is the session's shared one (tests/conftest.py: the verifiers example runs on it
+samples as before); an engine killed after a push, which must come back serving it; then a perturbed copy pushed,
+whose next samples must be token for token those of a server started on that copy. The server is the session's shared one (tests/conftest.py: the verifiers example runs on it
 first), then the reference server (this machine runs one at a time)."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -20,6 +22,7 @@ import pytest
 
 from das.service.client import RolloutClient
 from das.service.wire.sample_progress import ProgressRecord
+from tests.service.cluster.stub_service import process_pids, wait_until
 from tests.service.serve_process import SMOLLM2_SERVE_FLAGS, TOKEN, Server, metric
 
 # every test here runs on the session's shared server and changes its weights, or stops it: after its other users
@@ -188,6 +191,30 @@ def test_the_grpo_examples_push_callback_moves_the_served_version_each_step(serv
     assert all(r["reload_s"] > 0 and r["save_s"] == 0 for r in push.reloads)
     assert served_version(server.url) == served + 2
     assert samples(server.url)[1] == {served + 2}
+
+
+def test_an_engine_restarted_after_a_push_serves_the_pushed_weights(server, perturbed):
+    """The push is saved under the state directory once the trainer has its answer; the engine actor killed after
+    that is restarted, loads the saved push as it catches up, and samples as it did before the kill, as the pushed
+    version (booting on its model again, it would serve version 0)."""
+    served = served_version(server.url)
+    assert run_trainer(server.url, perturbed / "model.safetensors") == {"version": served + 1}
+    pushed = samples(server.url)
+    assert pushed[1] == {served + 1}
+    saved = server.state_dir / "pushed-weights" / f"v{served + 1}"
+    wait_until(saved.is_dir, 120, f"the push was not saved at {saved}")
+    restarts = metric(scrape(server.url), "das_engine_restarts")
+    (actor,) = process_pids(server.proc.pid, "ray::NodeEngine")
+    os.kill(actor, signal.SIGKILL)
+
+    def serves_again() -> bool:
+        text = scrape(server.url)
+        return metric(text, "das_engine_restarts") == restarts + 1 and metric(text, "das_engines_ready") == 1
+
+    wait_until(serves_again, 300, "the killed engine did not serve again")
+    assert served_version(server.url) == served + 1
+    assert samples(server.url) == pushed
+    assert [p.name for p in saved.parent.iterdir()] == [saved.name]  # only the latest push is kept
 
 
 def test_a_pushed_checkpoint_serves_the_samples_of_a_server_started_on_it(server, before, perturbed, tmp_path):
