@@ -1,6 +1,6 @@
 """`das bench gpu-cost` on the CPU with its tiny config, with vLLM made unimportable (as on a GPU machine without
 it): the keyed draw agrees with its CPU-tensor run, every grid point is timed, and the cost model it writes is one
-the simulator loads; bad grids are refused before anything runs."""
+the simulator loads; bad grids are refused before anything runs (checked in this process)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from das.bench.gpu_cost import fit_step_terms
+from das.bench.gpu_cost import fit_step_terms, main
 from das.scheduler.cost_model import load_cost_model
 
 WITHOUT_VLLM = "import sys; sys.modules['vllm'] = None\nfrom das.bench.gpu_cost import main\nmain(sys.argv[1:])"
@@ -70,9 +70,13 @@ def test_the_fit_recovers_a_known_step_cost():
         fit_step_terms([p for p in points if p["batch"] == 8])
 
 
-def test_bad_grids_are_refused_before_anything_runs(tmp_path: Path):
-    done = run("--tiny", "--out", str(tmp_path), "--batches", "0")
-    assert done.returncode == 2 and ">= 1" in done.stderr
-    done = run("--tiny", "--out", str(tmp_path), "--batches", "2", "--tokens", "1")
-    assert done.returncode == 2 and "two batch sizes" in done.stderr
+@pytest.mark.parametrize("grid, message", [(("--batches", "0"), ">= 1"),
+                                           (("--batches", "2", "--tokens", "1"), "two batch sizes")])
+def test_bad_grids_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    grid: tuple[str, ...], message: str):
+    """In this process, not a child: the refusal comes before anything is timed, so a child's interpreter and torch
+    import would only add seconds."""
+    with pytest.raises(SystemExit) as refused:
+        main(["--tiny", "--out", str(tmp_path), *grid])
+    assert refused.value.code == 2 and message in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
