@@ -17,7 +17,7 @@ from das.service.http.request_guard import server_config
 
 
 TOKEN = "s3cret-token"
-# What StubBackend(output_tokens=5) answers: token i is (7 i + 3) % vocab, logprob -0.5 (a quarter of the tokens
+# What stub_backend(tokens=5) answers: token i is (7 i + 3) % vocab, logprob -0.5 (a quarter of the tokens
 # accepted of a half drafted).
 STUB_TOKENS = [3, 10, 17, 24, 31]
 
