@@ -122,7 +122,7 @@ def test_compaction_bounds_the_file_and_keeps_the_newest_and_the_running(tmp_pat
 
 
 class Service:
-    """A gateway with a batch journal in `state_dir`, over a fresh StubBackend: one run of the service."""
+    """A gateway with a batch journal in `state_dir`, over a fresh stub engine: one run of the service."""
 
     def __init__(self, state_dir: Path | None, **stub: Any) -> None:
         self.backend = stub_backend(**stub)

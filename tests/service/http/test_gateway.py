@@ -1,4 +1,4 @@
-"""The gateway over real HTTP on loopback (uvicorn in a background thread, a StubBackend): every sample once,
+"""The gateway over real HTTP on loopback (uvicorn in a background thread, a stub engine): every sample once,
 streaming before the batch ends, both wire formats, auth, validation, idempotent batch ids, abort, weights,
 history, metrics and readiness."""
 

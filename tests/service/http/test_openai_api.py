@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes with the official `openai` client, unchanged, over real HTTP against the gateway on
-a StubBackend (completions, chat, streaming, errors in OpenAI's shape, coalescing of one problem's requests, abort
+a stub engine (completions, chat, streaming, errors in OpenAI's shape, coalescing of one problem's requests, abort
 on a dropped stream). The same client against `das serve` with a tiny real model: tests/service/test_serve.py."""
 
 from __future__ import annotations
