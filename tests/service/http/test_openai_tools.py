@@ -85,8 +85,7 @@ def test_a_reply_without_calls_is_content_and_tool_choice_none_parses_nothing(op
 
 
 def test_streaming_sends_the_calls_in_each_choices_last_chunk(openai_serve, parsing):
-    backend = stub_backend(tokens=5, text=CALL_TEXT, tool_parsing=parsing.parse, first_sample_s=0.02,
-                          sample_s=0.05)
+    backend = stub_backend(tokens=5, text=CALL_TEXT, tool_parsing=parsing.parse, first_sample_s=0.02, sample_s=0.05)
     _, client = openai_serve(backend, **TOOLS_ON)
     chunks = list(client.chat.completions.create(model="das", messages=USER, tools=[WEATHER], n=2, stream=True,
                                                  extra_body={"return_token_ids": True}))

@@ -236,7 +236,7 @@ def test_coalesced_openai_requests_share_one_batch_span_linked_to_each_trace() -
     completion = {"model": "das", "prompt": "17 + 25 =", "n": 2, "max_tokens": 8}
     with OtlpCollector() as collector:
         app = create_app(stub_backend(tokens=8), GatewayConfig(otlp_traces_endpoint=collector.url,
-                                                                       openai_coalesce_s=0.2))
+                                                               openai_coalesce_s=0.2))
         responses = run(app, ("/v1/completions", completion, {"traceparent": TRACEPARENT}),
                         ("/v1/completions", completion, {"traceparent": other}))
     assert [r.status_code for r in responses] == [200, 200]
