@@ -310,9 +310,10 @@ class EngineBackend(NoWeightTransfer):
     `name`: the engine's name in the stats and on its samples (SampleResult.engine), as an engine actor names its
     engines."""
 
-    def __init__(self, engine: Engine, name: str = "local") -> None:
+    name = "local"
+
+    def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.name = name
 
     @property
     def policy_version(self) -> int:
