@@ -1,7 +1,7 @@
 """The server under load, in a child process of the load test: its start (on a free loopback port, ready once
 `/readyz` answers 200), its resident memory, and its stop, for every script in loadtests/.
 
-- `SpawnedGateway`: a function of the load test's own (uvicorn serving the gateway over a StubBackend) in a
+- `SpawnedGateway`: a function of the load test's own (uvicorn serving the gateway over a stub engine) in a
   spawned process, handed the listening socket; stopped with SIGTERM (uvicorn's graceful stop).
 - `ServeProcess`: the `das serve` command itself (embedded Ray, the gateway, the history shards), with a random
   token in $DAS_TOKEN; stopped with SIGINT (what Ctrl-C sends: it snapshots the history, then stops).

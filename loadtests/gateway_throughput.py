@@ -1,19 +1,21 @@
 """Gateway throughput and added latency with a stub engine, over real loopback HTTP.
 
-The gateway (uvicorn, StubBackend) runs in a child process; this process is the trainer (RolloutClient, msgpack
-by default). Two measurements, each repeated and reported as the median of the repeats:
+The gateway (uvicorn, EngineBackend over a StubEngine in its process) runs in a child process; this process is the
+trainer (RolloutClient, msgpack by default). Two measurements, each repeated and reported as the median of the
+repeats:
 
-- throughput: the stub emits one batch's samples as fast as it can; samples/s = samples / (first request byte
-  to last sample decoded by the client). The stub runs inside the gateway's process, so this is a lower bound
+- throughput: the stub engine makes one batch's samples as fast as it can; samples/s = samples / (first request
+  byte to last sample decoded by the client). The stub runs inside the gateway's process, so this is a lower bound
   on the gateway alone.
-- added latency: the stub emits at a fixed rate (--rate samples/s) and logs each sample's emission time; the
-  client stamps each sample when it has decoded it. Added latency = client stamp - stub emission, per sample
-  (both time.perf_counter, which on Linux is CLOCK_MONOTONIC and shared by the two processes); p50 and p99.
+- added latency: the stub engine finishes samples at a fixed rate (--rate samples/s: StubEngineConfig.sample_s)
+  and the backend logs the time each sample leaves it for the gateway; the client stamps each sample when it has
+  decoded it. Added latency = client stamp - backend emission, per sample (both time.perf_counter, which on Linux
+  is CLOCK_MONOTONIC and shared by the two processes); p50 and p99.
 
-With `--progress` the batches ask for the opt-in token progress stream (RolloutRequest.progress): the stub reports
-each sample's tokens in 4 pieces before the sample, and the client decodes those objects too; compare samples/s with
-and without it (the stub reports progress to the gateway in both: engines always do, for resume and stall
-detection; what --progress adds is the per-sample progress frames stored and streamed).
+With `--progress` the batches ask for the opt-in token progress stream (RolloutRequest.progress): the stub engine
+reports each sample's tokens but its last in one piece before the sample, and the client decodes those objects too;
+compare samples/s with and without it (the stub reports progress to the gateway in both: engines always do, for
+resume and stall detection; what --progress adds is the per-sample progress frames stored and streamed).
 
 With `--traces` the gateway traces every batch (GatewayConfig.otlp_traces_endpoint, service/http/tracing.py) to a
 collector stand-in in this process (loadtests/otlp_collector.py), each batch under a traceparent as a trainer's
@@ -35,6 +37,7 @@ import socket
 import statistics
 import threading
 import time
+from collections.abc import AsyncGenerator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -45,18 +48,38 @@ from loadtests.otlp_collector import OtlpCollector
 
 GOAL_SAMPLES_PER_S = 5000.0
 GOAL_P99_ADDED_MS = 5.0
+MAX_TOKENS = 4096  # the batches' max_tokens: above any --tokens, so the stub's output length decides
 
 
 def _serve(sock: socket.socket, stub: dict[str, Any], traces: str | None, conn: Connection) -> None:
-    """Child process: the gateway over a StubBackend on `sock` until SIGTERM, tracing to the collector at `traces`
-    if given; answers "emissions" (returns and clears the stub's emission log) on `conn`."""
+    """Child process: the gateway over a stub engine (StubEngineConfig `stub`) on `sock` until SIGTERM, tracing to
+    the collector at `traces` if given; answers "emissions" (returns and clears the backend's emission log) on
+    `conn`."""
     import uvicorn
 
-    from das.service.cluster.rollout_backend import StubBackend
-    from das.service.http.gateway import create_app
+    from das.service.cluster.group_aborts import GroupAborts
+    from das.service.cluster.rollout_backend import EngineBackend, ProgressSink
     from das.service.config import GatewayConfig
+    from das.service.engine.stub_engine import StubEngine, StubEngineConfig
+    from das.service.http.gateway import create_app
+    from das.service.wire.api import GroupRequest, SampleResult
 
-    backend = StubBackend(log_emissions=True, **stub)
+    class LoggedBackend(EngineBackend):
+        """Logs (group index, sample index, time.perf_counter()) of every sample as it leaves the backend for the
+        gateway: where the gateway's added latency starts."""
+
+        def __init__(self, engine: StubEngine) -> None:
+            super().__init__(engine)
+            self.emissions: list[tuple[int, int, float]] = []
+
+        async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
+                           aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
+            async with contextlib.aclosing(super().generate(groups, on_progress, aborts)) as samples:
+                async for index, sample in samples:
+                    self.emissions.append((index, sample.sample_index, time.perf_counter()))
+                    yield index, sample
+
+    backend = LoggedBackend(StubEngine(StubEngineConfig(max_model_len=2 * MAX_TOKENS, **stub)))
     settings = GatewayConfig(max_batch_samples=10**6, freeze_gc=True, otlp_traces_endpoint=traces)
     server = uvicorn.Server(uvicorn.Config(create_app(backend, settings), log_level="warning", access_log=False))
 
@@ -64,7 +87,6 @@ def _serve(sock: socket.socket, stub: dict[str, Any], traces: str | None, conn: 
         while True:
             command = conn.recv()
             if command == "emissions":
-                assert backend.emissions is not None
                 log, backend.emissions[:] = list(backend.emissions), []
                 conn.send(log)
 
@@ -73,14 +95,14 @@ def _serve(sock: socket.socket, stub: dict[str, Any], traces: str | None, conn: 
 
 
 class StubServer(SpawnedGateway):
-    """The gateway in a child process on a free loopback port, its stub's emission log on a pipe."""
+    """The gateway in a child process on a free loopback port, its backend's emission log on a pipe."""
 
     def __init__(self, traces: str | None = None, **stub: Any) -> None:
         self._conn, child = multiprocessing.Pipe()
         super().__init__(_serve, stub, traces, child)
 
     def emissions(self) -> dict[tuple[int, int], float]:
-        """(group, sample) -> perf_counter time the stub emitted it, since the last call."""
+        """(group, sample) -> perf_counter time the backend emitted it, since the last call."""
         self._conn.send("emissions")
         return {(g, s): t for g, s, t in self._conn.recv()}
 
@@ -88,7 +110,7 @@ class StubServer(SpawnedGateway):
 def _groups(samples: int, group_size: int) -> list[dict[str, Any]]:
     count = -(-samples // group_size)
     return [{"problem_id": f"p{i}", "prompt_token_ids": [1, 2, 3, 4], "n": min(group_size, samples - i * group_size),
-             "sampling": {"max_tokens": 4096}} for i in range(count)]
+             "sampling": {"max_tokens": MAX_TOKENS}} for i in range(count)]
 
 
 def _run_batch(url: str, groups: list[dict[str, Any]], wire: str, progress: bool = False, traced: bool = False
@@ -126,7 +148,7 @@ def _measure(samples: int, group_size: int, tokens: int, rate: float, repeats: i
     groups = _groups(samples, group_size)
     traced = traces is not None
     throughputs = []
-    with StubServer(traces, output_tokens=tokens) as server:
+    with StubServer(traces, tokens=tokens) as server:
         _run_batch(server.url, groups[:8], wire, progress, traced)  # warm-up: first-request imports and connections
         server.emissions()
         for _ in range(repeats):
@@ -137,7 +159,7 @@ def _measure(samples: int, group_size: int, tokens: int, rate: float, repeats: i
     paced_samples = min(samples, int(rate * 4))  # about 4 s of emission per repeat
     paced_groups = _groups(paced_samples, group_size)
     p50s, p99s, paced_rates = [], [], []
-    with StubServer(traces, output_tokens=tokens, interval_s=1.0 / rate) as server:
+    with StubServer(traces, tokens=tokens, sample_s=1.0 / rate) as server:
         _run_batch(server.url, paced_groups[:8], wire, progress, traced)
         server.emissions()
         for _ in range(repeats):
@@ -166,8 +188,8 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=20000, help="samples per batch (throughput)")
     parser.add_argument("--group-size", type=int, default=16, help="samples per group (n)")
     parser.add_argument("--tokens", type=int, default=256, help="output tokens per sample")
-    parser.add_argument("--rate", type=float, default=5000.0, help="stub emission rate for the latency runs, "
-                                                                   "samples/s")
+    parser.add_argument("--rate", type=float, default=5000.0, help="the stub engine's sample rate for the latency "
+                                                                   "runs, samples/s")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--wire", choices=["msgpack", "ndjson"], default="msgpack")
     parser.add_argument("--json", action="store_true", help="print one JSON object")

@@ -1,9 +1,9 @@
 """Hostile clients against the gateway on loopback (issue 48): unauthenticated large bodies, slowloris heads,
 stalled bodies and clients that leave, while `/healthz` is polled throughout.
 
-The gateway runs over a StubBackend (no model) in a child process on a free 127.0.0.1 port, served as `das serve`
-serves it (service/request_guard.server_config: the header deadline), with a random token. This process is the
-attacker; every phase is bounded in time, and nothing leaves the machine.
+The gateway runs over a stub engine (no model, in its process) in a child process on a free 127.0.0.1 port, served
+as `das serve` serves it (service/request_guard.server_config: the header deadline), with a random token. This
+process is the attacker; every phase is bounded in time, and nothing leaves the machine.
 
 Phases, one after another, with a `/healthz` poller (its own thread, one kept-alive connection) running through all:
 
@@ -107,18 +107,19 @@ class HostileResult:
 
 
 def _serve(sock: socket.socket, token: str, header_timeout_s: float, body_timeout_s: float) -> None:
-    """Child process: the gateway over a StubBackend whose first sample comes after 60 s, until SIGTERM."""
+    """Child process: the gateway over a stub engine whose first sample comes after 60 s, until SIGTERM."""
     import uvicorn
 
-    from das.service.cluster.rollout_backend import StubBackend
+    from das.service.cluster.rollout_backend import EngineBackend
+    from das.service.engine.stub_engine import StubEngine, StubEngineConfig
     from das.service.http.gateway import create_app
     from das.service.config import GatewayConfig
     from das.service.http.request_guard import server_config
 
     settings = GatewayConfig(token=token, header_timeout_s=header_timeout_s, body_timeout_s=body_timeout_s,
                                openai_coalesce_s=0, freeze_gc=True)
-    config = server_config(create_app(StubBackend(first_delay_s=60.0), settings), header_timeout_s,
-                           log_level="warning", access_log=False)
+    backend = EngineBackend(StubEngine(StubEngineConfig(first_sample_s=60.0)))
+    config = server_config(create_app(backend, settings), header_timeout_s, log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=[sock])
 
 

@@ -10,8 +10,8 @@ Memory verdict: a least-squares line through each component's samples of the sec
 half is warm-up: imports, caches, the gateway's retained ended batches filling up to their bound); the memory is
 "flat" when that line grows by less than --flat-mib over the second half.
 
-By default the gateway runs over a StubBackend (no model) in a child process on a free loopback port, with a
-random token; --server URL targets a running gateway instead, on loopback only. Progress goes to stderr.
+By default the gateway runs over a stub engine (no model, in its process) in a child process on a free loopback
+port, with a random token; --server URL targets a running gateway instead, on loopback only. Progress goes to stderr.
 
 Run:  .venv/bin/python -m loadtests.soak --trainers 10 --duration 120
 """
@@ -48,7 +48,7 @@ class SoakConfig:
     groups: int = 4  # groups per batch
     group_size: int = 8  # samples per group (n)
     tokens: int = 256  # output tokens per sample (the stub's output length and the requests' max_tokens)
-    sample_interval_ms: float = 0.0  # stub: pause between a batch's samples (0: as fast as it can)
+    sample_interval_ms: float = 0.0  # stub engine: between two samples it finishes, of all batches (0: at once)
     server: str | None = None  # a running gateway (loopback) instead of the stub child
     token: str | None = None  # the token of --server
     wire: str = "msgpack"
@@ -98,14 +98,16 @@ class SoakResult:
 
 
 def _serve(sock: socket.socket, token: str, tokens: int, interval_s: float) -> None:
-    """Child process: the gateway over a StubBackend on `sock` until SIGTERM (uvicorn stops on it)."""
+    """Child process: the gateway over a stub engine (`tokens` a sample, one sample every `interval_s` seconds) on
+    `sock` until SIGTERM (uvicorn stops on it)."""
     import uvicorn
 
-    from das.service.cluster.rollout_backend import StubBackend
+    from das.service.cluster.rollout_backend import EngineBackend
+    from das.service.engine.stub_engine import StubEngine, StubEngineConfig
     from das.service.http.gateway import create_app
     from das.service.config import GatewayConfig
 
-    backend = StubBackend(output_tokens=tokens, interval_s=interval_s)
+    backend = EngineBackend(StubEngine(StubEngineConfig(tokens=tokens, sample_s=interval_s)))
     settings = GatewayConfig(token=token, max_batch_samples=10**6, freeze_gc=True)
     uvicorn.Server(uvicorn.Config(create_app(backend, settings), log_level="warning",
                                   access_log=False)).run(sockets=[sock])
@@ -342,7 +344,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=defaults.group_size, help="samples per group")
     parser.add_argument("--tokens", type=int, default=defaults.tokens, help="output tokens per sample")
     parser.add_argument("--sample-interval-ms", type=float, default=defaults.sample_interval_ms,
-                        help="stub: pause between the samples of a batch")
+                        help="stub engine: pause between two samples it finishes, over every batch in flight")
     parser.add_argument("--server", help="a running gateway on loopback (default: start a stub gateway)")
     parser.add_argument("--token", help="bearer token of --server")
     parser.add_argument("--wire", choices=["msgpack", "ndjson"], default=defaults.wire)

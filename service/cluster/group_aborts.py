@@ -63,33 +63,45 @@ async def abortable(samples: AsyncIterator[SampleResult], group: GroupRequest, a
                     policy_version: Callable[[], int]) -> AsyncIterator[SampleResult]:
     """`samples` (an engine's stream of `group`) until `abort` is set; then the stream is closed (the engine stops
     generating the group's samples still running: `Engine.generate` aborts them in vLLM) and each sample of the
-    group not delivered yet is delivered as `aborted_sample`. Sample indices are the group's (0 .. n-1)."""
+    group not delivered yet is delivered as `aborted_sample`. Sample indices are the group's (0 .. n-1).
+
+    The stream is read by a task of its own into a queue, and the abort puts its mark in the same queue: a sample
+    costs a queue hop, not a race of two tasks (what a load test's stub engine, thousands of samples a second in
+    the gateway's process, would pay for)."""
     if abort is None:
         async for sample in samples:
             yield sample
         return
+    ready: asyncio.Queue[SampleResult | BaseException | None] = asyncio.Queue()  # None: the stream ended or aborted
+
+    async def read() -> None:
+        try:
+            async for sample in samples:
+                ready.put_nowait(sample)
+        except Exception as exc:  # handed to the reader below, which owns the error
+            ready.put_nowait(exc)
+        ready.put_nowait(None)
+
+    async def watch() -> None:
+        await abort.wait()
+        ready.put_nowait(None)
+
+    reading, watching = asyncio.create_task(read()), asyncio.create_task(watch())
     delivered: set[int] = set()
-    stopping = asyncio.ensure_future(abort.wait())
-    step: asyncio.Future[SampleResult] | None = None
     try:
-        while not abort.is_set():
-            step = asyncio.ensure_future(anext(samples))
-            await asyncio.wait([step, stopping], return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                break
-            try:
-                sample = step.result()
-            except StopAsyncIteration:
-                return
-            delivered.add(sample.sample_index)
-            yield sample
+        while (item := await ready.get()) is not None and not abort.is_set():
+            if isinstance(item, BaseException):
+                raise item
+            delivered.add(item.sample_index)
+            yield item
+        if not abort.is_set():
+            return
     finally:
-        stopping.cancel()
-        if step is not None and not step.done():
-            # Aborted, or this stream was cancelled or closed: ending the engine's stream at its await runs its
-            # finally, which aborts what it still runs (it cannot be closed while that task runs it).
-            step.cancel()
-            await asyncio.gather(step, return_exceptions=True)
+        # Aborted, or this stream was cancelled or closed: cancelling the reader at its await ends the engine's
+        # stream there and runs its finally, which aborts what it still runs.
+        watching.cancel()
+        reading.cancel()
+        await asyncio.gather(reading, watching, return_exceptions=True)
         aclose = getattr(samples, "aclose", None)
         if aclose is not None:
             await aclose()

@@ -1,8 +1,6 @@
-"""What the HTTP gateway talks to: `RolloutBackend`, with two implementations here.
-
-- `EngineBackend`: one in-process `Engine` (service/engine/protocol.py), no Ray and no history store (embedding in a
-  single process).
-- `StubBackend`: precomputed samples and no model, for tests and load tests of the gateway.
+"""What the HTTP gateway talks to: `RolloutBackend`, and `EngineBackend`: one in-process `Engine`
+(service/engine/protocol.py), no Ray and no history store (embedding in a single process; over a `StubEngine`, the
+backend of the gateway's tests and load tests).
 
 The Ray service (service/cluster/coordinator.py `RayBackend`) implements the same protocol.
 """
@@ -12,19 +10,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from das.service.engine.pause_gate import PauseGate
 from das.service.cluster.group_aborts import GroupAborts, abortable
 from das.service.cluster.history_store import ShardStats
-from das.service.engine.contract import EngineInputError, EngineTally, StepPartTotals, validate_rollouts
+from das.service.engine.contract import EngineInputError, EngineTally, StepPartTotals
 from das.service.engine.control import apply_control
 from das.service.engine.protocol import Engine
 from das.service.engine.runner_choice import RunnerChoice
-from das.service.wire.api import GroupRequest, PauseMode, ProblemSummary, SampleResult, ToolCall
+from das.service.wire.api import GroupRequest, ProblemSummary, SampleResult
 from das.service.wire.engine_control import EngineControl
 from das.service.wire.sample_progress import SampleProgress
 from das.service.wire.weight_transfer import TransferBackend
@@ -33,8 +29,6 @@ from das.service.wire.weight_transfer import TransferBackend
 ProgressSink = Callable[[int, SampleProgress], None]
 """Hears a batch's token progress: (index of the group in the batch, the sample's new tokens). Called on the event
 loop, so it must not block."""
-# (group, a sample's text, its token ids) -> (content, tool calls): what an engine's tool-call parsing returns
-ToolParsing = Callable[[GroupRequest, str, Sequence[int]], tuple[str | None, list[ToolCall]]]
 
 
 class GroupInputError(EngineInputError):
@@ -285,7 +279,7 @@ async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator
 
 class NoWeightTransfer:
     """The weight-transfer part of `RolloutBackend` for a backend without it (the routes answer 501 before any of
-    these is called): the stub, and one in-process engine (the transfer is the Ray service's)."""
+    these is called): one in-process engine (the transfer is the Ray service's)."""
 
     weight_transfer: TransferBackend | None = None
 
@@ -312,7 +306,11 @@ class NoWeightTransfer:
 
 
 class EngineBackend(NoWeightTransfer):
-    """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order."""
+    """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order.
+    `name`: the engine's name in the stats and on its samples (SampleResult.engine), as an engine actor names its
+    engines."""
+
+    name = "local"
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -344,6 +342,7 @@ class EngineBackend(NoWeightTransfer):
                                 aborts.event(index) if aborts is not None else None,
                                 lambda: self.engine.policy_version)
             async for sample in samples:
+                sample.engine = self.name
                 yield index, sample
 
         async with contextlib.aclosing(merge_streams([indexed(i, g) for i, g in enumerate(groups)])) as merged:
@@ -357,202 +356,11 @@ class EngineBackend(NoWeightTransfer):
         return await self.engine.add_history(records)
 
     async def history(self, problem_id: str) -> ProblemSummary | None:
-        raise HistoryUnavailable("one in-process engine keeps its history inside its drafter only")
+        raise HistoryUnavailable("no history store: one in-process engine keeps its history inside its drafter only")
 
     def stats(self) -> BackendStats:
         # the proposer's figures need an await on the engine (a scrape is synchronous): queues and prefix cache only
-        return BackendStats(engines=(EngineLoad.of("local", self.engine.tally),), engines_ready=1)
+        return BackendStats(engines=(EngineLoad.of(self.name, self.engine.tally),), engines_ready=1)
 
     async def control(self, message: EngineControl) -> Any:
         return await apply_control([self.engine], message)
-
-
-class StubBackend(NoWeightTransfer):
-    """Precomputed samples, no model. Each group yields its n samples of `output_tokens` tokens (capped by the
-    group's max_tokens), interleaved across groups (sample 0 of every group, then sample 1, ...).
-
-    Timing: the first sample `first_delay_s` seconds after `generate` starts, then one every `interval_s` seconds
-    (emitted in bursts when the event loop's timer is coarser); with both 0 as fast as possible. When
-    `log_emissions` is set, `emissions` records (group index, sample index, time.perf_counter()) of every
-    sample at the moment it is yielded, so a load test can measure the latency added downstream.
-
-    `max_prompt_tokens` refuses longer prompts like an engine with that context (prompt_token_ids count tokens;
-    text counts whitespace-separated words), and stop token ids outside `vocab_size` are refused like the engine
-    does; everything else an engine refuses the API's own bounds refuse (service/wire/api.py). `runs` counts `generate`
-    calls, `received` keeps the groups of each. With `on_progress`, each sample's tokens but its last are reported
-    in `progress_reports` pieces just before it is emitted.
-
-    `text`: every sample's text (None: no tokenizer ran, as the stub engine); `tool_parsing`, given a text, is
-    what an engine applies to it for a group naming a tool_parser (service/engine/vllm/tool_calls.py's
-    `ToolCallParsing.parse`, which tests pass in: this layer loads no vLLM), so the route's tool-call path runs on a
-    text the test chose.
-
-    Pause as an engine does (`RolloutBackend.control` with a Pause), per emission: a batch that starts while paused
-    waits for `resume`; under "keep" no sample is emitted until `resume`; "abort" ends the samples not yet emitted with
-    finish_reason "abort" and no tokens; "wait" returns once the batches running have ended. A group aborted
-    through `generate`'s `aborts` ends its samples not yet emitted the same way.
-    """
-
-    def __init__(self, *, output_tokens: int = 16, first_delay_s: float = 0.0, interval_s: float = 0.0,
-                 max_prompt_tokens: int | None = None, ready: bool = True, log_emissions: bool = False,
-                 vocab_size: int = 32000, progress_reports: int = 4, text: str | None = None,
-                 tool_parsing: ToolParsing | None = None) -> None:
-        self.output_tokens = output_tokens
-        self.text = text
-        self.tool_parsing = tool_parsing
-        self.progress_reports = progress_reports
-        self.first_delay_s = first_delay_s
-        self.interval_s = interval_s
-        self.max_prompt_tokens = max_prompt_tokens
-        self.runs = 0
-        self.received: list[list[GroupRequest]] = []
-        self.history_records = 0
-        self.emissions: list[tuple[int, int, float]] | None = [] if log_emissions else None
-        self._ready = ready
-        self._version = 0
-        self._vocab_size = vocab_size
-        self._tokens = [(7 * i + 3) % vocab_size for i in range(output_tokens)]
-        self._logprobs = [-0.5] * output_tokens
-        self._gate = PauseGate()
-        self._running = 0
-        self._unemitted = 0  # samples of running batches not emitted yet
-
-    @property
-    def policy_version(self) -> int:
-        return self._version
-
-    def mark_ready(self) -> None:
-        self._ready = True
-
-    async def ready(self) -> bool:
-        return self._ready
-
-    async def live(self) -> bool:
-        return True
-
-    async def check(self, groups: Sequence[GroupRequest]) -> None:
-        for i, group in enumerate(groups):
-            outside = [t for t in group.sampling.stop_token_ids if t >= self._vocab_size]
-            if outside:
-                raise GroupInputError(i, f"sampling.stop_token_ids: {outside[0]} is outside the vocabulary "
-                                         f"[0, {self._vocab_size})")
-            if self.max_prompt_tokens is None:
-                continue
-            if group.prompt_token_ids is not None:
-                length = len(group.prompt_token_ids)
-            elif group.prompt is not None:
-                length = len(group.prompt.split())
-            else:
-                length = sum(len((m.content or "").split()) for m in group.messages or ())
-            if length >= self.max_prompt_tokens:
-                raise GroupInputError(i, f"prompt is {length} tokens; the context holds {self.max_prompt_tokens} "
-                                         f"and at least one output token must fit")
-
-    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
-                       aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
-        self.runs += 1
-        self.received.append(list(groups))
-        epoch = await self._gate.admit()
-        order = [(gi, j) for j in range(max((g.n for g in groups), default=0))
-                 for gi, g in enumerate(groups) if j < g.n]
-        templates = [self._template(g) for g in groups]
-        paced = self.first_delay_s > 0 or self.interval_s > 0
-        start = time.perf_counter()
-        self._running += 1
-        self._unemitted += len(order)
-        emitted = 0
-        try:
-            for k, (gi, j) in enumerate(order):
-                if paced:
-                    wait = start + self.first_delay_s + k * self.interval_s - time.perf_counter()
-                    if wait > 0:
-                        await asyncio.sleep(wait)
-                elif k % 64 == 63:
-                    await asyncio.sleep(0)  # unpaced: still let the loop write what is ready to the sockets
-                await self._gate.unfrozen(epoch)
-                update: dict[str, Any] = {"sample_index": j, "total_s": time.perf_counter() - start}
-                if self._gate.abort_epoch != epoch or (aborts is not None and aborts.aborted(gi)):
-                    update.update(token_ids=[], logprobs=[], finish_reason="abort", accepted_tokens=0,
-                                  draft_tokens=0, decode_steps=0)
-                sample = templates[gi].model_copy(update=update)
-                if on_progress is not None:
-                    self._report(gi, sample, on_progress)
-                if self.emissions is not None:
-                    self.emissions.append((gi, j, time.perf_counter()))
-                self._unemitted -= 1
-                emitted += 1
-                yield gi, sample
-        finally:
-            self._unemitted -= len(order) - emitted
-            self._running -= 1
-            self._gate.notify()
-
-    def _report(self, group_index: int, sample: SampleResult, on_progress: ProgressSink) -> None:
-        """The sample's tokens but its last, as `progress_reports` progress reports (as an engine reports a sample
-        before its result)."""
-        shown = len(sample.token_ids) - 1
-        step = max(1, -(-shown // self.progress_reports))
-        for at in range(0, shown, step):
-            end = min(at + step, shown)
-            on_progress(group_index, SampleProgress(sample.sample_index, at, sample.token_ids[at:end],
-                                                    sample.logprobs[at:end], "", sample.policy_version))
-
-    def _template(self, group: GroupRequest) -> SampleResult:
-        """The group's samples differ only in index and time: each is a shallow copy of this one (they share
-        its token and logprob lists), because building a pydantic model per sample would cost the load test
-        time in the gateway's process that a real engine spends elsewhere."""
-        length = min(self.output_tokens, group.sampling.max_tokens)
-        accepted = length // 4
-        content, calls = None, None
-        if group.tool_parser is not None and self.tool_parsing is not None and self.text is not None:
-            content, calls = self.tool_parsing(group, self.text, self._tokens[:length])
-        return SampleResult.model_construct(
-            problem_id=group.problem_id, sample_index=0, token_ids=self._tokens[:length],
-            logprobs=self._logprobs[:length], finish_reason="length" if length < self.output_tokens else "stop",
-            policy_version=self._version, draft_tokens=length // 2, accepted_tokens=accepted,
-            decode_steps=length - accepted, first_token_s=None, total_s=0.0, error=None, text=self.text, engine="stub-0",
-            prompt_token_ids=list(group.prompt_token_ids) if group.prompt_token_ids is not None else None,
-            tool_calls=calls, content=content)
-
-    async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
-        if version <= self._version:
-            raise EngineInputError(f"version: {version} is not newer than the served {self._version}")
-        self._version = version
-        return version
-
-    async def add_history(self, records: list[dict[str, Any]]) -> int:
-        # the engine's checks, so tests see the engine's errors; off the loop, as the coordinator runs them
-        await asyncio.to_thread(validate_rollouts, records)
-        self.history_records += len(records)
-        return len(records)
-
-    async def history(self, problem_id: str) -> ProblemSummary | None:
-        raise HistoryUnavailable("the stub backend keeps no history")
-
-    def stats(self) -> BackendStats:
-        """One synthetic engine, so every engine series of /metrics exists with the stub too; its placed tokens are
-        the samples not yet emitted at the stub's output length."""
-        return BackendStats(engines=(EngineLoad("stub-0", speculate_p50_s=0.0,
-                                                speculate_p99_s=0.0, drafts_by_source={"live": (0, 0)}),),
-                            engines_ready=1 if self._ready else 0, resident_bytes={"node_engine": 0},
-                            engine_placed_tokens={"stub-0": float(self._unemitted * self.output_tokens)})
-
-    async def control(self, message: EngineControl) -> Any:
-        """As one engine: the verb on this backend's own pause, resume, is_paused and abort_samples."""
-        return await apply_control([self], message)
-
-    async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
-        self._gate.pause(mode)
-        if mode == "wait":
-            await self._gate.until(lambda: not self._running)
-
-    async def resume(self) -> None:
-        self._gate.resume()
-
-    async def is_paused(self) -> bool:
-        return self._gate.mode is not None
-
-    async def abort_samples(self) -> int:
-        aborted = self._unemitted
-        self._gate.abort()
-        return aborted

@@ -1,5 +1,5 @@
 """vLLM's pause states (POST /pause, /resume: docs/design.md "vLLM's RL control plane") in one state machine, used by
-the stand-in engines (`StubEngine`, the cluster's `StubBackend`) that play an engine's pause, and by the service's
+the stand-in engine (`StubEngine`) that plays an engine's pause, and by the service's
 holders of new work: the gateway (new batches), the coordinator (every dispatch to an engine actor, re-dispatches
 after a death included) and each engine actor (what reached it while a pause was on its way). Each holder is paused
 before the engines it feeds and resumed after they resume.

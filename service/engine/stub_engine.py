@@ -1,9 +1,15 @@
-"""`StubEngine`: an `Engine` (service/engine/protocol.py) without a model, for tests and load tests of the Ray service.
+"""`StubEngine`: an `Engine` (service/engine/protocol.py) without a model, for tests and load tests of the Ray service
+and of the gateway (`EngineBackend` over a stub engine).
 
-Each sample is `tokens` tokens long (capped by max_tokens) of a fixed pattern, produced at `token_s` seconds a
-token. It drafts nothing: `draft_tokens` and `accepted_tokens` are 0, so no figure from it can pass for a
-speedup. It counts the history it was given (`history_records`), which is what service tests check. It refuses
-what the engine refuses without needing vLLM: the API's bounds (service/wire/api.py, vLLM's own sampling limits) and the
+Each sample is `tokens` tokens long (capped by max_tokens) of a fixed pattern that follows from the sample's key
+(`stub_tokens`), produced at `token_s` seconds a token, or all at once without it. Samples may also be paced per
+sample: `first_sample_s` after its group started at the earliest, and one every `sample_s` seconds across every
+group in flight (samples of concurrent groups take turns: sample 0 of each, then sample 1, ...; unpaced they take
+turns too, each letting the loop run before it). It drafts nothing unless told (`draft_figures`): `draft_tokens`
+and `accepted_tokens` are 0, so no figure from it can pass for a speedup. Every sample carries `text` (None: no
+tokenizer ran), and for a group naming a tool_parser what `tool_parsing` makes of that text. It counts the history
+it was given (`history_records`), which is what service tests check. It refuses what the engine refuses without
+needing vLLM: the API's bounds (service/wire/api.py, vLLM's own sampling limits) and the
 model's (prompt and stop token ids within the vocabulary, the prompt and max_tokens within the context). It reports
 progress and resumes samples from a prefix as `Engine.generate` does. It keeps the trace headers its latest samples
 were given (`trace_headers`: what a vLLM engine that traces passes to vLLM, GroupRequest.trace_headers), which is what
@@ -26,7 +32,7 @@ import asyncio
 import os
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -35,9 +41,16 @@ from das.service.engine.pause_gate import PauseGate
 from das.service.engine.runner_choice import RunnerChoice
 from das.service.engine.contract import (EngineConfigError, EngineInputError, EngineTally, StepPartTotals,
                                          context_error, validate_rollouts)
-from das.service.wire.api import GroupRequest, PauseMode, SampleResult, seeded_groups
+from das.service.wire.api import GroupRequest, PauseMode, SampleResult, ToolCall, seeded_groups
 from das.service.wire.sample_progress import SampleProgress
 
+
+# (group, a sample's text, its token ids) -> (content, tool calls): what an engine's tool-call parsing returns
+# (service/engine/vllm/tool_calls.py `ToolCallParsing.parse`, which tests hand a stub engine: this one loads no vLLM)
+ToolParsing = Callable[[GroupRequest, str, Sequence[int]], tuple[str | None, list[ToolCall]]]
+
+# The log-probability every stub token is drawn with.
+STUB_LOGPROB = -1.0
 
 # Trace headers a stub engine keeps, the latest samples' (a load test runs millions of samples through one).
 TRACE_HEADERS_KEPT = 1024
@@ -76,6 +89,14 @@ class StubEngineConfig(BaseModel):
     kind: Literal["stub"] = "stub"
     tokens: int = Field(16, ge=0, description="output tokens per sample (before max_tokens)")
     token_s: float = Field(0.0, ge=0, description="seconds per output token of a sample")
+    first_sample_s: float = Field(0.0, ge=0, description="seconds from a group's start before its first sample "
+                                  "can finish")
+    sample_s: float = Field(0.0, ge=0, description="seconds between two samples the engine finishes, across all "
+                            "groups in flight (a fixed throughput: concurrent groups' samples take turns)")
+    text: str | None = Field(None, description="every sample's text (None: no tokenizer ran)")
+    draft_figures: bool = Field(False, description="each sample reports half its new tokens drafted and a quarter "
+                                "accepted (one decode step saved per accepted token), for tests of the figures' "
+                                "sums; off, the stub drafts nothing, so no figure from it can pass for a speedup")
     max_model_len: int = Field(2048, ge=2)
     vocab_size: int = Field(32000, ge=2)
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs an engine takes on a GPU node (placement "
@@ -105,17 +126,36 @@ class StubEngineConfig(BaseModel):
         return "none"
 
 
-class StubEngine:
-    """An `Engine` without a model (the module's docstring says what it plays)."""
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
-    def __init__(self, config: StubEngineConfig) -> None:
+
+def stub_tokens(key: int, start: int, stop: int, vocab_size: int) -> list[int]:
+    """A stub sample's tokens at positions [start, stop): token p is (7 p + key) % vocab_size, `key` the sample's key
+    (GroupRequest.sample_key), so a sample drawn again under its key repeats its draw."""
+    first = (7 * start + key) % vocab_size
+    end = first + 7 * (stop - start)
+    if end <= vocab_size:  # no wrap (most samples): a range, the cheapest list of them
+        return list(range(first, end, 7))
+    return [(first + 7 * i) % vocab_size for i in range(stop - start)]
+
+
+class StubEngine:
+    """An `Engine` without a model (the module's docstring says what it plays); `tool_parsing` parses each sample's
+    text for a group naming a tool_parser (None: such groups get no tool calls)."""
+
+    def __init__(self, config: StubEngineConfig, tool_parsing: ToolParsing | None = None) -> None:
         self.config = config
+        self.tool_parsing = tool_parsing
         self.policy_version = 0
         self.tally = EngineTally()
         self.history_records = 0
         self._gate = PauseGate()
         self._groups = 0  # groups in flight (held ones excluded)
         self._unfinished = 0  # samples of the groups in flight not yet yielded
+        self._waiting: set[asyncio.Future[None]] = set()  # samples waiting for their turn under per-sample pacing
+        self._next_turn = 0.0  # loop time of the next turn under per-sample pacing
         self.dead = False  # no engine core that could die
         self.runner: RunnerChoice | None = None  # no model runner
         self.tokens_made: Counter[str] = Counter()  # per problem_id, tokens generated (tests see a sample stop)
@@ -173,6 +213,12 @@ class StubEngine:
             if (headers := group.trace_headers(index)) is not None:
                 self.trace_headers.append((group.problem_id, index, headers))
         start = time.perf_counter()
+        earliest = asyncio.get_running_loop().time() + self.config.first_sample_s
+        # what the group's samples share; each is a copy of it (building and checking a model per sample would cost a
+        # load test's gateway process, where an in-process stub runs, time a real engine spends elsewhere)
+        template = SampleResult.model_construct(
+            problem_id=group.problem_id, sample_index=0, token_ids=[], logprobs=[], finish_reason="stop",
+            policy_version=self.policy_version, prompt_token_ids=prompt, text=self.config.text)
         pace = self.config.token_s / group.n  # the group's samples share the engine's steps
         self.tally.running += group.n  # the group's samples, until the group ends
         self._groups += 1
@@ -180,8 +226,10 @@ class StubEngine:
         yielded = 0
         try:
             for index in range(group.n):
+                await self._turn(earliest, epoch)
                 # the sample's tokens are a function of its key, as under keyed sampling: a re-drawn sample repeats
                 key = group.sample_key(index)
+                assert key is not None  # seeded above
                 tokens = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
                 resumed = len(tokens)
                 first: float | None = None  # seconds from the group's start to this sample's first new token
@@ -195,36 +243,82 @@ class StubEngine:
                         break
                     if not spans or spans[-1][0] != version:
                         spans.append((version, len(tokens)))
-                    tokens.append((7 * len(tokens) + key) % self.config.vocab_size)
+                    # paced, a token a step; unpaced, the rest at once (no await between tokens: nothing could
+                    # happen between them)
+                    at = len(tokens)
+                    tokens += stub_tokens(key, at, at + 1 if pace else length, self.config.vocab_size)
                     if first is None:
                         first = time.perf_counter() - start
-                    self.tokens_made[group.problem_id] += 1
-                    if on_progress is not None and len(tokens) < length:
-                        on_progress(SampleProgress(index, len(tokens) - 1, tokens[-1:], [-1.0], "", version))
+                    self.tokens_made[group.problem_id] += len(tokens) - at
+                    if on_progress is not None and at < length - 1:
+                        shown = tokens[at:length - 1]  # the new tokens but the sample's last
+                        on_progress(SampleProgress(index, at, shown, [STUB_LOGPROB] * len(shown), "", version))
                 if len(tokens) < length:
                     finish = "abort"
                 else:
                     finish = "length" if length == group.sampling.max_tokens else "stop"
                 self._unfinished -= 1
                 yielded += 1
-                yield SampleResult(
-                    problem_id=group.problem_id, sample_index=index, token_ids=tokens,
-                    logprobs=[-1.0] * (len(tokens) - resumed), finish_reason=finish,
-                    policy_version=spans[0][0] if spans else self.policy_version,
-                    policy_spans=spans if len(spans) > 1 or (resumed and spans) else None,
-                    decode_steps=len(tokens) - resumed, first_token_s=first,
-                    total_s=time.perf_counter() - start, prompt_token_ids=prompt)
+                yield self._sample(template, group, index, tokens, resumed, finish, spans, first,
+                                   time.perf_counter() - start)
         finally:
             self.tally.running -= group.n
             self._groups -= 1
             self._unfinished -= group.n - yielded
             self._gate.notify()
 
+    async def _turn(self, earliest: float, epoch: int) -> None:
+        """Waits for a sample's turn to be made: not before `earliest` (loop time) and `sample_s` after the previous
+        turn, turns given in the order they are asked for (by the schedule, not the wake-up: late timers are caught
+        up with, in a burst, as at a fixed throughput); an abort ends the wait at once. Unpaced, lets the loop run
+        once (the other groups' samples, the sockets) before the sample, as an engine's steps would."""
+        if not (self.config.sample_s or self.config.first_sample_s):
+            await asyncio.sleep(0)
+            return
+        if self._gate.abort_epoch != epoch:
+            return
+        loop = asyncio.get_running_loop()
+        turn = max(earliest, self._next_turn)
+        self._next_turn = turn + self.config.sample_s
+        wake = loop.create_future()
+        timer = loop.call_at(turn, _wake, wake)
+        self._waiting.add(wake)
+        try:
+            await wake
+        finally:
+            timer.cancel()
+            self._waiting.discard(wake)
+
+    def _end_waits(self) -> None:
+        """An abort: the samples waiting for their turn go at once (to end "abort"), and the turns start afresh."""
+        for wake in self._waiting:
+            _wake(wake)
+        self._next_turn = 0.0
+
+    def _sample(self, template: SampleResult, group: GroupRequest, index: int, tokens: list[int], resumed: int,
+                finish: Literal["stop", "length", "abort"], spans: list[tuple[int, int]], first: float | None,
+                total_s: float) -> SampleResult:
+        """The finished sample, a copy of its group's `template`: `tokens` after `resumed` are new; `spans` as in
+        the module's docstring."""
+        new = len(tokens) - resumed
+        accepted = new // 4 if self.config.draft_figures else 0
+        update: dict[str, Any] = {
+            "sample_index": index, "token_ids": tokens, "logprobs": [STUB_LOGPROB] * new, "finish_reason": finish,
+            "policy_version": spans[0][0] if spans else self.policy_version,
+            "policy_spans": spans if len(spans) > 1 or (resumed and spans) else None,
+            "draft_tokens": new // 2 if self.config.draft_figures else 0, "accepted_tokens": accepted,
+            "decode_steps": new - accepted, "first_token_s": first, "total_s": total_s}
+        if group.tool_parser is not None and self.tool_parsing is not None and self.config.text is not None:
+            update["content"], update["tool_calls"] = self.tool_parsing(group, self.config.text, tokens)
+        return template.model_copy(update=update)
+
     # ---- pause (vLLM's RL control plane) ----
 
     async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None:
         """As `Engine.pause`; `clear_cache` has nothing to clear here."""
         self._gate.pause(mode)
+        if mode == "abort":
+            self._end_waits()
         if mode == "wait":
             await self._gate.until(lambda: not self._groups)
 
@@ -239,6 +333,7 @@ class StubEngine:
         groups in flight were unfinished (held groups' samples are not counted)."""
         aborted = self._unfinished
         self._gate.abort()
+        self._end_waits()
         return aborted
 
     async def reload_weights(self, checkpoint: str | os.PathLike[str], version: int | None = None) -> int:
@@ -273,7 +368,8 @@ class StubEngine:
         return None
 
     async def add_history(self, rollouts: list[dict[str, Any]]) -> int:
-        validate_rollouts(rollouts)
+        # the checks walk every token: off the event loop, which an in-process stub shares with the gateway
+        await asyncio.to_thread(validate_rollouts, rollouts)
         self.history_records += len(rollouts)
         return len(rollouts)
 

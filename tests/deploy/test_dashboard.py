@@ -1,6 +1,6 @@
 """The Grafana straggler dashboard (deploy/grafana/das-stragglers.json) asks only for series the service exports.
 
-One batch runs through the real gateway over a StubBackend (in-process, TestClient), then /metrics is scraped and
+One batch runs through the real gateway over a stub engine (in-process, TestClient), then /metrics is scraped and
 parsed with prometheus-client's parser. Every PromQL expression of the dashboard (panel targets and variable
 queries) is parsed with a real PromQL parser (promql-parser); every vector selector's metric name must be a
 series in the scrape, every label it matches on must be one of that series' labels (or a label Prometheus adds
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import promql_parser as promql
@@ -20,10 +20,12 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from das.service.cluster.rollout_backend import StubBackend
+from das.service.cluster.rollout_backend import BackendStats
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from tests.deploy.manifests import ROOT
+from tests.service.stub_backend import RecordingBackend
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "das-stragglers.json"
 # Labels Prometheus (and the prometheus-operator's ServiceMonitor relabelling) attach to every scraped series.
@@ -168,11 +170,24 @@ def problems(queries: list[Query], exported: dict[str, set[str]]) -> list[str]:
     return found
 
 
+class EveryEngineFigure(RecordingBackend):
+    """The stub engine's backend with the engine figures an in-process engine has no source for filled in
+    (proposer times and drafts by source, an engine actor's memory, placed tokens), so every engine series of
+    /metrics exists."""
+
+    def stats(self) -> BackendStats:
+        stats = super().stats()
+        engines = tuple(replace(load, speculate_p50_s=0.0, speculate_p99_s=0.0, drafts_by_source={"live": (0, 0)})
+                        for load in stats.engines)
+        return replace(stats, engines=engines, resident_bytes={"node_engine": 0},
+                       engine_placed_tokens={load.engine: 0.0 for load in engines})
+
+
 @pytest.fixture(scope="module")
 def exported() -> dict[str, set[str]]:
-    """The series /metrics exports after one batch through the gateway (stub engine, one synthetic engine), one of
+    """The series /metrics exports after one batch through the gateway (stub engine, its figures filled in), one of
     its groups a session's turn."""
-    with TestClient(create_app(StubBackend(output_tokens=24), GatewayConfig())) as client:
+    with TestClient(create_app(EveryEngineFigure(StubEngine(StubEngineConfig(tokens=24))), GatewayConfig())) as client:
         body = {"groups": [{"problem_id": "p0", "n": 4, "prompt_token_ids": [1, 2, 3],
                             "sampling": {"max_tokens": 32}},
                            {"problem_id": "p1", "n": 2, "prompt_token_ids": [4, 5], "sampling": {"max_tokens": 16}},

@@ -1,5 +1,5 @@
 """The gateway served for tests: `LiveServer` (uvicorn on loopback in a thread), its settings, request and
-response helpers, the token and the stub's answer."""
+response helpers and the token."""
 
 from __future__ import annotations
 
@@ -17,9 +17,6 @@ from das.service.http.request_guard import server_config
 
 
 TOKEN = "s3cret-token"
-# What StubBackend(output_tokens=5) answers: token i is (7 i + 3) % vocab, logprob -0.5 (a quarter of the tokens
-# accepted of a half drafted).
-STUB_TOKENS = [3, 10, 17, 24, 31]
 
 
 class LiveServer:

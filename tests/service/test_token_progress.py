@@ -18,10 +18,11 @@ import pytest
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.client import RolloutClient, RolloutError
 from das.service.client.history_chunks import history_bodies
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.cluster.rollout_backend import EngineBackend
 from das.service.http.gateway import create_app
 from das.service.wire.sample_progress import ProgressRecord
 from tests.service.live_gateway import LiveServer, gateway_settings
+from tests.service.stub_backend import stub_backend
 
 
 def stub(**config: Any) -> EngineBackend:
@@ -156,7 +157,7 @@ def test_history_bodies_stay_within_the_limits_and_keep_every_record_in_order():
 
 
 def test_add_history_over_the_body_limit_goes_in_several_requests(serve):
-    backend = StubBackend()
+    backend = stub_backend()
     server = serve(backend, max_body_bytes=4096)
     records = [{"problem_id": f"p{i % 7}", "policy_version": 0, "sample_index": i, "prompt_token_ids": [1, 2, 3],
                 "output_token_ids": list(range(50)), "finish_reason": "stop"} for i in range(200)]
@@ -164,7 +165,7 @@ def test_add_history_over_the_body_limit_goes_in_several_requests(serve):
         with pytest.raises(RolloutError, match="413"):
             client.max_body_bytes = 1 << 20  # as if the server's limit were larger: one request, refused
             client.add_history(records)
-        assert backend.history_records == 0
+        assert backend.engine.history_records == 0
         client.max_body_bytes = 4096
         assert client.add_history(records) == 200
-    assert backend.history_records == 200
+    assert backend.engine.history_records == 200

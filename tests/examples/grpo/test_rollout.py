@@ -1,4 +1,4 @@
-"""The GRPO example's service hooks against the gateway on a StubBackend over real HTTP: the rollout function's
+"""The GRPO example's service hooks against the gateway on a stub engine over real HTTP: the rollout function's
 answer in TRL's shape, the step record, and the weight push after an optimizer step."""
 
 from __future__ import annotations
@@ -9,9 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from das.service.cluster.rollout_backend import StubBackend
+from das.service.engine.stub_engine import STUB_LOGPROB, StubEngine, StubEngineConfig
 from das.service.http.gateway import create_app
-from das.service.wire.api import GroupRequest, SampleResult
 from examples.grpo.rollout import (
     ServiceConfig,
     ServiceRollout,
@@ -21,7 +20,8 @@ from examples.grpo.rollout import (
     problem_key,
     prompt_runs,
 )
-from tests.service.live_gateway import STUB_TOKENS, LiveServer, gateway_settings
+from tests.service.live_gateway import LiveServer, gateway_settings
+from tests.service.stub_backend import RecordingBackend, sample_tokens, stub_backend
 
 TOKEN = "grpo-test-token"
 CHAT_A = [{"role": "user", "content": "What is 2 + 2?"}]
@@ -48,20 +48,29 @@ def test_draft_counts_by_source_sum_engines_and_difference():
         "live": {"proposed": 10, "accepted": 3}, "sealed-age-1": {"proposed": 7, "accepted": 3}}
 
 
-class ChatStub(StubBackend):
-    """The stub with a prompt's token ids for chat groups too (a real engine has them from the chat template;
-    the stub has no tokenizer): each message's length in characters, as a stand-in that differs between prompts."""
+# The stub engine's prompt token ids of the chats (no tokenizer: 1 + each word's length), which differ between them.
+PROMPT_A = [5, 3, 2, 2, 3]
+PROMPT_B = [5, 3, 3, 2, 3]
 
-    def _template(self, group: GroupRequest) -> SampleResult:
-        template = super()._template(group)
-        if group.messages is not None:
-            template.prompt_token_ids = [len(m.content) for m in group.messages]
-        return template
+
+class NoPromptIds(RecordingBackend):
+    """Answers without the prompt's token ids, as an engine that does not report them."""
+
+    async def generate(self, groups, on_progress=None, aborts=None):  # noqa: ANN001, ANN201 - as EngineBackend's
+        async for index, sample in super().generate(groups, on_progress, aborts):
+            sample.prompt_token_ids = None
+            yield index, sample
+
+
+def drawn(backend: RecordingBackend, chat: list[dict[str, str]], index: int) -> list[int]:
+    """The tokens the stub engine drew for sample `index` of the group on `chat`."""
+    (group,) = [g for batch in backend.received for g in batch if g.messages[0].content == chat[0]["content"]]
+    return sample_tokens(group, index, 5)
 
 
 @pytest.fixture
 def service(tmp_path: Path):
-    backend = ChatStub(output_tokens=5)
+    backend = stub_backend(tokens=5, draft_figures=True)
     with LiveServer(create_app(backend, gateway_settings(token=TOKEN, weights_root=tmp_path))) as server:
         yield backend, ServiceConfig(url=server.url, token=TOKEN, max_tokens=5, temperature=1.0)
 
@@ -72,9 +81,10 @@ def test_rollout_answers_in_trls_shape_one_request_per_prompt(service):
     out = rollout([CHAT_A, CHAT_A, CHAT_A, CHAT_B, CHAT_B, CHAT_B])
     assert backend.runs == 2  # one chat completion with n = 3 per prompt, not one per sample
     assert len(out["prompt_ids"]) == len(out["completion_ids"]) == len(out["logprobs"]) == 6
-    assert all(ids == STUB_TOKENS for ids in out["completion_ids"])
-    assert all(lp == [-0.5] * len(STUB_TOKENS) for lp in out["logprobs"])
-    assert out["prompt_ids"] == [[14]] * 3 + [[15]] * 3
+    assert out["completion_ids"] == [drawn(backend, chat, i) for chat in (CHAT_A, CHAT_B)
+                                     for i in range(3)]
+    assert all(lp == [STUB_LOGPROB] * 5 for lp in out["logprobs"])
+    assert out["prompt_ids"] == [PROMPT_A] * 3 + [PROMPT_B] * 3
     assert out["policy_version"] == [0] * 6
     (step,) = rollout.steps
     assert (step.samples, step.completion_tokens, step.longest_tokens) == (6, 30, 5)
@@ -112,18 +122,21 @@ def test_a_coupled_rollout_gives_each_problem_one_seed_for_every_step(service):
 def test_rollout_keeps_every_sample_as_a_trace_record(service):
     from das.drafter.records import RolloutRecord
 
-    _, config = service
+    backend, config = service
     rollout = ServiceRollout(config)
     rollout([CHAT_A, CHAT_A, CHAT_B])
     records = [RolloutRecord(**r) for r in rollout.records]  # the trace format accepts them as they are
     assert [(r.problem_id == problem_key(CHAT_A), r.sample_index) for r in records] == [
         (True, 0), (True, 1), (False, 0)]
-    assert all(r.output_token_ids == tuple(STUB_TOKENS) and r.policy_version == 0 for r in records)
-    assert records[0].prompt_token_ids == (14,) and records[2].prompt_token_ids == (15,)
+    assert [r.output_token_ids for r in records] == [tuple(drawn(backend, chat, i))
+                                                     for chat, i in ((CHAT_A, 0), (CHAT_A, 1), (CHAT_B, 0))]
+    assert all(r.policy_version == 0 for r in records)
+    assert records[0].prompt_token_ids == tuple(PROMPT_A) and records[2].prompt_token_ids == tuple(PROMPT_B)
 
 
 def test_rollout_refuses_an_answer_without_prompt_ids(tmp_path):
-    with LiveServer(create_app(StubBackend(output_tokens=5), gateway_settings(token=TOKEN))) as server:
+    backend = NoPromptIds(StubEngine(StubEngineConfig(tokens=5)))
+    with LiveServer(create_app(backend, gateway_settings(token=TOKEN))) as server:
         rollout = ServiceRollout(ServiceConfig(url=server.url, token=TOKEN, max_tokens=5, temperature=1.0))
         with pytest.raises(RuntimeError, match="prompt_token_ids"):
             rollout([CHAT_A, CHAT_A])

@@ -14,12 +14,13 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from das.service.engine.stub_engine import StubEngine, StubEngineConfig
+from das.service.engine.stub_engine import STUB_LOGPROB, StubEngine, StubEngineConfig
 from das.service.client import AsyncRolloutClient, RolloutClient, RolloutError
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.cluster.rollout_backend import EngineBackend, RolloutBackend
 from das.service.http.gateway import create_app
 from tests.service.live_gateway import TOKEN, LiveServer, gateway_settings, groups
 from tests.service.client.batch_keys import ALL_12, keys
+from tests.service.stub_backend import stub_backend
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def live() -> Iterator[Any]:
     """live(backend, **settings) -> LiveServer; stopped at the end of the test."""
     servers: list[LiveServer] = []
 
-    def start(backend: StubBackend, **settings: Any) -> LiveServer:
+    def start(backend: RolloutBackend, **settings: Any) -> LiveServer:
         servers.append(LiveServer(create_app(backend, gateway_settings(**settings))).__enter__())
         return servers[-1]
 
@@ -113,18 +114,18 @@ class AsyncDropFirstStream(httpx.AsyncHTTPTransport):
 
 @pytest.mark.parametrize("wire", ["msgpack", "ndjson"])
 def test_generate_yields_every_sample_once_with_the_summary(live, wire):
-    server = live(StubBackend(output_tokens=6), token=TOKEN)
+    server = live(stub_backend(tokens=6), token=TOKEN)
     with RolloutClient(server.url, token=TOKEN, wire=wire) as client:
         stream = client.generate(groups(3, 4), logprobs=True)
         records = list(stream)
         assert client.status(stream.batch_id).status == "done"
     assert keys(records) == ALL_12
-    assert all(r.logprobs == [-0.5] * 6 and len(r.output_token_ids) == 6 for r in records)
+    assert all(r.logprobs == [STUB_LOGPROB] * 6 and len(r.output_token_ids) == 6 for r in records)
     assert stream.summary is not None and stream.summary.samples == 12 and stream.summary.status == "done"
 
 
 def test_samples_arrive_while_the_batch_runs(live):
-    server = live(StubBackend(interval_s=0.1))
+    server = live(stub_backend(sample_s=0.1))
     with RolloutClient(server.url) as client:
         stream = client.generate(groups(1, 4))
         first = next(iter(stream))
@@ -134,7 +135,7 @@ def test_samples_arrive_while_the_batch_runs(live):
 
 
 def test_a_dropped_connection_is_resumed_without_rerunning_or_repeating(live):
-    backend = StubBackend(output_tokens=8, interval_s=0.01)
+    backend = stub_backend(tokens=8, sample_s=0.01)
     server = live(backend)
     transport = DropFirstStream(limit=250)  # a few records, the last one cut mid-frame
     with RolloutClient(server.url, backoff_s=0.01, transport=transport) as client:
@@ -148,7 +149,7 @@ def test_a_dropped_connection_is_resumed_without_rerunning_or_repeating(live):
 
 
 def test_the_async_client_resumes_a_dropped_connection_too(live):
-    backend = StubBackend(output_tokens=8, interval_s=0.01)
+    backend = stub_backend(tokens=8, sample_s=0.01)
     server = live(backend)
     transport = AsyncDropFirstStream(limit=400)
 
@@ -163,7 +164,7 @@ def test_the_async_client_resumes_a_dropped_connection_too(live):
 
 
 def test_a_server_not_ready_yet_is_retried(live):
-    backend = StubBackend(ready=False)
+    backend = stub_backend(ready=False)
     server = live(backend)
     threading.Timer(0.2, backend.mark_ready).start()
     with RolloutClient(server.url, backoff_s=0.05, retries=8) as client:
@@ -172,7 +173,7 @@ def test_a_server_not_ready_yet_is_retried(live):
 
 
 def test_refusals_raise_at_once_with_the_server_detail(live):
-    backend = StubBackend(max_prompt_tokens=4)
+    backend = stub_backend(max_model_len=4)
     server = live(backend)
     with RolloutClient(server.url, backoff_s=0.01) as client:
         with pytest.raises(RolloutError) as err:
@@ -180,14 +181,14 @@ def test_refusals_raise_at_once_with_the_server_detail(live):
         assert err.value.status_code == 422 and err.value.detail[0]["loc"] == ["body", "groups", 0]
         with pytest.raises(ValidationError, match="max_tokens"):  # checked locally, before any request
             client.generate([{"problem_id": "p", "prompt": "x", "sampling": {"max_tokens": 0}}])
-    guarded = live(StubBackend(), token="right")
+    guarded = live(stub_backend(), token="right")
     with RolloutClient(guarded.url, token="wrong") as client, pytest.raises(RolloutError) as err:
         client.status("any")
     assert err.value.status_code == 401
 
 
 def test_an_aborted_batch_raises_after_its_samples(live):
-    server = live(StubBackend(interval_s=0.1))
+    server = live(stub_backend(sample_s=0.1))
     seen = []
     with RolloutClient(server.url) as client:
         stream = client.generate(groups(1, 5), batch_id="cut-short")
@@ -199,7 +200,7 @@ def test_an_aborted_batch_raises_after_its_samples(live):
 
 
 def test_weights_and_history_calls(live, tmp_path):
-    backend = StubBackend()
+    backend = stub_backend()
     server = live(backend, token=TOKEN, weights_root=tmp_path)
 
     async def run() -> tuple[int, int]:

@@ -12,11 +12,11 @@ from das.drafter.records import load_rollouts
 from das.service.cli import app
 from das.service.client.prompt_sets import Problem
 from das.service.client.rollout_run import run_rollouts
-from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.gateway import create_app
 from das.service.wire.api import SampleRecord, SamplingSpec, seeded_groups
 from das.service.wire.sample_keys import derive
 from tests.service.live_gateway import TOKEN, LiveServer, gateway_settings
+from tests.service.stub_backend import stub_backend
 
 
 def test_das_rollout_runs_epochs_and_writes_a_history_file(tmp_path: Path) -> None:
@@ -24,7 +24,7 @@ def test_das_rollout_runs_epochs_and_writes_a_history_file(tmp_path: Path) -> No
     problems.write_text("".join(json.dumps({"problem_id": f"q{i}", "prompt_token_ids": [3, 4, i]}) + "\n"
                                 for i in range(3)))
     out = tmp_path / "history.jsonl.gz"
-    backend = StubBackend(output_tokens=12)
+    backend = stub_backend(tokens=12)
     with LiveServer(create_app(backend, gateway_settings(token=TOKEN))) as server:
         result = CliRunner().invoke(app, ["rollout", "--server", server.url, "--problems", str(problems),
                                           "--samples", "4", "--epochs", "2", "--max-tokens", "10", "--out", str(out),

@@ -1,5 +1,5 @@
 """Aborting one group of a batch (service/cluster/group_aborts.py) on the backends without Ray: `EngineBackend` and
-`NodeEngine` over a paced `StubEngine`, and `StubBackend`. The aborted group's engine stops generating it, its
+`NodeEngine` over a paced `StubEngine` (a token at a time, or a sample at a time). The aborted group's engine stops generating it, its
 samples come once each with finish_reason "abort", and the other group completes with every token."""
 
 from __future__ import annotations
@@ -10,9 +10,10 @@ from pathlib import Path
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.group_aborts import GroupAborts
 from das.service.cluster.node_engine import NodeEngine
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.cluster.rollout_backend import EngineBackend
 from das.service.wire.api import GroupRequest, SampleResult
 from tests.service.cluster.flaky_shard import FlakyShard
+from tests.service.stub_backend import stub_backend
 
 TOKENS = 40
 
@@ -110,8 +111,8 @@ def test_node_engine_applies_an_abort_that_came_before_its_run(tmp_path: Path) -
     assert sorted((g, s.finish_reason) for g, s in samples) == [(0, "length"), (0, "length"), (1, "abort")]
 
 
-def test_stub_backend_ends_an_aborted_groups_unemitted_samples_with_abort() -> None:
-    backend = StubBackend(output_tokens=4, interval_s=0.01)
+def test_a_sample_paced_engine_ends_an_aborted_groups_unemitted_samples_with_abort_at_once() -> None:
+    backend = stub_backend(tokens=4, sample_s=0.01)
 
     async def scenario() -> list[tuple[int, SampleResult]]:
         aborts = GroupAborts()
@@ -125,8 +126,9 @@ def test_stub_backend_ends_an_aborted_groups_unemitted_samples_with_abort() -> N
         return out
 
     samples = asyncio.run(scenario())
+    # the groups' samples take turns; the aborted group's come at once, not at their turns
     assert [(g, s.sample_index, s.finish_reason) for g, s in samples] == [
-        (0, 0, "stop"), (1, 0, "stop"), (0, 1, "stop"), (1, 1, "abort"), (0, 2, "stop"), (1, 2, "abort")]
+        (0, 0, "stop"), (1, 0, "stop"), (1, 1, "abort"), (1, 2, "abort"), (0, 1, "stop"), (0, 2, "stop")]
     assert all(len(s.token_ids) == 4 for g, s in samples if g == 0)
 
 

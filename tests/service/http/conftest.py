@@ -8,7 +8,7 @@ from typing import Any
 import openai
 import pytest
 
-from das.service.cluster.rollout_backend import StubBackend
+from das.service.cluster.rollout_backend import RolloutBackend
 from das.service.http.gateway import create_app
 from tests.service.live_gateway import TOKEN, LiveServer, gateway_settings
 
@@ -19,7 +19,7 @@ def openai_serve() -> Iterator[Any]:
     429 or 503 would hide the status); all stopped at the end of the test."""
     servers: list[LiveServer] = []
 
-    def start(backend: StubBackend, **settings: Any) -> tuple[LiveServer, openai.OpenAI]:
+    def start(backend: RolloutBackend, **settings: Any) -> tuple[LiveServer, openai.OpenAI]:
         server = LiveServer(create_app(backend, gateway_settings(token=TOKEN, **settings))).__enter__()
         servers.append(server)
         return server, openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=10)

@@ -12,13 +12,13 @@ import httpx
 import pytest
 
 from das.service.client import BatchFromPreviousRunError, RolloutClient
-from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.batch_journal import JOURNAL_FILE, BatchJournal
 from das.service.config import BatchJournalConfig
 from das.service.http.gateway import create_app
 from das.service.wire.api import BatchFromPreviousRun
 from tests.service.client.batch_keys import ALL_12, keys
 from tests.service.live_gateway import LiveServer, gateway_settings, groups
+from tests.service.stub_backend import stub_backend
 
 
 def config(state_dir: Path, **extra: Any) -> BatchJournalConfig:
@@ -122,10 +122,10 @@ def test_compaction_bounds_the_file_and_keeps_the_newest_and_the_running(tmp_pat
 
 
 class Service:
-    """A gateway with a batch journal in `state_dir`, over a fresh StubBackend: one run of the service."""
+    """A gateway with a batch journal in `state_dir`, over a fresh stub engine: one run of the service."""
 
     def __init__(self, state_dir: Path | None, **stub: Any) -> None:
-        self.backend = StubBackend(**stub)
+        self.backend = stub_backend(**stub)
         journal = config(state_dir) if state_dir is not None else None
         self.server = LiveServer(create_app(self.backend, gateway_settings(batch_journal=journal))).__enter__()
         self.http = httpx.Client(base_url=self.server.url, timeout=10)
@@ -136,7 +136,7 @@ class Service:
 
 
 def test_a_retry_after_a_restart_gets_409_and_runs_nothing_twice(tmp_path: Path) -> None:
-    first = Service(tmp_path, output_tokens=5, interval_s=0.2)
+    first = Service(tmp_path, tokens=5, sample_s=0.2)
     try:
         body = {"batch_id": "b1", "groups": groups(3, 4, prompt_token_ids=[11, 12, 13])}
         done = first.http.post("/v1/rollouts", json=body)
@@ -147,7 +147,7 @@ def test_a_retry_after_a_restart_gets_409_and_runs_nothing_twice(tmp_path: Path)
         first.stop()
     assert first.backend.runs == 2
 
-    second = Service(tmp_path, output_tokens=5)
+    second = Service(tmp_path, tokens=5)
     try:
         refused = second.http.post("/v1/rollouts", json=body)
         assert refused.status_code == 409
@@ -217,7 +217,7 @@ def port(service: Service) -> int:
 
 
 def test_the_client_raises_batch_from_previous_run_when_its_retry_meets_a_restarted_service(tmp_path: Path) -> None:
-    first = Service(tmp_path, interval_s=0.3)
+    first = Service(tmp_path, sample_s=0.3)
     transport = Redirect(port(first))
     received = []
     second: Service | None = None

@@ -1,4 +1,4 @@
-"""The gateway over real HTTP on loopback (uvicorn in a background thread, a StubBackend): every sample once,
+"""The gateway over real HTTP on loopback (uvicorn in a background thread, a stub engine): every sample once,
 streaming before the batch ends, both wire formats, auth, validation, idempotent batch ids, abort, weights,
 history, metrics and readiness."""
 
@@ -16,12 +16,14 @@ import httpx
 import msgpack
 import pytest
 
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.cluster.rollout_backend import EngineBackend, RolloutBackend
 from das.service.engine.contract import EngineInputError, EngineTally
+from das.service.engine.stub_engine import STUB_LOGPROB, StubEngine, StubEngineConfig
 from das.service.http.gateway import create_app
 from das.service.wire.api import GroupRequest, SampleRecord, SampleResult
 from das.service.wire.sample_keys import derive
 from tests.service.live_gateway import LiveServer, TOKEN, gateway_settings, groups, read_ndjson
+from tests.service.stub_backend import RecordingBackend, stub_backend
 
 
 def read_msgpack(response: httpx.Response) -> list[dict[str, Any]]:
@@ -36,7 +38,7 @@ def serve() -> Iterator[Any]:
     """serve(backend, **settings) -> (LiveServer, httpx.Client); all stopped at the end of the test."""
     opened: list[Any] = []
 
-    def start(backend: StubBackend, **settings: Any) -> tuple[LiveServer, httpx.Client]:
+    def start(backend: RolloutBackend, **settings: Any) -> tuple[LiveServer, httpx.Client]:
         server = LiveServer(create_app(backend, gateway_settings(**settings))).__enter__()
         client = httpx.Client(base_url=server.url, timeout=10)
         opened.append((server, client))
@@ -49,7 +51,7 @@ def serve() -> Iterator[Any]:
 
 
 def test_every_sample_streams_once_as_ndjson_then_a_summary(serve):
-    _, http = serve(StubBackend(output_tokens=5))
+    _, http = serve(stub_backend(tokens=5))
     response = http.post("/v1/rollouts", json={"batch_id": "b1", "groups": groups(3, 4)})
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("application/x-ndjson")
@@ -67,26 +69,26 @@ def test_every_sample_streams_once_as_ndjson_then_a_summary(serve):
 
 
 def test_msgpack_stream_carries_logprobs_when_asked(serve):
-    _, http = serve(StubBackend(output_tokens=3))
+    _, http = serve(stub_backend(tokens=3))
     with http.stream("POST", "/v1/rollouts", json={"groups": groups(2, 2), "logprobs": True},
                      headers={"Accept": "application/msgpack"}) as response:
         assert response.headers["content-type"] == "application/msgpack"
         *records, last = read_msgpack(response)
-    assert len(records) == 4 and all(r["logprobs"] == [-0.5] * 3 for r in records)
+    assert len(records) == 4 and all(r["logprobs"] == [STUB_LOGPROB] * 3 for r in records)
     assert last["summary"]["status"] == "done"
 
 
-class _TimedBackend(StubBackend):
+class _TimedBackend(RecordingBackend):
     """Samples stamped as an engine actor stamps them (finished_unix_s)."""
 
-    async def generate(self, groups, on_progress=None, aborts=None):  # noqa: ANN001, ANN201 - as StubBackend's
+    async def generate(self, groups, on_progress=None, aborts=None):  # noqa: ANN001, ANN201 - as EngineBackend's
         async for index, sample in super().generate(groups, on_progress, aborts):
             sample.finished_unix_s = 1_800_000_000.5
             yield index, sample
 
 
 def test_records_carry_when_their_sample_left_its_engine_only_when_asked(serve):
-    _, http = serve(_TimedBackend(output_tokens=2))
+    _, http = serve(_TimedBackend(StubEngine(StubEngineConfig(tokens=2))))
     asked = read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2), "timings": True}))[:-1]
     plain = read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2)}))[:-1]
     assert [r["finished_unix_s"] for r in asked] == [1_800_000_000.5] * 2
@@ -95,7 +97,7 @@ def test_records_carry_when_their_sample_left_its_engine_only_when_asked(serve):
 
 
 def test_samples_stream_before_the_batch_ends(serve):
-    _, http = serve(StubBackend(first_delay_s=0.05, interval_s=0.15))
+    _, http = serve(stub_backend(first_sample_s=0.05, sample_s=0.15))
     with http.stream("POST", "/v1/rollouts", json={"batch_id": "slow", "groups": groups(2, 3)}) as response:
         lines = response.iter_lines()
         first = json.loads(next(lines))
@@ -111,7 +113,7 @@ def test_auth_and_weights_root(serve, tmp_path):
     (root / "step1").mkdir(parents=True)
     (tmp_path / "outside").mkdir()
     (root / "escape").symlink_to(tmp_path / "outside")
-    _, http = serve(StubBackend(), token=TOKEN, weights_root=root)
+    _, http = serve(stub_backend(), token=TOKEN, weights_root=root)
     body = {"groups": groups(1, 1)}
     assert http.post("/v1/rollouts", json=body).status_code == 401
     wrong = http.post("/v1/rollouts", json=body, headers={"Authorization": "Bearer nope"})
@@ -139,7 +141,7 @@ def test_auth_and_weights_root(serve, tmp_path):
     ({"problem_id": "p", "prompt_token_ids": list(range(40))}, ["body", "groups", 0]),
 ])
 def test_bad_input_is_422_naming_the_field(serve, group, loc):
-    backend = StubBackend(max_prompt_tokens=32)
+    backend = stub_backend(max_model_len=32)
     _, http = serve(backend)
     response = http.post("/v1/rollouts", json={"groups": [group]})
     assert response.status_code == 422
@@ -149,14 +151,15 @@ def test_bad_input_is_422_naming_the_field(serve, group, loc):
 
 
 def test_engine_refusal_names_the_group_and_says_why(serve):
-    _, http = serve(StubBackend(max_prompt_tokens=32))
-    bad = [{"problem_id": "ok", "prompt": "short"}, {"problem_id": "long", "prompt_token_ids": list(range(40))}]
+    _, http = serve(stub_backend(max_model_len=32))
+    bad = [{"problem_id": "ok", "prompt": "short", "sampling": {"max_tokens": 16}},
+           {"problem_id": "long", "prompt_token_ids": list(range(40))}]
     (error,) = http.post("/v1/rollouts", json={"groups": bad}).json()["detail"]
     assert error["loc"] == ["body", "groups", 1] and "prompt is 40 tokens" in error["msg"]
 
 
 def test_oversize_batch_is_413(serve):
-    backend = StubBackend()
+    backend = stub_backend()
     _, http = serve(backend, max_batch_samples=10)
     response = http.post("/v1/rollouts", json={"groups": groups(3, 4)})
     assert response.status_code == 413 and "max_batch_samples" in response.json()["detail"]
@@ -164,7 +167,7 @@ def test_oversize_batch_is_413(serve):
 
 
 def test_the_batch_seed_names_every_groups_seed_and_a_missing_one_is_drawn(serve):
-    backend = StubBackend(output_tokens=2)
+    backend = stub_backend(tokens=2)
     _, http = serve(backend)
     body = {"groups": groups(2, 2) + [{**groups(1, 2)[0], "problem_id": "own", "sampling": {"seed": -7}}]}
     seeded = read_ndjson(http.post("/v1/rollouts", json={**body, "seed": 41}))[-1]["summary"]
@@ -178,7 +181,7 @@ def test_the_batch_seed_names_every_groups_seed_and_a_missing_one_is_drawn(serve
 
 
 def test_a_repeated_batch_id_replays_and_never_runs_twice(serve):
-    backend = StubBackend(output_tokens=4)
+    backend = stub_backend(tokens=4)
     _, http = serve(backend)
     body = {"batch_id": "again", "groups": groups(2, 3)}
     first = http.post("/v1/rollouts", json=body)
@@ -193,7 +196,7 @@ def test_a_repeated_batch_id_replays_and_never_runs_twice(serve):
 
 
 def test_a_repeated_batch_id_attaches_to_the_running_batch(serve):
-    backend = StubBackend(interval_s=0.05)
+    backend = stub_backend(sample_s=0.05)
     server, _ = serve(backend)
     body = {"batch_id": "live", "groups": groups(2, 3)}
 
@@ -211,7 +214,7 @@ def test_a_repeated_batch_id_attaches_to_the_running_batch(serve):
 
 
 def test_delete_aborts_a_running_batch(serve):
-    _, http = serve(StubBackend(interval_s=0.2))
+    _, http = serve(stub_backend(sample_s=0.2))
     with http.stream("POST", "/v1/rollouts", json={"batch_id": "stop", "groups": groups(2, 5)}) as response:
         lines = response.iter_lines()
         next(lines)
@@ -224,7 +227,7 @@ def test_delete_aborts_a_running_batch(serve):
 
 
 def test_ended_batches_beyond_retention_are_refused_not_rerun(serve):
-    backend = StubBackend()
+    backend = stub_backend()
     _, http = serve(backend, retained_batches=1)
     for batch_id in ("old", "new"):
         assert http.post("/v1/rollouts", json={"batch_id": batch_id, "groups": groups(1, 1)}).status_code == 200
@@ -234,7 +237,7 @@ def test_ended_batches_beyond_retention_are_refused_not_rerun(serve):
 
 
 def test_a_reload_waits_for_the_running_batch(serve, tmp_path):
-    server, _ = serve(StubBackend(interval_s=0.05), weights_root=tmp_path)
+    server, _ = serve(stub_backend(sample_s=0.05), weights_root=tmp_path)
 
     async def scenario() -> tuple[list[dict[str, Any]], float, float, int]:
         async with httpx.AsyncClient(base_url=server.url, timeout=10) as http:
@@ -256,18 +259,18 @@ def test_a_reload_waits_for_the_running_batch(serve, tmp_path):
 
 
 def test_history_import_validates_every_record(serve):
-    backend = StubBackend()
+    backend = stub_backend()
     _, http = serve(backend)
     good = {"problem_id": "p", "policy_version": 0, "sample_index": 0, "prompt_token_ids": [1],
             "output_token_ids": [2, 3]}
     assert http.post("/v1/history", json={"records": [good, good]}).json() == {"added": 2}
     bad = http.post("/v1/history", json={"records": [good, {**good, "sample_index": -1}]})
     assert bad.status_code == 422 and "sample_index" in bad.json()["detail"][0]["msg"]
-    assert backend.history_records == 2
+    assert backend.engine.history_records == 2
 
 
 def test_metrics_report_what_was_served(serve):
-    _, http = serve(StubBackend(output_tokens=8))
+    _, http = serve(stub_backend(tokens=8, draft_figures=True))
     http.post("/v1/rollouts", json={"groups": groups(3, 4)})
     text = http.get("/metrics").text
     assert 'das_samples_served_total{finish_reason="stop"} 12.0' in text
@@ -279,14 +282,14 @@ def test_metrics_report_what_was_served(serve):
     assert 'das_batches_total{status="done"} 1.0' in text and "das_batches_in_flight 0.0" in text
     assert "das_batch_makespan_seconds_count 1.0" in text
     assert "das_current_batch_longest_tokens 8.0" in text
-    # the backend's figures: the stub's one engine, and the gateway's own memory
-    assert 'das_engine_requests_running{engine="stub-0"} 0.0' in text and "das_engines_ready 1.0" in text
+    # the backend's figures: its one engine, and the gateway's own memory
+    assert 'das_engine_requests_running{engine="local"} 0.0' in text and "das_engines_ready 1.0" in text
     gateway_rss = re.search(r'das_memory_resident_bytes\{component="gateway"\} (\S+)', text)
     assert gateway_rss is not None and float(gateway_rss.group(1)) > 10e6
 
 
 def test_length_classes_follow_the_share_of_max_tokens(serve):
-    _, http = serve(StubBackend(output_tokens=8))
+    _, http = serve(stub_backend(tokens=8, draft_figures=True))
     http.post("/v1/rollouts", json={"groups": [*groups(1, 2, sampling={"max_tokens": 10}),
                                                {**groups(1, 1)[0], "problem_id": "q", "sampling": {"max_tokens": 16}}]})
     text = http.get("/metrics").text
@@ -296,21 +299,21 @@ def test_length_classes_follow_the_share_of_max_tokens(serve):
 
 
 def test_history_endpoint_without_a_store_is_501(serve):
-    _, http = serve(StubBackend())
+    _, http = serve(stub_backend())
     response = http.get("/v1/history/p0")
     assert response.status_code == 501 and "no history" in response.json()["detail"]
 
 
 def test_two_apps_in_one_process_keep_separate_metrics(serve):
-    _, first = serve(StubBackend())
-    _, second = serve(StubBackend())
+    _, first = serve(stub_backend())
+    _, second = serve(stub_backend())
     first.post("/v1/rollouts", json={"groups": groups(1, 2)})
     assert 'das_samples_served_total{finish_reason="stop"} 2.0' in first.get("/metrics").text
     assert "das_samples_served_total{" not in second.get("/metrics").text
 
 
 def test_readyz_is_503_until_the_backend_is_ready(serve):
-    backend = StubBackend(ready=False)
+    backend = stub_backend(ready=False)
     _, http = serve(backend)
     assert http.get("/readyz").status_code == 503
     assert http.post("/v1/rollouts", json={"groups": groups(1, 1)}).status_code == 503
@@ -320,7 +323,7 @@ def test_readyz_is_503_until_the_backend_is_ready(serve):
 
 
 def test_openapi_schema_lists_the_api(serve):
-    _, http = serve(StubBackend())
+    _, http = serve(stub_backend())
     paths = http.get("/openapi.json").json()["paths"]
     assert {"/v1/rollouts", "/v1/rollouts/{batch_id}", "/v1/weights", "/v1/history", "/metrics", "/healthz",
             "/readyz"} <= set(paths)
@@ -329,7 +332,7 @@ def test_openapi_schema_lists_the_api(serve):
 def test_the_schema_documents_every_status_a_route_answers(serve):
     # tests/service/http/test_schema_fuzz.py found 401, 404 and 409 answered but undocumented; 410, 429 and 503 may
     # be too.
-    _, http = serve(StubBackend(), token=TOKEN)
+    _, http = serve(stub_backend(), token=TOKEN)
     paths = http.get("/openapi.json").json()["paths"]
     for path, operations in paths.items():
         for method, operation in operations.items():
@@ -340,7 +343,7 @@ def test_the_schema_documents_every_status_a_route_answers(serve):
         assert {"404", "410"} <= set(paths["/v1/rollouts/{batch_id}"][method]["responses"])
     assert {"403", "409"} <= set(paths["/v1/weights"]["post"]["responses"])
     # without a token nothing answers 401, so nothing says it does
-    _, open_http = serve(StubBackend())
+    _, open_http = serve(stub_backend())
     assert all("401" not in operation["responses"] for operations in open_http.get("/openapi.json").json()["paths"]
                .values() for operation in operations.values())
 
@@ -348,7 +351,7 @@ def test_the_schema_documents_every_status_a_route_answers(serve):
 @pytest.mark.parametrize("path", ["/v1/rollouts", "/v1/weights", "/v1/history"])
 def test_a_body_that_is_not_utf8_is_422_as_any_body_that_is_not_json(serve, path):
     # Found by the schema fuzz: FastAPI answered it with an undocumented 400 "There was an error parsing the body".
-    _, http = serve(StubBackend())
+    _, http = serve(stub_backend())
     response = http.post(path, content=b'{"path": "\xff"}', headers={"Content-Type": "application/json"})
     assert response.status_code == 422
     assert response.json()["detail"] == [{"loc": ["body"], "msg": "JSON decode error: the body is not UTF-8",
@@ -356,7 +359,7 @@ def test_a_body_that_is_not_utf8_is_422_as_any_body_that_is_not_json(serve, path
 
 
 def test_weights_are_refused_without_a_root(serve, tmp_path: Path):
-    _, http = serve(StubBackend())
+    _, http = serve(stub_backend())
     assert http.post("/v1/weights", json={"path": str(tmp_path), "version": 1}).status_code == 403
 
 
@@ -443,7 +446,7 @@ def test_engine_backend_through_the_gateway(serve, tmp_path):
 ])
 def test_what_the_engine_would_refuse_is_422_at_admission(serve, sampling, loc):
     """These once passed admission and hung the batch forever (vLLM refused them inside the sample's task)."""
-    backend = StubBackend()
+    backend = stub_backend()
     _, http = serve(backend)
     bad = {"problem_id": "h", "n": 2, "prompt": "Hi", "sampling": {"max_tokens": 4, **sampling}}
     response = http.post("/v1/rollouts", json={"groups": [bad]})
@@ -453,11 +456,14 @@ def test_what_the_engine_would_refuse_is_422_at_admission(serve, sampling, loc):
     assert read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2)}))[-1]["summary"]["status"] == "done"
 
 
-class StalledBackend(StubBackend):
+class StalledBackend(RecordingBackend):
     """Its batches never produce a sample, like a group whose sample task died: `generate` waits forever."""
 
+    def __init__(self) -> None:
+        super().__init__(StubEngine(StubEngineConfig()))
+
     async def generate(self, groups, on_progress=None, aborts=None):  # type: ignore[override]
-        self.runs += 1
+        self.received.append(list(groups))
         await asyncio.Event().wait()
         yield  # an async generator that never gets here
 
@@ -500,14 +506,14 @@ def test_batches_stalling_in_a_row_fail_liveness_until_a_sample_finishes(serve):
         assert end["summary"]["status"] == "failed"
     dead = http.get("/healthz")
     assert dead.status_code == 503 and "2 batches in a row" in dead.json()["reason"]
-    backend.generate = StubBackend().generate  # progress again: a batch whose samples finish
+    backend.generate = stub_backend().generate  # progress again: a batch whose samples finish
     assert read_ndjson(http.post("/v1/rollouts", json={"groups": groups(1, 2)}))[-1]["summary"]["status"] == "done"
     assert http.get("/healthz").status_code == 200
 
 
 def test_a_weights_version_beyond_int64_is_422_and_batches_keep_working(serve, tmp_path):
     """A version of 10**30 was once accepted, and from then on every batch failed in msgpack."""
-    _, http = serve(StubBackend(), weights_root=tmp_path)
+    _, http = serve(stub_backend(), weights_root=tmp_path)
     response = http.post("/v1/weights", json={"path": str(tmp_path), "version": 10**30})
     assert response.status_code == 422 and response.json()["detail"][0]["loc"] == ["body", "version"]
     record = {"problem_id": "p", "policy_version": 10**30, "sample_index": 0, "prompt_token_ids": [1],
@@ -533,14 +539,14 @@ def test_a_weights_version_beyond_int64_is_422_and_batches_keep_working(serve, t
 ])
 def test_values_json_or_the_system_cannot_carry_are_4xx_with_a_json_body(serve, tmp_path, path, body):
     (tmp_path / "loop").symlink_to(tmp_path / "loop")
-    _, http = serve(StubBackend(), weights_root=tmp_path)
+    _, http = serve(stub_backend(), weights_root=tmp_path)
     response = http.post(path, content=body, headers={"Content-Type": "application/json"})
     assert response.status_code == 422, response.text
     assert response.json()["detail"][0]["loc"][0] == "body"
 
 
 def test_an_oversize_body_is_413_before_it_is_parsed(serve):
-    backend = StubBackend()
+    backend = stub_backend()
     _, http = serve(backend, max_body_bytes=4096)
     body = json.dumps({"groups": groups(1, 1)}).encode()
     padded = body[:-1] + b" " * 5000 + b"}"
@@ -553,7 +559,7 @@ def test_an_oversize_body_is_413_before_it_is_parsed(serve):
     assert http.post("/v1/rollouts", content=body, headers={"Content-Type": "application/json"}).status_code == 200
 
 
-class SlowCheck(StubBackend):
+class SlowCheck(RecordingBackend):
     """Its admission check takes a while, as a remote engine's does: concurrent requests overlap in it."""
 
     async def check(self, groups):  # type: ignore[override]
@@ -562,7 +568,7 @@ class SlowCheck(StubBackend):
 
 
 def test_concurrent_submissions_never_exceed_max_batches_in_flight(serve):
-    backend = SlowCheck(interval_s=0.05)
+    backend = SlowCheck(StubEngine(StubEngineConfig(sample_s=0.05)))
     server, http = serve(backend, max_batches_in_flight=3)
 
     async def submit_all() -> list[int]:

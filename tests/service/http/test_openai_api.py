@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes with the official `openai` client, unchanged, over real HTTP against the gateway on
-a StubBackend (completions, chat, streaming, errors in OpenAI's shape, coalescing of one problem's requests, abort
+a stub engine (completions, chat, streaming, errors in OpenAI's shape, coalescing of one problem's requests, abort
 on a dropped stream). The same client against `das serve` with a tiny real model: tests/service/test_serve.py."""
 
 from __future__ import annotations
@@ -12,23 +12,26 @@ import httpx
 import openai
 import pytest
 
-from das.service.cluster.rollout_backend import StubBackend
-from tests.service.live_gateway import STUB_TOKENS, TOKEN, LiveServer
+from das.service.engine.stub_engine import STUB_LOGPROB
+from tests.service.live_gateway import TOKEN, LiveServer
+from tests.service.stub_backend import sample_tokens, stub_backend
 
 
 def test_completions_n4_with_logprobs_token_ids_usage_and_das(openai_serve):
-    backend = StubBackend(output_tokens=5)
+    backend = stub_backend(tokens=5, draft_figures=True)
     server, client = openai_serve(backend)
     assert [m.id for m in client.models.list()] == ["das"]
-    out = client.completions.create(model="das", prompt=[1, 2, 3], n=4, logprobs=1, max_tokens=5,
+    out = client.completions.create(model="das", prompt=[1, 2, 3], n=4, logprobs=1, max_tokens=8,
                                     extra_body={"return_token_ids": True, "problem_id": "p0"})
     assert out.object == "text_completion" and out.model == "das" and out.id.startswith("cmpl-")
     assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    (group,) = backend.received[-1]
     for choice in out.choices:
-        assert choice.token_ids == STUB_TOKENS and choice.prompt_token_ids == [1, 2, 3]
-        assert choice.logprobs.token_logprobs == [-0.5] * 5
-        assert choice.logprobs.tokens == [f"token_id:{t}" for t in STUB_TOKENS]
-        assert choice.logprobs.top_logprobs == [{f"token_id:{t}": -0.5} for t in STUB_TOKENS]
+        drawn = sample_tokens(group, choice.index, 5)
+        assert choice.token_ids == drawn and choice.prompt_token_ids == [1, 2, 3]
+        assert choice.logprobs.token_logprobs == [STUB_LOGPROB] * 5
+        assert choice.logprobs.tokens == [f"token_id:{t}" for t in drawn]
+        assert choice.logprobs.top_logprobs == [{f"token_id:{t}": STUB_LOGPROB} for t in drawn]
         assert choice.finish_reason == "stop" and choice.text == ""
     assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (3, 20, 23)
     assert out.das == {"problem_id": "p0", "policy_version": 0, "draft_tokens": 4 * 2, "accepted_tokens": 4 * 1}
@@ -44,19 +47,22 @@ def test_completions_n4_with_logprobs_token_ids_usage_and_das(openai_serve):
 
 
 def test_chat_completions(openai_serve):
-    _, client = openai_serve(StubBackend(output_tokens=5))
+    backend = stub_backend(tokens=5)
+    _, client = openai_serve(backend)
     messages = [{"role": "developer", "content": "be brief"},
                 {"role": "user", "content": [{"type": "text", "text": "two plus two?"}]}]
     out = client.chat.completions.create(model="das", messages=messages, n=2, logprobs=True, top_logprobs=3,
                                          max_completion_tokens=3, seed=7, extra_body={"return_token_ids": True})
     assert out.object == "chat.completion" and [c.index for c in out.choices] == [0, 1]
+    (group,) = backend.received[-1]
     for choice in out.choices:
         assert choice.message.role == "assistant" and choice.finish_reason == "length"
-        assert choice.token_ids == STUB_TOKENS[:3]
+        drawn = sample_tokens(group, choice.index, 3)
+        assert choice.token_ids == drawn
         content = choice.logprobs.content
-        assert [(t.token, t.logprob) for t in content] == [(f"token_id:{t}", -0.5) for t in STUB_TOKENS[:3]]
+        assert [(t.token, t.logprob) for t in content] == [(f"token_id:{t}", STUB_LOGPROB) for t in drawn]
         # no alternatives from the engines: the sampled token only
-        assert [[(a.token, a.logprob) for a in t.top_logprobs] for t in content] == [[(t.token, -0.5)]
+        assert [[(a.token, a.logprob) for a in t.top_logprobs] for t in content] == [[(t.token, STUB_LOGPROB)]
                                                                                     for t in content]
     assert out.usage.completion_tokens == 6 and out.usage.total_tokens == out.usage.prompt_tokens + 6
     again = client.chat.completions.create(model="das", messages=messages, max_tokens=1)
@@ -66,8 +72,9 @@ def test_chat_completions(openai_serve):
 
 
 def test_streaming_completions_send_each_choices_tokens_as_made_then_usage(openai_serve):
-    server, client = openai_serve(StubBackend(output_tokens=5, first_delay_s=0.05, interval_s=0.3))
-    stream = client.completions.create(model="das", prompt=[4, 5], n=3, max_tokens=5, stream=True,
+    backend = stub_backend(tokens=5, first_sample_s=0.05, sample_s=0.3, draft_figures=True)
+    server, client = openai_serve(backend)
+    stream = client.completions.create(model="das", prompt=[4, 5], n=3, max_tokens=8, stream=True,
                                        stream_options={"include_usage": True},
                                        extra_body={"return_token_ids": True, "problem_id": "s"})
     batch_id = stream.response.headers["x-batch-id"]
@@ -84,7 +91,8 @@ def test_streaming_completions_send_each_choices_tokens_as_made_then_usage(opena
         tokens.setdefault(choice.index, []).extend(choice.token_ids)
         if choice.finish_reason is not None:
             finished.add(choice.index)
-            assert choice.finish_reason == "stop" and tokens[choice.index] == STUB_TOKENS
+            assert choice.finish_reason == "stop"
+            assert tokens[choice.index] == sample_tokens(backend.received[-1][0], choice.index, 5)
             assert choice.prompt_token_ids == [4, 5] and chunk.das["accepted_tokens"] == 1
     assert sorted(tokens) == [0, 1, 2]
     assert len(choices) > 3  # deltas before each choice's last chunk, not one chunk a choice
@@ -93,9 +101,10 @@ def test_streaming_completions_send_each_choices_tokens_as_made_then_usage(opena
 
 
 def test_streaming_chat(openai_serve):
-    _, client = openai_serve(StubBackend(output_tokens=4))
+    backend = stub_backend(tokens=4)
+    _, client = openai_serve(backend)
     chunks = list(client.chat.completions.create(model="das", messages=[{"role": "user", "content": "hi"}], n=2,
-                                                 stream=True, logprobs=True, max_tokens=4,
+                                                 stream=True, logprobs=True, max_tokens=5,
                                                  extra_body={"return_token_ids": True}))
     assert all(c.object == "chat.completion.chunk" for c in chunks)
     tokens: dict[int, list[int]] = {}
@@ -108,17 +117,18 @@ def test_streaming_chat(openai_serve):
         if choice.finish_reason is not None:
             assert choice.finish_reason == "stop"
         assert chunk.usage is None
-    assert tokens == {0: STUB_TOKENS[:4], 1: STUB_TOKENS[:4]} and logprobs == {0: 4, 1: 4}
+    (group,) = backend.received[-1]
+    assert tokens == {i: sample_tokens(group, i, 4) for i in (0, 1)} and logprobs == {0: 4, 1: 4}
     assert sum(c.choices[0].finish_reason == "stop" for c in chunks) == 2 < len(chunks)
 
 
 def test_async_client_and_the_accumulating_stream_helper(openai_serve):
-    server, _ = openai_serve(StubBackend(output_tokens=3))
+    server, _ = openai_serve(stub_backend(tokens=3))
 
     async def run() -> Any:
         async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0) as client:
             async with client.chat.completions.stream(model="das", messages=[{"role": "user", "content": "x"}],
-                                                      max_tokens=3) as stream:
+                                                      max_tokens=4) as stream:
                 return await stream.get_final_completion()
 
     final = asyncio.run(run())
@@ -133,7 +143,7 @@ def _error(exc: openai.APIStatusError) -> dict[str, Any]:
 
 
 def test_bad_input_gets_openai_errors_with_the_right_status(openai_serve):
-    backend = StubBackend(max_prompt_tokens=32)
+    backend = stub_backend(max_model_len=32)
     server, client = openai_serve(backend)
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="gpt-4", prompt="x")
@@ -189,7 +199,7 @@ def test_bad_input_gets_openai_errors_with_the_right_status(openai_serve):
 ])
 def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(openai_serve, path, body, param):
     # Was a 500: hashing the prompt into a problem id raised before GroupRequest could refuse it.
-    backend = StubBackend()
+    backend = stub_backend()
     server, _ = openai_serve(backend)
     response = httpx.post(f"{server.url}{path}", content=body.encode(),
                           headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
@@ -199,7 +209,7 @@ def test_a_lone_surrogate_in_a_prompt_is_a_400_naming_it(openai_serve, path, bod
 
 
 def test_a_seed_beyond_int64_is_a_400_as_vllm_answers(openai_serve):
-    backend = StubBackend()
+    backend = stub_backend()
     _, client = openai_serve(backend)
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model="das", prompt="x", seed=2**63)
@@ -209,7 +219,7 @@ def test_a_seed_beyond_int64_is_a_400_as_vllm_answers(openai_serve):
 
 def test_a_body_that_is_not_utf8_is_an_openai_400(openai_serve):
     # Found by the schema fuzz: FastAPI's own 400 came in its shape ({"detail"}), not OpenAI's.
-    server, _ = openai_serve(StubBackend())
+    server, _ = openai_serve(stub_backend())
     response = httpx.post(f"{server.url}/v1/completions", content=b'{"model": "\xff"}',
                           headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     assert response.status_code == 400
@@ -218,7 +228,7 @@ def test_a_body_that_is_not_utf8_is_an_openai_400(openai_serve):
 
 def test_the_schema_says_what_the_routes_answer(openai_serve):
     # The schema fuzz found a stream's text/event-stream, 400, 401 and 404 undocumented; 429, 500 and 503 may be too.
-    server, _ = openai_serve(StubBackend())
+    server, _ = openai_serve(stub_backend())
     schema = httpx.get(f"{server.url}/openapi.json").json()
     for path in ("/v1/completions", "/v1/chat/completions"):
         responses = schema["paths"][path]["post"]["responses"]
@@ -232,21 +242,21 @@ def test_the_schema_says_what_the_routes_answer(openai_serve):
 
 
 def test_limits_and_readiness_answer_429_and_503(openai_serve):
-    backend = StubBackend(first_delay_s=1.0)
+    backend = stub_backend(first_sample_s=1.0)
     _, client = openai_serve(backend, max_batches_in_flight=1)
     with client.completions.create(model="das", prompt=[1], max_tokens=1, stream=True) as holding:
         assert holding.response.status_code == 200
         with pytest.raises(openai.RateLimitError) as busy:
             client.completions.create(model="das", prompt=[2], max_tokens=1)
     assert _error(busy.value)["code"] == "rate_limit_exceeded" and busy.value.response.headers["retry-after"] == "1"
-    _, idle = openai_serve(StubBackend(ready=False))
+    _, idle = openai_serve(stub_backend(ready=False))
     with pytest.raises(openai.InternalServerError) as not_ready:
         idle.chat.completions.create(model="das", messages=[{"role": "user", "content": "x"}])
     assert not_ready.value.status_code == 503 and _error(not_ready.value)["type"] == "server_error"
 
 
 def test_more_samples_than_a_batch_may_hold_is_400_naming_n(openai_serve):
-    backend = StubBackend()
+    backend = stub_backend()
     _, client = openai_serve(backend, max_batch_samples=4)
     with pytest.raises(openai.BadRequestError) as error:
         client.completions.create(model="das", prompt="x", n=5)
@@ -254,7 +264,7 @@ def test_more_samples_than_a_batch_may_hold_is_400_naming_n(openai_serve):
 
 
 def test_served_model_name_setting(openai_serve):
-    _, client = openai_serve(StubBackend(), served_model_name="smollm2-rl")
+    _, client = openai_serve(stub_backend(), served_model_name="smollm2-rl")
     assert [m.id for m in client.models.list()] == ["smollm2-rl"]
     assert client.completions.create(model="smollm2-rl", prompt="x", max_tokens=1).model == "smollm2-rl"
     with pytest.raises(openai.NotFoundError):
@@ -273,7 +283,7 @@ def _concurrent(server: LiveServer, requests: list[dict[str, Any]]) -> list[Any]
 
 
 def test_requests_for_one_problem_arriving_together_run_as_one_group(openai_serve):
-    backend = StubBackend(output_tokens=4)
+    backend = stub_backend(tokens=4, draft_figures=True)
     server, _ = openai_serve(backend, openai_coalesce_s=0.2)
     same = {"prompt": [1, 2], "n": 2, "max_tokens": 4, "extra_body": {"problem_id": "q"}}
     answers = _concurrent(server, [same] * 4 + [{**same, "temperature": 0.5}])
@@ -284,7 +294,7 @@ def test_requests_for_one_problem_arriving_together_run_as_one_group(openai_serv
         assert out.das["draft_tokens"] == 2 * 2
     assert len({out.id for _, out in answers}) == 5
 
-    backend = StubBackend(output_tokens=4)
+    backend = stub_backend(tokens=4)
     server, _ = openai_serve(backend, openai_coalesce_s=0)
     _concurrent(server, [same] * 3)
     assert backend.runs == 3
@@ -292,7 +302,7 @@ def test_requests_for_one_problem_arriving_together_run_as_one_group(openai_serv
 
 def test_a_seeded_request_is_its_own_group_with_its_seed(openai_serve):
     """OpenAI's `seed` is the group's: its choices are samples 0..n-1 of that seed, so it never joins others."""
-    backend = StubBackend(output_tokens=4)
+    backend = stub_backend(tokens=4)
     server, _ = openai_serve(backend, openai_coalesce_s=0.2)
     same = {"prompt": [1, 2], "n": 2, "max_tokens": 4, "extra_body": {"problem_id": "q"}}
     _concurrent(server, [{**same, "seed": 5}, {**same, "seed": 5}, same, same])
@@ -302,7 +312,7 @@ def test_a_seeded_request_is_its_own_group_with_its_seed(openai_serve):
 
 
 def test_a_dropped_stream_aborts_its_batch(openai_serve):
-    server, client = openai_serve(StubBackend(first_delay_s=0.05, interval_s=0.2))
+    server, client = openai_serve(stub_backend(first_sample_s=0.05, sample_s=0.2))
     stream = client.completions.create(model="das", prompt=[1], n=8, stream=True)
     batch_id = stream.response.headers["x-batch-id"]
     next(iter(stream))

@@ -1,5 +1,5 @@
 """Tool calling on `/v1/chat/completions` with the official `openai` client over real HTTP against the gateway on
-a StubBackend whose samples carry a text the test chose (a Qwen2.5-style hermes `<tool_call>` block) and are parsed
+a stub engine whose samples carry a text the test chose (a Qwen2.5-style hermes `<tool_call>` block) and are parsed
 by the engine's own path (service/engine/vllm/tool_calls.py: vLLM's `hermes` parser) over SmolLM2's tokenizer: the
 reply's tool_calls and finish_reason, streaming, multi-turn history with tool turns, sessions and token ids, and the
 400s for bad tool input."""
@@ -15,11 +15,11 @@ import pytest
 from pydantic import ValidationError
 from transformers import AutoTokenizer
 
-from das.service.cluster.rollout_backend import StubBackend
 from das.service.engine.vllm.models import prepare_model
 from das.service.engine.vllm.tool_calls import ToolCallParsing
 from das.service.config import GatewayConfig
-from tests.service.live_gateway import STUB_TOKENS, TOKEN
+from tests.service.live_gateway import TOKEN
+from tests.service.stub_backend import sample_tokens, stub_backend
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
@@ -36,7 +36,7 @@ def parsing() -> ToolCallParsing:
 
 
 def test_tool_calls_parsed_from_the_reply_with_token_ids_and_session(openai_serve, parsing):
-    backend = StubBackend(output_tokens=5, text=CALL_TEXT, tool_parsing=parsing.parse)
+    backend = stub_backend(tokens=5, text=CALL_TEXT, tool_parsing=parsing.parse)
     _, client = openai_serve(backend, **TOOLS_ON)
     out = client.chat.completions.create(model="das", messages=USER, tools=[WEATHER], max_tokens=5,
                                          extra_body={"return_token_ids": True, "session_id": "s1"})
@@ -47,8 +47,9 @@ def test_tool_calls_parsed_from_the_reply_with_token_ids_and_session(openai_serv
     assert [json.loads(c.function.arguments) for c in calls] == [{"city": "Paris"}, {"city": "Oslo"}]
     assert all(c.type == "function" and c.id.startswith("chatcmpl-tool-") for c in calls)
     assert len({c.id for c in calls}) == 2
-    assert choice.token_ids == STUB_TOKENS  # exactly what the engine generated: the parse reads the text only
     (group,) = backend.received[-1]
+    # exactly what the engine generated: the parse reads the text only
+    assert choice.token_ids == sample_tokens(group, 0, 5)
     assert group.tool_parser == "hermes" and group.session_id == "s1"
     assert [t.model_dump(exclude_none=True) for t in group.tools] == [WEATHER]
 
@@ -70,13 +71,13 @@ def test_tool_calls_parsed_from_the_reply_with_token_ids_and_session(openai_serv
 
 
 def test_a_reply_without_calls_is_content_and_tool_choice_none_parses_nothing(openai_serve, parsing):
-    backend = StubBackend(output_tokens=3, text="It is sunny.", tool_parsing=parsing.parse)
+    backend = stub_backend(tokens=3, text="It is sunny.", tool_parsing=parsing.parse)
     _, client = openai_serve(backend, **TOOLS_ON)
     out = client.chat.completions.create(model="das", messages=USER, tools=[WEATHER], tool_choice="auto")
     assert out.choices[0].message.content == "It is sunny." and out.choices[0].message.tool_calls is None
     assert out.choices[0].finish_reason == "stop"
 
-    backend.text = CALL_TEXT
+    backend.engine.config = backend.engine.config.model_copy(update={"text": CALL_TEXT})
     plain = client.chat.completions.create(model="das", messages=USER, tools=[WEATHER], tool_choice="none")
     assert plain.choices[0].message.content == CALL_TEXT and plain.choices[0].message.tool_calls is None
     (group,) = backend.received[-1]
@@ -84,8 +85,7 @@ def test_a_reply_without_calls_is_content_and_tool_choice_none_parses_nothing(op
 
 
 def test_streaming_sends_the_calls_in_each_choices_last_chunk(openai_serve, parsing):
-    backend = StubBackend(output_tokens=5, text=CALL_TEXT, tool_parsing=parsing.parse, first_delay_s=0.02,
-                          interval_s=0.05)
+    backend = stub_backend(tokens=5, text=CALL_TEXT, tool_parsing=parsing.parse, first_sample_s=0.02, sample_s=0.05)
     _, client = openai_serve(backend, **TOOLS_ON)
     chunks = list(client.chat.completions.create(model="das", messages=USER, tools=[WEATHER], n=2, stream=True,
                                                  extra_body={"return_token_ids": True}))
@@ -100,13 +100,14 @@ def test_streaming_sends_the_calls_in_each_choices_last_chunk(openai_serve, pars
         assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in choice.delta.tool_calls] == [
             (0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Oslo"})]
         assert all(c.id and c.type == "function" for c in choice.delta.tool_calls)
-    assert tokens == {0: STUB_TOKENS, 1: STUB_TOKENS}
+    (group,) = backend.received[-1]
+    assert tokens == {i: sample_tokens(group, i, 5) for i in (0, 1)}
     assert len(chunks) > 2  # token chunks came before the last ones
 
 
 def test_bad_tool_input_gets_400s_naming_the_field(openai_serve, parsing):
-    _, client = openai_serve(StubBackend(output_tokens=2, text=CALL_TEXT, tool_parsing=parsing.parse), **TOOLS_ON)
-    _, unconfigured = openai_serve(StubBackend(output_tokens=2))
+    _, client = openai_serve(stub_backend(tokens=2, text=CALL_TEXT, tool_parsing=parsing.parse), **TOOLS_ON)
+    _, unconfigured = openai_serve(stub_backend(tokens=2))
 
     def refused(c: openai.OpenAI, **request: Any) -> openai.BadRequestError:
         with pytest.raises(openai.BadRequestError) as error:
@@ -145,7 +146,7 @@ def test_auto_tool_choice_needs_a_parser_in_the_settings():
 
 
 def test_openapi_schema_lists_the_tool_fields(openai_serve):
-    server, _ = openai_serve(StubBackend(output_tokens=1), **TOOLS_ON)
+    server, _ = openai_serve(stub_backend(tokens=1), **TOOLS_ON)
     schema = httpx.get(f"{server.url}/openapi.json", headers={"Authorization": f"Bearer {TOKEN}"}).json()
     request = schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert {"tools", "tool_choice", "parallel_tool_calls"} <= set(request)

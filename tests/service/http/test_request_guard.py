@@ -16,13 +16,16 @@ from typing import Any
 import httpx
 import pytest
 
-from das.service.cluster.rollout_backend import StubBackend
+from das.service.cluster.rollout_backend import RolloutBackend
 from das.service.http.batch_journal import JournalEntry
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.http.request_guard import parse_json_yielding
 from das.service.wire.api import INT64_MAX
 from tests.service.live_gateway import LiveServer
+from tests.service.stub_backend import stub_backend
+
+
 # to a tick early (CI measured 0.4998 s from before connect)
 LOOP_TICK_S = 0.002
 TOKEN = "guard-token"
@@ -32,7 +35,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 class GuardedServer(LiveServer):
     """The gateway served by uvicorn with the header deadline, on a free loopback port, in a daemon thread."""
 
-    def __init__(self, backend: StubBackend, **settings: Any) -> None:
+    def __init__(self, backend: RolloutBackend, **settings: Any) -> None:
         self.settings = GatewayConfig(token=TOKEN, **settings)
         super().__init__(create_app(backend, self.settings), self.settings.header_timeout_s)
 
@@ -49,8 +52,8 @@ class GuardedServer(LiveServer):
 def serve() -> Iterator[Any]:
     servers: list[GuardedServer] = []
 
-    def start(backend: StubBackend | None = None, **settings: Any) -> GuardedServer:
-        server = GuardedServer(backend or StubBackend(), **settings).__enter__()
+    def start(backend: RolloutBackend | None = None, **settings: Any) -> GuardedServer:
+        server = GuardedServer(backend or stub_backend(), **settings).__enter__()
         servers.append(server)
         return server
 
@@ -182,7 +185,7 @@ def test_kept_alive_connections_serve_every_request_and_time_out_a_slow_next_hea
 
 
 def test_a_dropped_non_streaming_completion_is_aborted_within_a_second(serve):
-    server = serve(StubBackend(first_delay_s=30), openai_coalesce_s=0)
+    server = serve(stub_backend(first_sample_s=30), openai_coalesce_s=0)
     before = server.metric("das_batches_in_flight")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", headers=AUTH, timeout=1,
@@ -196,7 +199,7 @@ def test_a_dropped_non_streaming_completion_is_aborted_within_a_second(serve):
 
 
 def test_a_dropped_stream_aborts_an_unnamed_batch_but_not_a_named_one(serve):
-    server = serve(StubBackend(first_delay_s=30))
+    server = serve(stub_backend(first_sample_s=30))
     body = {"groups": [{"problem_id": "p", "prompt_token_ids": [1, 2], "n": 2}]}
     with httpx.stream("POST", f"{server.url}/v1/rollouts", headers=AUTH, json=body) as unnamed:
         unnamed_id = unnamed.headers["x-batch-id"]
@@ -212,7 +215,7 @@ def test_a_dropped_stream_aborts_an_unnamed_batch_but_not_a_named_one(serve):
 
 
 def test_logprobs_over_vllms_bound_are_400_naming_it(serve):
-    server = serve(StubBackend(output_tokens=2))
+    server = serve(stub_backend(tokens=2))
     ask = {"model": "das", "prompt": [1], "max_tokens": 2}
     refused = httpx.post(f"{server.url}/v1/completions", headers=AUTH, json={**ask, "logprobs": 10**9})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprobs"
@@ -221,7 +224,7 @@ def test_logprobs_over_vllms_bound_are_400_naming_it(serve):
 
 
 def test_int64_bounds_in_the_schema_are_exact_and_what_the_validators_take(serve):
-    server = serve(StubBackend())
+    server = serve(stub_backend())
     schema = httpx.get(f"{server.url}/openapi.json").text
     assert "e+18" not in schema and str(INT64_MAX) in schema and str(-INT64_MAX - 1) in schema
     bounds = json.loads(schema)["components"]["schemas"]["WeightsRequest"]["properties"]["version"]
@@ -241,7 +244,7 @@ def test_405_lists_every_method_of_the_path(serve):
 
 
 def test_a_large_history_import_parses_off_the_loop_and_imports(serve):
-    server = serve(StubBackend())
+    server = serve(stub_backend())
     record = {"problem_id": "p", "policy_version": 0, "sample_index": 0, "prompt_token_ids": [1, 2, 3],
               "output_token_ids": list(range(1000))}
     records = [{**record, "sample_index": i} for i in range(400)]  # ~2 MB: above OFFLOOP_JSON_BYTES
@@ -276,7 +279,7 @@ def test_a_large_history_import_is_validated_off_the_loop_and_its_errors_do_not_
         return real_check(value, where)
 
     monkeypatch.setattr(api, "wire_problem", recording_check)
-    server = serve(StubBackend())
+    server = serve(stub_backend())
     record = {"problem_id": "p", "policy_version": 0, "sample_index": 0, "prompt_token_ids": [1, 2, 3],
               "output_token_ids": list(range(1000))}
     headers = {**AUTH, "Content-Type": "application/json"}

@@ -15,12 +15,13 @@ import httpx
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.cluster.coordinator import RayBackend
 from das.service.config import ServiceConfig
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.cluster.rollout_backend import EngineBackend
 from das.service.engine.vllm.engine import VllmEngine, EngineConfig
 from das.service.engine.vllm.models import prepare_model
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
 from das.service.wire.api import GroupRequest
 from das.service.wire.engine_control import AbortSamples, IsPaused, Pause, Resume
+from tests.service.stub_backend import stub_backend
 from tests.tiny_models import build_tiny_model
 from tests.service.http.rl_batches import against, batch, group, summary
 
@@ -256,7 +257,7 @@ def test_weight_transfer_is_refused_with_501_saying_why(tmp_path):
 
 
 def test_the_stub_backend_pauses_too():
-    backend = StubBackend(output_tokens=4, interval_s=0.02)
+    backend = stub_backend(tokens=4, sample_s=0.02)
 
     async def scenario(http: httpx.AsyncClient) -> None:
         first = asyncio.create_task(batch(http, "first", [group("a", 10)]))

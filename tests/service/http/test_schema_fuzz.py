@@ -26,10 +26,11 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from das.service.cluster.rollout_backend import StubBackend
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.wire.api import MSGPACK, ProblemSummary
+from tests.service.stub_backend import RecordingBackend
 
 TOKEN = "fuzz-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -70,12 +71,12 @@ def schema_valid_body(document: dict[str, Any], raw: dict[str, Any], body: Any) 
     return validator.is_valid(body)
 
 
-class HistoryStub(StubBackend):
-    """A StubBackend with a history store (rollouts counted per problem), so GET /v1/history/{problem_id} answers
-    200 or 404 as over the Ray service rather than the stub's 501."""
+class HistoryStub(RecordingBackend):
+    """The stub engine's backend with a history store (rollouts counted per problem), so GET
+    /v1/history/{problem_id} answers 200 or 404 as over the Ray service rather than the in-process backend's 501."""
 
-    def __init__(self, **options: Any) -> None:
-        super().__init__(**options)
+    def __init__(self, **config: Any) -> None:
+        super().__init__(StubEngine(StubEngineConfig(**config)))
         self.held: dict[str, int] = {}
 
     async def add_history(self, records: list[dict[str, Any]]) -> int:
@@ -94,8 +95,9 @@ class HistoryStub(StubBackend):
 
 def test_the_gateway_answers_every_fuzzed_request_as_its_schema_says(tmp_path: Path) -> None:
     (tmp_path / "ckpt").mkdir()  # a checkpoint the weights routes can load
-    # Small limits keep every batch short; no coalescing window, so no request waits for siblings.
-    app = create_app(HistoryStub(output_tokens=4, max_prompt_tokens=64),
+    # Small limits keep every batch short; no coalescing window, so no request waits for siblings. The context holds
+    # a prompt under 64 tokens at the default max_tokens (256).
+    app = create_app(HistoryStub(tokens=4, max_model_len=320),
                      GatewayConfig(token=TOKEN, weights_root=tmp_path, max_batch_samples=64, openai_coalesce_s=0))
     schema = schemathesis.openapi.from_asgi("/openapi.json", app)
     document = app.openapi()

@@ -11,31 +11,31 @@ from typing import Any
 import httpx
 import openai
 
-from das.service.cluster.rollout_backend import StubBackend
 from das.service.config import BatchJournalConfig
 from das.service.http.gateway import create_app
 from das.service.http.session_journal import SESSION_FILE, SessionJournal
 from das.service.config import SessionJournalConfig
 from tests.service.live_gateway import LiveServer, gateway_settings
+from tests.service.stub_backend import sample_tokens, stub_backend
 
 TOKEN = "journal-token"
 HEADERS = {"Authorization": f"Bearer {TOKEN}"}
-STUB_TOKENS = [3, 10, 17, 24, 31]  # StubBackend(output_tokens=5)
 
 
 def run_turns(state_dir: Path | None, context: list[int], turns: int) -> tuple[list[int], dict[str, Any]]:
-    """A fresh gateway (StubBackend) on `state_dir`: `turns` turns of session "traj" from `context`; returns the
+    """A fresh gateway (stub engine) on `state_dir`: `turns` turns of session "traj" from `context`; returns the
     context for the next turn and GET /v1/sessions/traj. The server is stopped (its lifespan ends) on return."""
     journal = BatchJournalConfig(state_dir=state_dir, fsync=False) if state_dir is not None else None
-    with LiveServer(create_app(StubBackend(output_tokens=5), gateway_settings(token=TOKEN, batch_journal=journal))
-                    ) as server:
+    backend = stub_backend(tokens=5)
+    with LiveServer(create_app(backend, gateway_settings(token=TOKEN, batch_journal=journal))) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=TOKEN, max_retries=0, timeout=10)
         for turn in range(turns):
             out = client.completions.create(model="das", prompt=context, max_tokens=5,
                                             extra_body={"session_id": "traj", "problem_id": "task",
                                                         "return_token_ids": True})
             (choice,) = out.choices
-            assert choice.prompt_token_ids == context and choice.token_ids == STUB_TOKENS
+            assert choice.prompt_token_ids == context
+            assert choice.token_ids == sample_tokens(backend.received[-1][0], 0, 5)
             context = [*context, *choice.token_ids, 100 + turn]
         return context, httpx.get(f"{server.url}/v1/sessions/traj", headers=HEADERS).json()
 
@@ -48,7 +48,7 @@ def test_a_session_continues_after_a_restart_on_the_same_state_dir(tmp_path: Pat
     assert [t["index"] for t in after["turns"]] == [0, 1, 2]
     assert [t["prompt_tokens"] for t in after["turns"]] == [3, 9, 15]  # turn 3 carries the whole context on
     assert after["turns"][:2] == before["turns"]  # policy versions, engines, spans as they were
-    assert after["output_tokens"] == 15 and after["context_tokens"] == 20 and after["engine"] == "stub-0"
+    assert after["output_tokens"] == 15 and after["context_tokens"] == 20 and after["engine"] == "local"
 
 
 def test_without_a_state_dir_a_restart_forgets_the_session() -> None:
@@ -60,9 +60,9 @@ def test_without_a_state_dir_a_restart_forgets_the_session() -> None:
 def test_a_closed_session_stays_closed_after_a_restart(tmp_path: Path) -> None:
     journal = BatchJournalConfig(state_dir=tmp_path, fsync=False)
     run_turns(tmp_path, [1], 1)
-    with LiveServer(create_app(StubBackend(), gateway_settings(token=TOKEN, batch_journal=journal))) as server:
+    with LiveServer(create_app(stub_backend(), gateway_settings(token=TOKEN, batch_journal=journal))) as server:
         assert httpx.delete(f"{server.url}/v1/sessions/traj", headers=HEADERS).json()["state"] == "closed"
-    with LiveServer(create_app(StubBackend(), gateway_settings(token=TOKEN, batch_journal=journal))) as server:
+    with LiveServer(create_app(stub_backend(), gateway_settings(token=TOKEN, batch_journal=journal))) as server:
         assert httpx.get(f"{server.url}/v1/sessions/traj", headers=HEADERS).status_code == 404
 
 
@@ -88,7 +88,7 @@ def test_torn_and_corrupt_records_are_skipped_and_counted(tmp_path: Path, caplog
 def test_skipped_records_are_exported(tmp_path: Path) -> None:
     (tmp_path / SESSION_FILE).write_bytes(b"00000000 {}\n")
     journal = BatchJournalConfig(state_dir=tmp_path, fsync=False)
-    with LiveServer(create_app(StubBackend(), gateway_settings(token=TOKEN, batch_journal=journal))) as server:
+    with LiveServer(create_app(stub_backend(), gateway_settings(token=TOKEN, batch_journal=journal))) as server:
         text = httpx.get(f"{server.url}/metrics", headers=HEADERS).text
     assert "das_session_journal_skipped_records_total 1.0" in text
     assert "das_session_journal_write_failures_total 0.0" in text

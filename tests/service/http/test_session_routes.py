@@ -1,4 +1,4 @@
-"""Sessions over HTTP against the gateway on a StubBackend: the official `openai` client running a 3-turn session
+"""Sessions over HTTP against the gateway on a stub engine: the official `openai` client running a 3-turn session
 (session_id in extra_body, prompt as token ids, return_token_ids appended as the next turn's context), chat with
 prompt_token_ids, refusals, GET/DELETE /v1/sessions, the das_session_* series. The trainer clients' sessions:
 tests/service/client/test_session_client.py."""
@@ -15,9 +15,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.cluster.rollout_backend import EngineBackend
 from das.service.config import SessionConfig
-from tests.service.live_gateway import STUB_TOKENS, LiveServer, read_ndjson
+from tests.service.live_gateway import LiveServer, read_ndjson
+from tests.service.stub_backend import sample_tokens, stub_backend
 
 
 def scrape(server: LiveServer, headers: dict[str, str]) -> dict[str, float]:
@@ -28,7 +29,7 @@ def scrape(server: LiveServer, headers: dict[str, str]) -> dict[str, float]:
 
 
 def test_a_three_turn_session_with_the_official_client_token_ids_in_and_out(session_serve):
-    backend = StubBackend(output_tokens=5)
+    backend = stub_backend(tokens=5)
     server, client, headers = session_serve(backend)
     context = [1, 2, 3]
     for turn in range(3):
@@ -36,7 +37,8 @@ def test_a_three_turn_session_with_the_official_client_token_ids_in_and_out(sess
                                         extra_body={"session_id": "traj-1", "problem_id": "task-7",
                                                     "return_token_ids": True})
         (choice,) = out.choices
-        assert choice.prompt_token_ids == context and choice.token_ids == STUB_TOKENS
+        assert choice.prompt_token_ids == context
+        assert choice.token_ids == sample_tokens(backend.received[-1][0], 0, 5)
         assert out.das["problem_id"] == "task-7"
         context = [*choice.prompt_token_ids, *choice.token_ids, 100 + turn]  # + a tool's output token
     # every turn reached the engine as exactly the context built from the previous turn's ids
@@ -45,7 +47,7 @@ def test_a_three_turn_session_with_the_official_client_token_ids_in_and_out(sess
     assert {g.session_id for g in sent} == {"traj-1"} and {g.problem_id for g in sent} == {"task-7"}
 
     session = httpx.get(f"{server.url}/v1/sessions/traj-1", headers=headers).json()
-    assert session["state"] == "idle" and session["engine"] == "stub-0" and session["problem_id"] == "task-7"
+    assert session["state"] == "idle" and session["engine"] == "local" and session["problem_id"] == "task-7"
     assert [t["prompt_tokens"] for t in session["turns"]] == [3, 9, 15]
     assert [t["policy_version"] for t in session["turns"]] == [0, 0, 0]
     assert session["output_tokens"] == 15 and session["context_tokens"] == 20 and session["moves"] == 0
@@ -54,7 +56,7 @@ def test_a_three_turn_session_with_the_official_client_token_ids_in_and_out(sess
     assert metrics["das_session_open"] == 1 and metrics["das_session_turns_total"] == 3
     assert metrics["das_session_moves_total{'reason': 'overload'}"] == 0
     assert metrics["das_session_context_tokens"] == 20
-    assert metrics["das_engine_prompt_tokens_cached_total{'engine': 'stub-0'}"] == 0  # the series exists
+    assert metrics["das_engine_prompt_tokens_cached_total{'engine': 'local'}"] == 0  # the series exists
 
     ended = httpx.delete(f"{server.url}/v1/sessions/traj-1", headers=headers).json()
     assert ended["state"] == "closed" and len(ended["turns"]) == 3
@@ -65,7 +67,7 @@ def test_a_three_turn_session_with_the_official_client_token_ids_in_and_out(sess
 
 
 def test_a_session_without_problem_id_keeps_its_first_turns_problem(session_serve):
-    _, client, _ = session_serve(StubBackend(output_tokens=2))
+    _, client, _ = session_serve(stub_backend(tokens=2))
     first = client.completions.create(model="das", prompt=[5, 6], max_tokens=2, extra_body={"session_id": "s"})
     second = client.completions.create(model="das", prompt=[5, 6, 3, 10, 9], max_tokens=2,
                                        extra_body={"session_id": "s"})
@@ -73,12 +75,12 @@ def test_a_session_without_problem_id_keeps_its_first_turns_problem(session_serv
 
 
 def test_chat_takes_the_context_as_prompt_token_ids(session_serve):
-    backend = StubBackend(output_tokens=3)
+    backend = stub_backend(tokens=3)
     _, client, _ = session_serve(backend)
     out = client.chat.completions.create(model="das", messages=[], max_completion_tokens=3,
                                          extra_body={"prompt_token_ids": [7, 8, 9], "session_id": "c",
                                                      "return_token_ids": True})
-    assert out.prompt_token_ids == [7, 8, 9] and out.choices[0].token_ids == STUB_TOKENS[:3]
+    assert out.prompt_token_ids == [7, 8, 9] and out.choices[0].token_ids == sample_tokens(backend.received[0][0], 0, 3)
     assert backend.received[0][0].prompt_token_ids == (7, 8, 9) and backend.received[0][0].messages is None
     with pytest.raises(openai.BadRequestError) as both:
         client.chat.completions.create(model="das", messages=[{"role": "user", "content": "hi"}],
@@ -87,7 +89,7 @@ def test_chat_takes_the_context_as_prompt_token_ids(session_serve):
 
 
 def test_refused_turns_change_nothing(session_serve):
-    backend = StubBackend(output_tokens=2, first_delay_s=0.5)
+    backend = stub_backend(tokens=2, first_sample_s=0.5)
     server, client, headers = session_serve(backend)
     with pytest.raises(openai.BadRequestError) as many:
         client.completions.create(model="das", prompt=[1], n=2, extra_body={"session_id": "s"})
@@ -115,7 +117,7 @@ def test_refused_turns_change_nothing(session_serve):
 
 
 def test_deleting_a_session_aborts_its_running_turn(session_serve):
-    backend = StubBackend(output_tokens=2, first_delay_s=30)
+    backend = stub_backend(tokens=2, first_sample_s=30)
     server, client, headers = session_serve(backend)
     errors: list[Exception] = []
 
@@ -142,7 +144,7 @@ def test_deleting_a_session_aborts_its_running_turn(session_serve):
 
 
 def test_idle_sessions_expire(session_serve):
-    server, client, headers = session_serve(StubBackend(output_tokens=2), sessions=SessionConfig(idle_expiry_s=0.2))
+    server, client, headers = session_serve(stub_backend(tokens=2), sessions=SessionConfig(idle_expiry_s=0.2))
     client.completions.create(model="das", prompt=[1], max_tokens=2, extra_body={"session_id": "s"})
     assert httpx.get(f"{server.url}/v1/sessions/s", headers=headers).status_code == 200
     time.sleep(0.3)

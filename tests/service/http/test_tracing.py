@@ -23,7 +23,7 @@ import pytest
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from das.service.cluster.rollout_backend import EngineBackend, StubBackend
+from das.service.cluster.rollout_backend import EngineBackend
 from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.http import tracing
 from das.service.http.gateway import create_app
@@ -32,6 +32,7 @@ from das.service.http.tracing import RolloutTracer
 from das.service.config import traces_url
 from das.service.wire.api import EngineDeath, GroupRequest, SampleResult
 from loadtests.otlp_collector import OtlpCollector
+from tests.service.stub_backend import stub_backend
 
 ROOT = Path(__file__).resolve().parents[3]
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
@@ -214,7 +215,7 @@ BATCH = {"groups": [{"problem_id": f"p{i}", "n": 3, "prompt_token_ids": [1, 2, 3
 
 def test_the_gateway_exports_a_batch_and_every_sample_under_the_trainers_trace() -> None:
     with OtlpCollector() as collector:
-        app = create_app(StubBackend(output_tokens=8), GatewayConfig(otlp_traces_endpoint=collector.url))
+        app = create_app(stub_backend(tokens=8), GatewayConfig(otlp_traces_endpoint=collector.url))
         (response,) = run(app, ("/v1/rollouts", BATCH, {"traceparent": TRACEPARENT}))
     assert response.status_code == 200
     assert {path for path, _ in collector.requests} == {"/v1/traces"}
@@ -234,8 +235,8 @@ def test_coalesced_openai_requests_share_one_batch_span_linked_to_each_trace() -
     other = "00-11111111111111111111111111111111-2222222222222222-01"
     completion = {"model": "das", "prompt": "17 + 25 =", "n": 2, "max_tokens": 8}
     with OtlpCollector() as collector:
-        app = create_app(StubBackend(output_tokens=8), GatewayConfig(otlp_traces_endpoint=collector.url,
-                                                                       openai_coalesce_s=0.2))
+        app = create_app(stub_backend(tokens=8), GatewayConfig(otlp_traces_endpoint=collector.url,
+                                                               openai_coalesce_s=0.2))
         responses = run(app, ("/v1/completions", completion, {"traceparent": TRACEPARENT}),
                         ("/v1/completions", completion, {"traceparent": other}))
     assert [r.status_code for r in responses] == [200, 200]
@@ -275,7 +276,7 @@ def closed_port() -> int:
 
 def test_an_unreachable_collector_costs_one_warning_and_no_rollout(monkeypatch, caplog) -> None:
     monkeypatch.setattr(tracing, "EXPORT_TIMEOUT_S", 1.5)  # one retry (after ~1 s) before the deadline
-    app = create_app(StubBackend(output_tokens=8),
+    app = create_app(stub_backend(tokens=8),
                      GatewayConfig(otlp_traces_endpoint=f"http://127.0.0.1:{closed_port()}"))
     started = time.monotonic()
     with caplog.at_level(logging.INFO):
@@ -294,11 +295,11 @@ def test_without_an_endpoint_no_opentelemetry_is_loaded_no_exporter_runs_and_not
     script = textwrap.dedent(f"""
         import asyncio, sys, threading
         import httpx
-        from das.service.cluster.rollout_backend import StubBackend
+        from tests.service.stub_backend import stub_backend
         from das.service.http.gateway import create_app
         from das.service.config import GatewayConfig
 
-        app = create_app(StubBackend(output_tokens=8), GatewayConfig())
+        app = create_app(stub_backend(tokens=8), GatewayConfig())
         async def go():
             async with app.router.lifespan_context(app):
                 async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://g") as http:

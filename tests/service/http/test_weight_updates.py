@@ -12,25 +12,27 @@ from typing import Any
 import httpx
 import pytest
 
-from das.service.cluster.rollout_backend import StubBackend, WeightUpdateConflict
+from das.service.cluster.rollout_backend import WeightUpdateConflict
+from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.engine.contract import EngineInputError
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
 from tests.service.serve_process import metric
+from tests.service.stub_backend import RecordingBackend, stub_backend
 
 TOKEN = "push-token"
 UPDATE = {"names": ["w", "b"], "dtype_names": ["float32", "bfloat16"], "shapes": [[4, 8], [8]]}
 UPDATE_BYTES = 4 * 8 * 4 + 8 * 2
 
 
-class PushBackend(StubBackend):
+class PushBackend(RecordingBackend):
     """A stub whose engines take pushes: records every transfer call; `fail_update` makes update_weights raise."""
 
     weight_transfer = "gloo"
 
     def __init__(self, fail_update: Exception | None = None) -> None:
-        super().__init__(output_tokens=4)
+        super().__init__(StubEngine(StubEngineConfig(tokens=4)))
         self.calls: list[str] = []
         self.fail_update = fail_update
 
@@ -50,7 +52,7 @@ class PushBackend(StubBackend):
 
     async def finish_weight_update(self, version: int) -> int:
         self.calls.append(f"finish {version}")
-        self._version = version
+        self.engine.policy_version = version
         return version
 
     async def abort_weight_update(self) -> None:
@@ -173,7 +175,7 @@ def test_without_weight_transfer_the_routes_answer_501_naming_the_flag():
         assert draft.status_code == 501 and "no draft model" in draft.json()["error"]["message"]
 
     assert "--weight-transfer none" in WEIGHT_TRANSFER_UNAVAILABLE
-    asyncio.run(against(scenario, StubBackend()))
+    asyncio.run(against(scenario, stub_backend()))
 
 
 def test_a_conflict_from_the_engines_is_409():
