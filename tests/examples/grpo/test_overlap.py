@@ -4,16 +4,20 @@ step t+1 is under way before step t's answer is consumed, and the plan replays T
 
 from __future__ import annotations
 
+import io
+import json
 import logging
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from rich.console import Console
 
 from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.gateway import create_app
 from das.service.wire.api import GroupRequest, SampleResult
+from examples.grpo.report import compare
 from examples.grpo.rollout import ServiceConfig, ServiceRollout, trl_generation_batches
 from tests.service.live_gateway import LiveServer, gateway_settings
 
@@ -152,3 +156,20 @@ def test_the_plan_needs_max_steps():
     with pytest.raises(ValueError, match="max_steps"):
         next(trl_generation_batches(trainer))
 
+
+
+def test_the_report_states_seconds_a_step_and_the_wait_for_rollouts(tmp_path):
+    (tmp_path / "das").mkdir()
+    lines = [{"step": step, "reward": 0.1 * step, "sync_mode": "push", "overlap": True, "step_s": step_s,
+              "policy_lag": min(step - 1, 1), "sync": {"reload_s": 1.0, "policy_version": step},
+              "rollout": {"seconds": 5.0, "completion_tokens": 100, "longest_tokens": 10, "samples": 4,
+                          "draft_tokens": 0, "accepted_tokens": 0, "policy_versions": [max(step - 2, 0)],
+                          "drafts_by_source": {}, "wait_s": wait_s, "prefetched": step > 1, "spanning_samples": 0}}
+             for step, step_s, wait_s in ((1, 12.0, 5.0), (2, 8.0, 1.0), (3, 9.0, 2.0))]
+    (tmp_path / "das" / "steps.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    printed = io.StringIO()
+    summary = compare(tmp_path, ["das"], Console(file=printed, width=200))
+    das = summary["arms"]["das"]
+    assert das["step_seconds"] == [12.0, 8.0, 9.0] and das["rollout_wait_seconds"] == [5.0, 1.0, 2.0]
+    assert not das["policy_version_advances_every_step"]  # one step behind: said, not hidden
+    assert "das (push, overlapped): 9.0 s a step (median), 2.0 s of it waiting for rollouts" in printed.getvalue()
