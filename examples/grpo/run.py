@@ -121,9 +121,6 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
         rollout, training and push included; `policy_lag`: versions between the policy trained (step - 1) and the
         oldest one sampled (0 on-policy, 1 overlapped)."""
 
-        def __init__(self) -> None:
-            self._last = time.perf_counter()
-
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self._last = time.perf_counter()
 
