@@ -12,6 +12,8 @@ The tests are stated here so the figures can be read without the code:
 - Rollout cost: each arm's rollout seconds summed over steps and their ratio das / none, the median of the per-step
   ratios, tokens per second, and seconds per token of the step's longest sample (a step's rollout ends with its
   longest sample, which differs between arms at T = 1).
+- Seconds per step (checkpoint, push, overlapped: one run each, `--out` apart): each arm's median wall seconds a
+  step and the median seconds of it the trainer waited for rollouts, with its sync mode and overlap.
 """
 
 from __future__ import annotations
@@ -91,6 +93,9 @@ def _arm_summary(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "accepted_from_earlier_policies": sum(c["accepted"] for s, c in by_source.items()
                                               if s.startswith("sealed-age-")),
         "weight_push_seconds": [s["sync"]["reload_s"] for s in steps],
+        "step_seconds": [s["step_s"] for s in steps if "step_s" in s],
+        "rollout_wait_seconds": [s["rollout"]["wait_s"] for s in steps if "wait_s" in s["rollout"]],
+        "sync_mode": steps[0].get("sync_mode"), "overlap": steps[0].get("overlap"),
     }
 
 
@@ -166,6 +171,10 @@ def _print(summary: dict[str, Any], console: Console) -> None:
                       str(s["accepted_from_earlier_policies"]))
     console.print(table)
     for arm, s in summary["arms"].items():
+        if s["step_seconds"]:  # steps.jsonl written before step_s was recorded have none
+            console.print(f"{arm} ({s['sync_mode']}{', overlapped' if s['overlap'] else ''}): "
+                          f"{float(np.median(s['step_seconds'])):.1f} s a step (median), "
+                          f"{float(np.median(s['rollout_wait_seconds'])):.1f} s of it waiting for rollouts")
         for name, c in s["rewards_by_function"].items():
             console.print(f"{arm} {name}: {c['mean'][0]:.3f} -> {c['mean'][-1]:.3f}, slope "
                           f"{c['slope_per_step']:+.4f}/step (p = {c['slope_p']:.4f})")

@@ -13,6 +13,9 @@ comparison. README.md here says what the task is and why.
 An arm is the service's speculation (`das`, `none`), optionally with `-coupled`: each problem's rollouts carry one
 seed for the whole run (`ServiceConfig.coupled`), so sample i of a problem repeats its previous visit's sample up to
 the first token the updates flip (`das bench coupled` measures how far).
+
+`--overlap` generates step t+1 while step t trains (rollout.py, `ServiceRollout.prefetch`): one step off-policy,
+each sample with its policy version; steps.jsonl's `step_s` against `rollout.wait_s` shows what it saves.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from rich.console import Console
 
 from examples.grpo.report import compare
 from examples.grpo.rewards import Rewards
-from examples.grpo.rollout import ServiceConfig, ServiceRollout, WeightPush, WeightSync
+from examples.grpo.rollout import ServiceConfig, ServiceRollout, WeightPush, WeightSync, trl_generation_batches
 
 console = Console(soft_wrap=True)  # one line per step, also in a log file
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is TRL's experimental hook; we know
@@ -87,7 +90,8 @@ def stop_service(process: subprocess.Popen) -> None:
 
 
 def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, problems: int, max_tokens: int,
-              learning_rate: float, seed: int, port: int, sync_mode: str = "checkpoint") -> None:
+              learning_rate: float, seed: int, port: int, sync_mode: str = "checkpoint",
+              overlap: bool = False) -> None:
     """One arm: the service up, `steps` GRPO steps, the service down. Writes OUT/<arm>/steps.jsonl and
     OUT/<arm>/rollouts.jsonl.gz."""
     from datasets import Dataset
@@ -113,15 +117,25 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
 
     class StepLog(TrainerCallback):
         """One JSON line and one console line per optimizer step: TRL's logged figures with the step's rollout
-        and weight push."""
+        and weight push. `step_s`: wall seconds since the previous step's line (the first: since training began),
+        rollout, training and push included; `policy_lag`: versions between the policy trained (step - 1) and the
+        oldest one sampled (0 on-policy, 1 overlapped)."""
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self._last = time.perf_counter()
 
         def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, float] | None = None,
                    **kwargs: Any) -> None:
             if not logs or "reward" not in logs:
                 return
+            now = time.perf_counter()
+            step_s, self._last = now - self._last, now
             step = int(state.global_step)
-            record = {"arm": arm, "step": step, **{k: v for k, v in logs.items() if isinstance(v, (int, float))},
-                      "rollout": rollout.steps[-1].as_dict(), "sync": sync.reloads[-1]}
+            rollout_step = rollout.steps[-1].as_dict()
+            record = {"arm": arm, "step": step, "sync_mode": sync_mode, "overlap": overlap, "step_s": step_s,
+                      "policy_lag": step - 1 - min(rollout_step["policy_versions"]),
+                      **{k: v for k, v in logs.items() if isinstance(v, (int, float))},
+                      "rollout": rollout_step, "sync": sync.reloads[-1]}
             with steps_path.open("a") as f:
                 f.write(json.dumps(record) + "\n")
             r = record["rollout"]
@@ -131,8 +145,10 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
                 f"{logs.get('rewards/formatted/mean', float('nan')):.3f}), mean length "
                 f"{logs.get('completions/mean_length', float('nan')):.0f}; rollout {r['seconds']:.1f} s, "
                 f"{r['completion_tokens'] / r['seconds']:.0f} tok/s, longest {r['longest_tokens']}, drafts "
-                f"{r['accepted_tokens']}/{r['draft_tokens']} accepted, policy {r['policy_versions']}; pushed "
-                f"v{record['sync']['policy_version']} in {record['sync']['reload_s']:.1f} s")
+                f"{r['accepted_tokens']}/{r['draft_tokens']} accepted, policy {r['policy_versions']} (lag "
+                f"{record['policy_lag']}{', prefetched' if r['prefetched'] else ''}); pushed "
+                f"v{record['sync']['policy_version']} in {record['sync']['reload_s']:.1f} s; step {step_s:.1f} s, "
+                f"{r['wait_s']:.1f} s of it waiting for rollouts")
 
     config = GRPOConfig(
         output_dir=str(arm_dir / "trainer"), max_steps=steps, per_device_train_batch_size=prompts * samples,
@@ -149,7 +165,9 @@ def train_arm(arm: str, out: Path, *, steps: int, prompts: int, samples: int, pr
     try:
         trainer = GRPOTrainer(model=model, reward_funcs=[rewards.correct, rewards.formatted], args=config,
                               train_dataset=dataset, processing_class=tokenizer, rollout_func=rollout,
-                              callbacks=[sync, StepLog()])
+                              callbacks=[rollout, sync, StepLog()])  # the rollout's on_step_end before the push
+        if overlap:
+            rollout.prefetch(trl_generation_batches(trainer))
         trainer.train()
     finally:
         stop_service(process)
@@ -175,6 +193,8 @@ def main(
     sync: Annotated[str, typer.Option(help="How each step's weights reach the service: checkpoint (saved under "
                                            "its --weights-root, POST /update_weights) or push (vLLM's weight "
                                            "transfer over gloo, no disk).")] = "checkpoint",
+    overlap: Annotated[bool, typer.Option(help="Generate step t+1 while step t trains (one step off-policy; "
+                                               "each sample carries its policy version).")] = False,
 ) -> None:
     """Train both arms, then compare them (report.py)."""
     names = [a.strip() for a in arms.split(",") if a.strip()]
@@ -184,7 +204,8 @@ def main(
         raise typer.BadParameter(f"sync must be one of {', '.join(SYNCS)}, got {sync!r}", param_hint="--sync")
     for arm in names:
         train_arm(arm, out, steps=steps, prompts=prompts, samples=samples, problems=problems,
-                  max_tokens=max_tokens, learning_rate=learning_rate, seed=seed, port=port, sync_mode=sync)
+                  max_tokens=max_tokens, learning_rate=learning_rate, seed=seed, port=port, sync_mode=sync,
+                  overlap=overlap)
     compare(out, names, console)
 
 
