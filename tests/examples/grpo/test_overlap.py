@@ -1,4 +1,4 @@
-"""The GRPO example's overlapped rollout against the gateway on a StubBackend over real HTTP: a prefetched step
+"""The GRPO example's overlapped rollout against the gateway on a stub engine over real HTTP: a prefetched step
 answers with its own prompts' samples, a step the plan got wrong falls back to generating on demand, the request for
 step t+1 is under way before step t's answer is consumed, and the plan replays TRL's sampler."""
 
@@ -14,33 +14,30 @@ from types import SimpleNamespace
 import pytest
 from rich.console import Console
 
-from das.service.cluster.rollout_backend import StubBackend
 from das.service.http.gateway import create_app
-from das.service.wire.api import GroupRequest, SampleResult
 from examples.grpo.report import compare
 from examples.grpo.rollout import ServiceConfig, ServiceRollout, trl_generation_batches
 from tests.service.live_gateway import LiveServer, gateway_settings
+from tests.service.stub_backend import RecordingBackend, stub_backend
 
 TOKEN = "grpo-overlap-token"
-CHAT_A = [{"role": "user", "content": "What is 2 + 2?"}]  # prompt ids [14] under ChatStub
-CHAT_B = [{"role": "user", "content": "What is 13 + 5?"}]  # [15]
-CHAT_C = [{"role": "user", "content": "What is 100 + 23?"}]  # [17]
+CHAT_A = [{"role": "user", "content": "What is 2 + 2?"}]
+CHAT_B = [{"role": "user", "content": "What is 13 + 5?"}]
+CHAT_C = [{"role": "user", "content": "What is 100 + 23?"}]
 STEP_A, STEP_B, STEP_C = [CHAT_A] * 2, [CHAT_B] * 2, [CHAT_C] * 2
 
 
-class ChatStub(StubBackend):
-    """The stub with a chat prompt's token ids (the engine's come from its chat template; the stub has no
-    tokenizer): each message's length in characters, which tells the prompts apart."""
-
-    def _template(self, group: GroupRequest) -> SampleResult:
-        template = super()._template(group)
-        if group.messages is not None:
-            template.prompt_token_ids = [len(m.content) for m in group.messages]
-        return template
+def ids(chat: list[dict[str, str]]) -> list[int]:
+    """The stub engine's prompt token ids of a chat (no tokenizer: 1 + each word's length), which tell the three
+    apart."""
+    return [1 + len(word) for word in " ".join(m["content"] for m in chat).split()]
 
 
-def serve(tmp_path: Path, **stub: float):
-    backend = ChatStub(output_tokens=5, **stub)
+IDS_A, IDS_B, IDS_C = ids(CHAT_A), ids(CHAT_B), ids(CHAT_C)
+
+
+def serve(tmp_path: Path, **stub: float) -> tuple[RecordingBackend, LiveServer]:
+    backend = stub_backend(tokens=5, **stub)
     server = LiveServer(create_app(backend, gateway_settings(token=TOKEN, weights_root=tmp_path)))
     return backend, server
 
@@ -49,7 +46,7 @@ def config(server: LiveServer) -> ServiceConfig:
     return ServiceConfig(url=server.url, token=TOKEN, max_tokens=5, temperature=1.0, seed=3)
 
 
-def asked(backend: ChatStub) -> list[str]:
+def asked(backend: RecordingBackend) -> list[str]:
     """The content of the first message of every request the backend received, in order."""
     return [groups[0].messages[0].content for groups in backend.received]
 
@@ -63,10 +60,10 @@ def test_a_prefetched_step_answers_with_its_own_prompts_samples(tmp_path):
         second = rollout(STEP_B)
         third = rollout(STEP_C)
         rollout.on_train_end(None, None, None)
-    assert (first["prompt_ids"], second["prompt_ids"], third["prompt_ids"]) == ([[14]] * 2, [[15]] * 2, [[17]] * 2)
+    assert (first["prompt_ids"], second["prompt_ids"], third["prompt_ids"]) == ([IDS_A] * 2, [IDS_B] * 2, [IDS_C] * 2)
     assert [s.prefetched for s in rollout.steps] == [False, True, True]
     assert asked(backend) == [CHAT_A[0]["content"], CHAT_B[0]["content"], CHAT_C[0]["content"]]  # none twice
-    assert [r["prompt_token_ids"] for r in rollout.records] == [[14]] * 2 + [[15]] * 2 + [[17]] * 2
+    assert [r["prompt_token_ids"] for r in rollout.records] == [IDS_A] * 2 + [IDS_B] * 2 + [IDS_C] * 2
     # a prefetched request carries its own step's seed, as the same step unoverlapped would
     seeds = [groups[0].sampling.seed for groups in backend.received]
     assert seeds == [rollout.config.request_seed(step, 0, chat) for step, chat in enumerate((CHAT_A, CHAT_B, CHAT_C))]
@@ -82,16 +79,16 @@ def test_a_step_the_plan_got_wrong_is_generated_on_demand_and_the_prefetch_dropp
         out = rollout(STEP_C)  # the plan said B
         rollout(STEP_A)  # the plan is still followed after a miss
         rollout.on_train_end(None, None, None)
-    assert out["prompt_ids"] == [[17]] * 2
+    assert out["prompt_ids"] == [IDS_C] * 2
     assert [s.prefetched for s in rollout.steps] == [False, False, True]
     assert asked(backend) == [CHAT_A[0]["content"], CHAT_B[0]["content"], CHAT_C[0]["content"],
                               CHAT_A[0]["content"]]
-    assert [r["prompt_token_ids"] for r in rollout.records] == [[14]] * 2 + [[17]] * 2 + [[14]] * 2  # B's: dropped
+    assert [r["prompt_token_ids"] for r in rollout.records] == [IDS_A] * 2 + [IDS_C] * 2 + [IDS_A] * 2  # B's: dropped
     assert "rollout step 1" in caplog.text and "prefetched" in caplog.text
 
 
 def test_the_next_steps_request_starts_before_this_steps_answer_is_consumed(tmp_path):
-    backend, server = serve(tmp_path, first_delay_s=0.3)
+    backend, server = serve(tmp_path, first_sample_s=0.3)
     with server:
         rollout = ServiceRollout(config(server))
         rollout.prefetch([STEP_A, STEP_B])
@@ -107,7 +104,7 @@ def test_the_next_steps_request_starts_before_this_steps_answer_is_consumed(tmp_
         out = rollout(STEP_B)
         assert time.perf_counter() - before < 0.25  # answered from the prefetch: no generation left to wait for
         rollout.on_train_end(None, None, None)
-    assert out["prompt_ids"] == [[15]] * 2 and rollout.steps[1].prefetched and len(backend.received) == 2
+    assert out["prompt_ids"] == [IDS_B] * 2 and rollout.steps[1].prefetched and len(backend.received) == 2
 
 
 def test_without_a_plan_every_step_is_generated_on_demand(tmp_path):
@@ -125,7 +122,6 @@ def test_without_a_plan_every_step_is_generated_on_demand(tmp_path):
 def test_the_plan_replays_trls_sampler_across_epochs(steps_per_generation, num_iterations):
     """TRL's dataloader, as its trainer builds it on one process: its RepeatSampler in generation batches,
     iterated once per epoch; TRL generates on every `steps_per_generation * num_iterations`-th batch."""
-    pytest.importorskip("trl")
     from torch.utils.data import DataLoader
     from trl.trainer.utils import RepeatSampler
 
@@ -155,7 +151,6 @@ def test_the_plan_needs_max_steps():
     trainer = SimpleNamespace(args=SimpleNamespace(max_steps=-1))
     with pytest.raises(ValueError, match="max_steps"):
         next(trl_generation_batches(trainer))
-
 
 
 def test_the_report_states_seconds_a_step_and_the_wait_for_rollouts(tmp_path):
