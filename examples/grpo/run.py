@@ -1,7 +1,7 @@
 """GRPO on SmolLM2-135M-Instruct with TRL's GRPOTrainer, rollouts from the service: once against `das serve` (DAS,
 the default) and once against `das serve --speculation none`, with the same seeds, then the comparison.
 
-    .venv/bin/pip install trl==1.16.0 && .venv/bin/python -m examples.grpo.run
+    .venv/bin/python -m examples.grpo.run      # TRL 1.16.0 comes with setup.sh
 
 Per arm it starts the service (its log in OUT/<arm>/serve.log), trains `--steps` optimizer steps (each: one
 rollout of `--prompts` problems x `--samples` samples through the official openai client, TRL's group-relative
