@@ -41,8 +41,6 @@ from collections.abc import AsyncGenerator, Sequence
 from multiprocessing.connection import Connection
 from typing import Any
 
-import httpx
-
 from loadtests.child_gateway import SpawnedGateway
 from loadtests.otlp_collector import OtlpCollector
 
