@@ -125,6 +125,7 @@ from das.service.wire.api import (
     error_responses,
     seeded_groups,
 )
+from das.service.wire.engine_control import ReloadWeights
 from das.service.wire.sample_keys import fresh_seed
 from das.service.wire.sample_progress import SampleProgress
 
@@ -664,7 +665,7 @@ class _Gateway:
             if version <= served:
                 raise HTTPException(409, f"version: {version} is not newer than the served {served}")
             try:
-                version = await self.backend.reload_weights(path, version)
+                version = await self.backend.control(ReloadWeights(checkpoint=str(path), version=version))
             except EngineInputError as exc:
                 raise input_error(exc, ["body"]) from None
         seconds = time.perf_counter() - start

@@ -7,7 +7,8 @@ on every engine, at the finish.
 A push that fails (a refused name or shape, a peer of the group dead, the trainer gone) is given up on every engine
 and the gate released: every engine serves the version it served before. A trainer that opens a push and then
 neither updates nor finishes it within `idle_s` (it died between calls) has its push given up the same way, so
-batches are not held forever.
+batches are not held forever. Each step reaches the engines as a control message (service/wire/engine_control.py)
+through the backend's `control`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from typing import Any
 
 from das.service.cluster.rollout_backend import RolloutBackend, WeightUpdateConflict
 from das.service.engine.contract import EngineInputError
+from das.service.wire.engine_control import (
+    AbortWeightUpdate,
+    FinishWeightUpdate,
+    InitWeightTransfer,
+    ShutdownWeightTransfer,
+    StartWeightUpdate,
+    UpdateWeights,
+)
 from das.service.wire.weight_transfer import update_bytes
 
 log = logging.getLogger(__name__)
@@ -67,7 +76,7 @@ class WeightUpdates:
         async with self._turn:
             if self._push is not None:
                 raise WeightUpdateConflict("a weight update is open: finish it before joining a new group")
-            await self._backend.init_weight_transfer(init_info)
+            await self._backend.control(InitWeightTransfer(init_info=init_info))
 
     async def start(self) -> None:
         async with self._turn:
@@ -76,7 +85,7 @@ class WeightUpdates:
             gate = contextlib.AsyncExitStack()
             await gate.enter_async_context(self._gate())
             try:
-                await self._backend.start_weight_update()
+                await self._backend.control(StartWeightUpdate())
             except BaseException:
                 await gate.aclose()
                 raise
@@ -92,7 +101,7 @@ class WeightUpdates:
                 await self._give_up()
                 raise EngineInputError(str(exc)) from None
             try:
-                await self._backend.update_weights(update_info)
+                await self._backend.control(UpdateWeights(update_info=update_info))
             except BaseException:
                 await self._give_up()
                 raise
@@ -107,7 +116,7 @@ class WeightUpdates:
             served = self._backend.policy_version
             try:
                 version = _version(weight_version, served)
-                version = await self._backend.finish_weight_update(version)
+                version = await self._backend.control(FinishWeightUpdate(version=version))
             except BaseException:
                 await self._give_up()
                 raise
@@ -119,7 +128,7 @@ class WeightUpdates:
     async def shutdown(self) -> None:
         async with self._turn:
             await self._give_up()
-            await self._backend.shutdown_weight_transfer()
+            await self._backend.control(ShutdownWeightTransfer())
 
     def _open(self) -> _Push:
         if self._push is None:
@@ -149,7 +158,7 @@ class WeightUpdates:
         if self._push is None:
             return
         try:
-            await self._backend.abort_weight_update()
+            await self._backend.control(AbortWeightUpdate())
         finally:
             await self._close()
 
