@@ -1,11 +1,11 @@
 """A weight push through the gateway (vLLM's weight transfer; routes in rl_control.py): `WeightUpdates` holds the
 one push that may be open, from /start_weight_update to /finish_weight_update, as a checkpoint reload holds the
-gateway's reload gate for its one call: new batches wait, running ones finish first unless the service is paused
-(then their held samples go on under the new weights and carry `policy_spans`), and the policy version moves once,
-on every engine, at the finish.
+gateway's reload lock (reload_lock.py) for its one call: new batches wait, running ones finish first unless the
+service is paused (then their held samples go on under the new weights and carry `policy_spans`), and the policy
+version moves once, on every engine, at the finish.
 
 A push that fails (a refused name or shape, a peer of the group dead, the trainer gone) is given up on every engine
-and the gate released: every engine serves the version it served before. A trainer that opens a push and then
+and the lock released: every engine serves the version it served before. A trainer that opens a push and then
 neither updates nor finishes it within `idle_s` (it died between calls) has its push given up the same way, so
 batches are not held forever. Each step reaches the engines as a control message (service/wire/engine_control.py)
 through the backend's `control`.
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Push:
-    gate: contextlib.AsyncExitStack
+    lock: contextlib.AsyncExitStack  # the reload lock, held alone until the push ends
     start_s: float = field(default_factory=time.perf_counter)
     bytes: int = 0
     idle: asyncio.TimerHandle | None = None
@@ -56,13 +56,13 @@ class PushResult:
 
 
 class WeightUpdates:
-    """The gateway's side of pushes. `gate()` enters the reload gate (service/http/gateway.py `_ReloadGate`, drained
-    unless paused); `on_finish(result)` records a finished push (metrics)."""
+    """The gateway's side of pushes. `lock()` takes the reload lock alone (service/http/reload_lock.py `ReloadLock`,
+    drained unless paused); `on_finish(result)` records a finished push (metrics)."""
 
-    def __init__(self, backend: RolloutBackend, gate: Callable[[], AbstractAsyncContextManager[None]],
+    def __init__(self, backend: RolloutBackend, lock: Callable[[], AbstractAsyncContextManager[None]],
                  on_finish: Callable[[PushResult], None], idle_s: float) -> None:
         self._backend = backend
-        self._gate = gate
+        self._lock = lock
         self._on_finish = on_finish
         self._idle_s = idle_s
         self._push: _Push | None = None
@@ -82,14 +82,14 @@ class WeightUpdates:
         async with self._turn:
             if self._push is not None:
                 raise WeightUpdateConflict("a weight update is already open: call /finish_weight_update first")
-            gate = contextlib.AsyncExitStack()
-            await gate.enter_async_context(self._gate())
+            lock = contextlib.AsyncExitStack()
+            await lock.enter_async_context(self._lock())
             try:
                 await self._backend.control(StartWeightUpdate())
             except BaseException:
-                await gate.aclose()
+                await lock.aclose()
                 raise
-            self._push = _Push(gate)
+            self._push = _Push(lock)
             self._arm()
 
     async def update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
@@ -154,7 +154,7 @@ class WeightUpdates:
                 await self._give_up()
 
     async def _give_up(self) -> None:
-        """The open push, if any, given up on every engine; the gate released."""
+        """The open push, if any, given up on every engine; the lock released."""
         if self._push is None:
             return
         try:
@@ -167,7 +167,7 @@ class WeightUpdates:
         if push is not None:
             if push.idle is not None:
                 push.idle.cancel()
-            await push.gate.aclose()
+            await push.lock.aclose()
 
 
 def _version(weight_version: str | None, served: int) -> int:

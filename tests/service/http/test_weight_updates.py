@@ -1,5 +1,5 @@
 """A weight push through the gateway (service/http/weight_updates.py, routes in rl_control.py), in process over a
-stub backend that records the engines' side: the routes' shapes, the reload gate held from start to finish, one
+stub backend that records the engines' side: the routes' shapes, the reload lock held from start to finish, one
 version move, a failure or a silent trainer giving the push up everywhere, calls out of turn refused."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_a_failed_update_gives_the_push_up_everywhere_and_lets_batches_run(failu
         assert response.status_code == status and says in response.json()["error"]["message"]
         assert backend.calls == ["start_weight_update", "update_weights", "abort_weight_update"]
         assert backend.policy_version == 0
-        assert await versions_of_a_batch(http) == {0}  # the gate is open again
+        assert await versions_of_a_batch(http) == {0}  # the lock is free again
         late = await http.post("/finish_weight_update", json={})
         assert late.status_code == 409 and "no weight update is open" in late.json()["error"]["message"]
 
@@ -189,6 +189,6 @@ def test_a_conflict_from_the_engines_is_409():
     async def scenario(http: httpx.AsyncClient) -> None:
         response = await http.post("/start_weight_update")
         assert response.status_code == 409 and "engines changed" in response.json()["error"]["message"]
-        assert await versions_of_a_batch(http) == {0}  # the gate was released
+        assert await versions_of_a_batch(http) == {0}  # the lock was released
 
     asyncio.run(against(scenario, backend))
