@@ -1,13 +1,13 @@
 """`das bench history`: the history store at a dataset's scale (docs/design "The history store").
 
-`problems` problems with `rollouts_per_problem` rollouts each, `tokens` output tokens in all, imported into
-`shards` HistoryShard actors (the cluster's history store) in an embedded Ray cluster, as `POST /v1/history`
-does it (`RayBackend.add_history`: records cut by shard, one `put` per shard per chunk, chunks one after another).
-While the import runs, a reader looks problems up one at a time (`summary`, what `GET /v1/history/{id}` calls, and
-`pull`, what an engine calls before it runs a group), and the latencies are kept apart from the same lookups on the
-idle store afterwards. Then: resident memory per stored token (the shard processes' growth over the import, over the
-tokens stored), a snapshot of every shard at once (time, bytes), and a restore (every shard actor killed and started
-again from the state directory; the time until each answers, and what it holds).
+`problems` problems with `rollouts_per_problem` rollouts each, `tokens` output tokens in all, imported into `shards`
+HistoryShard actors (the cluster's history store) in an embedded Ray cluster, as `POST /v1/history` does it
+(`RayBackend.control` of an `AddHistory`: records cut by shard, one `put` per shard per chunk, chunks one after
+another). While the import runs, a reader looks problems up one at a time (`summary`, what `GET /v1/history/{id}`
+calls, and `pull`, what an engine calls before it runs a group), and the latencies are kept apart from the same
+lookups on the idle store afterwards. Then: resident memory per stored token (the shard processes' growth over the
+import, over the tokens stored), a snapshot of every shard at once (time, bytes), and a restore (every shard actor
+killed and started again from the state directory; the time until each answers, and what it holds).
 """
 
 from __future__ import annotations

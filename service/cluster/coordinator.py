@@ -57,7 +57,8 @@ from das.service.config import ServiceConfig
 from das.service.engine.contract import validate_rollouts
 from das.service.engine.pause_gate import PauseGate
 from das.service.wire.api import GroupRequest, ProblemSummary, SampleResult
-from das.service.wire.engine_control import EngineControl, Pause, Resume
+from das.service.wire.engine_control import (AddHistory, EngineControl, Pause, ReloadWeights, Resume,
+                                               WeightTransferStep)
 from das.service.wire.weight_transfer import TransferBackend
 
 log = logging.getLogger(__name__)
@@ -255,26 +256,6 @@ class RayBackend:
                  aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
         return self.dispatcher.generate(groups, on_progress, aborts)
 
-    async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
-        """Reloads every serving engine; an engine that is restarting loads these weights before it serves."""
-        await self.supervisor.wait_serving()  # someone must check the path and version before they are kept
-        async with self._policy.weights_lock:
-            await self.supervisor.on_serving(lambda node: node.reload_weights.remote(str(path), version))
-            self._policy.weights = (str(path), version)
-            self._policy.version = version
-        return self._policy.version
-
-    async def add_history(self, records: list[dict[str, Any]]) -> int:
-        # the checks walk every token: off the event loop, so a large import does not stall the other requests
-        checked = await asyncio.to_thread(validate_rollouts, records)
-        by_shard: dict[int, list[dict[str, Any]]] = {}
-        for record in records:
-            by_shard.setdefault(shard_of(record["problem_id"], len(self._shards)), []).append(record)
-        counts = await asyncio.gather(*(self._shards[s].put.remote("import", rs) for s, rs in by_shard.items()))
-        for rollout in sorted(checked, key=lambda r: r.policy_version):
-            self._book.add_record(rollout)
-        return int(sum(counts))
-
     async def history(self, problem_id: str) -> ProblemSummary | None:
         shard = self._shards[shard_of(problem_id, len(self._shards))]
         summary: ProblemSummary | None = await shard.summary.remote(problem_id)
@@ -292,27 +273,19 @@ class RayBackend:
     def transfer_world_size(self) -> int:
         return self.weight_relay.transfer_world_size()
 
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        await self.weight_relay.init_weight_transfer(init_info)
-
-    async def start_weight_update(self) -> None:
-        await self.weight_relay.start_weight_update()
-
-    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        await self.weight_relay.update_weights(update_info)
-
-    async def finish_weight_update(self, version: int) -> int:
-        return await self.weight_relay.finish_weight_update(version)
-
-    async def abort_weight_update(self) -> None:
-        await self.weight_relay.abort_weight_update()
-
-    async def shutdown_weight_transfer(self) -> None:
-        await self.weight_relay.shutdown_weight_transfer()
-
-    # ---- vLLM's RL control plane (rollout_backend.RolloutBackend says what each does) ----
+    # ---- control (rollout_backend.RolloutBackend says what each verb does) ----
 
     async def control(self, message: EngineControl) -> Any:
+        """The verb reaches the serving engines' actors as it is (`NodeEngine.control`), with what the service keeps
+        or orders around it: a reload is what engines that load later catch up to; a history import goes to the
+        history store, from which every engine pulls what it runs; a weight-transfer step goes to the trainer's
+        group (`WeightRelay`); a pause is remembered until the resume."""
+        if isinstance(message, ReloadWeights):
+            return await self._reload(message)
+        if isinstance(message, AddHistory):
+            return await self._import_history(message.rollouts)
+        if isinstance(message, WeightTransferStep):
+            return await self.weight_relay.control(message)
         # A Pause is remembered until the Resume: an engine actor restarted meanwhile is paused alike
         # (`EngineSupervisor._catch_up`), and new work waits in the coordinator's hold.
         async with self._policy.control_lock:
@@ -324,6 +297,29 @@ class RayBackend:
                 self._policy.paused = None
                 self._hold.resume()
         return message.combine(replies)
+
+    async def _reload(self, message: ReloadWeights) -> int:
+        """Every serving engine reloads; an engine that is restarting loads these weights before it serves."""
+        await self.supervisor.wait_serving()  # someone must check the path and version before they are kept
+        async with self._policy.weights_lock:
+            replies = await self.supervisor.on_serving(lambda node: node.control.remote(message))
+            version = message.combine(replies)
+            self._policy.weights = (message.checkpoint, version)
+            self._policy.version = version
+        return version
+
+    async def _import_history(self, records: list[dict[str, Any]]) -> int:
+        """The records go to the history store, not to the engines: each engine pulls its problems' history before
+        it runs them (`NodeEngine`), and the difficulty book learns their lengths here."""
+        # the checks walk every token: off the event loop, so a large import does not stall the other requests
+        checked = await asyncio.to_thread(validate_rollouts, records)
+        by_shard: dict[int, list[dict[str, Any]]] = {}
+        for record in records:
+            by_shard.setdefault(shard_of(record["problem_id"], len(self._shards)), []).append(record)
+        counts = await asyncio.gather(*(self._shards[s].put.remote("import", rs) for s, rs in by_shard.items()))
+        for rollout in sorted(checked, key=lambda r: r.policy_version):
+            self._book.add_record(rollout)
+        return int(sum(counts))
 
     # ---- background ----
 

@@ -38,7 +38,7 @@ from das.service.cluster.node_engine import EngineNotStarted, NodeEngine
 from das.service.cluster.rollout_backend import BackendStats
 from das.service.config import ServiceConfig
 from das.service.engine.contract import EngineInputError
-from das.service.wire.engine_control import Pause
+from das.service.wire.engine_control import Pause, ReloadWeights
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +494,7 @@ class EngineSupervisor:
             if served >= version:
                 break
             try:
-                served = await actor.handle.reload_weights.remote(path, version)
+                served = await actor.handle.control.remote(ReloadWeights(checkpoint=path, version=version))
                 break
             except EngineInputError as exc:  # a reload's own path was checked when it was reloaded
                 if (path, version) != policy.pushed:

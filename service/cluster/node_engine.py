@@ -19,7 +19,7 @@ import os
 import time
 import uuid
 from collections import OrderedDict, defaultdict
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -326,53 +326,13 @@ class NodeEngine:
         """Never returns: the coordinator keeps this call pending to learn of this actor's death at once."""
         await asyncio.Event().wait()
 
-    async def reload_weights(self, path: str, version: int) -> int:
-        """Reloads every engine of the node (they drain their running samples first)."""
-        versions = await asyncio.gather(*(e.reload_weights(path, version) for e in self.engines))
-        return int(versions[0])
-
-    # ---- vLLM's weight transfer: every engine of the node (rollout_backend.RolloutBackend says what) ----
-
-    async def init_weight_transfer(self, infos: list[dict[str, Any]]) -> None:
-        """Every engine joins the trainer's group, engine i with `infos[i]` (its own rank offset)."""
-        await asyncio.gather(*(e.init_weight_transfer(info) for e, info in zip(self.engines, infos, strict=True)))
-
-    async def start_weight_update(self) -> None:
-        await self._all_or_none(lambda e: e.start_weight_update())
-
-    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        await self._all_or_none(lambda e: e.update_weights(update_info))
-
-    async def finish_weight_update(self, version: int, keep: bool = False) -> int:
-        """Every engine loads the transfer; `keep`: the first keeps its tensors for `save_weight_update`."""
-        versions = await self._all_or_none(lambda e: e.finish_weight_update(version, keep and e is self.engines[0]))
-        return int(versions[0])
-
-    async def save_weight_update(self, root: str, version: int) -> str:
-        """The first engine saves the transfer it kept as the checkpoint `<root>/v<version>`; its path."""
-        return await self.engines[0].save_weight_update(root, version)
-
-    async def abort_weight_update(self) -> None:
-        await asyncio.gather(*(e.abort_weight_update() for e in self.engines))
-
-    async def shutdown_weight_transfer(self) -> None:
-        await asyncio.gather(*(e.shutdown_weight_transfer() for e in self.engines))
-
-    async def _all_or_none(self, step: Callable[[Engine], Awaitable[Any]]) -> list[Any]:
-        """`step(engine)` on every engine; if one fails, the transfer is given up on all of them and its error
-        raised."""
-        replies = await asyncio.gather(*(step(e) for e in self.engines), return_exceptions=True)
-        failed = [r for r in replies if isinstance(r, BaseException)]
-        if failed:
-            await self.abort_weight_update()
-            raise failed[0]
-        return replies
-
-    # ---- vLLM's RL control plane: every engine of the node at once (rollout_backend.RolloutBackend says what) ----
+    # ---- control: every engine of the node at once (rollout_backend.RolloutBackend says what each verb does) ----
 
     async def control(self, message: EngineControl) -> Any:
-        """vLLM's RL control verb on every engine of the node, the replies combined (service/wire/engine_control.py).
-        From a Pause until the Resume, groups that reach this actor wait here, not in vLLM's queue."""
+        """A control verb (pause, reload, a weight-transfer step, ...: service/wire/engine_control.py) on every engine
+        of the node, the replies combined. From a Pause until the Resume, groups that reach this actor wait here, not
+        in vLLM's queue."""
+        self._started()
         if isinstance(message, Pause):
             self._hold.pause(message.mode)
         reply = await apply_control(self.engines, message)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -147,16 +146,6 @@ class RolloutBackend(Protocol):
         stops on its engine and its samples not delivered yet come with finish_reason "abort"; the others run on."""
         ...
 
-    async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
-        """Loads the checkpoint directory `path` as policy `version` once running samples have finished; returns
-        the version now served. EngineInputError for a bad path or version."""
-        ...
-
-    async def add_history(self, records: list[dict[str, Any]]) -> int:
-        """Imports finished rollouts (history-format dicts) for drafting; returns how many were stored.
-        EngineInputError naming the record and field if any is invalid (then none is stored)."""
-        ...
-
     async def history(self, problem_id: str) -> ProblemSummary | None:
         """What the history store holds for a problem (None: nothing). HistoryUnavailable without a store."""
         ...
@@ -166,14 +155,28 @@ class RolloutBackend(Protocol):
         ...
 
     async def control(self, message: EngineControl) -> Any:
-        """vLLM's RL control verb (service/wire/engine_control.py) on every engine, its replies combined. Pause:
-        "abort" ends the samples in flight with finish_reason "abort" (delivered with the tokens they had), "wait"
-        returns once they have finished, "keep" freezes them until Resume; in every mode samples that start
-        meanwhile are held until Resume. AbortSamples ends every sample in flight without pausing (its batch goes
-        on). ValueError for what an engine refuses."""
+        """A control verb (service/wire/engine_control.py) on every engine, its replies combined as the verb says.
+
+        vLLM's RL control plane: Pause "abort" ends the samples in flight with finish_reason "abort" (delivered with
+        the tokens they had), "wait" returns once they have finished, "keep" freezes them until Resume; in every
+        mode samples that start meanwhile are held until Resume. AbortSamples ends every sample in flight without
+        pausing (its batch goes on). ValueError for what an engine refuses.
+
+        ReloadWeights loads a checkpoint directory as the policy version given once running samples have finished
+        (at once while paused); EngineInputError for a bad path or version. AddHistory imports finished rollouts for
+        drafting (where the backend keeps a history store, into the store); EngineInputError naming the record and
+        field if any is invalid (then none is stored).
+
+        vLLM's weight transfer (docs/design.md "vLLM's RL control plane"): a push is StartWeightUpdate, UpdateWeights
+        (one or more), FinishWeightUpdate, after InitWeightTransfer has formed the trainer's group (laid out trainer
+        first, then engine by engine); AbortWeightUpdate gives an open push up everywhere, ShutdownWeightTransfer
+        leaves the group. A step out of turn (a push already open, none open, the engines changed since the group
+        was formed) raises WeightUpdateConflict and does nothing; a step that fails gives the push up everywhere and
+        nothing is loaded (gloo): EngineInputError for refused init info, name, shape or dtype, else RuntimeError
+        naming the cause. EnginesDisagree where the engines' replies must agree and do not."""
         ...
 
-    # vLLM's weight transfer (docs/design.md "vLLM's RL control plane"): a push is start, update(s), finish.
+    # vLLM's weight transfer: what the routes ask before any step (the steps are control messages)
 
     @property
     def weight_transfer(self) -> TransferBackend | None:
@@ -182,33 +185,6 @@ class RolloutBackend(Protocol):
 
     def transfer_world_size(self) -> int:
         """Model workers of every serving engine (vLLM's /get_world_size)."""
-        ...
-
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        """Every serving engine's workers join the trainer's group, laid out trainer first, then engine by engine.
-        EngineInputError for init info that cannot form the group."""
-        ...
-
-    async def start_weight_update(self) -> None:
-        """Opens a push: each engine waits for its running samples unless paused. WeightUpdateConflict when the
-        engines are not those of the group."""
-        ...
-
-    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        """Every engine receives one chunk (staged). On any failure the push is given up everywhere and nothing
-        is loaded (gloo): EngineInputError for a refused name, shape or dtype, else RuntimeError naming the cause."""
-        ...
-
-    async def finish_weight_update(self, version: int) -> int:
-        """Every engine loads what it received and serves it as `version`; the push ends. Returns the version."""
-        ...
-
-    async def abort_weight_update(self) -> None:
-        """Gives the open push up everywhere, if any."""
-        ...
-
-    async def shutdown_weight_transfer(self) -> None:
-        """The engines leave the trainer's group."""
         ...
 
 
@@ -277,40 +253,14 @@ async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator
             yield item
 
 
-class NoWeightTransfer:
-    """The weight-transfer part of `RolloutBackend` for a backend without it (the routes answer 501 before any of
-    these is called): one in-process engine (the transfer is the Ray service's)."""
-
-    weight_transfer: TransferBackend | None = None
-
-    def transfer_world_size(self) -> int:
-        return 0
-
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        raise WeightUpdateConflict("this backend has no weight transfer")
-
-    async def start_weight_update(self) -> None:
-        raise WeightUpdateConflict("this backend has no weight transfer")
-
-    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        raise WeightUpdateConflict("this backend has no weight transfer")
-
-    async def finish_weight_update(self, version: int) -> int:
-        raise WeightUpdateConflict("this backend has no weight transfer")
-
-    async def abort_weight_update(self) -> None:
-        pass
-
-    async def shutdown_weight_transfer(self) -> None:
-        pass
-
-
-class EngineBackend(NoWeightTransfer):
+class EngineBackend:
     """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order.
     `name`: the engine's name in the stats and on its samples (SampleResult.engine), as an engine actor names its
-    engines."""
+    engines. No weight transfer (`weight_transfer` None: the routes answer 501): forming the trainer's group over
+    engines is the Ray service's (service/cluster/weight_relay.py)."""
 
     name = "local"
+    weight_transfer: TransferBackend | None = None
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -349,12 +299,6 @@ class EngineBackend(NoWeightTransfer):
             async for item in merged:
                 yield item
 
-    async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
-        return await self.engine.reload_weights(path, version)
-
-    async def add_history(self, records: list[dict[str, Any]]) -> int:
-        return await self.engine.add_history(records)
-
     async def history(self, problem_id: str) -> ProblemSummary | None:
         raise HistoryUnavailable("no history store: one in-process engine keeps its history inside its drafter only")
 
@@ -364,3 +308,6 @@ class EngineBackend(NoWeightTransfer):
 
     async def control(self, message: EngineControl) -> Any:
         return await apply_control([self.engine], message)
+
+    def transfer_world_size(self) -> int:
+        return 0

@@ -1,6 +1,8 @@
 """`WeightRelay`: vLLM's weight transfer relayed from the trainer to the serving engines (docs/design.md "Weight
-transfer"; rollout_backend.RolloutBackend says what each call does). The coordinator, service/cluster/coordinator.py
-`RayBackend`, composes it with the engine supervision and dispatch.
+transfer"; rollout_backend.RolloutBackend.control says what each step does). The coordinator, service/cluster/
+coordinator.py `RayBackend`, hands it every step (a `WeightTransferStep` message, service/wire/engine_control.py) and
+composes it with the engine supervision and dispatch. It keeps the group and the order of a push; the engines get
+each step as a control message to their actors (`NodeEngine.control`), as every other verb reaches them.
 
 Invariants: the group is the engines that served at /init_weight_transfer_engine, each as of its incarnation, in
 the order of the serving engines; a push needs the same ones serving (else WeightUpdateConflict: join again). A push
@@ -29,6 +31,16 @@ from das.service.cluster.rollout_backend import WeightUpdateConflict
 from das.service.config import ServiceConfig
 from das.service.engine.config import transfer_backend
 from das.service.engine.contract import EngineInputError
+from das.service.wire.engine_control import (
+    AbortWeightUpdate,
+    FinishWeightUpdate,
+    InitWeightTransfer,
+    SaveWeightUpdate,
+    ShutdownWeightTransfer,
+    StartWeightUpdate,
+    UpdateWeights,
+    WeightTransferControl,
+)
 from das.service.wire.weight_transfer import TransferBackend
 
 log = logging.getLogger(__name__)
@@ -68,7 +80,24 @@ class WeightRelay:
         engine = self.config.engine
         return len(self._supervisor.serving()) * engine.tensor_parallel_size
 
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+    async def control(self, message: WeightTransferControl) -> Any:
+        """One step of the transfer on the engines of the group: what each step does is
+        rollout_backend.RolloutBackend.control's; how the group is kept, here."""
+        if isinstance(message, InitWeightTransfer):
+            return await self._join(message.init_info)
+        if isinstance(message, StartWeightUpdate):
+            return await self._start(message)
+        if isinstance(message, UpdateWeights):
+            return await self._update(message)
+        if isinstance(message, FinishWeightUpdate):
+            return await self._finish(message.version)
+        if isinstance(message, AbortWeightUpdate):
+            return await self._abort()
+        if isinstance(message, ShutdownWeightTransfer):
+            return await self._leave(message)
+        raise WeightUpdateConflict("a push is saved by the service itself, once finished (under --state-dir)")
+
+    async def _join(self, init_info: dict[str, Any]) -> None:
         """Every serving engine joins the trainer's group: engine e's workers at the trainer's `rank_offset` + the
         workers of the engines before it. Refused (EngineInputError) unless `world_size` is that offset + every
         serving worker: a group of another size would wait for ranks that never come."""
@@ -85,17 +114,20 @@ class WeightRelay:
             raise EngineInputError(f"init_info.world_size: {world!r}, but the group has the trainer's {offset} "
                                    f"rank(s) and {len(serving) * tp} model workers ({len(serving)} engines x "
                                    f"{tp}): {offset + len(serving) * tp} (GET /get_world_size + 1)")
-        infos: dict[int, list[dict[str, Any]]] = {}
+        # An actor's engines are consecutive among the serving ones: its message names its first engine's rank.
+        joins: dict[int, InitWeightTransfer] = {}
         actors: dict[int, ActorRecord] = {}
         for position, (actor, _, _) in enumerate(serving):
-            actors[id(actor)] = actor
-            infos.setdefault(id(actor), []).append({**init_info, "rank_offset": offset + position * tp})
+            if id(actor) not in actors:
+                actors[id(actor)] = actor
+                joins[id(actor)] = InitWeightTransfer(init_info={**init_info, "rank_offset": offset + position * tp},
+                                                      workers_per_engine=tp)
         self._transfer_group = []
         group = [(actor, actor.incarnation) for actor in actors.values()]
-        await self._on_actors(group, lambda actor: actor.handle.init_weight_transfer.remote(infos[id(actor)]))
+        await self._on_actors(group, lambda actor: actor.handle.control.remote(joins[id(actor)]))
         self._transfer_group = group
 
-    async def start_weight_update(self) -> None:
+    async def _start(self, message: StartWeightUpdate) -> None:
         """Opens a push on every engine of the group (each waits for its running samples unless paused). Held
         against checkpoint reloads and restarted engines' catch-up until it ends (the policy's `weights_lock`)."""
         changed = self._group_changes()
@@ -105,35 +137,38 @@ class WeightRelay:
         await self._policy.weights_lock.acquire()
         self._pushing = True
         try:
-            await self._on_actors(self._transfer_group, lambda actor: actor.handle.start_weight_update.remote())
+            await self._on_actors(self._transfer_group, lambda actor: actor.handle.control.remote(message))
         except BaseException:
-            await self.abort_weight_update()
+            await self._abort()
             raise
 
-    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+    async def _update(self, message: UpdateWeights) -> None:
         """Every engine of the group receives one chunk (staged); a failure anywhere gives the push up
         everywhere."""
         if not self._pushing:
             raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
         try:
-            await self._on_actors(self._transfer_group, lambda actor: actor.handle.update_weights.remote(update_info))
+            await self._on_actors(self._transfer_group, lambda actor: actor.handle.control.remote(message))
         except BaseException:
-            await self.abort_weight_update()
+            await self._abort()
             raise
 
-    async def finish_weight_update(self, version: int) -> int:
-        """Every engine of the group loads what it received and serves it as `version`; the push ends. Where
-        pushes are saved, the group's first engine keeps its tensors and saves them in the background (the lock
-        held until it has)."""
+    async def _finish(self, version: int) -> int:
+        """Every engine of the group loads what it received and serves it as `version`; the push ends, and the
+        policy's version moves once for them all. Where pushes are saved, the group's first engine keeps its
+        tensors and saves them in the background (the lock held until it has)."""
         if not self._pushing:
             raise WeightUpdateConflict("no weight update is open: call /start_weight_update first")
         root = self.saved_pushes
         keeper, incarnation = self._transfer_group[0]
+        finish = FinishWeightUpdate(version=version)
+        kept = FinishWeightUpdate(version=version, keep=root is not None)
         try:
-            await self._on_actors(self._transfer_group, lambda actor: actor.handle.finish_weight_update.remote(
-                version, root is not None and actor is keeper))
+            replies = await self._on_actors(self._transfer_group, lambda actor: actor.handle.control.remote(
+                kept if actor is keeper else finish))
+            version = finish.combine(replies)
         except BaseException:
-            await self.abort_weight_update()
+            await self._abort()
             raise
         self._policy.version = version
         self._pushing = False
@@ -147,7 +182,7 @@ class WeightRelay:
         """`keeper` saves the push it kept as `<root>/v<version>`, which becomes what a restart loads; then the
         policy's `weights_lock` (held since the push's start) is released."""
         try:
-            path = await keeper.handle.save_weight_update.remote(str(root), version)
+            path = await keeper.handle.control.remote(SaveWeightUpdate(root=str(root), version=version))
             self._policy.pushed = (path, version)
             log.info("the push of policy version %d is saved at %s for engines that load later", version, path)
         except Exception as exc:
@@ -159,22 +194,22 @@ class WeightRelay:
         finally:
             self._policy.weights_lock.release()
 
-    async def abort_weight_update(self) -> None:
+    async def _abort(self) -> None:
         """Gives the open push up on every engine of the group (nothing loaded by the gloo backend); idempotent."""
         if not self._pushing:
             return
         try:
             await self._on_actors([(a, i) for a, i in self._transfer_group if a.state == "serving"],
-                                  lambda actor: actor.handle.abort_weight_update.remote())
+                                  lambda actor: actor.handle.control.remote(AbortWeightUpdate()))
         finally:
             self._pushing = False
             self._policy.weights_lock.release()
 
-    async def shutdown_weight_transfer(self) -> None:
-        await self.abort_weight_update()
+    async def _leave(self, message: ShutdownWeightTransfer) -> None:
+        await self._abort()
         group, self._transfer_group = self._transfer_group, []
         await self._on_actors([(a, i) for a, i in group if a.state == "serving"],
-                              lambda actor: actor.handle.shutdown_weight_transfer.remote())
+                              lambda actor: actor.handle.control.remote(message))
 
     def _group_changes(self) -> str:
         """How the serving engines differ from the transfer group's ('' if they do not)."""

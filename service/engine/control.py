@@ -12,8 +12,15 @@ from das.service.wire.engine_control import EngineControl
 
 
 async def apply_control(engines: Sequence[Engine], message: EngineControl) -> Any:
-    """`message` on every engine at once (the engine method named by its verb, with its arguments); their replies
-    combined as the verb says. The first error an engine raises is raised."""
-    method = message.verb
-    replies = await asyncio.gather(*(getattr(engine, method)(**message.arguments()) for engine in engines))
+    """`message` on every engine at once: the engine method named by its verb, with the arguments the message gives
+    that engine (an engine given none sits it out). Once every engine has answered, their replies combined as the
+    verb says, or the first error an engine raised (in the engines' order). Every engine is waited for, error or
+    not, so that a caller that reacts to the error (a transfer given up everywhere) never races a step still running
+    on another engine."""
+    calls = [getattr(engine, message.verb)(**arguments)
+             for index, engine in enumerate(engines) if (arguments := message.arguments(index)) is not None]
+    replies = await asyncio.gather(*calls, return_exceptions=True)
+    for reply in replies:
+        if isinstance(reply, BaseException):
+            raise reply
     return message.combine(replies)

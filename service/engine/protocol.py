@@ -42,6 +42,9 @@ class Engine(Protocol):
         A resumed sample (`group.prefix_token_ids`) continues from its prefix."""
         ...
 
+    # Control verbs: a route reaches them only through service/engine/control.py `apply_control`, by the verb of a
+    # control message (service/wire/engine_control.py) that names the method and its keyword arguments.
+
     # vLLM's RL control plane (docs/design.md "vLLM's RL control plane")
     async def pause(self, mode: PauseMode = "abort", clear_cache: bool = True) -> None: ...
 
@@ -78,7 +81,8 @@ class Engine(Protocol):
     async def shutdown_weight_transfer(self) -> None: ...
 
     async def add_history(self, rollouts: list[dict[str, Any]]) -> int:
-        """Installs finished rollouts in the drafter; returns how many it kept."""
+        """Installs finished rollouts in the drafter; returns how many it kept (also what an engine actor calls on
+        its engine with the history it pulled)."""
         ...
 
     async def drafter_stats(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from das.service.wire.api import (
     WeightsResponse,
     error_responses,
 )
+from das.service.wire.engine_control import AddHistory
 
 
 def batch_router(gateway: GatewayCore[Any]) -> APIRouter:
@@ -96,7 +97,7 @@ def batch_router(gateway: GatewayCore[Any]) -> APIRouter:
         if len(body.records) > limit:
             raise HTTPException(413, f"{len(body.records)} records; the limit is {limit} (max_history_records)")
         try:
-            added = await gateway.backend.add_history(body.records)
+            added = await gateway.backend.control(AddHistory(rollouts=body.records))
         except EngineInputError as exc:
             raise input_error(exc, ["body", "records"]) from None
         gateway.metrics.history_imported += added

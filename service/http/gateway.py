@@ -104,6 +104,7 @@ from das.service.http.batch_routes import batch_router
 from das.service.http.gateway_core import input_error, json_safe
 from das.service.http.health_routes import health_router
 from das.service.http.openai_api import OpenAIError, OpenAIErrorRoute, openai_router
+from das.service.http.reload_lock import ReloadLock
 from das.service.http.request_guard import RequestGuard, open_paths
 from das.service.http.rl_control import rl_control_router
 from das.service.http.session_journal import SessionJournal
@@ -125,6 +126,7 @@ from das.service.wire.api import (
     error_responses,
     seeded_groups,
 )
+from das.service.wire.engine_control import ReloadWeights
 from das.service.wire.sample_keys import fresh_seed
 from das.service.wire.sample_progress import SampleProgress
 
@@ -279,49 +281,6 @@ class _BatchRegistry:
         return list(self.live.values())
 
 
-class _ReloadGate:
-    """Batches run concurrently; a weight reload runs alone. A reload first stops new batches from starting, then
-    waits for the running ones to end, so it is never starved and no batch sees two policy versions."""
-
-    def __init__(self) -> None:
-        self._cond = asyncio.Condition()
-        self._running = 0
-        self._reloading = False
-
-    @contextlib.asynccontextmanager
-    async def batch(self) -> AsyncIterator[None]:
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._reloading)
-            self._running += 1
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._running -= 1
-                self._cond.notify_all()
-
-    @contextlib.asynccontextmanager
-    async def reload(self, drain: bool = True) -> AsyncIterator[None]:
-        """`drain` False: without waiting for the running batches (the engines are paused, docs/design.md
-        "vLLM's RL control plane")."""
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._reloading)
-            self._reloading = True
-            try:
-                if drain:
-                    await self._cond.wait_for(lambda: self._running == 0)
-            except BaseException:
-                self._reloading = False
-                self._cond.notify_all()
-                raise
-        try:
-            yield
-        finally:
-            async with self._cond:
-                self._reloading = False
-                self._cond.notify_all()
-
-
 _pack = msgpack.Packer().pack  # one per process is safe: the event loop calls it from one thread
 _json = json.JSONEncoder(separators=(",", ":")).encode
 
@@ -370,10 +329,10 @@ class _Gateway:
         self.metrics = GatewayMetrics(backend.stats)
         self.metrics.policy_version = backend.policy_version
         self.batches = _BatchRegistry(settings)
-        self.gate = _ReloadGate()
-        # vLLM's weight transfer: a push holds the reload gate from its start to its end, as a reload does
-        self.weight_updates = WeightUpdates(backend, lambda: self.gate.reload(drain=not self.paused), self._pushed,
-                                            settings.weight_update_idle_s)
+        self.reload_lock = ReloadLock()
+        # vLLM's weight transfer: a push holds the reload lock from its start to its end, as a reload does
+        self.weight_updates = WeightUpdates(backend, lambda: self.reload_lock.reload(drain=not self.paused),
+                                            self._pushed, settings.weight_update_idle_s)
         self._current: _Batch | None = None  # the most recently started batch
         # paused by POST /pause until POST /resume (service/http/rl_control.py): new batches wait here meanwhile
         # (service/engine/pause_gate.py says why the service holds them)
@@ -491,14 +450,14 @@ class _Gateway:
         stalled: asyncio.Timeout | None = None
         try:
             await self.hold.resumed()  # a batch sent while paused reaches the engines once they have resumed
-            async with self.gate.batch():
+            async with self.reload_lock.batch():
                 batch.start()
                 if batch.trace is not None:
                     batch.trace.dispatched()
                 self._current = batch
                 self.metrics.current_batch_longest = 0
                 loop = asyncio.get_running_loop()
-                # Started here, not before the gate: a batch held behind a reload is waiting, not stalled.
+                # Started here, not before the lock: a batch held behind a reload is waiting, not stalled.
                 stalled = batch.stall = asyncio.timeout(None if self.paused else stall_s)
                 def alive() -> None:
                     # A token or a sample made: the batch is not stalled. The deadline moves when it would move by
@@ -657,14 +616,14 @@ class _Gateway:
         first unless the service is paused (their samples then span the update: SampleResult.policy_spans)."""
         path = self.weights_path(given)
         start = time.perf_counter()
-        async with self.gate.reload(drain=not self.paused):
-            # Checked inside the gate: a concurrent reload may have moved the version while this one waited.
+        async with self.reload_lock.reload(drain=not self.paused):
+            # Checked inside the lock: a concurrent reload may have moved the version while this one waited.
             served = self.backend.policy_version
             version = served + 1 if version is None else version
             if version <= served:
                 raise HTTPException(409, f"version: {version} is not newer than the served {served}")
             try:
-                version = await self.backend.reload_weights(path, version)
+                version = await self.backend.control(ReloadWeights(checkpoint=str(path), version=version))
             except EngineInputError as exc:
                 raise input_error(exc, ["body"]) from None
         seconds = time.perf_counter() - start

@@ -22,7 +22,7 @@ of the prompt (token ids, text or messages as JSON), so a repeated prompt names 
 its history; and a `SamplingSpec` from `temperature`, `top_p`, `top_k`, `max_tokens` (chat: `max_completion_tokens`
 wins), `stop`, `stop_token_ids` and `ignore_eos`, each absent one at the SamplingSpec default (except completions'
 `max_tokens`: OpenAI's 16). The group runs as a batch admitted by the gateway itself (`GatewayCore.admit`), so the
-sample limit, the in-flight limit, the reload gate and the metrics apply as to `/v1/rollouts`; the response's
+sample limit, the in-flight limit, the reload lock and the metrics apply as to `/v1/rollouts`; the response's
 `X-Batch-Id` header names the batch.
 
 Siblings: requests naming one problem with equal prompt and sampling that arrive within

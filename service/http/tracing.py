@@ -9,7 +9,7 @@ Spans, all in the gateway's process (the coordinator runs there too; an engine's
   requests share one batch): from the request's admission to the batch's end. A W3C `traceparent` header on the
   request makes it a child of the trainer's span (read by OTel's TraceContext propagator); of coalesced OpenAI
   requests the first one carrying one is the parent and the others' are links. Events `admitted` (checks passed,
-  batch registered) and `dispatched` (past the pause hold and the reload gate: the coordinator places its groups
+  batch registered) and `dispatched` (past the pause hold and the reload lock: the coordinator places its groups
   now). Attributes `das.batch_id`, `das.route`, `das.groups`, `das.samples_expected`, at the end `das.status`,
   `das.samples`, `das.output_tokens`, `das.draft_tokens`, `das.accepted_tokens`; status ERROR with the batch's
   error when it failed. A request attaching to a batch that runs already (a repeated batch_id) adds no span.

@@ -1,13 +1,14 @@
 """A weight push through the gateway (vLLM's weight transfer; routes in rl_control.py): `WeightUpdates` holds the
 one push that may be open, from /start_weight_update to /finish_weight_update, as a checkpoint reload holds the
-gateway's reload gate for its one call: new batches wait, running ones finish first unless the service is paused
-(then their held samples go on under the new weights and carry `policy_spans`), and the policy version moves once,
-on every engine, at the finish.
+gateway's reload lock (reload_lock.py) for its one call: new batches wait, running ones finish first unless the
+service is paused (then their held samples go on under the new weights and carry `policy_spans`), and the policy
+version moves once, on every engine, at the finish.
 
 A push that fails (a refused name or shape, a peer of the group dead, the trainer gone) is given up on every engine
-and the gate released: every engine serves the version it served before. A trainer that opens a push and then
+and the lock released: every engine serves the version it served before. A trainer that opens a push and then
 neither updates nor finishes it within `idle_s` (it died between calls) has its push given up the same way, so
-batches are not held forever.
+batches are not held forever. Each step reaches the engines as a control message (service/wire/engine_control.py)
+through the backend's `control`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from typing import Any
 
 from das.service.cluster.rollout_backend import RolloutBackend, WeightUpdateConflict
 from das.service.engine.contract import EngineInputError
+from das.service.wire.engine_control import (
+    AbortWeightUpdate,
+    FinishWeightUpdate,
+    InitWeightTransfer,
+    ShutdownWeightTransfer,
+    StartWeightUpdate,
+    UpdateWeights,
+)
 from das.service.wire.weight_transfer import update_bytes
 
 log = logging.getLogger(__name__)
@@ -30,7 +39,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class _Push:
-    gate: contextlib.AsyncExitStack
+    lock: contextlib.AsyncExitStack  # the reload lock, held alone until the push ends
     start_s: float = field(default_factory=time.perf_counter)
     bytes: int = 0
     idle: asyncio.TimerHandle | None = None
@@ -47,13 +56,13 @@ class PushResult:
 
 
 class WeightUpdates:
-    """The gateway's side of pushes. `gate()` enters the reload gate (service/http/gateway.py `_ReloadGate`, drained
-    unless paused); `on_finish(result)` records a finished push (metrics)."""
+    """The gateway's side of pushes. `lock()` takes the reload lock alone (service/http/reload_lock.py `ReloadLock`,
+    drained unless paused); `on_finish(result)` records a finished push (metrics)."""
 
-    def __init__(self, backend: RolloutBackend, gate: Callable[[], AbstractAsyncContextManager[None]],
+    def __init__(self, backend: RolloutBackend, lock: Callable[[], AbstractAsyncContextManager[None]],
                  on_finish: Callable[[PushResult], None], idle_s: float) -> None:
         self._backend = backend
-        self._gate = gate
+        self._lock = lock
         self._on_finish = on_finish
         self._idle_s = idle_s
         self._push: _Push | None = None
@@ -67,20 +76,20 @@ class WeightUpdates:
         async with self._turn:
             if self._push is not None:
                 raise WeightUpdateConflict("a weight update is open: finish it before joining a new group")
-            await self._backend.init_weight_transfer(init_info)
+            await self._backend.control(InitWeightTransfer(init_info=init_info))
 
     async def start(self) -> None:
         async with self._turn:
             if self._push is not None:
                 raise WeightUpdateConflict("a weight update is already open: call /finish_weight_update first")
-            gate = contextlib.AsyncExitStack()
-            await gate.enter_async_context(self._gate())
+            lock = contextlib.AsyncExitStack()
+            await lock.enter_async_context(self._lock())
             try:
-                await self._backend.start_weight_update()
+                await self._backend.control(StartWeightUpdate())
             except BaseException:
-                await gate.aclose()
+                await lock.aclose()
                 raise
-            self._push = _Push(gate)
+            self._push = _Push(lock)
             self._arm()
 
     async def update(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
@@ -92,7 +101,7 @@ class WeightUpdates:
                 await self._give_up()
                 raise EngineInputError(str(exc)) from None
             try:
-                await self._backend.update_weights(update_info)
+                await self._backend.control(UpdateWeights(update_info=update_info))
             except BaseException:
                 await self._give_up()
                 raise
@@ -107,7 +116,7 @@ class WeightUpdates:
             served = self._backend.policy_version
             try:
                 version = _version(weight_version, served)
-                version = await self._backend.finish_weight_update(version)
+                version = await self._backend.control(FinishWeightUpdate(version=version))
             except BaseException:
                 await self._give_up()
                 raise
@@ -119,7 +128,7 @@ class WeightUpdates:
     async def shutdown(self) -> None:
         async with self._turn:
             await self._give_up()
-            await self._backend.shutdown_weight_transfer()
+            await self._backend.control(ShutdownWeightTransfer())
 
     def _open(self) -> _Push:
         if self._push is None:
@@ -145,11 +154,11 @@ class WeightUpdates:
                 await self._give_up()
 
     async def _give_up(self) -> None:
-        """The open push, if any, given up on every engine; the gate released."""
+        """The open push, if any, given up on every engine; the lock released."""
         if self._push is None:
             return
         try:
-            await self._backend.abort_weight_update()
+            await self._backend.control(AbortWeightUpdate())
         finally:
             await self._close()
 
@@ -158,7 +167,7 @@ class WeightUpdates:
         if push is not None:
             if push.idle is not None:
                 push.idle.cancel()
-            await push.gate.aclose()
+            await push.lock.aclose()
 
 
 def _version(weight_version: str | None, served: int) -> int:

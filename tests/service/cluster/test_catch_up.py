@@ -15,6 +15,7 @@ from das.service.cluster.engine_failure import RestartWindow
 from das.service.cluster.engine_supervisor import ActorRecord, EngineSupervisor, ServedPolicy
 from das.service.config import ServiceConfig
 from das.service.engine.contract import EngineInputError
+from das.service.wire.engine_control import ReloadWeights
 
 
 class _Call:
@@ -31,17 +32,17 @@ class Handle:
     def __init__(self, version: int, readable: set[str]) -> None:
         self.version, self.readable, self.loaded = version, readable, []
         self.policy_version = _Call(self._policy_version)
-        self.reload_weights = _Call(self._reload_weights)
+        self.control = _Call(self._control)
 
     async def _policy_version(self) -> int:
         return self.version
 
-    async def _reload_weights(self, path: str, version: int) -> int:
-        if path not in self.readable:
-            raise EngineInputError(f"{path}: not a directory with *.safetensors weights")
-        self.loaded.append(path)
-        self.version = version
-        return version
+    async def _control(self, message: ReloadWeights) -> int:
+        if message.checkpoint not in self.readable:
+            raise EngineInputError(f"{message.checkpoint}: not a directory with *.safetensors weights")
+        self.loaded.append(message.checkpoint)
+        self.version = message.version
+        return message.version
 
 
 def catch_up(policy: ServedPolicy, handle: Handle) -> list[str]:

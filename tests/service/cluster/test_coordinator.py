@@ -31,6 +31,7 @@ from das.service.engine.vllm.models import prepare_model
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.wire.api import GroupRequest, LengthCurveSpec, SampleResult
+from das.service.wire.engine_control import AddHistory, ReloadWeights
 from tests.tiny_models import build_tiny_model
 
 
@@ -152,15 +153,15 @@ def test_stub_engines_on_two_nodes(cluster: Cluster, loop: asyncio.AbstractEvent
         assert refused.value.group_index == 1
 
         # reload reaches every node; an older version is refused by the engines
-        assert loop.run_until_complete(backend.reload_weights(str(tmp_path), 3)) == 3
+        assert loop.run_until_complete(backend.control(ReloadWeights(checkpoint=str(tmp_path), version=3))) == 3
         with pytest.raises(EngineInputError):
-            loop.run_until_complete(backend.reload_weights(str(tmp_path), 2))
+            loop.run_until_complete(backend.control(ReloadWeights(checkpoint=str(tmp_path), version=2)))
         assert {s.policy_version for _, s in run_batch(loop, backend, groups(2, 1))} == {3}
 
         # imported history goes to the store
         record = {"problem_id": "imported", "policy_version": 0, "sample_index": 0, "prompt_token_ids": [1],
                   "output_token_ids": [2, 3]}
-        assert loop.run_until_complete(backend.add_history([record, record])) == 2
+        assert loop.run_until_complete(backend.control(AddHistory(rollouts=[record, record]))) == 2
         assert loop.run_until_complete(backend.history("imported")).rollouts == 2
 
         # closing the stream early cancels what still runs; the service goes on

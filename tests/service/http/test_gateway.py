@@ -389,7 +389,7 @@ class FakeEngine:
             self.cancelled += 1
             raise
 
-    async def reload_weights(self, path: Any, version: int) -> int:
+    async def reload_weights(self, checkpoint: Any, version: int) -> int:
         if version <= self.policy_version:
             raise EngineInputError(f"version: must be newer than the served version {self.policy_version}")
         self.policy_version = version

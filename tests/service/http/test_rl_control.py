@@ -20,7 +20,7 @@ from das.service.engine.vllm.engine import VllmEngine, EngineConfig
 from das.service.engine.vllm.models import prepare_model
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
 from das.service.wire.api import GroupRequest
-from das.service.wire.engine_control import AbortSamples, IsPaused, Pause, Resume
+from das.service.wire.engine_control import AbortSamples, IsPaused, Pause, ReloadWeights, Resume
 from tests.service.stub_backend import stub_backend
 from tests.tiny_models import build_tiny_model
 from tests.service.http.rl_batches import against, batch, group, summary
@@ -290,7 +290,7 @@ def test_the_ray_service_fans_pause_update_and_resume_out_to_its_engines(tmp_pat
             await asyncio.sleep(1.0)  # the Ray round trips, then some of the sample's 2 s
             await backend.control(Pause(mode="keep"))
             paused = await backend.control(IsPaused())
-            assert await backend.reload_weights(tmp_path, 1) == 1
+            assert await backend.control(ReloadWeights(checkpoint=str(tmp_path), version=1)) == 1
             await backend.control(Resume())
             spanning = await first
             second = asyncio.create_task(collect())

@@ -30,6 +30,7 @@ from das.service.engine.stub_engine import StubEngine, StubEngineConfig
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.wire.api import MSGPACK, ProblemSummary
+from das.service.wire.engine_control import AddHistory, EngineControl
 from tests.service.stub_backend import RecordingBackend
 
 TOKEN = "fuzz-token"
@@ -79,11 +80,12 @@ class HistoryStub(RecordingBackend):
         super().__init__(StubEngine(StubEngineConfig(**config)))
         self.held: dict[str, int] = {}
 
-    async def add_history(self, records: list[dict[str, Any]]) -> int:
-        added = await super().add_history(records)
-        for record in records:
-            self.held[record["problem_id"]] = self.held.get(record["problem_id"], 0) + 1
-        return added
+    async def control(self, message: EngineControl) -> Any:
+        reply = await super().control(message)
+        if isinstance(message, AddHistory):
+            for record in message.rollouts:
+                self.held[record["problem_id"]] = self.held.get(record["problem_id"], 0) + 1
+        return reply
 
     async def history(self, problem_id: str) -> ProblemSummary | None:
         if problem_id not in self.held:

@@ -1,5 +1,5 @@
 """A weight push through the gateway (service/http/weight_updates.py, routes in rl_control.py), in process over a
-stub backend that records the engines' side: the routes' shapes, the reload gate held from start to finish, one
+stub backend that records the engines' side: the routes' shapes, the reload lock held from start to finish, one
 version move, a failure or a silent trainer giving the push up everywhere, calls out of turn refused."""
 
 from __future__ import annotations
@@ -18,6 +18,12 @@ from das.service.engine.contract import EngineInputError
 from das.service.http.gateway import create_app
 from das.service.config import GatewayConfig
 from das.service.http.rl_control import WEIGHT_TRANSFER_UNAVAILABLE
+from das.service.wire.engine_control import (
+    EngineControl,
+    FinishWeightUpdate,
+    InitWeightTransfer,
+    WeightTransferStep,
+)
 from tests.service.serve_process import metric
 from tests.service.stub_backend import RecordingBackend, stub_backend
 
@@ -27,36 +33,32 @@ UPDATE_BYTES = 4 * 8 * 4 + 8 * 2
 
 
 class PushBackend(RecordingBackend):
-    """A stub whose engines take pushes: records every transfer call; `fail_update` makes update_weights raise."""
+    """A stub whose engines take pushes: records every transfer step it is sent (its other control messages reach
+    the stub engine); `fail` makes the step with that verb raise."""
 
     weight_transfer = "gloo"
 
-    def __init__(self, fail_update: Exception | None = None) -> None:
+    def __init__(self, fail: dict[str, Exception] | None = None) -> None:
         super().__init__(StubEngine(StubEngineConfig(tokens=4)))
         self.calls: list[str] = []
-        self.fail_update = fail_update
+        self.fail = fail or {}
 
     def transfer_world_size(self) -> int:
         return 3
 
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        self.calls.append(f"init {init_info['world_size']}")
-
-    async def start_weight_update(self) -> None:
-        self.calls.append("start")
-
-    async def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self.calls.append("update")
-        if self.fail_update is not None:
-            raise self.fail_update
-
-    async def finish_weight_update(self, version: int) -> int:
-        self.calls.append(f"finish {version}")
-        self.engine.policy_version = version
-        return version
-
-    async def abort_weight_update(self) -> None:
-        self.calls.append("abort")
+    async def control(self, message: EngineControl) -> Any:
+        if not isinstance(message, WeightTransferStep):
+            return await super().control(message)
+        self.calls.append(message.verb)
+        if message.verb in self.fail:
+            raise self.fail[message.verb]
+        if isinstance(message, InitWeightTransfer):
+            self.calls[-1] += f" {message.init_info['world_size']}"
+        if isinstance(message, FinishWeightUpdate):
+            self.calls[-1] += f" {message.version}"
+            self.engine.policy_version = message.version
+            return message.version
+        return None
 
 
 async def against(scenario: Callable[[httpx.AsyncClient], Awaitable[Any]], backend: Any, **settings: Any) -> Any:
@@ -96,7 +98,8 @@ def test_a_push_holds_new_batches_from_start_to_finish_and_moves_the_version_onc
         assert metric(text, "das_weight_transfers") == 1
         assert metric(text, "das_weight_transfer_bytes") == UPDATE_BYTES
         assert metric(text, "das_policy_version") == 1
-        assert backend.calls == ["init 4", "start", "update", "finish 1"]
+        assert backend.calls == ["init_weight_transfer 4", "start_weight_update", "update_weights",
+                                 "finish_weight_update 1"]
 
     asyncio.run(against(scenario, backend))
 
@@ -106,14 +109,15 @@ def test_a_push_holds_new_batches_from_start_to_finish_and_moves_the_version_onc
     (RuntimeError("Connection closed by peer"), 500, "given up on every engine, which serve policy version 0"),
 ])
 def test_a_failed_update_gives_the_push_up_everywhere_and_lets_batches_run(failure, status, says):
-    backend = PushBackend(fail_update=failure)
+    backend = PushBackend(fail={"update_weights": failure})
 
     async def scenario(http: httpx.AsyncClient) -> None:
         await http.post("/start_weight_update")
         response = await http.post("/update_weights", json={"update_info": UPDATE})
         assert response.status_code == status and says in response.json()["error"]["message"]
-        assert backend.calls == ["start", "update", "abort"] and backend.policy_version == 0
-        assert await versions_of_a_batch(http) == {0}  # the gate is open again
+        assert backend.calls == ["start_weight_update", "update_weights", "abort_weight_update"]
+        assert backend.policy_version == 0
+        assert await versions_of_a_batch(http) == {0}  # the lock is free again
         late = await http.post("/finish_weight_update", json={})
         assert late.status_code == 409 and "no weight update is open" in late.json()["error"]["message"]
 
@@ -129,7 +133,7 @@ def test_a_refused_weight_version_gives_the_push_up(weight_version, status, says
         await http.post("/update_weights", json={"update_info": UPDATE})
         response = await http.post("/finish_weight_update", json={"weight_version": weight_version})
         assert response.status_code == status and says in response.json()["error"]["message"]
-        assert backend.calls[-1] == "abort" and backend.policy_version == 0
+        assert backend.calls[-1] == "abort_weight_update" and backend.policy_version == 0
         text = (await http.get("/metrics")).text
         assert metric(text, "das_weight_transfers") == 0
 
@@ -148,7 +152,7 @@ def test_calls_out_of_turn_are_409_and_change_nothing():
         assert again.status_code == 409 and "already open" in again.json()["error"]["message"]
         joining = await http.post("/init_weight_transfer_engine", json={"init_info": {"world_size": 4}})
         assert joining.status_code == 409
-        assert backend.calls == ["start"]
+        assert backend.calls == ["start_weight_update"]
 
     asyncio.run(against(scenario, backend))
 
@@ -159,7 +163,7 @@ def test_a_trainer_silent_past_the_idle_limit_has_its_push_given_up():
     async def scenario(http: httpx.AsyncClient) -> None:
         await http.post("/start_weight_update")
         await asyncio.sleep(0.5)
-        assert backend.calls == ["start", "abort"]
+        assert backend.calls == ["start_weight_update", "abort_weight_update"]
         assert await versions_of_a_batch(http) == {0}
         assert (await http.post("/update_weights", json={"update_info": UPDATE})).status_code == 409
 
@@ -179,16 +183,12 @@ def test_without_weight_transfer_the_routes_answer_501_naming_the_flag():
 
 
 def test_a_conflict_from_the_engines_is_409():
-    backend = PushBackend()
-
-    async def refuse() -> None:
-        raise WeightUpdateConflict("the engines changed since /init_weight_transfer_engine")
-
-    backend.start_weight_update = refuse  # type: ignore[method-assign]
+    backend = PushBackend(fail={"start_weight_update": WeightUpdateConflict(
+        "the engines changed since /init_weight_transfer_engine")})
 
     async def scenario(http: httpx.AsyncClient) -> None:
         response = await http.post("/start_weight_update")
         assert response.status_code == 409 and "engines changed" in response.json()["error"]["message"]
-        assert await versions_of_a_batch(http) == {0}  # the gate was released
+        assert await versions_of_a_batch(http) == {0}  # the lock was released
 
     asyncio.run(against(scenario, backend))
