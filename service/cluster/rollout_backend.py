@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from das.service.cluster.group_aborts import GroupAborts, abortable
+from das.service.cluster.group_aborts import GroupAborts
+from das.service.cluster.group_streams import merge_groups
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, StepPartTotals
 from das.service.engine.control import apply_control
@@ -270,13 +272,6 @@ async def merge_batches(streams: Sequence[AsyncIterator[Any]], max_items: int, m
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator[Any, None]:
-    """`merge_batches` one item at a time."""
-    async with contextlib.aclosing(merge_batches(streams, 1)) as batches:
-        async for (item,) in batches:
-            yield item
-
-
 class NoWeightTransfer:
     """The weight-transfer part of `RolloutBackend` for a backend without it (the routes answer 501 before any of
     these is called): one in-process engine (the transfer is the Ray service's)."""
@@ -306,9 +301,9 @@ class NoWeightTransfer:
 
 
 class EngineBackend(NoWeightTransfer):
-    """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order.
-    `name`: the engine's name in the stats and on its samples (SampleResult.engine), as an engine actor names its
-    engines."""
+    """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order
+    (service/cluster/group_streams.py: a reader task per group, one queue per batch). `name`: the engine's name in
+    the stats and on its samples (SampleResult.engine), as an engine actor names its engines."""
 
     name = "local"
 
@@ -334,20 +329,13 @@ class EngineBackend(NoWeightTransfer):
             except EngineInputError as exc:
                 raise GroupInputError(i, str(exc)) from None
 
-    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
-                       aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
-        async def indexed(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
-            report = None if on_progress is None else lambda progress: on_progress(index, progress)
-            samples = abortable(self.engine.generate(group, report), group,
-                                aborts.event(index) if aborts is not None else None,
-                                lambda: self.engine.policy_version)
-            async for sample in samples:
-                sample.engine = self.name
-                yield index, sample
+    def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
+                 aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
+        def open_stream(index: int, group: GroupRequest) -> AsyncIterator[SampleResult]:
+            report = None if on_progress is None else functools.partial(on_progress, index)
+            return self.engine.generate(group, report)
 
-        async with contextlib.aclosing(merge_streams([indexed(i, g) for i, g in enumerate(groups)])) as merged:
-            async for item in merged:
-                yield item
+        return merge_groups(groups, open_stream, self.name, aborts, lambda: self.engine.policy_version)
 
     async def reload_weights(self, path: str | os.PathLike[str], version: int) -> int:
         return await self.engine.reload_weights(path, version)
