@@ -231,9 +231,10 @@ class StubEngine:
         epoch = await self._gate.admit()
         if group.problem_id == self.config.exit_on_problem:
             os._exit(1)
-        for index in range(group.n):  # all n requests made now, as a vLLM engine makes them
-            if (headers := group.trace_headers(index)) is not None:
-                self.trace_headers.append((group.problem_id, index, headers))
+        if group.trace_parents is not None:  # checked once a group: a batch's groups all start in one turn of the loop
+            for index in range(group.n):  # all n requests made now, as a vLLM engine makes them
+                if (headers := group.trace_headers(index)) is not None:
+                    self.trace_headers.append((group.problem_id, index, headers))
         start = time.perf_counter()
         earliest = asyncio.get_running_loop().time() + self.config.first_sample_s
         self.tally.running += group.n  # the group's samples, until the group ends
