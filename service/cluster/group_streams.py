@@ -61,8 +61,8 @@ async def merge_groups(groups: Sequence[GroupRequest], open_stream: GroupStream,
                 await aclose()
 
     def ended(index: int, group: GroupRequest, reader: asyncio.Task[None]) -> None:
-        # Every reader ends with exactly one of: its end mark, its error, its aborted samples and its end mark;
-        # the merge counts the end marks, so a reader that put none would leave it waiting forever.
+        # Each reader's end puts its end mark (after its aborted samples, if aborted) or its error: the merge waits
+        # for every end mark, so a reader that put neither would leave it waiting forever.
         if closing:
             return
         if not reader.cancelled():
