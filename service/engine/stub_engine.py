@@ -177,12 +177,12 @@ class StubEngine:
         self.tokens_made: Counter[str] = Counter()  # per problem_id, tokens generated (tests see a sample stop)
         # (problem_id, sample index in the request, its headers) of the latest samples started with trace headers
         self.trace_headers: deque[tuple[str, int, dict[str, str]]] = deque(maxlen=TRACE_HEADERS_KEPT)
-        # what every sample shares; each is a copy of it with its own fields (building and checking a model per
-        # sample, or per group, would cost a load test's gateway process, where an in-process stub runs, time a real
-        # engine spends elsewhere: a batch's groups all start in one turn of the event loop)
+        # every sample is a copy of it with its own fields (building and checking a model per sample, or per group,
+        # would cost a load test's gateway process, where an in-process stub runs, time a real engine spends
+        # elsewhere: a batch's groups all start in one turn of the event loop); nothing of the config is copied into
+        # it, since a running engine's config may be replaced
         self._blank = SampleResult.model_construct(
-            problem_id="", sample_index=0, token_ids=[], logprobs=[], finish_reason="stop", policy_version=0,
-            text=config.text)
+            problem_id="", sample_index=0, token_ids=[], logprobs=[], finish_reason="stop", policy_version=0)
 
     @classmethod
     async def create(cls, config: StubEngineConfig) -> StubEngine:
@@ -333,7 +333,8 @@ class StubEngine:
         new = len(tokens) - resumed
         accepted = new // 4 if self.config.draft_figures else 0
         update: dict[str, Any] = {
-            "problem_id": group.problem_id, "prompt_token_ids": prompt, "sample_index": index, "token_ids": tokens, "logprobs": [STUB_LOGPROB] * new, "finish_reason": finish,
+            "problem_id": group.problem_id, "prompt_token_ids": prompt, "text": self.config.text,
+            "sample_index": index, "token_ids": tokens, "logprobs": [STUB_LOGPROB] * new, "finish_reason": finish,
             "policy_version": spans[0][0] if spans else self.policy_version,
             "policy_spans": spans if len(spans) > 1 or (resumed and spans) else None,
             "draft_tokens": new // 2 if self.config.draft_figures else 0, "accepted_tokens": accepted,
