@@ -5,8 +5,9 @@ a batch that also carries other groups (other sessions' turns, plain groups). Ab
 others off, and letting the turn run on would leave its engine generating tokens nobody reads. So the gateway hands
 each batch's `GroupAborts` to `RolloutBackend.generate`, and a backend ends an aborted group's samples as follows:
 every sample of the group not yet delivered is delivered once, with finish_reason "abort" and no tokens, and the
-engine stops generating it (`abortable` closes the group's engine stream, which aborts its samples in vLLM). The
-batch's contract is kept: every sample of every group exactly once.
+engine stops generating it (the group's engine stream is closed, which aborts its samples in vLLM: `abortable` on an
+engine actor, service/cluster/group_streams.py `merge_groups` in the in-process backend). The batch's contract is
+kept: every sample of every group exactly once.
 """
 
 from __future__ import annotations
@@ -66,8 +67,7 @@ async def abortable(samples: AsyncIterator[SampleResult], group: GroupRequest, a
     group not delivered yet is delivered as `aborted_sample`. Sample indices are the group's (0 .. n-1).
 
     The stream is read by a task of its own into a queue, and the abort puts its mark in the same queue: a sample
-    costs a queue hop, not a race of two tasks (what a load test's stub engine, thousands of samples a second in
-    the gateway's process, would pay for)."""
+    costs a queue hop, not a race of two tasks. (The in-process backend does without the hop: `merge_groups`.)"""
     if abort is None:
         async for sample in samples:
             yield sample

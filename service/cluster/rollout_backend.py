@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from das.service.cluster.group_aborts import GroupAborts, abortable
+from das.service.cluster.group_aborts import GroupAborts
+from das.service.cluster.group_streams import merge_groups
 from das.service.cluster.history_store import ShardStats
 from das.service.engine.contract import EngineInputError, EngineTally, StepPartTotals
 from das.service.engine.control import apply_control
@@ -246,18 +248,12 @@ async def merge_batches(streams: Sequence[AsyncIterator[Any]], max_items: int, m
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def merge_streams(streams: Sequence[AsyncIterator[Any]]) -> AsyncGenerator[Any, None]:
-    """`merge_batches` one item at a time."""
-    async with contextlib.aclosing(merge_batches(streams, 1)) as batches:
-        async for (item,) in batches:
-            yield item
-
-
 class EngineBackend:
-    """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order.
-    `name`: the engine's name in the stats and on its samples (SampleResult.engine), as an engine actor names its
-    engines. No weight transfer (`weight_transfer` None: the routes answer 501): forming the trainer's group over
-    engines is the Ray service's (service/cluster/weight_relay.py)."""
+    """One in-process `Engine`; runs all groups of a batch at once and merges their streams in finishing order
+    (service/cluster/group_streams.py: a reader task per group, one queue per batch). `name`: the engine's name in
+    the stats and on its samples (SampleResult.engine), as an engine actor names its engines. No weight transfer
+    (`weight_transfer` None: the routes answer 501): forming the trainer's group over engines is the Ray service's
+    (service/cluster/weight_relay.py)."""
 
     name = "local"
     weight_transfer: TransferBackend | None = None
@@ -284,20 +280,13 @@ class EngineBackend:
             except EngineInputError as exc:
                 raise GroupInputError(i, str(exc)) from None
 
-    async def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
-                       aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
-        async def indexed(index: int, group: GroupRequest) -> AsyncIterator[tuple[int, SampleResult]]:
-            report = None if on_progress is None else lambda progress: on_progress(index, progress)
-            samples = abortable(self.engine.generate(group, report), group,
-                                aborts.event(index) if aborts is not None else None,
-                                lambda: self.engine.policy_version)
-            async for sample in samples:
-                sample.engine = self.name
-                yield index, sample
+    def generate(self, groups: Sequence[GroupRequest], on_progress: ProgressSink | None = None,
+                 aborts: GroupAborts | None = None) -> AsyncGenerator[tuple[int, SampleResult], None]:
+        def open_stream(index: int, group: GroupRequest) -> AsyncIterator[SampleResult]:
+            report = None if on_progress is None else functools.partial(on_progress, index)
+            return self.engine.generate(group, report)
 
-        async with contextlib.aclosing(merge_streams([indexed(i, g) for i, g in enumerate(groups)])) as merged:
-            async for item in merged:
-                yield item
+        return merge_groups(groups, open_stream, self.name, aborts, lambda: self.engine.policy_version)
 
     async def history(self, problem_id: str) -> ProblemSummary | None:
         raise HistoryUnavailable("no history store: one in-process engine keeps its history inside its drafter only")

@@ -133,12 +133,28 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 def stub_tokens(key: int, start: int, stop: int, vocab_size: int) -> list[int]:
     """A stub sample's tokens at positions [start, stop): token p is (7 p + key) % vocab_size, `key` the sample's key
-    (GroupRequest.sample_key), so a sample drawn again under its key repeats its draw."""
+    (GroupRequest.sample_key), so a sample drawn again under its key repeats its draw.
+
+    A slice of a table of the vocabulary's ids (`_token_table`): its entries are ints made once, where building the
+    list afresh would make one int object a token (most ids are above CPython's small-int cache), about 8 us a
+    256-token sample in an in-process stub's event loop."""
     first = (7 * start + key) % vocab_size
     end = first + 7 * (stop - start)
-    if end <= vocab_size:  # no wrap (most samples): a range, the cheapest list of them
-        return list(range(first, end, 7))
-    return [(first + 7 * i) % vocab_size for i in range(stop - start)]
+    return _token_table(vocab_size, end)[first:end:7]
+
+
+_TOKEN_TABLES: dict[int, list[int]] = {}  # vocabulary size -> its `_token_table`
+
+
+def _token_table(vocab_size: int, length: int) -> list[int]:
+    """At least `length` entries, entry j being j % vocab_size: the vocabulary's ids 0 .. vocab_size - 1 repeated,
+    each id one int object (the repeats are references to it). Kept per vocabulary size, grown when a longer one is
+    asked for (one sample of a max_model_len-long output needs vocab_size + 7 max_model_len)."""
+    table = _TOKEN_TABLES.get(vocab_size)
+    if table is None or len(table) < length:
+        ids = table[:vocab_size] if table is not None else list(range(vocab_size))
+        table = _TOKEN_TABLES[vocab_size] = (ids * -(-length // vocab_size))[:max(length, vocab_size)]
+    return table
 
 
 class StubEngine:
@@ -161,6 +177,12 @@ class StubEngine:
         self.tokens_made: Counter[str] = Counter()  # per problem_id, tokens generated (tests see a sample stop)
         # (problem_id, sample index in the request, its headers) of the latest samples started with trace headers
         self.trace_headers: deque[tuple[str, int, dict[str, str]]] = deque(maxlen=TRACE_HEADERS_KEPT)
+        # every sample is a copy of it with its own fields (building and checking a model per sample, or per group,
+        # would cost a load test's gateway process, where an in-process stub runs, time a real engine spends
+        # elsewhere: a batch's groups all start in one turn of the event loop); nothing of the config is copied into
+        # it, since a running engine's config may be replaced
+        self._blank = SampleResult.model_construct(
+            problem_id="", sample_index=0, token_ids=[], logprobs=[], finish_reason="stop", policy_version=0)
 
     @classmethod
     async def create(cls, config: StubEngineConfig) -> StubEngine:
@@ -209,17 +231,12 @@ class StubEngine:
         epoch = await self._gate.admit()
         if group.problem_id == self.config.exit_on_problem:
             os._exit(1)
-        for index in range(group.n):  # all n requests made now, as a vLLM engine makes them
-            if (headers := group.trace_headers(index)) is not None:
-                self.trace_headers.append((group.problem_id, index, headers))
+        if group.trace_parents is not None:  # checked once a group: a batch's groups all start in one turn of the loop
+            for index in range(group.n):  # all n requests made now, as a vLLM engine makes them
+                if (headers := group.trace_headers(index)) is not None:
+                    self.trace_headers.append((group.problem_id, index, headers))
         start = time.perf_counter()
         earliest = asyncio.get_running_loop().time() + self.config.first_sample_s
-        # what the group's samples share; each is a copy of it (building and checking a model per sample would cost a
-        # load test's gateway process, where an in-process stub runs, time a real engine spends elsewhere)
-        template = SampleResult.model_construct(
-            problem_id=group.problem_id, sample_index=0, token_ids=[], logprobs=[], finish_reason="stop",
-            policy_version=self.policy_version, prompt_token_ids=prompt, text=self.config.text)
-        pace = self.config.token_s / group.n  # the group's samples share the engine's steps
         self.tally.running += group.n  # the group's samples, until the group ends
         self._groups += 1
         self._unfinished += group.n
@@ -227,45 +244,58 @@ class StubEngine:
         try:
             for index in range(group.n):
                 await self._turn(earliest, epoch)
-                # the sample's tokens are a function of its key, as under keyed sampling: a re-drawn sample repeats
-                key = group.sample_key(index)
-                assert key is not None  # seeded above
-                tokens = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
-                resumed = len(tokens)
-                first: float | None = None  # seconds from the group's start to this sample's first new token
-                spans: list[tuple[int, int]] = []
-                while len(tokens) < length and self._gate.abort_epoch == epoch:
-                    await self._gate.unfrozen(epoch)
-                    version = self.policy_version  # the weights of this token's step
-                    if pace:
-                        await asyncio.sleep(pace)
-                    if self._gate.abort_epoch != epoch:
-                        break
-                    if not spans or spans[-1][0] != version:
-                        spans.append((version, len(tokens)))
-                    # paced, a token a step; unpaced, the rest at once (no await between tokens: nothing could
-                    # happen between them)
-                    at = len(tokens)
-                    tokens += stub_tokens(key, at, at + 1 if pace else length, self.config.vocab_size)
-                    if first is None:
-                        first = time.perf_counter() - start
-                    self.tokens_made[group.problem_id] += len(tokens) - at
-                    if on_progress is not None and at < length - 1:
-                        shown = tokens[at:length - 1]  # the new tokens but the sample's last
-                        on_progress(SampleProgress(index, at, shown, [STUB_LOGPROB] * len(shown), "", version))
-                if len(tokens) < length:
-                    finish = "abort"
-                else:
-                    finish = "length" if length == group.sampling.max_tokens else "stop"
+                sample = await self._draw(group, prompt, index, length, epoch, start, on_progress)
                 self._unfinished -= 1
                 yielded += 1
-                yield self._sample(template, group, index, tokens, resumed, finish, spans, first,
-                                   time.perf_counter() - start)
+                yield sample
+                # Not referenced while the next turn is awaited (under per-sample pacing a whole round of the
+                # groups in flight): a sample kept that long outlives the garbage collector's young generation, and
+                # its collections then scan every group's latest sample (milliseconds each, in the event loop of a
+                # load test's gateway).
+                del sample
         finally:
             self.tally.running -= group.n
             self._groups -= 1
             self._unfinished -= group.n - yielded
             self._gate.notify()
+
+    async def _draw(self, group: GroupRequest, prompt: list[int], index: int, length: int, epoch: int, start: float,
+                    on_progress: Callable[[SampleProgress], None] | None) -> SampleResult:
+        """Sample `index` of `group` (seeded; its prompt's token ids `prompt`), `length` tokens long unless aborted
+        (epoch `epoch` ended); `start`: the group's start (time.perf_counter)."""
+        # the sample's tokens are a function of its key, as under keyed sampling: a re-drawn sample repeats
+        key = group.sample_key(index)
+        assert key is not None  # seeded by generate
+        tokens = list(group.prefix_token_ids[index]) if group.prefix_token_ids is not None else []
+        resumed = len(tokens)
+        first: float | None = None  # seconds from the group's start to this sample's first new token
+        spans: list[tuple[int, int]] = []
+        pace = self.config.token_s / group.n  # the group's samples share the engine's steps
+        while len(tokens) < length and self._gate.abort_epoch == epoch:
+            await self._gate.unfrozen(epoch)
+            version = self.policy_version  # the weights of this token's step
+            if pace:
+                await asyncio.sleep(pace)
+            if self._gate.abort_epoch != epoch:
+                break
+            if not spans or spans[-1][0] != version:
+                spans.append((version, len(tokens)))
+            # paced, a token a step; unpaced, the rest at once (no await between tokens: nothing could happen
+            # between them)
+            at = len(tokens)
+            tokens += stub_tokens(key, at, at + 1 if pace else length, self.config.vocab_size)
+            if first is None:
+                first = time.perf_counter() - start
+            self.tokens_made[group.problem_id] += len(tokens) - at
+            if on_progress is not None and at < length - 1:
+                shown = tokens[at:length - 1]  # the new tokens but the sample's last
+                on_progress(SampleProgress(index, at, shown, [STUB_LOGPROB] * len(shown), "", version))
+        if len(tokens) < length:
+            finish: Literal["stop", "length", "abort"] = "abort"
+        else:
+            finish = "length" if length == group.sampling.max_tokens else "stop"
+        return self._sample(group, prompt, index, tokens, resumed, finish, spans, first,
+                            time.perf_counter() - start)
 
     async def _turn(self, earliest: float, epoch: int) -> None:
         """Waits for a sample's turn to be made: not before `earliest` (loop time) and `sample_s` after the previous
@@ -295,14 +325,15 @@ class StubEngine:
             _wake(wake)
         self._next_turn = 0.0
 
-    def _sample(self, template: SampleResult, group: GroupRequest, index: int, tokens: list[int], resumed: int,
+    def _sample(self, group: GroupRequest, prompt: list[int], index: int, tokens: list[int], resumed: int,
                 finish: Literal["stop", "length", "abort"], spans: list[tuple[int, int]], first: float | None,
                 total_s: float) -> SampleResult:
-        """The finished sample, a copy of its group's `template`: `tokens` after `resumed` are new; `spans` as in
-        the module's docstring."""
+        """The finished sample, a copy of the engine's `_blank` (its group's samples share the `prompt` list):
+        `tokens` after `resumed` are new; `spans` as in the module's docstring."""
         new = len(tokens) - resumed
         accepted = new // 4 if self.config.draft_figures else 0
         update: dict[str, Any] = {
+            "problem_id": group.problem_id, "prompt_token_ids": prompt, "text": self.config.text,
             "sample_index": index, "token_ids": tokens, "logprobs": [STUB_LOGPROB] * new, "finish_reason": finish,
             "policy_version": spans[0][0] if spans else self.policy_version,
             "policy_spans": spans if len(spans) > 1 or (resumed and spans) else None,
@@ -310,7 +341,7 @@ class StubEngine:
             "decode_steps": new - accepted, "first_token_s": first, "total_s": total_s}
         if group.tool_parser is not None and self.tool_parsing is not None and self.config.text is not None:
             update["content"], update["tool_calls"] = self.tool_parsing(group, self.config.text, tokens)
-        return template.model_copy(update=update)
+        return self._blank.model_copy(update=update)
 
     # ---- pause (vLLM's RL control plane) ----
 
