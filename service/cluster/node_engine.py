@@ -55,6 +55,9 @@ PROGRESS_INTERVAL_S = 0.05
 # up to this long to travel with the others and the next progress report, because the coordinator's CPU goes per Ray
 # object (docs/design.md "The coordinator at scale"; the coordinator passes a longer one with many engine actors).
 ITEM_INTERVAL_S = PROGRESS_INTERVAL_S
+# Seconds between an actor's checks that its engines' cores live (`NodeEngine._watch_engines`): a death is acted on
+# this long after vLLM has seen it at most; a check reads one flag per engine.
+ENGINE_WATCH_S = 0.5
 
 # What `NodeEngine.run` runs on one of its engines: (engine index in the actor, (index, group) pairs in start order).
 RunPart = tuple[int, Sequence[tuple[int, GroupRequest]]]
@@ -118,10 +121,12 @@ class NodeEngine:
 
     A vLLM engine core that dies (EngineDeadError) ends this actor's process: Ray restarts the actor and the
     coordinator recovers it like any actor that died (service/cluster/engine_supervisor.py), re-dispatching what it
-    owed. Why not recreate the engine here: that one path then covers both deaths (restart cap, weights catch-up,
-    history re-pull, re-dispatch), and nothing of the dead engine (its processes, its memory) lingers in a live one;
-    the cost is that an actor's other engines restart with it, which is why on a node without a GPU each engine has
-    an actor of its own."""
+    owed. A batch that sees the death ends the actor at once; `_watch_engines` does for any other time, since vLLM
+    never answers a call that was in flight when its core died (a push's receive, a reload, a save) and an idle dead
+    engine would be counted as serving until a batch reached it. Why not recreate the engine here: that one path
+    then covers both deaths (restart cap, weights catch-up, history re-pull, re-dispatch), and nothing of the dead
+    engine (its processes, its memory) lingers in a live one; the cost is that an actor's other engines restart with
+    it, which is why on a node without a GPU each engine has an actor of its own."""
 
     def __init__(self, node: str, config: EngineSpec, shards: Sequence[Any],
                  engines: int = 1, history_push: HistoryPushConfig | None = None, first_index: int = 0
@@ -146,6 +151,7 @@ class NodeEngine:
         # aborts that arrived before their run (an async actor may start calls out of order), bounded.
         self._runs: dict[str, GroupAborts] = {}
         self._early_aborts: OrderedDict[str, set[int]] = OrderedDict()
+        self._watcher: asyncio.Task[None] | None = None  # `_watch_engines`, from the engines' load to `close`
 
     def _engine_envs(self) -> list[dict[str, str]]:
         count = len(self.names)
@@ -174,6 +180,7 @@ class NodeEngine:
             config = prepare(self.config)
             stage = "engine"
             await self._load(config)
+            self._watcher = asyncio.get_running_loop().create_task(self._watch_engines())
         except Exception as exc:
             failure = classify(exc, stage)
             log.error("%s: the engine failed to load (%s): %s", ", ".join(self.names),
@@ -189,6 +196,14 @@ class NodeEngine:
                 os.environ.update(env)  # the engine core process is spawned now and inherits it
                 engine = await create_engine(config)
             self.engines.append(engine)
+
+    async def _watch_engines(self) -> None:
+        """Ends this actor once one of its engines' cores has died (the class docstring)."""
+        while True:
+            await asyncio.sleep(ENGINE_WATCH_S)
+            for index, engine in enumerate(self.engines):
+                if engine.dead:
+                    self._engine_died(index)
 
     def _started(self) -> None:
         if not self.engines:
@@ -349,6 +364,9 @@ class NodeEngine:
         return NodeStats(tuple(loads), resident_bytes(), self._history.pending(), self._history.given_up)
 
     async def close(self) -> None:
+        if self._watcher is not None:  # a closed engine reads as dead
+            self._watcher.cancel()
+            self._watcher = None
         for engine in self.engines:
             await engine.close()
         self.engines.clear()

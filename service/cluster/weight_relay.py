@@ -225,17 +225,25 @@ class WeightRelay:
 
     async def _on_actors(self, actors: list[tuple[ActorRecord, int]],
                          call: Callable[[ActorRecord], Any]) -> list[Any]:
-        """`call(actor)` on each of `actors` at once; their replies. A lost actor is reported as a death and raised
-        as a RuntimeError naming it; any other error is raised as it is (the first one)."""
+        """`call(actor)` on each of `actors` at once; their replies. A lost actor is reported as a death, as a
+        RuntimeError naming it. Of the failures one is raised: the first refusal (EngineInputError), else the first
+        death, else the first other error as it is."""
         replies = await asyncio.gather(*(call(actor) for actor, _ in actors), return_exceptions=True)
         lost = lost_errors()
+        refusals: list[BaseException] = []
+        deaths: list[BaseException] = []
         errors: list[BaseException] = []
         for (actor, incarnation), reply in zip(actors, replies):
             if isinstance(reply, lost):
                 self._supervisor.engine_died(actor, incarnation, reply)
-                errors.append(RuntimeError(f"engine {', '.join(actor.names)} died during the weight transfer"))
+                deaths.append(RuntimeError(f"engine {', '.join(actor.names)} died during the weight transfer"))
+            elif isinstance(reply, EngineInputError):
+                refusals.append(reply)
             elif isinstance(reply, BaseException):
                 errors.append(reply)
-        if errors:  # a refusal says more than the broken group it leaves the others with
-            raise next((e for e in errors if isinstance(e, EngineInputError)), errors[0])
+        # A refusal says more than the broken group it leaves the others with, and a death more than the receives
+        # it broke in the other engines (gloo's "Connection closed by peer", in whichever position they are).
+        failures = [*refusals, *deaths, *errors]
+        if failures:
+            raise failures[0]
         return list(replies)

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import httpx
@@ -50,9 +51,10 @@ def wait_ready(proc: subprocess.Popen[str], url: str, timeout_s: float, poll_s: 
 
 
 class Server:
-    """A `das serve` process (embedded Ray, the tiny model, eager) on a free loopback port."""
+    """A `das serve` process (embedded Ray, the tiny model, eager) on a free loopback port; `env`: variables set for
+    it beside this process's."""
 
-    def __init__(self, model: Path, state_dir: Path, *flags: str) -> None:
+    def __init__(self, model: Path, state_dir: Path, *flags: str, env: Mapping[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.state_dir = state_dir
@@ -60,7 +62,8 @@ class Server:
         self.proc = subprocess.Popen(
             [str(das), "serve", "--model", str(model), "--port", str(self.port), "--dtype", "float32",
              "--max-model-len", "256", "--eager", "--state-dir", str(state_dir), *flags],
-            env={**os.environ, "DAS_TOKEN": TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env={**os.environ, **(env or {}), "DAS_TOKEN": TOKEN}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True)
 
     def wait_ready(self) -> None:
         wait_ready(self.proc, self.url, timeout_s=300)

@@ -2,8 +2,10 @@
 server on SmolLM2 with `--weight-transfer gloo`, trainers in processes of their own pushing with `WeightSender`.
 Bad pushes first (a wrong name, a wrong shape, a trainer killed mid-push: a clear error, nothing loaded, the same
 samples as before); an engine killed after a push, which must come back serving it; then a perturbed copy pushed,
-whose next samples must be token for token those of a server started on that copy. The server is the session's shared one (tests/conftest.py: the verifiers example runs on it
-first), then the reference server (this machine runs one at a time)."""
+whose next samples must be token for token those of a server started on that copy. The server is the session's
+shared one (tests/conftest.py: the verifiers example runs on it first), then the reference server (this machine runs
+one at a time). Several engines, an engine killed mid-push and a tensor-parallel engine are tested on the tiny model
+(test_serve_weight_transfer_two_engines.py, test_serve_weight_transfer_tensor_parallel.py)."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ import dataclasses
 import datetime
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +40,9 @@ import torch
 
 _PREFIX = "das-weight-transfer"
 DEFAULT_TIMEOUT_S = 120.0
+# How long past the group's timeout a trainer whose broadcast broke waits for the service's answer (every worker's
+# receive has ended by the timeout; then the service gives the push up and answers)
+_ANSWER_GRACE_S = 30.0
 DEFAULT_PACKED_BUFFER_BYTES = 256 * 2**20  # a chunk's bytes: the sender's extra memory, and each receiver's per chunk
 _ALIGN = 16  # bytes: every tensor of a chunk starts at a multiple, so each slice can be viewed as its dtype
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -177,6 +180,7 @@ class GlooGroup:
     def __init__(self, master_address: str, master_port: int, rank: int, world_size: int,
                  timeout_s: float = DEFAULT_TIMEOUT_S, chunk_bytes: int = 0) -> None:
         timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
         self.rank = rank
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
@@ -295,8 +299,9 @@ def join_as_trainer(client: SyncClient, master_address: str, master_port: int, w
 def push(client: SyncClient, group: GlooGroup, pairs: Sequence[tuple[str, torch.Tensor]],
          weight_version: str | None = None) -> int:
     """One whole update from rank 0: /start_weight_update, /update_weights beside the broadcast (the workers
-    receive inside that call), /finish_weight_update. Returns the bytes sent. A refused update raises the service's
-    error (it names the cause); nothing is loaded anywhere then."""
+    receive inside that call), /finish_weight_update. Returns the bytes sent. A refused update, or one whose group
+    broke under the broadcast (a worker died: gloo says only which address closed), raises the service's error
+    (it names the cause); nothing is loaded anywhere then. A broken group is closed here."""
     info = GlooUpdateInfo.of(pairs)
     client.start_weight_update()
     pool = ThreadPoolExecutor(max_workers=1)
@@ -307,8 +312,24 @@ def push(client: SyncClient, group: GlooGroup, pairs: Sequence[tuple[str, torch.
         except TransferRefused:
             received.result()  # the service's answer names the refusal
             raise
+        except RuntimeError as exc:  # gloo's: the group broke
+            # Leaving it breaks the other workers' receives now, so the service answers without waiting out
+            # their timeout; its answer names the engine that died.
+            group.close()
+            answer = _failure(received, group.timeout_s + _ANSWER_GRACE_S)
+            if answer is not None:
+                raise answer from exc
+            raise
         received.result()
     finally:
         pool.shutdown(wait=False)  # never wait on a call a broken group leaves hanging until its timeout
     client.finish_weight_update(weight_version)
     return sent
+
+
+def _failure(call: Future[None], timeout_s: float) -> BaseException | None:
+    """The error `call` ended with, None if it succeeded or had not ended after `timeout_s`."""
+    try:
+        return call.exception(timeout=timeout_s)
+    except TimeoutError:
+        return None

@@ -1,12 +1,16 @@
-"""`NodeEngine` on stub engines, as a plain object (no Ray): what its stats report of the history outbox."""
+"""`NodeEngine` on stub engines, as a plain object (no Ray): what its stats report of the history outbox, and its
+end once an engine's core dies."""
 
 from __future__ import annotations
 
 import asyncio
 from pathlib import Path
 
+import pytest
+
 from das.service.engine.stub_engine import StubEngineConfig
 from das.service.config import HistoryPushConfig
+from das.service.cluster import node_engine
 from das.service.cluster.node_engine import NodeEngine, NodeStats
 from das.service.wire.api import GroupRequest, SampleResult
 from tests.service.cluster.flaky_shard import FlakyShard
@@ -44,3 +48,37 @@ def test_stats_count_the_rollouts_the_outbox_holds_and_those_it_gave_up(tmp_path
     # the engine learns of the snapshot only from a push's reply, and every push after it failed: "up" and the
     # three new rollouts (12 tokens) exceed the 7-token cap, so the two oldest are given up
     assert (after_outage.history_outbox_records, after_outage.history_records_given_up) == (2, 2)
+
+
+def test_an_engine_core_that_dies_outside_a_batch_ends_the_actor_until_it_is_closed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM never answers a call that was in flight when its core died (a push's receive, a reload): the actor
+    must end itself (Ray restarts it) without a batch seeing the death; a closed engine, which reads as dead, must
+    not end it."""
+    monkeypatch.setattr(node_engine, "ENGINE_WATCH_S", 0.01)
+    ended: list[int] = []
+    monkeypatch.setattr(NodeEngine, "_engine_died", lambda self, engine: ended.append(engine))
+    node = NodeEngine("n0", StubEngineConfig(tokens=3), [FlakyShard(tmp_path)], engines=2)
+
+    async def scenario() -> None:
+        await node.start()
+        await asyncio.sleep(0.1)
+        assert ended == []  # live engines
+        node.engines[1].dead = True
+        await asyncio.sleep(0.1)
+        assert ended and set(ended) == {1}
+        ended.clear()
+        node.engines[1].dead = False
+        first = node.engines[0]
+        closed = first.close
+
+        async def close_as_vllm() -> None:  # dead from the start of its close, which takes a while
+            first.dead = True
+            await asyncio.sleep(0.1)
+            await closed()
+
+        monkeypatch.setattr(first, "close", close_as_vllm)
+        await node.close()
+        assert ended == []
+
+    asyncio.run(scenario())

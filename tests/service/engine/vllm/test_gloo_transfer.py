@@ -1,16 +1,19 @@
-"""The gloo transfer's data plane (service/engine/vllm/gloo_transfer.py), torch only: a trainer rank and two worker ranks
-in threads of this process, each with its own group over loopback."""
+"""The gloo transfer's data plane (service/engine/vllm/gloo_transfer.py), torch only: a trainer rank and two worker
+ranks in threads of this process, each with its own group over loopback; and the trainer's `push` over a group that
+breaks under its broadcast."""
 
 from __future__ import annotations
 
 import socket
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from das.service.engine.vllm import gloo_transfer
 from das.service.engine.vllm.gloo_transfer import (
     GlooGroup,
     GlooInitInfo,
@@ -18,6 +21,7 @@ from das.service.engine.vllm.gloo_transfer import (
     TransferRefused,
     checkpoint_manifest,
     packed_chunks,
+    push,
     receive,
     refusal,
     send,
@@ -137,3 +141,75 @@ def test_a_worker_packs_only_as_the_trainer_says():
     base = {"master_address": "127.0.0.1", "master_port": 1234, "rank_offset": 1, "world_size": 2}
     assert GlooInitInfo(**base).chunk_bytes == 0  # an older trainer that says nothing: one tensor a broadcast
     assert GlooInitInfo(**base, packed=True, packed_buffer_size_bytes=4096).chunk_bytes == 4096
+
+
+class BrokenGroup:
+    """A trainer's group whose broadcast breaks as gloo's does when a worker dies; `closed` once the trainer left
+    it."""
+
+    chunk_bytes = 0
+    timeout_s = 0.2
+
+    def __init__(self) -> None:
+        self.closed = threading.Event()
+
+    def verdict(self, refused: bool) -> int:
+        return 0
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        raise RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:913")
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+class Service:
+    """The service's transfer routes as the trainer's client calls them: /update_weights answers `answer` (an
+    error, or None: success) `delay_s` after the surviving workers' receives have ended, which the trainer's leaving
+    the group brings about at once (else their timeout: not within these tests)."""
+
+    def __init__(self, group: BrokenGroup, answer: Exception | None, delay_s: float = 0.0) -> None:
+        self.group = group
+        self.answer = answer
+        self.delay_s = delay_s
+        self.finished = False
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def update_weights(self, update_info: dict) -> None:
+        self.group.closed.wait(5)
+        time.sleep(self.delay_s)
+        if self.answer is not None:
+            raise self.answer
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.finished = True
+
+
+@pytest.fixture
+def no_grace(monkeypatch):
+    """The trainer waits for the service's answer only the group's timeout (0.2 s here)."""
+    monkeypatch.setattr(gloo_transfer, "_ANSWER_GRACE_S", 0.0)
+
+
+def test_a_push_whose_group_breaks_raises_the_services_answer_naming_the_dead_engine(no_grace):
+    """gloo names only the address that closed; the service's answer names the engine, so the trainer gets that,
+    caused by gloo's (WeightSender's WeightPushError, with the version every engine serves). The trainer leaves
+    the group first, or the surviving workers would answer only at their timeout."""
+    group = BrokenGroup()
+    service = Service(group, RuntimeError("500: ... engine n/1 died during the weight transfer"))
+    with pytest.raises(RuntimeError, match="engine n/1 died during the weight transfer") as raised:
+        push(service, group, PAIRS)
+    assert "Connection closed by peer" in str(raised.value.__cause__)
+    assert group.closed.is_set() and not service.finished
+
+
+@pytest.mark.parametrize("answer, delay_s", [(None, 0.0), (RuntimeError("late"), 1.0)],
+                         ids=["the service saw no failure", "no answer within the group's timeout"])
+def test_without_an_answer_naming_a_cause_the_broken_broadcasts_error_is_raised(no_grace, answer, delay_s):
+    group = BrokenGroup()
+    service = Service(group, answer, delay_s)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        push(service, group, PAIRS)
+    assert not service.finished
