@@ -16,18 +16,22 @@ from das.service.cluster.engine_supervisor import ActorRecord, ServedPolicy
 from das.service.cluster.weight_relay import WeightRelay
 from das.service.config import ServiceConfig
 from das.service.engine.contract import EngineInputError
+from das.service.wire.engine_control import InitWeightTransfer, StartWeightUpdate, UpdateWeights
 
 BROKEN = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:913")
 
 
-class _Call:
-    def __init__(self, outcome: BaseException | None) -> None:
-        self.outcome = outcome
+class _Control:
+    """`NodeEngine.control` of a stand-in actor: every message answered, but `UpdateWeights`, which ends with
+    `update` (None: received)."""
 
-    def remote(self, *args: Any) -> Any:
+    def __init__(self, update: BaseException | None) -> None:
+        self.update = update
+
+    def remote(self, message: Any) -> Any:
         async def reply() -> None:
-            if self.outcome is not None:
-                raise self.outcome
+            if isinstance(message, UpdateWeights) and self.update is not None:
+                raise self.update
         return reply()
 
 
@@ -35,10 +39,7 @@ class Handle:
     """A NodeEngine actor's handle whose /update_weights ends with `update` (None: received)."""
 
     def __init__(self, update: BaseException | None) -> None:
-        self.init_weight_transfer = _Call(None)
-        self.start_weight_update = _Call(None)
-        self.update_weights = _Call(update)
-        self.abort_weight_update = _Call(None)
+        self.control = _Control(update)
 
 
 class Supervisor:
@@ -68,10 +69,10 @@ def failed_push(updates: list[BaseException | None]) -> tuple[BaseException, Sup
     relay = WeightRelay(config, supervisor, ServedPolicy(), gpu_nodes=False)  # type: ignore[arg-type]
 
     async def push() -> BaseException:
-        await relay.init_weight_transfer({"rank_offset": 1, "world_size": 1 + len(updates)})
-        await relay.start_weight_update()
+        await relay.control(InitWeightTransfer(init_info={"rank_offset": 1, "world_size": 1 + len(updates)}))
+        await relay.control(StartWeightUpdate())
         with pytest.raises(Exception) as raised:
-            await relay.update_weights({"names": []})
+            await relay.control(UpdateWeights(update_info={"names": []}))
         return raised.value
 
     return asyncio.run(push()), supervisor
