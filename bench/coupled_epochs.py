@@ -12,10 +12,12 @@ Two measurements on a trace file (the trace format, e.g. the GRPO example's OUT/
   version, the latest one), the common prefix of the two outputs, by visit (2nd, 3rd, ...) and by the number of
   policy versions between them. Token-weighted shares: sum of prefixes / sum of the samples' tokens.
 - **replay** (`das bench drafter`'s, K draft tokens a step, every draft verified): tokens a step of today's
-  drafter (`das`), of the same-key sample alone (`same-key`: the previous visit's sample i from the current
-  position while the output so far equals its prefix, nothing after), and of both (`das+same-key`: the same-key
-  draft while it is aligned, today's drafter after). On traces with independent seeds the same-key arm finds
-  little; the difference between the two is what coupling could add to the drafter.
+  drafter without sampling keys (`das`), of the same-key sample alone (`same-key`: the previous visit's sample i
+  from the current position while the output so far equals its prefix, nothing after), of both (`das+same-key`:
+  the same-key draft while it is aligned, the drafter after), and of the drafter with each sample's key
+  (`das-keyed`: the history bank's own "same-key" source, one more candidate its source chooser calibrates, as
+  the service runs it). On traces with independent seeds the same-key arms find little; the difference between
+  them and `das` is what coupling adds to the drafter.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from das.bench.drafter_replay import ArmStats, DasDrafter, replay_arm
 from das.drafter.history import DrafterConfig
 from das.drafter.records import RolloutRecord, load_rollouts
 
-ARMS = ("das", "same-key", "das+same-key")
+ARMS = ("das", "same-key", "das+same-key", "das-keyed")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -217,6 +219,8 @@ def _arm(name: str, max_draft: int) -> DasDrafter | SameKeyDrafter:
         return SameKeyDrafter()
     if name == "das+same-key":
         return SameKeyDrafter(DasDrafter(DrafterConfig.for_drafts(max_draft)))
+    if name == "das-keyed":
+        return DasDrafter(DrafterConfig.for_drafts(max_draft), name="das-keyed", keyed=True)
     raise ValueError(f"unknown arm {name!r}; known: {list(ARMS)}")
 
 

@@ -50,19 +50,24 @@ def trace_path(name: str) -> Path:
 class DasDrafter:
     """Our drafter behind the replay protocol: a HistoryBank with per-problem windowed history. `min_prob`: the
     per-request floor on a draft token's calibrated cumulative acceptance probability, as the service's budget sets
-    it (its price of a draft token)."""
+    it (its price of a draft token). `keyed`: each request's sampling key is its sample index (the last
+    `/`-separated field of its id), as in a trace of coupled epochs, where sample i of a problem carries the same
+    key at every visit; the bank then drafts from each key's latest sample too."""
 
-    def __init__(self, config: DrafterConfig | None = None, name: str = "das", min_prob: float = 0.0) -> None:
+    def __init__(self, config: DrafterConfig | None = None, name: str = "das", min_prob: float = 0.0,
+                 keyed: bool = False) -> None:
         self.name = name
         self.bank = HistoryBank(config)
         self.min_prob = min_prob
+        self.keyed = keyed
         self._version = 0
 
     def begin_version(self, policy_version: int) -> None:
         self._version = policy_version
 
     def start_request(self, request_id: str, problem_id: str, prompt: np.ndarray) -> None:
-        self.bank.start_request(request_id, problem_id, prompt, self._version)
+        key = int(request_id.rsplit("/", 1)[1]) if self.keyed else None
+        self.bank.start_request(request_id, problem_id, prompt, self._version, sample_key=key)
 
     def propose(self, request_id: str, context: np.ndarray, max_tokens: int) -> np.ndarray:
         return self.bank.propose(request_id, context, max_tokens, self.min_prob).tokens

@@ -7,7 +7,13 @@ For each problem the bank keeps:
   * the problem's prompt(s);
   * per agent session (a request tagged with a session id), its context: one sequence extended by each turn's new
     tokens (the previous turn's output, a tool's output), so a turn costs its new tokens, not its whole context
-    again, and drafts from what the trajectory has read and written (source kind "context").
+    again, and drafts from what the trajectory has read and written (source kind "context");
+  * per sampling key, the latest finished sample drawn with it (source kind "same-key"). Under keyed sampling a
+    sample's draws are a function of its key and position, so a trainer that gives a problem the same seed at
+    every visit (coupled epochs) draws sample i from the same noise each time: it repeats its previous visit's
+    sample token for token until the policy's updates flip a draw. Its own index (the prompt's last max_depth
+    tokens and that output) is built when a request with the key starts, so a key that never comes back (every
+    key, without coupling) costs only its output's copy at finish.
 A global index holds a bounded share of recent outputs of all problems (shared phrasing; the only history a new
 problem has). Memory is bounded by a total token budget; the oldest sealed versions go first.
 
@@ -77,6 +83,7 @@ class ProblemHistory:
     live_version: int = -1
     prompt_keys: set[bytes] = field(default_factory=set)
     running: set[str] = field(default_factory=set)  # ids of its in-flight requests
+    keyed: dict[int, KeyedSample] = field(default_factory=dict)  # sampling key -> its latest finished sample
 
     def add_prompt(self, prompt: np.ndarray) -> None:
         key = prompt.tobytes()
@@ -90,7 +97,33 @@ class ProblemHistory:
 
     def memory_bytes(self) -> int:
         segments = [self.prompts, *self.sealed.values(), *([self.live] if self.live else [])]
-        return sum(s.index.memory_bytes() for s in segments)
+        return sum(s.index.memory_bytes() for s in segments) + sum(k.memory_bytes() for k in self.keyed.values())
+
+    def drop_keyed(self, through_version: int) -> None:
+        """Forgets the keyed samples of `through_version` or older (their version left the window)."""
+        for key in [k for k, sample in self.keyed.items() if sample.version <= through_version]:
+            del self.keyed[key]
+
+
+@dataclass
+class KeyedSample:
+    """A finished sample that carried a sampling key: `tokens` its prompt's last max_depth tokens then its output
+    (int32), drawn under policy `version`; `segment` their index, built the first time a request with the same key
+    drafts from it (None until then). Requests that hold the segment keep it alive when a newer sample replaces
+    this one."""
+
+    version: int
+    tokens: np.ndarray
+    segment: Segment | None = None
+
+    def index(self, max_depth: int) -> Segment:
+        if self.segment is None:
+            self.segment = Segment.new(max_depth)
+            self.segment.add(self.tokens, sealed=True)
+        return self.segment
+
+    def memory_bytes(self) -> int:
+        return self.tokens.nbytes + (self.segment.index.memory_bytes() if self.segment is not None else 0)
 
 
 @dataclass(slots=True)
@@ -179,6 +212,9 @@ class _Request:
     live_seq: int
     slot: int  # its row in the native request table
     context: SessionContext | None = None  # its session's, drafted from beside its problem's sources
+    sample_key: int | None = None  # its sampling key: its output is kept under it when it finishes
+    prompt_tail: np.ndarray | None = None  # its prompt's last max_depth tokens, with a key
+    same_key: Segment | None = None  # the index of the latest finished sample with its key, drafted from
 
 
 class HistoryBank:
@@ -192,7 +228,7 @@ class HistoryBank:
         self._global = Segment.new(self.config.max_depth)  # seq_ids oldest first
         self._sources: dict[str, _Sources] = {}  # per problem, cached until they change (`_sources_changed`)
         kinds = ["prompt", "live", *[f"sealed-age-{a}" for a in range(1, self.config.window + 1)], "global",
-                 "context"]
+                 "context", "same-key"]
         self.chooser = SourceChooser(kinds, self.config.choice_pseudo_count, self.config.choice_horizon)
         self._table = RequestTable(self.chooser, self.config.shadow_gap)
         self._free_slots: list[int] = []
@@ -210,11 +246,13 @@ class HistoryBank:
         return history
 
     def start_request(self, request_id: str, problem_id: str, prompt: np.ndarray, policy_version: int,
-                      session_id: str | None = None) -> int:
+                      session_id: str | None = None, sample_key: int | None = None) -> int:
         """Registers an in-flight sample; its output will feed the problem's live segment for `policy_version`.
         Returns its slot, the request's name in `commit_step` and `draft_step` (reused once it finishes). A turn of
         session `session_id` indexes its prompt as that session's context (extended by the tokens beyond the last
-        turn's prompt when that is a prefix of this one; anew otherwise), not among the problem's prompts."""
+        turn's prompt when that is a prefix of this one; anew otherwise), not among the problem's prompts. A
+        request with a `sample_key` (its keyed-sampling key, an int64) also drafts from the latest finished sample
+        of its problem with that key, and its output is kept under the key when it finishes (`finish_request`)."""
         # Everything is checked before anything changes.
         prompt = _tokens(prompt)
         if request_id in self._requests:
@@ -223,6 +261,9 @@ class HistoryBank:
             raise ValueError(f"problem_id must be a non-empty string, got {problem_id!r}")
         if policy_version < 0:
             raise ValueError(f"policy_version must be >= 0, got {policy_version}")
+        if sample_key is not None and not (isinstance(sample_key, (int, np.integer))
+                                           and not isinstance(sample_key, bool) and -2**63 <= sample_key < 2**63):
+            raise ValueError(f"sample_key must be an int64 or None, got {sample_key!r}")
         known = self.problems.get(problem_id)
         if known is not None and known.live is not None and policy_version < known.live_version:
             raise ValueError(f"problem {problem_id!r}: policy version {policy_version} is older than the live "
@@ -242,8 +283,13 @@ class HistoryBank:
         seq = history.live.add(np.zeros(0, np.int32), sealed=False)
         slot = self._free_slots.pop() if self._free_slots else self._next_slot
         self._next_slot = max(self._next_slot, slot + 1)
-        self._table.add(slot, history.live.index, seq, self._request_sources(history, context))
-        self._requests[request_id] = _Request(history, seq, slot, context)
+        req = _Request(history, seq, slot, context)
+        if sample_key is not None:
+            req.sample_key, req.prompt_tail = int(sample_key), prompt[-self.config.max_depth:].copy()
+            earlier = history.keyed.get(req.sample_key)
+            req.same_key = earlier.index(self.config.max_depth) if earlier is not None else None
+        self._table.add(slot, history.live.index, seq, self._request_sources(history, req))
+        self._requests[request_id] = req
         history.running.add(request_id)
         return slot
 
@@ -284,9 +330,17 @@ class HistoryBank:
         return ShadowOutcome(drafted, accepted) if drafted else None
 
     def finish_request(self, request_id: str) -> None:
+        """Ends a request (finished or aborted); its output stays in the live segment, and, with a sampling key,
+        becomes the key's latest sample (an aborted one's output is a prefix of what its draw would have been)."""
         req = self._requests.pop(request_id, None)
-        if req is not None:
-            self._drop(request_id, req)
+        if req is None:
+            return
+        if req.sample_key is not None and req.problem.live is not None and req.prompt_tail is not None:
+            output = np.asarray(req.problem.live.index.sequence(req.live_seq), np.int32)
+            if len(output):
+                req.problem.keyed[req.sample_key] = KeyedSample(req.problem.live_version,
+                                                                np.concatenate([req.prompt_tail, output]))
+        self._drop(request_id, req)
 
     def _drop(self, request_id: str, req: _Request) -> None:
         self._table.remove(req.slot)
@@ -388,13 +442,20 @@ class HistoryBank:
             cached = self._sources[history.problem_id] = _Sources(indices, kinds, SourceList(indices, kinds))
         return cached
 
-    def _request_sources(self, history: ProblemHistory, context: SessionContext | None) -> SourceList:
-        """The native source list of a request: its problem's, plus its session's context when it has one."""
+    def _request_sources(self, history: ProblemHistory, req: _Request) -> SourceList:
+        """The native source list of a request: its problem's, plus its session's context and its key's latest
+        sample where it has them."""
         sources = self._source_list(history)
-        if context is None:
+        if req.context is None and req.same_key is None:
             return sources.native
-        return SourceList([*sources.indices, context.segment.index],
-                          [*sources.kinds, self.chooser.kind_index("context")])
+        indices, kinds = list(sources.indices), list(sources.kinds)
+        if req.context is not None:
+            indices.append(req.context.segment.index)
+            kinds.append(self.chooser.kind_index("context"))
+        if req.same_key is not None:
+            indices.append(req.same_key.index)
+            kinds.append(self.chooser.kind_index("same-key"))
+        return SourceList(indices, kinds)
 
     def _sources_changed(self, history: ProblemHistory) -> None:
         """A problem's sources changed: its running requests draft from the new list from now on (the old one,
@@ -404,8 +465,8 @@ class HistoryBank:
             sources = self._source_list(history).native
             for request_id in history.running:
                 req = self._requests[request_id]
-                self._table.set_sources(req.slot, sources if req.context is None
-                                        else self._request_sources(history, req.context))
+                self._table.set_sources(req.slot, sources if req.context is None and req.same_key is None
+                                        else self._request_sources(history, req))
 
     # ---- versions, import, budget ----
 
@@ -441,6 +502,7 @@ class HistoryBank:
             self._seal_order.append((history.problem_id, version))
         for old in [v for v in history.sealed if v <= version - self.config.window]:
             del history.sealed[old]
+        history.drop_keyed(version - self.config.window)
         self._feed_global(segment)
         self._sources_changed(history)
         self._enforce_budget()
@@ -466,6 +528,7 @@ class HistoryBank:
             problem_id, version = self._seal_order.popleft()
             history = self.problems.get(problem_id)
             if history is not None and history.sealed.pop(version, None) is not None:
+                history.drop_keyed(version)
                 self._sources_changed(history)
 
     def add_rollouts(self, records: Iterable[RolloutRecord]) -> int:

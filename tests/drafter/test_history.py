@@ -315,3 +315,44 @@ def test_a_rewritten_context_is_indexed_anew_and_idle_contexts_are_bounded():
     # a new turn of the evicted session starts its context over, and drafts still run
     bank.start_request("a3", "p", np.arange(2, 62, dtype=np.int32), 0, session_id="a")
     assert bank.propose("a3", np.array([*range(2, 62), 10, 11], np.int32), 3).source == "context"
+
+
+def test_a_sample_drafts_from_the_latest_finished_sample_with_its_key():
+    bank = HistoryBank(DrafterConfig(max_depth=16, window=2, global_tokens=0))
+    same, other = [10, 11, 12, 13, 14, 15, 16, 17], [10, 11, 30, 31, 32, 33, 34, 35]
+    for rid, key, output in (("a", 7, same), ("b", 8, other)):
+        bank.start_request(rid, "p", PROMPT, 0, sample_key=key)
+        bank.extend(rid, np.array(output, np.int32))
+        bank.finish_request(rid)
+    assert sorted(bank.problem("p").keyed) == [7, 8]
+    before = bank.memory_bytes()
+    # next visit: the sealed version holds both continuations after [10, 11]; each key's own sample has one
+    bank.start_request("a1", "p", PROMPT, 1, sample_key=7)
+    bank.start_request("b1", "p", PROMPT, 1, sample_key=8)
+    bank.start_request("n1", "p", PROMPT, 1)
+    assert bank.memory_bytes() > before  # the two keys' indexes, built at their first request
+    at = np.array([1, 2, 3, 10, 11], np.int32)
+    a, b = bank.propose("a1", at, 4), bank.propose("b1", at, 4)
+    assert (a.source, a.tokens.tolist()) == ("same-key", same[2:6])
+    assert (b.source, b.tokens.tolist()) == ("same-key", other[2:6])
+    assert bank.propose("n1", at, 4).source != "same-key"
+    # from the start of the output too: the index holds the prompt's tail before the sample
+    assert bank.propose("a1", PROMPT, 3).tokens.tolist() == same[:3]
+    # a key's latest sample replaces its older one when it finishes; versions out of the window drop it
+    bank.extend("a1", np.array([10, 11, 40], np.int32))
+    bank.finish_request("a1")
+    assert bank.problem("p").keyed[7].version == 1 and bank.problem("p").keyed[7].tokens[-1] == 40
+    for v in (2, 3):
+        bank.start_request(f"x{v}", "p", PROMPT, v)
+        bank.finish_request(f"x{v}")
+    bank.seal(3)
+    assert bank.problem("p").keyed == {}
+
+
+def test_a_bad_sample_key_is_refused_before_anything_changes():
+    bank = HistoryBank(DrafterConfig(max_depth=16))
+    for bad in (2**63, "7", True, 1.5):
+        with pytest.raises(ValueError, match="sample_key"):
+            bank.start_request("a", "p", PROMPT, 0, sample_key=bad)
+    assert bank.problems == {}
+    bank.start_request("a", "p", PROMPT, 0, sample_key=-(2**63))  # every int64 is a key

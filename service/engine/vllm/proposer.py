@@ -53,7 +53,7 @@ from das.scheduler.acceptance import AcceptanceCounts
 from das.scheduler.budget_hook import BatchView, BudgetHook, StepSample, budget_hook_from_config
 from das.scheduler.draft_step import DraftStep
 from das.scheduler.request_columns import RequestColumns
-from das.service.engine.vllm.extra_args import RequestTags
+from das.service.engine.vllm.extra_args import SAMPLE_KEY, RequestTags
 
 log = logging.getLogger(__name__)
 
@@ -289,6 +289,7 @@ class DasProposer:
             state = self._runner.requests.get(rid)
             if state is not None:  # else it finished and leaves at the next step
                 prompt = np.asarray(state.prompt_token_ids or [], np.int32)[:self._columns.prompt_len[run.slot]]
+                # Without its sample key: the rest of its output alone is not the key's sample to keep.
                 self._columns.bank_slot[run.slot] = self.bank.start_request(rid, run.tags.problem_id, prompt,
                                                                             version, run.tags.session_id)
             self._columns.probe_drafted[run.slot] = 0  # its draft was dropped by the preemption, never verified
@@ -339,8 +340,9 @@ class DasProposer:
         # they are fed to the live segment at the first step (`fed` starts at prompt_len), as its own output.
         resumed = min(max(tags.resumed_tokens, 0), len(prompt) - 1)
         prompt_len = len(prompt) - resumed
+        extra = getattr(params, "extra_args", None) or {}
         bank_slot = self.bank.start_request(rid, tags.problem_id, np.asarray(prompt[:prompt_len], np.int32),
-                                            self.policy_version, tags.session_id)
+                                            self.policy_version, tags.session_id, extra.get(SAMPLE_KEY))
         max_tokens = int(params.max_tokens) if params is not None and params.max_tokens else self.max_model_len
         run = _Running(tags, self.acceptance.start(rid))
         self._columns.start(run.slot, prompt_len=prompt_len, max_tokens=max_tokens + resumed, bank_slot=bank_slot,
