@@ -339,6 +339,9 @@ def rollout_cmd(
     seed: Annotated[Optional[int], typer.Option(min=-(2**63), max=2**63 - 1, show_default=False,
                                                 help="Draw the same samples as another run with this seed (any "
                                                      "server, any --speculation); default: fresh ones.")] = None,
+    coupled: Annotated[bool, typer.Option(help="Coupled epochs (needs --seed): each sample keeps its key "
+                                               "every epoch, so it repeats its previous epoch's sample until a "
+                                               "weight update flips a draw, and drafts from it.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Multi-epoch rollouts against a server, like a trainer: makespan per epoch, results as a history file."""
@@ -351,7 +354,8 @@ def rollout_cmd(
         problem_set = load_prompt_set(problems)
         sampling = SamplingSpec(max_tokens=max_tokens, temperature=temperature)
         with RolloutClient(server, token) as client:
-            result = run_rollouts(client, problem_set, samples, epochs, sampling, out, console, seed)
+            result = run_rollouts(client, problem_set, samples, epochs, sampling, out, console, seed,
+                                  coupled=coupled)
     except (PromptSetError, RolloutError, OSError, ValueError) as exc:
         fail(str(exc))
     emit(result, as_json)

@@ -14,6 +14,11 @@ The tests are stated here so the figures can be read without the code:
   longest sample, which differs between arms at T = 1).
 - Seconds per step (checkpoint, push, overlapped: one run each, `--out` apart): each arm's median wall seconds a
   step and the median seconds of it the trainer waited for rollouts, with its sync mode and overlap.
+- Across seeds (`python -m examples.grpo.report --runs OUT1,OUT2,... --arms A,B`, one run per seed): the mean
+  reward curve of each arm over the seeds, and the difference A - B two ways. Per seed, the mean over its steps:
+  a sign-flip test over the seeds (the unit that is independent; with n seeds its smallest p is 2 / 2^n, 0.25 at
+  3). Per (seed, step) pair: the same test over every pair, which takes the steps of one run as exchangeable
+  (they are not quite: a run's steps share its trajectory), so it is the sharper and the more optimistic of the two.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import typer
 from rich.console import Console
 from rich.table import Table
 
@@ -158,6 +164,81 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def compare_seeds(runs: list[Path], arms: tuple[str, str], out: Path, console: Console) -> dict[str, Any]:
+    """Reads RUN/<arm>/steps.jsonl for both arms of every run (one seed each); writes OUT/seeds.json and
+    OUT/seeds.png; returns the summary (module docstring). Each run's arms are cut to their common steps."""
+    first, second = arms
+    per_run = []
+    for run in runs:
+        a, b = (np.array([s["reward"] for s in read_steps(run / arm / "steps.jsonl")]) for arm in arms)
+        n = min(len(a), len(b))
+        if n == 0:
+            raise ValueError(f"{run}: no steps in both arms")
+        per_run.append((run, a[:n], b[:n]))
+    steps = min(len(a) for _, a, _ in per_run)
+    curves = {arm: np.array([r[i + 1][:steps] for r in per_run]) for i, arm in enumerate(arms)}
+    seed_differences = np.array([a.mean() - b.mean() for _, a, b in per_run])
+    pair_differences = np.concatenate([a - b for _, a, b in per_run])
+    summary: dict[str, Any] = {
+        "arms": list(arms), "runs": [str(r) for r, _, _ in per_run], "steps": steps,
+        "mean_curve": {arm: c.mean(axis=0).tolist() for arm, c in curves.items()},
+        "per_run_mean_reward": {arm: [float(r[i + 1].mean()) for r in per_run] for i, arm in enumerate(arms)},
+        "per_run_slope": {arm: [slope_permutation_p(r[i + 1])[0] for r in per_run] for i, arm in enumerate(arms)},
+        "difference": f"{first} - {second}",
+        "seed_difference_mean": float(seed_differences.mean()),
+        "seed_differences": seed_differences.tolist(),
+        "seed_sign_flip_p": paired_sign_flip_p(seed_differences),
+        "pair_difference_mean": float(pair_differences.mean()),
+        "pair_difference_sd": float(pair_differences.std(ddof=1)) if len(pair_differences) > 1 else 0.0,
+        "pair_sign_flip_p": paired_sign_flip_p(pair_differences),
+        "pairs": len(pair_differences),
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "seeds.json").write_text(json.dumps(summary, indent=2) + "\n")
+    _plot_seeds(curves, out / "seeds.png")
+    table = Table(title=f"GRPO across {len(per_run)} seeds: {first} against {second}")
+    for column in ("arm", "mean reward per seed", "slope per seed", "mean curve, first -> last step"):
+        table.add_column(column, justify="right")
+    for arm in arms:
+        curve = summary["mean_curve"][arm]
+        table.add_row(arm, " / ".join(f"{v:.3f}" for v in summary["per_run_mean_reward"][arm]),
+                      " / ".join(f"{v:+.4f}" for v in summary["per_run_slope"][arm]),
+                      f"{curve[0]:.3f} -> {curve[-1]:.3f}")
+    console.print(table)
+    console.print(f"{first} - {second}: per seed {summary['seed_difference_mean']:+.4f} (sign-flip over "
+                  f"{len(per_run)} seeds p = {summary['seed_sign_flip_p']:.3f}); per (seed, step) "
+                  f"{summary['pair_difference_mean']:+.4f} (sd {summary['pair_difference_sd']:.3f}, "
+                  f"{summary['pairs']} pairs, p = {summary['pair_sign_flip_p']:.3f})")
+    return summary
+
+
+def _plot_seeds(curves: dict[str, np.ndarray], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for (arm, runs), color in zip(curves.items(), ("tab:blue", "tab:orange")):
+        x = np.arange(1, runs.shape[1] + 1)
+        for run in runs:
+            ax.plot(x, run, color=color, alpha=0.3, linewidth=1)
+        ax.plot(x, runs.mean(axis=0), color=color, marker="o", linewidth=2, label=f"{arm} (mean of {len(runs)})")
+    ax.set(title="mean reward per step, each seed and their mean", xlabel="optimizer step", ylabel="reward")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(runs: str, arms: str = "das-coupled,das", out: Path = Path("runs/grpo-seeds")) -> None:
+    """Compares two arms over runs of several seeds (module docstring)."""
+    names = tuple(a.strip() for a in arms.split(",") if a.strip())
+    if len(names) != 2:
+        raise typer.BadParameter(f"--arms takes two arms, got {arms!r}")
+    compare_seeds([Path(r.strip()) for r in runs.split(",") if r.strip()], (names[0], names[1]), out, Console())
+
+
 def _print(summary: dict[str, Any], console: Console) -> None:
     table = Table(title="GRPO through the rollout service")
     for column in ("arm", "reward 1st / 2nd half", "slope (p)", "versions advance", "rollout s", "tok/s",
@@ -186,3 +267,7 @@ def _print(summary: dict[str, Any], console: Console) -> None:
                       f"seconds das / none {p['rollout_seconds_ratio']:.3f} (median per step "
                       f"{p['rollout_seconds_ratio_median_per_step']:.3f}), tokens/s {p['tokens_per_s_ratio']:.3f}, "
                       f"seconds per longest token {p['seconds_per_longest_token_ratio']:.3f}")
+
+
+if __name__ == "__main__":
+    typer.run(main)

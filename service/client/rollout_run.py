@@ -83,13 +83,18 @@ class RolloutRun:
 
 def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, epochs: int, sampling: SamplingSpec,
                  history_file: Path | None, console: Console | None = None, seed: int | None = None,
-                 outputs: list[dict[int, list[int]]] | None = None) -> RolloutRun:
+                 outputs: list[dict[int, list[int]]] | None = None, coupled: bool = False) -> RolloutRun:
     """Runs `epochs` batches of every problem x `samples`; see the module docstring. `seed`: epoch e's batch
     seed is derive(seed, e - 1), so a run with the same seed draws the same samples; None: the server's choice.
-    `outputs` (needs `seed`): gets, per epoch, every finished sample's output tokens by its keyed-sampling key (what
-    the oracle benchmark arm drafts, drafter/oracle.py)."""
+    `coupled` (needs `seed`): every epoch's batch seed is `seed`, so sample i of a problem carries the same key at
+    every epoch (coupled epochs: under one policy it repeats its previous epoch's sample, which the drafter's
+    same-key source drafts; after a weight update, up to the first draw the update flips). `outputs` (needs
+    `seed`): gets, per epoch, every finished sample's output tokens by its keyed-sampling key (what the oracle
+    benchmark arm drafts, drafter/oracle.py)."""
     if outputs is not None and seed is None:
         raise ValueError("outputs are kept by sample key, which needs a seed")
+    if coupled and seed is None:
+        raise ValueError("coupled epochs repeat each sample's key, which needs a seed")
     requests = [p.group(samples, sampling) for p in problems]
     groups = [g.model_dump(exclude_none=True) for g in requests]
     expected = len(problems) * samples
@@ -102,7 +107,7 @@ def run_rollouts(client: RolloutClient, problems: list[Problem], samples: int, e
             start = time.perf_counter()
             received = tokens = drafted = accepted = errors = longest = critical = 0
             versions: set[int] = set()
-            batch_seed = None if seed is None else derive(seed, epoch - 1)
+            batch_seed = None if seed is None else seed if coupled else derive(seed, epoch - 1)
             keyed = seeded_groups(requests, batch_seed) if outputs is not None and batch_seed is not None else None
             if outputs is not None:
                 outputs.append({})

@@ -89,6 +89,20 @@ def test_bench_coupled_prints_json(tmp_path: Path):
     (run,) = out["runs"]
     all_visits = run["by_visit"][0]
     assert all_visits["value"] == 0 and all_visits["samples"] == 8
-    assert set(run["arms"]) == {"das", "same-key", "das+same-key"}
+    assert set(run["arms"]) == {"das", "same-key", "das+same-key", "das-keyed"}
     assert run["arms"]["same-key"]["tokens_per_step"] > 1.0
     assert coupled_bench([path], max_draft=4, arms=("same-key",)).results[0].arms["same-key"].steps > 0
+
+
+def test_the_drafter_with_sample_keys_drafts_each_keys_own_continuation():
+    from das.bench.drafter_replay import DasDrafter
+    from das.drafter.history import DrafterConfig
+
+    rng = np.random.default_rng(1)
+    shared = rng.integers(10, 500, size=4).tolist()
+    outputs = [shared + rng.integers(10, 500, size=24).tolist() for _ in range(4)]  # 4 keys, one prefix
+    records = [record("p", v, i, outputs[i]) for v in range(3) for i in range(4)]
+    plain = replay_arm(DasDrafter(DrafterConfig.for_drafts(8)), records, max_draft=8)
+    keyed = replay_arm(DasDrafter(DrafterConfig.for_drafts(8), keyed=True), records, max_draft=8)
+    # where the keys part, the history's four continuations are alike to the plain drafter; each key's own is one
+    assert keyed.tokens_per_step > plain.tokens_per_step and keyed.acceptance_rate > plain.acceptance_rate

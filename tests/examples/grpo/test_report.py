@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from rich.console import Console
 
-from examples.grpo.report import compare, paired_sign_flip_p, slope_permutation_p
+from examples.grpo.report import compare, compare_seeds, paired_sign_flip_p, slope_permutation_p
 
 
 def test_sign_flip_p_is_exact_for_small_samples():
@@ -51,3 +51,24 @@ def test_compare_writes_the_summary_and_the_plot(tmp_path):
     assert paired["reward_difference_mean"] == pytest.approx(0.0, abs=1e-12) and paired["sign_flip_p"] == 1.0
     assert json.loads((tmp_path / "summary.json").read_text()) == summary
     assert (tmp_path / "grpo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_seeds_tests_the_difference_per_seed_and_per_step(tmp_path):
+    runs = []
+    for seed, shift in enumerate((0.0, 0.1, -0.05)):
+        run = tmp_path / f"seed{seed}"
+        base = [0.1 + shift, 0.2 + shift, 0.3 + shift, 0.5 + shift]
+        _write_arm(run, "das-coupled", [r + 0.1 for r in base], [8.0] * 4)
+        _write_arm(run, "das", base + [0.9], [8.0] * 5)  # a step more: cut to the common steps
+        runs.append(run)
+    summary = compare_seeds(runs, ("das-coupled", "das"), tmp_path / "out", Console(file=io.StringIO()))
+    assert summary["steps"] == 4 and summary["pairs"] == 12
+    assert summary["seed_difference_mean"] == pytest.approx(0.1)
+    assert summary["seed_sign_flip_p"] == pytest.approx(0.25)  # 3 seeds: 2 of 8 sign assignments as extreme
+    assert summary["pair_sign_flip_p"] < 0.001
+    assert summary["mean_curve"]["das"] == pytest.approx([0.1 + 0.05 / 3, 0.2 + 0.05 / 3, 0.3 + 0.05 / 3,
+                                                         0.5 + 0.05 / 3])
+    assert json.loads((tmp_path / "out" / "seeds.json").read_text()) == summary
+    assert (tmp_path / "out" / "seeds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    same = compare_seeds(runs, ("das", "das"), tmp_path / "same", Console(file=io.StringIO()))
+    assert same["seed_sign_flip_p"] == 1.0 and same["pair_sign_flip_p"] == 1.0

@@ -75,3 +75,14 @@ def test_outputs_are_kept_by_the_key_each_sample_drew_with() -> None:
     assert len(outputs) == 2 and outputs[0].keys() != outputs[1].keys()
     with pytest.raises(ValueError, match="needs a seed"):
         run_rollouts(client, problems, 2, 1, SamplingSpec(max_tokens=8), None, outputs=[])
+
+
+def test_coupled_epochs_give_each_sample_the_same_key_every_epoch() -> None:
+    client = _Client([(3, 0), (4, 0)])
+    problems = [Problem("q", prompt_token_ids=(1, 2))]
+    outputs: list[dict[int, list[int]]] = []
+    run_rollouts(client, problems, 2, 3, SamplingSpec(max_tokens=8), None, seed=7, outputs=outputs, coupled=True)
+    (group,) = seeded_groups([problems[0].group(2, SamplingSpec(max_tokens=8))], 7)
+    assert outputs == [{group.sample_key(0): [5] * 3, group.sample_key(1): [5] * 4}] * 3
+    with pytest.raises(ValueError, match="needs a seed"):
+        run_rollouts(client, problems, 2, 1, SamplingSpec(max_tokens=8), None, coupled=True)

@@ -13,7 +13,7 @@ from das.drafter.records import RolloutRecord
 from das.scheduler.budget import DraftPlan
 from das.scheduler.draft_step import DraftStep
 from das.scheduler.length import LengthCurve
-from das.service.engine.vllm.extra_args import RequestTags
+from das.service.engine.vllm.extra_args import SAMPLE_KEY, RequestTags
 from das.service.engine.vllm.proposer import DasProposer
 from tests.service.engine.vllm.proposer_setup import PROMPT, RESPONSE, make_proposer
 
@@ -27,8 +27,11 @@ class FakeRunner:
         self.tokens: dict[str, list[int]] = {}
         self.width = width
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int = 32, tags: RequestTags | None = None) -> None:
-        params = SimpleNamespace(max_tokens=max_tokens, extra_args=tags.to_extra_args() if tags else None)
+    def add(self, rid: str, prompt: list[int], max_tokens: int = 32, tags: RequestTags | None = None,
+            sample_key: int | None = None) -> None:
+        extra = {**(tags.to_extra_args() if tags else {}), **({SAMPLE_KEY: sample_key} if sample_key is not None
+                                                              else {})}
+        params = SimpleNamespace(max_tokens=max_tokens, extra_args=extra or None)
         self.requests[rid] = SimpleNamespace(prompt_token_ids=list(prompt), sampling_params=params)
         self.tokens[rid] = list(prompt)
         self.input_batch.req_ids.append(rid)
@@ -58,9 +61,9 @@ def attached(**kwargs) -> tuple[DasProposer, FakeRunner]:
 
 
 def run_sample(proposer: DasProposer, runner: FakeRunner, rid: str, tags: RequestTags,
-               response: list[int]) -> dict[str, list[int]]:
+               response: list[int], sample_key: int | None = None) -> dict[str, list[int]]:
     """Decodes `response` one verified step at a time: each step commits the accepted draft prefix plus one."""
-    runner.add(rid, PROMPT, tags=tags)
+    runner.add(rid, PROMPT, tags=tags, sample_key=sample_key)
     drafts = runner.step(proposer, {})
     pos = 0
     while pos < len(response):
@@ -481,3 +484,21 @@ def test_an_oracle_request_beside_a_plain_one_leaves_the_plain_ones_drafts_to_th
     assert runner.step(proposer, {})["o"] == [90, 91, 92]
     drafts = runner.step(proposer, {"b": RESPONSE[:1], "o": [90]})
     assert drafts == {"b": RESPONSE[1:5], "o": [91, 92]}
+
+
+def test_a_sample_drafts_from_its_keys_sample_of_the_previous_visit():
+    proposer, runner = attached(budget={"policy": "uniform"})
+    other = [10, 11, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39]  # the problem's history holds two continuations
+    run_sample(proposer, runner, "a", RequestTags("p", key="a"), RESPONSE, sample_key=-5)
+    run_sample(proposer, runner, "b", RequestTags("p", key="b"), other, sample_key=6)
+    proposer.set_policy_version(1)
+    before = proposer.by_source.get("same-key")
+    run_sample(proposer, runner, "a2", RequestTags("p", key="a2"), RESPONSE, sample_key=-5)
+    run_sample(proposer, runner, "b2", RequestTags("p", key="b2"), other, sample_key=6)
+    counts = proposer.by_source["same-key"]
+    assert before is None and counts.accepted >= 4 and counts.accepted >= 0.8 * counts.proposed
+    unkeyed, unkeyed_runner = attached(budget={"policy": "uniform"})
+    run_sample(unkeyed, unkeyed_runner, "a", RequestTags("p", key="a"), RESPONSE)
+    unkeyed.set_policy_version(1)
+    run_sample(unkeyed, unkeyed_runner, "a2", RequestTags("p", key="a2"), RESPONSE)
+    assert "same-key" not in unkeyed.by_source
