@@ -229,7 +229,9 @@ class GatewayMetrics:
                                       "batch), over the engine's recent steps.", labels=["engine", "quantile"])
         proposed = CounterMetricFamily("das_source_draft_tokens_proposed", "Draft tokens proposed by our drafter "
                                        "since the engine started, by the source they came from (live, prompt, "
-                                       "global, sealed-age-<a>: the rollouts of the policy a versions back).",
+                                       "global, sealed-age-<a>: the rollouts of the policy a versions back, "
+                                       "context: an agent session's, same-key: the sample's key's previous "
+                                       "sample).",
                                        labels=["engine", "source"])
         accepted = CounterMetricFamily("das_source_draft_tokens_accepted", "Draft tokens accepted, by source.",
                                        labels=["engine", "source"])
