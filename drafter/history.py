@@ -444,7 +444,8 @@ class HistoryBank:
 
     def _request_sources(self, history: ProblemHistory, req: _Request) -> SourceList:
         """The native source list of a request: its problem's, plus its session's context and its key's latest
-        sample where it has them."""
+        sample where it has them. The key's sample comes first: the chooser takes the first of equally rated
+        candidates, and before it has learnt the kinds, a draft of the same draw's earlier sample is the likelier."""
         sources = self._source_list(history)
         if req.context is None and req.same_key is None:
             return sources.native
@@ -453,8 +454,8 @@ class HistoryBank:
             indices.append(req.context.segment.index)
             kinds.append(self.chooser.kind_index("context"))
         if req.same_key is not None:
-            indices.append(req.same_key.index)
-            kinds.append(self.chooser.kind_index("same-key"))
+            indices.insert(0, req.same_key.index)
+            kinds.insert(0, self.chooser.kind_index("same-key"))
         return SourceList(indices, kinds)
 
     def _sources_changed(self, history: ProblemHistory) -> None:
@@ -532,7 +533,8 @@ class HistoryBank:
                 self._sources_changed(history)
 
     def add_rollouts(self, records: Iterable[RolloutRecord]) -> int:
-        """Imports finished rollouts as sealed segments, grouped by (problem, policy version). Returns the count."""
+        """Imports finished rollouts as sealed segments, grouped by (problem, policy version), and those with a
+        `sample_key` as their key's latest sample (unless a newer one is held). Returns the count."""
         groups: dict[tuple[str, int], list[RolloutRecord]] = {}
         for rec in records:
             groups.setdefault((rec.problem_id, rec.policy_version), []).append(rec)
@@ -540,8 +542,13 @@ class HistoryBank:
             history = self.problem(problem_id)
             segment = Segment.new(self.config.max_depth)
             for rec in sorted(recs, key=lambda r: r.sample_index):
-                history.add_prompt(_tokens(rec.prompt_token_ids))
-                segment.add(_tokens(rec.output_token_ids), sealed=True)
+                prompt, output = _tokens(rec.prompt_token_ids), _tokens(rec.output_token_ids)
+                history.add_prompt(prompt)
+                segment.add(output, sealed=True)
+                kept = history.keyed.get(rec.sample_key) if rec.sample_key is not None else None
+                if rec.sample_key is not None and len(output) and (kept is None or kept.version <= version):
+                    history.keyed[rec.sample_key] = KeyedSample(
+                        version, np.concatenate([prompt[-self.config.max_depth:], output]))
             self.install_sealed(history, version, segment)
         return sum(len(v) for v in groups.values())
 

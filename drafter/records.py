@@ -5,7 +5,8 @@ the suffix does not matter when reading)::
 
     {"problem_id": str, "policy_version": int, "sample_index": int,
      "prompt_token_ids": [int], "output_token_ids": [int],
-     "finish_reason": str | null, "reward": float | null}      # the last two are optional
+     "finish_reason": str | null, "reward": float | null,       # the last three are optional
+     "sample_key": int | null}
 
 Every error names the file, the 1-based line and the field, so a bad line in a million-line trace is found at once.
 """
@@ -34,7 +35,7 @@ from rich.table import Table
 MAX_TOKEN_ID = 2**31 - 1  # token ids must fit an int32 (the native index stores them so)
 _GZIP_MAGIC = b"\x1f\x8b"
 _REQUIRED = ("problem_id", "policy_version", "sample_index", "prompt_token_ids", "output_token_ids")
-_OPTIONAL = ("finish_reason", "reward")
+_OPTIONAL = ("finish_reason", "reward", "sample_key")
 
 
 class RecordError(ValueError):
@@ -85,9 +86,14 @@ def _tokens(name: str, ids: object, *, allow_empty: bool) -> tuple[int, ...]:
 class RolloutRecord:
     """One finished rollout: sample ``sample_index`` of problem ``problem_id`` under policy ``policy_version``.
 
+    ``sample_key``: the keyed-sampling key the sample drew with (service/wire/sample_keys.py), where the writer
+    knows it: samples of one problem with the same key at different versions are coupled (the drafter's same-key
+    source, drafter/history.py).
+
     Invariants (checked on construction, RecordError otherwise): ``problem_id`` non-empty; version and index ints
     >= 0; token ids ints in [0, 2**31-1], stored as tuples; the prompt is non-empty, the output may be empty;
-    ``reward`` finite or None. Lists and numpy ints are accepted and normalised to tuples of int.
+    ``reward`` finite or None; ``sample_key`` an int64 or None. Lists and numpy ints are accepted and normalised
+    to tuples of int.
     """
 
     problem_id: str
@@ -97,6 +103,7 @@ class RolloutRecord:
     output_token_ids: tuple[int, ...]
     finish_reason: str | None = None
     reward: float | None = None
+    sample_key: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.problem_id, str) or not self.problem_id:
@@ -122,6 +129,10 @@ class RolloutRecord:
             if not ok:
                 raise RecordError(f"must be a finite number or null, got {r!r}", field="reward")
             object.__setattr__(self, "reward", float(r))
+        if self.sample_key is not None:
+            if not _is_int(self.sample_key) or not -2**63 <= self.sample_key < 2**63:
+                raise RecordError(f"must be an int64 or null, got {self.sample_key!r}", field="sample_key")
+            object.__setattr__(self, "sample_key", int(self.sample_key))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object of one line; optional fields are left out when None."""

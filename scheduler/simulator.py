@@ -300,7 +300,7 @@ class BatchSimulation:
         for i in np.flatnonzero(self.engine_of == e):  # in batch order, as the requests arrive
             r = self.batch[i]
             self.bank_slot[i] = bank.start_request(self.ids[i], r.problem_id, self.full[i][:self.prompt_len[i]],
-                                                   r.policy_version)
+                                                   r.policy_version, sample_key=r.sample_key)
             self.slot[i] = acceptance.start(self.ids[i])
         return _SimulatedEngine(self._queues[e], DraftStep(bank, hook, acceptance, self.k_max))
 

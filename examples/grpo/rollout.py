@@ -54,6 +54,8 @@ from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import TrainerCallback
 
+from das.service.wire.sample_keys import derive
+
 log = logging.getLogger(__name__)
 DRAFT_METRICS = {"das_source_draft_tokens_proposed": "proposed", "das_source_draft_tokens_accepted": "accepted"}
 
@@ -178,6 +180,7 @@ class Generated:
     responses: list[Any]
     seconds: float
     drafts_by_source: dict[str, dict[str, int]]
+    seeds: list[int | None]  # each run's OpenAI seed: choice i drew with key derive(seed, i)
 
 
 class ServiceRollout(TrainerCallback):
@@ -258,13 +261,14 @@ class ServiceRollout(TrainerCallback):
         runs = prompt_runs(prompts)
         responses = asyncio.run(self._complete(runs, step))
         seconds = time.perf_counter() - start
-        return Generated(runs, responses, seconds, counts_delta(self._draft_counts(), before))
+        return Generated(runs, responses, seconds, counts_delta(self._draft_counts(), before),
+                         [self.config.request_seed(step, i, prompt) for i, (prompt, _) in enumerate(runs)])
 
     def _answer(self, generated: Generated, prefetched: bool) -> dict[str, Any]:
         """TRL's dict of the step's samples; appends the step's `RolloutStep` and its samples' `records`."""
         out: dict[str, list[Any]] = {"prompt_ids": [], "completion_ids": [], "logprobs": [], "policy_version": []}
         draft = accepted = spanning = 0
-        for (prompt, _), response in zip(generated.runs, generated.responses):
+        for (prompt, _), response, seed in zip(generated.runs, generated.responses, generated.seeds):
             das = response.model_extra.get("das") or {}
             draft += das.get("draft_tokens", 0)
             accepted += das.get("accepted_tokens", 0)
@@ -280,7 +284,8 @@ class ServiceRollout(TrainerCallback):
                 self.records.append({"problem_id": problem_key(prompt), "policy_version": das.get("policy_version", 0),
                                      "sample_index": choice.index, "prompt_token_ids": list(prompt_ids),
                                      "output_token_ids": list(choice.model_extra["token_ids"]),
-                                     "finish_reason": choice.finish_reason})
+                                     "finish_reason": choice.finish_reason,
+                                     "sample_key": None if seed is None else derive(seed, choice.index)})
         lengths = [len(ids) for ids in out["completion_ids"]]
         self.steps.append(RolloutStep(
             samples=len(lengths), seconds=generated.seconds, completion_tokens=sum(lengths),

@@ -356,3 +356,17 @@ def test_a_bad_sample_key_is_refused_before_anything_changes():
             bank.start_request("a", "p", PROMPT, 0, sample_key=bad)
     assert bank.problems == {}
     bank.start_request("a", "p", PROMPT, 0, sample_key=-(2**63))  # every int64 is a key
+
+
+def test_imported_rollouts_with_a_sample_key_are_drafted_from_by_that_key():
+    bank = HistoryBank(DrafterConfig(max_depth=16, global_tokens=0))
+    keyed = [RolloutRecord("p", 0, i, (1, 2, 3), (10, 11, 20 + i, 21 + i, 22 + i), sample_key=100 + i)
+             for i in range(3)]
+    newer = RolloutRecord("p", 2, 0, (1, 2, 3), (10, 11, 50, 51, 52), sample_key=100)
+    bank.add_rollouts([newer, *keyed])  # the newer version's sample is the key's, whatever the order given
+    assert {k: v.version for k, v in bank.problem("p").keyed.items()} == {100: 2, 101: 0, 102: 0}
+    bank.start_request("r", "p", np.array([1, 2, 3], np.int32), 3, sample_key=101)
+    prop = bank.propose("r", np.array([1, 2, 3, 10, 11], np.int32), 3)
+    assert (prop.source, prop.tokens.tolist()) == ("same-key", [21, 22, 23])
+    bank.start_request("s", "p", np.array([1, 2, 3], np.int32), 3, sample_key=100)
+    assert bank.propose("s", np.array([1, 2, 3, 10, 11], np.int32), 3).tokens.tolist() == [50, 51, 52]

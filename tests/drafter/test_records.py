@@ -33,13 +33,14 @@ def _records() -> list[RolloutRecord]:
         RolloutRecord("p1", 0, 0, (1, 2), (3, 4, 5), "stop", 1.0),
         RolloutRecord("p1", 0, 1, (1, 2), (), "abort", None),
         RolloutRecord("problème-2", 7, 3, (0,), (MAX_TOKEN_ID, 0), None, -2.5),
+        RolloutRecord("p1", 1, 0, (1, 2), (3, 4), "stop", None, -(2**63)),
     ]
 
 
 @pytest.mark.parametrize("name", ["h.jsonl", "h.jsonl.gz"])
 def test_round_trip(tmp_path: Path, name: str) -> None:
     path = tmp_path / name
-    assert write_rollouts(path, _records()) == 3
+    assert write_rollouts(path, _records()) == 4
     assert load_rollouts(path) == _records()
     assert (path.read_bytes()[:2] == b"\x1f\x8b") == name.endswith(".gz")
     assert [p.name for p in tmp_path.iterdir()] == [name]  # no temp file left behind
@@ -53,6 +54,7 @@ def test_written_lines_are_compact_and_optional_fields_omitted(tmp_path: Path) -
                         '"output_token_ids":[3,4,5],"finish_reason":"stop","reward":1.0}')
     assert "reward" not in json.loads(lines[1])
     assert "finish_reason" not in json.loads(lines[2])
+    assert "sample_key" not in json.loads(lines[0]) and json.loads(lines[3])["sample_key"] == -(2**63)
 
 
 def test_gzip_detected_by_magic_not_name(tmp_path: Path) -> None:
@@ -135,6 +137,9 @@ BAD = [
     ({"reward": "0.5"}, "reward", None, "finite number"),
     ({"reward": True}, "reward", None, "finite number"),
     ({"reward": 10**400}, "reward", None, "finite number"),
+    ({"sample_key": 2**63}, "sample_key", None, "int64 or null"),
+    ({"sample_key": "7"}, "sample_key", None, "int64 or null"),
+    ({"sample_key": True}, "sample_key", None, "int64 or null"),
     ({"extra": 1}, "extra", None, "not a field of the format"),
     ({"output_token_ids": ...}, "output_token_ids", None, "missing"),
     ({"problem_id": ...}, "problem_id", None, "missing"),

@@ -251,3 +251,19 @@ def test_the_bench_runs_only_the_references_asked_for():
     assert "exact-drafts/none" in bench.ratios()
     with pytest.raises(ValueError, match="unknown references"):
         run_simulation_bench(recs, "t", FLAT, 2, arms=["none"], progress=False, references=("nope",))
+
+
+def test_a_trace_with_sample_keys_drafts_each_keys_previous_sample():
+    from das.scheduler.cost_model import load_cost_model
+
+    rng = np.random.default_rng(3)
+    shared = rng.integers(10, 500, size=4).tolist()
+    outputs = [shared + rng.integers(10, 500, size=40).tolist() for _ in range(8)]  # 8 keys part after 4 tokens
+
+    def trace(keyed: bool) -> list[RolloutRecord]:
+        return [RolloutRecord("p", v, i, (1, 2, 3), tuple(outputs[i]), sample_key=i if keyed else None)
+                for v in range(3) for i in range(8)]
+
+    cost = load_cost_model("h200-7b")
+    plain, keyed = (simulate(trace(k), cost, 1, "das") for k in (False, True))
+    assert keyed.accepted_tokens > plain.accepted_tokens and keyed.makespan_s < plain.makespan_s

@@ -114,6 +114,12 @@ def test_a_coupled_rollout_gives_each_problem_one_seed_for_every_step(service):
     by_problem = {content: {seed for c, seed in seeds if c == content} for content, _ in seeds}
     assert all(len(s) == 1 for s in by_problem.values()) and len(by_problem) == 2
     assert by_problem[CHAT_A[0]["content"]] != by_problem[CHAT_B[0]["content"]]
+    # each record carries the key its sample drew with: the engine's, and the same at both visits
+    problem_of = {chat[0]["content"]: problem_key(chat) for chat in (CHAT_A, CHAT_B)}
+    drew = {(problem_of[g[0].messages[0].content], i): g[0].sample_key(i)
+            for g in backend.received for i in range(g[0].n)}
+    keys = {(r["problem_id"], r["sample_index"]): r["sample_key"] for r in rollout.records}
+    assert len(rollout.records) == 8 and len(keys) == 4 and keys == drew
     other = ServiceRollout(dataclasses.replace(config, seed=4, coupled=True))
     other([CHAT_A, CHAT_A])
     assert backend.received[-1][0].sampling.seed not in by_problem[CHAT_A[0]["content"]]  # the run's seed counts
@@ -130,7 +136,7 @@ def test_rollout_keeps_every_sample_as_a_trace_record(service):
         (True, 0), (True, 1), (False, 0)]
     assert [r.output_token_ids for r in records] == [tuple(drawn(backend, chat, i))
                                                      for chat, i in ((CHAT_A, 0), (CHAT_A, 1), (CHAT_B, 0))]
-    assert all(r.policy_version == 0 for r in records)
+    assert all(r.policy_version == 0 and r.sample_key is None for r in records)  # unseeded: no key known
     assert records[0].prompt_token_ids == tuple(PROMPT_A) and records[2].prompt_token_ids == tuple(PROMPT_B)
 
 
