@@ -301,6 +301,22 @@ def test_imported_history_drafts_a_problems_first_sample(loop, tiny_das):
         loop.run_until_complete(tiny_das.add_history([record, {**record, "problem_id": ""}]))
 
 
+def test_a_sample_drawn_again_with_its_key_drafts_its_earlier_draw(loop, tiny_das):
+    # coupled epochs at an unchanged policy: the same seed draws the same samples, and the drafter's same-key source
+    # hands each one its earlier draw (vLLM passes the sample key through to the proposer)
+    group = GroupRequest(problem_id="coupled", n=4, prompt_token_ids=[21, 22, 23],
+                         sampling={"max_tokens": 24, "temperature": 1.0, "ignore_eos": True, "seed": 77})
+    (first,) = run_groups(loop, tiny_das, [group])
+    zero = {"proposed": 0, "accepted": 0}
+    before = loop.run_until_complete(tiny_das.drafter_stats())["by_source"].get("same-key", zero)
+    (again,) = run_groups(loop, tiny_das, [group])
+    after = loop.run_until_complete(tiny_das.drafter_stats())["by_source"].get("same-key", zero)
+    assert sorted(s.token_ids for s in again) == sorted(s.token_ids for s in first)
+    proposed, accepted = after["proposed"] - before["proposed"], after["accepted"] - before["accepted"]
+    assert accepted >= 8 and accepted >= 0.9 * proposed
+    assert sum(s.accepted_tokens for s in again) >= 0.5 * sum(len(s.token_ids) for s in again)
+
+
 def test_a_groups_samples_share_their_prompts_kv_blocks(loop, tiny_das):
     """The default CPU block size (32 tokens) lets the siblings of a 70-token prompt find its two full blocks in
     the prefix cache; vLLM's CPU default (128) would have had each of them compute all 70 tokens."""
