@@ -26,7 +26,7 @@ from __future__ import annotations
 import itertools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import numpy as np
 import typer
@@ -231,7 +231,12 @@ def _plot_seeds(curves: dict[str, np.ndarray], path: Path) -> None:
     plt.close(fig)
 
 
-def main(runs: str, arms: str = "das-coupled,das", out: Path = Path("runs/grpo-seeds")) -> None:
+def main(
+    runs: Annotated[str, typer.Option(help="The runs to compare, comma-separated: each an --out of run.py, one "
+                                           "seed each.")],
+    arms: Annotated[str, typer.Option(help="The two arms, comma-separated: first - second.")] = "das-coupled,das",
+    out: Annotated[Path, typer.Option(help="Where seeds.json and seeds.png go.")] = Path("runs/grpo-seeds"),
+) -> None:
     """Compares two arms over runs of several seeds (module docstring)."""
     names = tuple(a.strip() for a in arms.split(",") if a.strip())
     if len(names) != 2:
