@@ -35,6 +35,7 @@ from das.service.client.prompt_sets import Problem, reasoning_gym_problems
 from das.service.wire.sample_keys import derive
 from examples.grpo.report import paired_sign_flip_p
 from examples.grpo.rewards import Rewards
+from examples.grpo.rollout import ServiceConfig
 from examples.grpo.run import REWARD_WEIGHTS, TOKEN, start_service, stop_service
 
 console = Console(soft_wrap=True)
@@ -53,7 +54,7 @@ async def _sample(url: str, problems: list[Problem], samples: int, max_tokens: i
     """Every problem's `samples` completions at T = 1, the problem's evaluation seed derive(seed, its index)."""
     async with AsyncOpenAI(base_url=f"{url}/v1", api_key=TOKEN, timeout=1800, max_retries=2) as client:
         answers = await asyncio.gather(*(
-            client.chat.completions.create(model="policy", messages=list(p.messages), n=samples,
+            client.chat.completions.create(model=ServiceConfig.model, messages=list(p.messages), n=samples,
                                            max_tokens=max_tokens, temperature=1.0, seed=derive(seed, i))
             for i, p in enumerate(problems)))
     return [[c.message.content or "" for c in sorted(a.choices, key=lambda c: c.index)] for a in answers]
