@@ -57,7 +57,7 @@ from das.service.wire.api import ProblemSummary
 log = logging.getLogger(__name__)
 
 SNAPSHOT_FORMAT = "das-history-shard"
-SNAPSHOT_VERSION = 2  # 2 added "received" (pushed ids by origin); 1 is still read
+SNAPSHOT_VERSION = 3  # 2 added "received" (pushed ids by origin), 3 each rollout's sample key; 1 and 2 are still read
 _SNAPSHOT_GLOB = "history-shard-*.msgpack*"  # both generations
 # Container: magic, container version, body length (bytes), sha256 of the body; then the msgpack body. The magic's
 # first byte is no msgpack map header, so a pre-container file (a bare msgpack map) is told apart by it.
@@ -91,6 +91,7 @@ class StoredRollout:
     output: array.array
     finish_reason: str | None
     reward: float | None
+    sample_key: int | None = None  # the keyed-sampling key it drew with, where known (drafter/records.py)
 
     def key(self) -> tuple[int, int, bytes]:
         return self.policy_version, self.sample_index, self.output.tobytes()
@@ -227,7 +228,8 @@ class HistoryShard:
         else:  # restored from a snapshot
             self._seq = max(self._seq, seq)
         stored = StoredRollout(seq, origin, rec.policy_version, rec.sample_index,
-                               array.array("i", rec.output_token_ids), rec.finish_reason, rec.reward)
+                               array.array("i", rec.output_token_ids), rec.finish_reason, rec.reward,
+                               rec.sample_key)
         problem.rollouts.append(stored)
         problem.tokens += len(stored.output)
         self._tokens += len(stored.output)
@@ -307,7 +309,7 @@ class HistoryShard:
                "problems": [
             {"problem_id": pid, "prompt": p.prompt.tobytes(),
              "rollouts": [[r.seq, r.origin, r.policy_version, r.sample_index, r.output.tobytes(), r.finish_reason,
-                           r.reward] for r in p.rollouts],
+                           r.reward, r.sample_key] for r in p.rollouts],
              "difficulty": dump_difficulty(h) if (h := self.difficulty.get(pid)) is not None else None}
             for pid, p in self._problems.items()]}
         body = msgpack.packb(doc, use_bin_type=True)
@@ -449,8 +451,9 @@ def _validate(doc: object) -> _Restored:
 
     need(isinstance(doc, dict), f"top level is a {type(doc).__name__}, not a map")
     assert isinstance(doc, dict)
-    need(doc.get("format") == SNAPSHOT_FORMAT and doc.get("version") in (1, SNAPSHOT_VERSION),
-         f"not a {SNAPSHOT_FORMAT} v1 or v{SNAPSHOT_VERSION} document")
+    need(doc.get("format") == SNAPSHOT_FORMAT and doc.get("version") in (1, 2, SNAPSHOT_VERSION),
+         f"not a {SNAPSHOT_FORMAT} v1 to v{SNAPSHOT_VERSION} document")
+    fields = 8 if doc["version"] >= 3 else 7
     shards, seq, problems = doc.get("shards"), doc.get("seq"), doc.get("problems")
     need(type(shards) is int and type(seq) is int and isinstance(problems, list), "shards, seq or problems")
     received: dict[str, tuple[int, list[int]]] = {}
@@ -468,10 +471,11 @@ def _validate(doc: object) -> _Restored:
         pid = entry["problem_id"]
         prompt = array.array("i", entry["prompt"]).tolist()
         for r in entry["rollouts"]:
-            need(isinstance(r, list) and len(r) == 7 and type(r[0]) is int and isinstance(r[1], str)
+            need(isinstance(r, list) and len(r) == fields and type(r[0]) is int and isinstance(r[1], str)
                  and isinstance(r[4], bytes) and len(r[4]) % 4 == 0, f"rollout of {pid!r}")
-            rseq, origin, version, index, output, reason, reward = r
-            record = RolloutRecord(pid, version, index, prompt, array.array("i", output).tolist(), reason, reward)
+            rseq, origin, version, index, output, reason, reward = r[:7]
+            record = RolloutRecord(pid, version, index, prompt, array.array("i", output).tolist(), reason, reward,
+                                   r[7] if fields == 8 else None)
             rollouts.append((rseq, origin, record))
         blob = entry.get("difficulty")
         need(blob is None or isinstance(blob, bytes), f"difficulty of {pid!r}")
@@ -496,6 +500,8 @@ def _record(problem_id: str, prompt: list[int], r: StoredRollout) -> dict[str, A
         d["finish_reason"] = r.finish_reason
     if r.reward is not None:
         d["reward"] = r.reward
+    if r.sample_key is not None:
+        d["sample_key"] = r.sample_key
     return d
 
 

@@ -298,7 +298,8 @@ class NodeEngine:
                         records.append({"problem_id": group.problem_id, "policy_version": sample.policy_version,
                                         "sample_index": sample.sample_index,
                                         "prompt_token_ids": sample.prompt_token_ids,
-                                        "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason})
+                                        "output_token_ids": sample.token_ids, "finish_reason": sample.finish_reason,
+                                        "sample_key": group.sample_key(sample.sample_index)})
                     yield index, sample
                 await self._push(origin, records)
             finally:

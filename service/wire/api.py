@@ -502,7 +502,9 @@ HISTORY_RECORD_SCHEMA: dict[str, Any] = {
         "prompt_token_ids": {**_TOKEN_IDS_SCHEMA, "minItems": 1},
         "output_token_ids": _TOKEN_IDS_SCHEMA,
         "finish_reason": {"anyOf": [{"type": "string"}, {"type": "null"}]},
-        "reward": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}
+        "reward": {"anyOf": [{"type": "number"}, {"type": "null"}]},
+        "sample_key": {"anyOf": [{"type": "integer", "minimum": -INT64_MAX - 1, "maximum": INT64_MAX},
+                                 {"type": "null"}]}}}
 
 
 class HistoryRequest(BaseModel):

@@ -267,3 +267,19 @@ def test_a_cursor_from_a_previous_shard_process_hides_nothing_new():
     new = HistoryShard(0, HistoryConfig(shards=1))
     new.put("e", [record(index=0)])
     assert len(new.pull({"p": cursor}, "x")["p"][0]) == 1
+
+
+def test_a_rollouts_sample_key_is_kept_through_a_snapshot_and_pulled_with_it(tmp_path: Path):
+    shard = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    keyed = {**record(index=1), "sample_key": -(2**63)}
+    shard.put("e", [record(index=0), keyed])
+    shard.snapshot()
+    restored = HistoryShard(0, HistoryConfig(shards=1), str(tmp_path))
+    (records, _), = restored.pull({"p": 0}, "x").values()
+    assert sorted((r["sample_index"], r.get("sample_key")) for r in records) == [(0, None), (1, -(2**63))]
+    # a version-3 rollout without its key field is a damaged snapshot, not a rollout without a key
+    bad = {**GOOD_DOC, "version": 3, "problems": [{"problem_id": "p", "prompt": b"\0" * 4, "difficulty": None,
+                                                   "rollouts": [[1, "e", 0, 0, b"\0" * 4, "stop", None]]}]}
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "history-shard-0.msgpack").write_bytes(packed_snapshot(bad))
+    assert HistoryShard(0, HistoryConfig(shards=1), str(tmp_path / "other")).stats().snapshot_quarantined == 1

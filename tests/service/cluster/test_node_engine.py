@@ -50,6 +50,24 @@ def test_stats_count_the_rollouts_the_outbox_holds_and_those_it_gave_up(tmp_path
     assert (after_outage.history_outbox_records, after_outage.history_records_given_up) == (2, 2)
 
 
+def test_the_history_a_node_pushes_carries_each_samples_key(tmp_path: Path) -> None:
+    shard = FlakyShard(tmp_path)
+    node = NodeEngine("n0", StubEngineConfig(tokens=3), [shard], history_push=HistoryPushConfig(retry_s=0))
+    seeded = GroupRequest(problem_id="k", n=2, prompt_token_ids=[1, 2], sampling={"max_tokens": 3, "seed": 11})
+    unseeded = GroupRequest(problem_id="u", n=1, prompt_token_ids=[1, 2], sampling={"max_tokens": 3})
+
+    async def scenario() -> None:
+        await node.start()
+        async for _ in node.run([(0, [(0, seeded), (1, unseeded)])]):
+            pass
+        await node.close()
+
+    asyncio.run(scenario())
+    keys = {(r["problem_id"], r["sample_index"]): r.get("sample_key")
+            for records, _ in shard.shard.pull({"k": 0, "u": 0}, "x").values() for r in records}
+    assert keys == {("k", 0): seeded.sample_key(0), ("k", 1): seeded.sample_key(1), ("u", 0): None}
+
+
 def test_an_engine_core_that_dies_outside_a_batch_ends_the_actor_until_it_is_closed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM never answers a call that was in flight when its core died (a push's receive, a reload): the actor
